@@ -1,0 +1,31 @@
+# One-command setup: `make demo` and `make test` each create .venv on first use.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a CPU wheel of exactly this version is on disk;
+	# letting pip resolve torch itself would pull several GB of CUDA.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[torch,dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) benchmarks/convert.py
+	$(PY) benchmarks/loader.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
