@@ -1,0 +1,43 @@
+"""One exception hierarchy for ``loader`` and ``sclayout``.
+
+Every error a user can cause is a :class:`SclayoutError` whose message names the
+problem and the fix on one line; the CLI prints it without a traceback and exits
+non-zero. Anything else escaping is a bug.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "FormatVersionError",
+    "InputError",
+    "LayoutError",
+    "NotALayoutStoreError",
+    "SclayoutError",
+    "SpecError",
+]
+
+
+class SclayoutError(Exception):
+    """Base class of every error raised on purpose by sclayout or loader."""
+
+    exit_code: int = 2
+
+
+class InputError(SclayoutError, ValueError):
+    """A bad argument or a bad input file (missing, unreadable, not AnnData, ...)."""
+
+
+class SpecError(InputError):
+    """A layout spec, a profile or loader settings that do not validate."""
+
+
+class LayoutError(SclayoutError):
+    """A layout store that is incomplete, inconsistent or otherwise unusable."""
+
+
+class NotALayoutStoreError(LayoutError):
+    """The path exists but is not a (complete) sclayout layout store."""
+
+
+class FormatVersionError(LayoutError):
+    """A manifest written by a newer (or unknown) version of the format."""

@@ -1,0 +1,317 @@
+"""The layout store format: its versioned manifest and the block -> row map.
+
+A layout store is an AnnData zarr v3 store (``anndata.read_zarr`` opens it) whose
+root attribute ``"sclayout"`` holds the manifest below. The manifest is written
+last by the converter: a store without it is not a layout store.
+
+Format version 1
+----------------
+Root attribute ``sclayout``::
+
+    {"format": "sclayout-layout", "version": 1, "tool_version": "0.1.0",
+     "n_obs": ..., "n_vars": ..., "block_size": ...,
+     "order": {"kind": "original"|"shuffled"|"stratified", "seed": ..., "columns": [...]},
+     "matrices": {"X": {"encoding": "csr"|"dense", "shape": [n_obs, n_vars],
+                        "dtype": "float32", "nnz": ...,
+                        "block_pointer": "uns/sclayout/block_indptr/X" | null,
+                        "arrays": {"data": {"path": "X/data", "shape": [...],
+                                             "dtype": ..., "chunks": [...],
+                                             "shards": [...] | null,
+                                             "codec": "blosc-lz4"}, ...}},
+                  "layers/counts": {...}},
+     "source_index": "uns/sclayout/source_index",
+     "source": {fingerprint of the source file},
+     "created": ISO-8601 time}
+
+``source_index`` (int64, one per stored row) is the original row position of each
+stored row. For a CSR matrix the *block pointer* (int64, ``n_blocks + 1``) is the
+``indptr`` value at every block boundary, so a reader finds a block's nnz range
+without loading the whole ``indptr``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from loader.errors import FormatVersionError, NotALayoutStoreError, SpecError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST_KEY",
+    "ORDER_KINDS",
+    "SCLAYOUT_UNS",
+    "ArrayLayout",
+    "Manifest",
+    "MatrixLayout",
+    "RowOrder",
+    "block_pointer_path",
+    "block_rows",
+    "parse_block_size",
+]
+
+FORMAT = "sclayout-layout"
+FORMAT_VERSION = 1
+"""Version of the manifest this package writes and the newest it reads."""
+MANIFEST_KEY = "sclayout"
+"""Root attribute holding the manifest."""
+SCLAYOUT_UNS = "uns/sclayout"
+"""Group holding sclayout's own arrays. It lives under ``uns`` because anndata's
+reader passes every other root key to the ``AnnData`` constructor."""
+ORDER_KINDS = ("original", "shuffled", "stratified")
+ENCODINGS = ("csr", "dense")
+
+_TOOL_VERSION = "0.1.0"
+
+
+def parse_block_size(value: Any, *, name: str = "block_size") -> int:
+    """Validate a block size (or any positive integer knob) and return it as ``int``."""
+    if isinstance(value, bool) or not isinstance(value, int | float | str):
+        raise SpecError(f"{name}={value!r}: must be a positive integer")
+    try:
+        as_float = float(value)
+    except ValueError:
+        raise SpecError(f"{name}={value!r}: must be a positive integer") from None
+    if not math.isfinite(as_float) or as_float != int(as_float):
+        raise SpecError(f"{name}={value!r}: must be a positive integer")
+    if int(as_float) <= 0:
+        raise SpecError(f"{name}={value!r}: must be a positive integer")
+    return int(as_float)
+
+
+def block_pointer_path(matrix: str) -> str:
+    """Where the block pointer of ``matrix`` ("X", "layers/counts") is stored."""
+    return f"{SCLAYOUT_UNS}/block_indptr/{matrix.replace('/', '__')}"
+
+
+@dataclass(frozen=True)
+class ArrayLayout:
+    """One zarr array of the store: where it is and how it is chunked."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    chunks: tuple[int, ...]
+    shards: tuple[int, ...] | None
+    codec: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "chunks", tuple(int(c) for c in self.chunks))
+        if self.shards is not None:
+            object.__setattr__(self, "shards", tuple(int(s) for s in self.shards))
+        if len(self.chunks) != len(self.shape):
+            raise SpecError(
+                f"array {self.path}: chunks {self.chunks} do not match shape {self.shape}"
+            )
+        if any(c <= 0 for c in self.chunks):
+            raise SpecError(f"array {self.path}: chunks {self.chunks} must be positive")
+        if self.shards is not None:
+            if len(self.shards) != len(self.shape) or any(
+                s % c for s, c in zip(self.shards, self.chunks, strict=True)
+            ):
+                raise SpecError(
+                    f"array {self.path}: shards {self.shards} must be whole multiples "
+                    f"of chunks {self.chunks}"
+                )
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ArrayLayout:
+        shards = d.get("shards")
+        return cls(
+            path=str(d["path"]),
+            shape=tuple(d["shape"]),
+            dtype=str(d["dtype"]),
+            chunks=tuple(d["chunks"]),
+            shards=None if shards is None else tuple(shards),
+            codec=str(d["codec"]),
+        )
+
+
+@dataclass(frozen=True)
+class MatrixLayout:
+    """A row-aligned matrix (X or a layer), CSR or dense, and its arrays.
+
+    ``arrays`` holds ``data``, ``indices``, ``indptr`` for CSR and ``values`` for
+    dense.
+    """
+
+    encoding: str
+    shape: tuple[int, int]
+    dtype: str
+    nnz: int
+    arrays: Mapping[str, ArrayLayout]
+    block_pointer: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        if self.encoding not in ENCODINGS:
+            raise SpecError(
+                f"matrix encoding={self.encoding!r}: unknown; known: {', '.join(ENCODINGS)}"
+            )
+        need = ("data", "indices", "indptr") if self.encoding == "csr" else ("values",)
+        missing = [k for k in need if k not in self.arrays]
+        if missing:
+            raise SpecError(f"{self.encoding} matrix lacks arrays {missing}")
+        if self.encoding == "csr" and self.block_pointer is None:
+            raise SpecError("a csr matrix needs a block_pointer array")
+
+    @property
+    def is_csr(self) -> bool:
+        return self.encoding == "csr"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "encoding": self.encoding,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "nnz": int(self.nnz),
+            "block_pointer": self.block_pointer,
+            "arrays": {k: _array_to_dict(a) for k, a in self.arrays.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> MatrixLayout:
+        return cls(
+            encoding=str(d["encoding"]),
+            shape=tuple(d["shape"]),
+            dtype=str(d["dtype"]),
+            nnz=int(d["nnz"]),
+            arrays={k: ArrayLayout.from_dict(a) for k, a in d["arrays"].items()},
+            block_pointer=d.get("block_pointer"),
+        )
+
+
+def _array_to_dict(a: ArrayLayout) -> dict[str, Any]:
+    d = asdict(a)
+    d["shape"] = list(a.shape)
+    d["chunks"] = list(a.chunks)
+    d["shards"] = None if a.shards is None else list(a.shards)
+    return d
+
+
+@dataclass(frozen=True)
+class RowOrder:
+    """How stored rows relate to source rows."""
+
+    kind: str = "original"
+    seed: int | None = None
+    columns: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "columns", tuple(self.columns))
+        if self.kind not in ORDER_KINDS:
+            raise SpecError(f"order={self.kind!r}: unknown; known: {', '.join(ORDER_KINDS)}")
+        if self.kind == "stratified" and not self.columns:
+            raise SpecError("order='stratified' needs at least one obs column (--by COL)")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "seed": self.seed, "columns": list(self.columns)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> RowOrder:
+        return cls(kind=d["kind"], seed=d.get("seed"), columns=tuple(d.get("columns", ())))
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """The versioned description of a layout store (root attribute ``sclayout``)."""
+
+    n_obs: int
+    n_vars: int
+    block_size: int
+    order: RowOrder
+    matrices: Mapping[str, MatrixLayout]
+    source: Mapping[str, Any] = field(default_factory=dict)
+    source_index: str = f"{SCLAYOUT_UNS}/source_index"
+    tool_version: str = _TOOL_VERSION
+    created: str = ""
+    format: str = FORMAT
+    version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "block_size", parse_block_size(self.block_size))
+        if self.n_obs < 0 or self.n_vars < 0:
+            raise SpecError(f"n_obs={self.n_obs}, n_vars={self.n_vars}: must be >= 0")
+        if "X" not in self.matrices:
+            raise SpecError("manifest lists no matrix 'X'")
+        for name, m in self.matrices.items():
+            if m.shape[0] != self.n_obs:
+                raise SpecError(f"matrix {name} has {m.shape[0]} rows, manifest n_obs={self.n_obs}")
+
+    @property
+    def n_blocks(self) -> int:
+        return -(-self.n_obs // self.block_size)
+
+    @property
+    def X(self) -> MatrixLayout:
+        return self.matrices["X"]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "version": self.version,
+            "tool_version": self.tool_version,
+            "created": self.created,
+            "n_obs": int(self.n_obs),
+            "n_vars": int(self.n_vars),
+            "block_size": int(self.block_size),
+            "order": self.order.to_dict(),
+            "matrices": {k: m.to_dict() for k, m in self.matrices.items()},
+            "source_index": self.source_index,
+            "source": dict(self.source),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Manifest:
+        if not isinstance(d, Mapping) or d.get("format") != FORMAT:
+            raise NotALayoutStoreError(
+                "no sclayout manifest: this is not a layout store "
+                "(convert it with `sclayout convert SRC DST`)"
+            )
+        version = d.get("version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise FormatVersionError(
+                f"layout store format version {version!r} is not readable by sclayout "
+                f"{_TOOL_VERSION} (reads version {FORMAT_VERSION}); the store was written by "
+                f"sclayout {d.get('tool_version', '?')}: upgrade with "
+                "`pip install -U sclayout`"
+            )
+        try:
+            return cls(
+                format=d["format"],
+                version=version,
+                tool_version=str(d.get("tool_version", "")),
+                created=str(d.get("created", "")),
+                n_obs=int(d["n_obs"]),
+                n_vars=int(d["n_vars"]),
+                block_size=d["block_size"],
+                order=RowOrder.from_dict(d["order"]),
+                matrices={k: MatrixLayout.from_dict(m) for k, m in d["matrices"].items()},
+                source_index=str(d.get("source_index", f"{SCLAYOUT_UNS}/source_index")),
+                source=dict(d.get("source", {})),
+            )
+        except (KeyError, TypeError) as e:
+            raise NotALayoutStoreError(
+                f"sclayout manifest is incomplete (missing {e}); reconvert the store "
+                "with `sclayout convert --overwrite`"
+            ) from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Manifest:
+        return cls.from_dict(json.loads(text))
+
+
+def block_rows(block: int, *, block_size: int, n_obs: int) -> tuple[int, int]:
+    """Row range ``[start, stop)`` of block number ``block``."""
+    start = block * block_size
+    if block < 0 or start >= n_obs:
+        raise IndexError(f"block {block} out of range for {n_obs} rows of block_size {block_size}")
+    return start, min(start + block_size, n_obs)
