@@ -1,0 +1,49 @@
+"""The ``sclayout`` command line: a thin click group.
+
+Commands live next to the library code they call (``sclayout/convert/cli.py``,
+``sclayout/cost/cli.py``) and are registered here. Every :class:`SclayoutError`
+becomes one line on stderr and a non-zero exit; anything else is a bug and keeps its
+traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from loader.errors import SclayoutError
+
+__all__ = ["main"]
+
+
+class _Group(click.Group):
+    def invoke(self, ctx: click.Context):  # one place turns library errors into exits
+        try:
+            return super().invoke(ctx)
+        except SclayoutError as e:
+            click.echo(f"error: {e}", err=True)
+            sys.exit(e.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="sclayout")
+def main() -> None:
+    """Convert AnnData to chunk-aligned layout stores, and predict how to read them."""
+
+
+def _register() -> None:
+    import importlib
+
+    for module in ("sclayout.convert.cli", "sclayout.cost.cli"):
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        for command in mod.COMMANDS:
+            main.add_command(command)
+
+
+_register()
