@@ -1,0 +1,31 @@
+"""The package rule: ``loader`` is the bottom layer and stays light for training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_importing_loader_loads_no_toolkit_modules():
+    code = (
+        "import sys, json, loader; "
+        "print(json.dumps(sorted(m for m in sys.modules "
+        "if m.split('.')[0] in {'sclayout', 'dask', 'click', 'distributed'})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout) == []
+
+
+def test_loader_sources_do_not_import_sclayout():
+    from pathlib import Path
+
+    import loader
+
+    offenders = []
+    for path in Path(loader.__file__).parent.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            s = line.strip()
+            if s.startswith(("import sclayout", "from sclayout", "import dask", "from dask")):
+                offenders.append(f"{path.name}:{n}: {s}")
+    assert offenders == []
