@@ -1,0 +1,598 @@
+"""``sclayout verify``: prove that a layout store holds exactly its source.
+
+Every element of DST is compared value for value with SRC under the stored
+permutation (``source_index``): X and layers (and obsm matrices, raw/X) are streamed
+by row ranges in bounded memory; obs/var (dtypes, categories, values with NaN equal
+to NaN), obs_names/var_names, obsm/varm, obsp/varp (obsp permuted on both axes), uns
+(recursively, without ``uns/sclayout``) and raw are compared whole. The manifest is
+checked too: present, readable, and consistent with the arrays it describes.
+
+Row-aligned matrices, bounded memory
+------------------------------------
+SRC is cut into *passes* of consecutive source rows that fit a quarter of the memory
+budget. For each pass, the DST rows holding those source rows (``inverse[lo:hi]``)
+are sorted and read in DST row windows (another quarter of the budget), so every
+read on both sides is a contiguous range. An ``original``-order store needs one read
+of each side; a shuffled store larger than the budget reads DST once per pass
+(``ceil(size / (budget / 4))`` passes): raise ``memory_budget`` to cut passes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import scipy.sparse as sp
+
+from loader.errors import LayoutError, NotALayoutStoreError, SpecError
+from loader.layout import MANIFEST_KEY, Manifest
+from sclayout.convert._compare import (
+    MAX_ROWS_SPELT_OUT,
+    compare_any,
+    compare_frames,
+    dtype_label,
+    equal_mask,
+    fmt,
+    sparse_row_mismatch,
+)
+from sclayout.convert.checks import explain_read_errors, inspect_source
+
+__all__ = ["VerifyReport", "codec_name", "parse_bytes", "verify"]
+
+MAX_DIFFERENCES = 100
+"""Difference lines kept in a report; the rest are only counted."""
+
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
+    """``2GB``, ``512MiB``, ``1e9`` or an int -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?B?)\s*", str(value).upper())
+    if m:
+        try:
+            number = float(m.group(1))
+        except ValueError:
+            number = -1.0
+        scale = _UNITS[m.group(2)]
+        if m.group(3).startswith("I"):
+            scale = 1024 ** (" KMGT".index(m.group(2)) if m.group(2) else 0)
+        if number > 0:
+            return int(number * scale)
+    raise SpecError(f"{name}={value!r}: must be a positive size such as 2GB or 512MiB")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The outcome of :func:`verify`.
+
+    Attributes
+    ----------
+    equal
+        True when every element and the manifest check out.
+    differences
+        One line per finding (at most :data:`MAX_DIFFERENCES`; ``n_differences``
+        counts all).
+    n_checked
+        Elements compared (X, each layer, obs, each uns key, ...).
+    n_values
+        Matrix values (stored entries or dense cells) compared.
+    skipped
+        Elements not compared, with the reason (none in a store sclayout wrote).
+    """
+
+    equal: bool
+    differences: list[str] = field(default_factory=list)
+    n_checked: int = 0
+    n_values: int = 0
+    n_differences: int = 0
+    skipped: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        if self.equal:
+            return (
+                f"equal: {self.n_checked} elements and {self.n_values:,} matrix values "
+                "match the source"
+            )
+        more = self.n_differences - len(self.differences)
+        tail = f" ({more} more not shown)" if more > 0 else ""
+        return f"NOT equal: {self.n_differences} differences{tail}"
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.count = 0
+        self.n_checked = 0
+        self.n_values = 0
+        self.skipped: list[str] = []
+
+    def add(self, lines: list[str]) -> None:
+        self.count += len(lines)
+        room = MAX_DIFFERENCES - len(self.lines)
+        self.lines.extend(lines[: max(room, 0)])
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def codec_name(array: Any) -> str:
+    """The sclayout codec name (``blosc-lz4``, ``zstd``, ...) of a zarr array."""
+    compressors = tuple(getattr(array, "compressors", ()) or ())
+    if not compressors:
+        return "none"
+    c = compressors[0]
+    kind = type(c).__name__.lower()
+    if "blosc" in kind:
+        cname = getattr(c, "cname", "?")
+        cname = getattr(cname, "value", cname)
+        shuffle = getattr(c, "shuffle", "")
+        shuffle = str(getattr(shuffle, "value", shuffle)).lower()
+        return f"blosc-{cname}" + ("-bitshuffle" if "bit" in shuffle else "")
+    for name in ("zstd", "gzip", "zlib", "lz4"):
+        if name in kind:
+            return name
+    return kind
+
+
+def _encoding(node: Any) -> str:
+    et = node.attrs.get("encoding-type")
+    if et is None:
+        return "array" if hasattr(node, "dtype") else "dict"
+    return et.decode() if isinstance(et, bytes) else str(et)
+
+
+class _Rows:
+    """Row-range reads of a CSR/CSC group or a dense array (h5py or zarr)."""
+
+    def __init__(self, node: Any) -> None:
+        import anndata.io
+
+        self.encoding = _encoding(node)
+        if self.encoding in ("csr_matrix", "csc_matrix"):
+            self._ds = anndata.io.sparse_dataset(node)
+            self.shape = tuple(int(s) for s in self._ds.shape)
+            self.dtype = np.dtype(self._ds.dtype)
+            nnz = int(node["data"].shape[0])
+            idx = np.dtype(node["indices"].dtype).itemsize
+            self.row_bytes = max(1, (nnz * (self.dtype.itemsize + idx)) // max(self.shape[0], 1))
+        else:
+            self._ds = node
+            self.shape = tuple(int(s) for s in node.shape)
+            self.dtype = np.dtype(node.dtype)
+            cols = int(np.prod(self.shape[1:], dtype=np.int64)) if len(self.shape) > 1 else 1
+            self.row_bytes = max(1, cols * self.dtype.itemsize)
+
+    @property
+    def sparse(self) -> bool:
+        return self.encoding in ("csr_matrix", "csc_matrix")
+
+    def read(self, a: int, b: int) -> Any:
+        if self.sparse:
+            return sp.csr_matrix(self._ds[a:b])
+        return np.asarray(self._ds[a:b])
+
+
+def _window(rows: _Rows, budget: int) -> int:
+    return max(1, budget // 4 // rows.row_bytes)
+
+
+def _as_same_kind(d: Any, s: Any) -> tuple[Any, Any]:
+    """Sparse vs sparse (sorted CSR) or dense vs dense."""
+    if sp.issparse(d) and sp.issparse(s):
+        d, s = sp.csr_matrix(d), sp.csr_matrix(s)
+        for m in (d, s):
+            if not m.has_sorted_indices:
+                m.sort_indices()
+        return d, s
+    return (d.toarray() if sp.issparse(d) else d), (s.toarray() if sp.issparse(s) else s)
+
+
+def _describe_row(d: Any, s: Any, r: int, names: np.ndarray | None) -> str:
+    dr = np.asarray(d[r].toarray()).ravel() if sp.issparse(d) else np.asarray(d[r]).ravel()
+    sr = np.asarray(s[r].toarray()).ravel() if sp.issparse(s) else np.asarray(s[r]).ravel()
+    bad = np.flatnonzero(~equal_mask(dr, sr))
+    if len(bad) == 0:
+        nd = d[r].nnz if sp.issparse(d) else "?"
+        ns = s[r].nnz if sp.issparse(s) else "?"
+        return f"same values but different stored entries ({nd} in DST, {ns} in SRC)"
+    g = int(bad[0])
+    col = f"gene {fmt(names[g])}" if names is not None and g < len(names) else f"column {g}"
+    return f"{len(bad)} values differ, first at {col}: DST {fmt(dr[g])} != SRC {fmt(sr[g])}"
+
+
+def _row_mismatch(d: Any, s: Any) -> np.ndarray:
+    if sp.issparse(d):
+        return sparse_row_mismatch(d, s)
+    eq = equal_mask(d, s).reshape(d.shape[0], -1)
+    return np.flatnonzero(~eq.all(axis=1))
+
+
+def _progress(total: int, desc: str, on: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="row", disable=not on, leave=False)
+
+
+# ----------------------------------------------------------------- row-aligned matrices
+
+
+def _compare_rowwise(
+    name: str,
+    dst_node: Any,
+    src_node: Any,
+    *,
+    si: np.ndarray,
+    inv: np.ndarray,
+    names: np.ndarray | None,
+    budget: int,
+    src: Path,
+    progress: bool,
+    out: _Collector,
+) -> None:
+    """Compare a row-aligned matrix (DST row i == SRC row si[i]) in bounded memory."""
+    d_rows, s_rows = _Rows(dst_node), _Rows(src_node)
+    out.n_checked += 1
+    if d_rows.shape != s_rows.shape:
+        out.add([f"{name}: shape {d_rows.shape} in DST, {s_rows.shape} in SRC"])
+        return
+    if dtype_label(d_rows.dtype) != dtype_label(s_rows.dtype):
+        out.add([f"{name}: dtype {d_rows.dtype} in DST, {s_rows.dtype} in SRC"])
+    n = d_rows.shape[0]
+    pass_rows = _window(s_rows, budget)
+    win_rows = _window(d_rows, budget)
+    bad_found: list[str] = []
+    n_bad = 0
+    with _progress(n, f"verify {name}", progress) as bar:
+        for lo in range(0, n, pass_rows):
+            hi = min(lo + pass_rows, n)
+            with explain_read_errors(src, what=name):
+                s_part = s_rows.read(lo, hi)
+            targets = np.sort(inv[lo:hi])
+            for a, b in _windows(targets, win_rows, n):
+                d_win = d_rows.read(a, b)
+                lo_t, hi_t = np.searchsorted(targets, [a, b])
+                rows = targets[lo_t:hi_t]
+                d_sel = d_win[rows - a]
+                s_sel = s_part[si[rows] - lo]
+                d_sel, s_sel = _as_same_kind(d_sel, s_sel)
+                out.n_values += int(d_sel.nnz if sp.issparse(d_sel) else d_sel.size)
+                bad = _row_mismatch(d_sel, s_sel)
+                n_bad += len(bad)
+                for r in bad[: max(0, MAX_ROWS_SPELT_OUT - len(bad_found))]:
+                    row = int(rows[r])
+                    bad_found.append(
+                        f"{name} row {row} (source row {int(si[row])}): "
+                        + _describe_row(d_sel, s_sel, int(r), names)
+                    )
+                bar.update(len(rows))
+    out.add(bad_found)
+    if n_bad > len(bad_found):
+        out.add([f"{name}: {n_bad - len(bad_found)} more rows differ"])
+
+
+def _windows(targets: np.ndarray, size: int, n: int) -> Iterator[tuple[int, int]]:
+    """DST row windows ``[a, b)`` of at most ``size`` rows that cover sorted ``targets``."""
+    i = 0
+    while i < len(targets):
+        a = int(targets[i])
+        b = min(a + size, n)
+        yield a, b
+        i = int(np.searchsorted(targets, b))
+
+
+# ------------------------------------------------------------------------- manifest
+
+
+def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifest, np.ndarray]:
+    raw = dst_root.attrs.get(MANIFEST_KEY)
+    if raw is None:
+        raise NotALayoutStoreError(
+            "DST has no sclayout manifest: it is not a complete layout store "
+            "(an interrupted conversion?); reconvert with `sclayout convert --overwrite`"
+        )
+    manifest = Manifest.from_dict(raw)
+    out.n_checked += 1
+    if (manifest.n_obs, manifest.n_vars) != (info["n_obs"], info["n_vars"]):
+        out.add(
+            [
+                f"manifest: n_obs x n_vars = {manifest.n_obs} x {manifest.n_vars}, "
+                f"SRC has {info['n_obs']} x {info['n_vars']}"
+            ]
+        )
+    try:
+        si = np.asarray(dst_root[manifest.source_index][...])
+    except KeyError:
+        raise NotALayoutStoreError(
+            f"DST lacks {manifest.source_index}, named by its manifest: the store is incomplete; "
+            "reconvert with `sclayout convert --overwrite`"
+        ) from None
+    n = manifest.n_obs
+    if si.shape != (n,) or si.dtype.kind not in "iu":
+        raise LayoutError(
+            f"source_index has shape {si.shape} and dtype {si.dtype}, expected ({n},) integers: "
+            "the store is damaged; reconvert with `sclayout convert --overwrite`"
+        )
+    si = si.astype(np.int64, copy=False)
+    out_of_range = np.flatnonzero((si < 0) | (si >= n))
+    if len(out_of_range):
+        r = int(out_of_range[0])
+        raise LayoutError(
+            f"source_index is not a permutation: stored row {r} points at source row {si[r]} "
+            f"of {n}; the store is damaged; reconvert with `sclayout convert --overwrite`"
+        )
+    counts = np.bincount(si, minlength=n)
+    if (counts != 1).any():
+        dup = int(np.flatnonzero(counts > 1)[0])
+        rows = np.flatnonzero(si == dup)[:2].tolist()
+        raise LayoutError(
+            f"source_index is not a permutation: source row {dup} is stored {counts[dup]} times "
+            f"(stored rows {rows}); the store is damaged; reconvert with "
+            "`sclayout convert --overwrite`"
+        )
+    if manifest.order.kind == "original" and not np.array_equal(si, np.arange(n)):
+        out.add(["manifest: order 'original' but source_index is not the identity"])
+    for col in manifest.order.columns:
+        if col not in info["obs_columns"]:
+            out.add([f"manifest: order column {col!r} is not an obs column of SRC"])
+    for mname, m in manifest.matrices.items():
+        if mname not in dst_root:
+            out.add([f"manifest: matrix {mname} is not in DST"])
+            continue
+        if m.shape != (n, manifest.n_vars):
+            out.add(
+                [f"manifest: matrix {mname} shape {m.shape}, expected ({n}, {manifest.n_vars})"]
+            )
+        for part, a in m.arrays.items():
+            out.add(_check_array(mname, part, a, dst_root))
+        if m.is_csr:
+            out.add(_check_block_pointer(mname, m, manifest, dst_root))
+        elif "values" in m.arrays and m.arrays["values"].chunks[0] % manifest.block_size:
+            out.add(
+                [
+                    f"manifest: {mname} chunks {m.arrays['values'].chunks} do not hold whole "
+                    f"blocks of {manifest.block_size} rows"
+                ]
+            )
+    return manifest, si
+
+
+def _check_array(mname: str, part: str, a: Any, dst_root: Any) -> list[str]:
+    if a.path not in dst_root:
+        return [f"manifest: {mname} array {a.path} is not in DST"]
+    arr = dst_root[a.path]
+    found = {
+        "shape": tuple(arr.shape),
+        "dtype": str(arr.dtype),
+        "chunks": tuple(arr.chunks),
+        "shards": None if getattr(arr, "shards", None) is None else tuple(arr.shards),
+        "codec": codec_name(arr),
+    }
+    want = {"shape": a.shape, "dtype": a.dtype, "chunks": a.chunks, "shards": a.shards}
+    want["codec"] = a.codec
+    return [
+        f"manifest: {a.path} {key} {want[key]} in the manifest, {found[key]} in the array"
+        for key in want
+        if found[key] != want[key] and not (key == "dtype" and np.dtype(a.dtype) == arr.dtype)
+    ]
+
+
+def _check_block_pointer(mname: str, m: Any, manifest: Manifest, dst_root: Any) -> list[str]:
+    indptr = np.asarray(dst_root[m.arrays["indptr"].path][...], dtype=np.int64)
+    out = []
+    nnz_data = int(dst_root[m.arrays["data"].path].shape[0])
+    if not (int(m.nnz) == int(indptr[-1]) == nnz_data):
+        out.append(
+            f"manifest: {mname} nnz {m.nnz}, indptr[-1] {int(indptr[-1])}, data length {nnz_data}"
+        )
+    if m.block_pointer not in dst_root:
+        return [*out, f"manifest: {mname} block pointer {m.block_pointer} is not in DST"]
+    bp = np.asarray(dst_root[m.block_pointer][...], dtype=np.int64)
+    bounds = np.r_[np.arange(0, manifest.n_obs, manifest.block_size), manifest.n_obs]
+    want = indptr[bounds]
+    if bp.shape != want.shape:
+        return [
+            *out,
+            f"manifest: {mname} block pointer has {bp.shape[0]} entries, expected "
+            f"{want.shape[0]} (n_blocks + 1)",
+        ]
+    bad = np.flatnonzero(bp != want)
+    if len(bad):
+        b = int(bad[0])
+        out.append(
+            f"manifest: {mname} block pointer differs from indptr at {len(bad)} block boundaries, "
+            f"first block {b}: {int(bp[b])} != indptr[{int(bounds[b])}] = {int(want[b])}"
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- verify
+
+
+def _children(root: Any, key: str) -> dict[str, Any]:
+    if key not in root:
+        return {}
+    node = root[key]
+    return {k: node[k] for k in node.keys()} if hasattr(node, "keys") else {}
+
+
+def _key_diffs(name: str, dst: set, src: set) -> list[str]:
+    out = []
+    if src - dst:
+        out.append(f"{name}: {sorted(src - dst)} missing from DST")
+    if dst - src:
+        out.append(f"{name}: {sorted(dst - src)} in DST but not in SRC")
+    return out
+
+
+def verify(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    progress: bool = False,
+    memory_budget: int | str = "2GB",
+) -> VerifyReport:
+    """Compare every element of the layout store DST with its source SRC.
+
+    Parameters
+    ----------
+    src
+        The ``.h5ad`` file or AnnData zarr store DST was converted from.
+    dst
+        The layout store.
+    progress
+        Show a progress bar per streamed matrix.
+    memory_budget
+        Bytes (or ``"2GB"``) for the streamed comparison of row-aligned matrices.
+
+    Returns
+    -------
+    VerifyReport
+        ``equal`` is True only when nothing differs. A missing or unreadable manifest
+        or a ``source_index`` that is not a permutation is reported as the only
+        difference (nothing else can be compared without them).
+
+    Raises
+    ------
+    InputError
+        SRC cannot be read (see :func:`~sclayout.convert.checks.check_source`).
+    NotALayoutStoreError
+        DST is not a zarr store at all.
+    """
+    import anndata.io
+    import h5py
+    import zarr
+
+    budget = parse_bytes(memory_budget)
+    src_path, dst_path = Path(src), Path(dst)
+    info = inspect_source(src_path)
+    if not dst_path.is_dir():
+        raise NotALayoutStoreError(
+            f"DST {dst_path} is not a zarr store directory: "
+            "convert one with `sclayout convert SRC DST`"
+        )
+    try:
+        dst_root = zarr.open_group(str(dst_path), mode="r", use_consolidated=False)
+    except Exception as e:
+        raise NotALayoutStoreError(
+            f"DST {dst_path} cannot be opened as a zarr store ({type(e).__name__}): "
+            "reconvert with `sclayout convert --overwrite`"
+        ) from None
+    out = _Collector()
+    try:
+        _, si = _check_manifest(dst_root, info, out)
+    except (LayoutError, SpecError) as e:
+        out.add([str(e)])
+        return VerifyReport(equal=False, differences=out.lines, n_differences=out.count)
+    inv = np.empty_like(si)
+    inv[si] = np.arange(len(si), dtype=si.dtype)
+    src_root = (
+        h5py.File(src_path, "r")
+        if info["kind"] == "hdf5"
+        else zarr.open_group(str(src_path), mode="r")
+    )
+
+    def read(node: Any, what: str) -> Any:
+        with explain_read_errors(src_path, what=what):
+            return anndata.io.read_elem(node)
+
+    try:
+        src_obs = read(src_root["obs"], "obs")
+        src_var = read(src_root["var"], "var")
+        var_names = np.asarray(src_var.index, dtype=object)
+        kw = {"si": si, "inv": inv, "budget": budget, "src": src_path, "progress": progress}
+        # obs, var
+        out.n_checked += 2
+        out.add(compare_frames("obs", read(dst_root["obs"], "obs"), src_obs.iloc[si], si=si))
+        out.add(compare_frames("var", read(dst_root["var"], "var"), src_var))
+        # X and layers
+        _compare_rowwise("X", dst_root["X"], src_root["X"], names=var_names, out=out, **kw)
+        s_layers, d_layers = _children(src_root, "layers"), _children(dst_root, "layers")
+        out.add(_key_diffs("layers", set(d_layers), set(s_layers)))
+        for k in sorted(set(s_layers) & set(d_layers)):
+            _compare_rowwise(
+                f"layers/{k}", d_layers[k], s_layers[k], names=var_names, out=out, **kw
+            )
+        # obsm: matrices streamed, data frames whole
+        s_obsm, d_obsm = _children(src_root, "obsm"), _children(dst_root, "obsm")
+        out.add(_key_diffs("obsm", set(d_obsm), set(s_obsm)))
+        for k in sorted(set(s_obsm) & set(d_obsm)):
+            enc = _encoding(s_obsm[k])
+            if enc in ("csr_matrix", "csc_matrix", "array"):
+                _compare_rowwise(f"obsm/{k}", d_obsm[k], s_obsm[k], names=None, out=out, **kw)
+            elif enc == "dataframe":
+                out.n_checked += 1
+                s_df = read(s_obsm[k], f"obsm/{k}")
+                out.add(compare_frames(f"obsm/{k}", read(d_obsm[k], k), s_df.iloc[si], si=si))
+            else:
+                out.skipped.append(f"obsm/{k}: encoding {enc!r} is not compared")
+        # obsp: permuted on both axes
+        s_obsp, d_obsp = _children(src_root, "obsp"), _children(dst_root, "obsp")
+        out.add(_key_diffs("obsp", set(d_obsp), set(s_obsp)))
+        for k in sorted(set(s_obsp) & set(d_obsp)):
+            out.n_checked += 1
+            s_val = read(s_obsp[k], f"obsp/{k}")
+            s_perm = sp.csr_matrix(s_val)[si][:, si] if sp.issparse(s_val) else s_val[si][:, si]
+            if sp.issparse(s_val):
+                s_perm = type(s_val)(s_perm)
+            out.add(compare_any(f"obsp/{k}", read(dst_root["obsp"][k], k), s_perm))
+        # var-aligned and unaligned elements, compared whole
+        for key in ("varm", "varp"):
+            s_el, d_el = _children(src_root, key), _children(dst_root, key)
+            out.add(_key_diffs(key, set(d_el), set(s_el)))
+            for k in sorted(set(s_el) & set(d_el)):
+                out.n_checked += 1
+                out.add(compare_any(f"{key}/{k}", read(d_el[k], k), read(s_el[k], f"{key}/{k}")))
+        s_uns = {k: v for k, v in _children(src_root, "uns").items()}
+        d_uns = {k: v for k, v in _children(dst_root, "uns").items() if k != "sclayout"}
+        out.add(_key_diffs("uns", set(d_uns), set(s_uns)))
+        for k in sorted(set(s_uns) & set(d_uns)):
+            out.n_checked += 1
+            out.add(compare_any(f"uns/{k}", read(d_uns[k], k), read(s_uns[k], f"uns/{k}")))
+        _compare_raw(src_root, dst_root, read=read, out=out, kw=kw)
+        top_s = set(src_root.keys()) - {"X", "obs", "var"}
+        top_d = set(dst_root.keys()) - {"X", "obs", "var"}
+        empty = {
+            k for k in top_s ^ top_d if not _children(src_root, k) and not _children(dst_root, k)
+        }
+        out.add(_key_diffs("root", top_d - empty, top_s - empty))
+    finally:
+        if info["kind"] == "hdf5":
+            src_root.close()
+    return VerifyReport(
+        equal=out.count == 0,
+        differences=out.lines,
+        n_checked=out.n_checked,
+        n_values=out.n_values,
+        n_differences=out.count,
+        skipped=out.skipped,
+    )
+
+
+def _compare_raw(src_root: Any, dst_root: Any, *, read: Any, out: _Collector, kw: dict) -> None:
+    has_s, has_d = "raw" in src_root, "raw" in dst_root
+    if has_s != has_d:
+        out.add([f"raw: {'missing from DST' if has_s else 'in DST but not in SRC'}"])
+        return
+    if not has_s:
+        return
+    s_raw, d_raw = src_root["raw"], dst_root["raw"]
+    raw_var = read(s_raw["var"], "raw/var") if "var" in s_raw else None
+    out.n_checked += 1
+    if raw_var is not None and "var" in d_raw:
+        out.add(compare_frames("raw/var", read(d_raw["var"], "raw/var"), raw_var))
+    names = None if raw_var is None else np.asarray(raw_var.index, dtype=object)
+    if "X" in s_raw and "X" in d_raw:
+        _compare_rowwise("raw/X", d_raw["X"], s_raw["X"], names=names, out=out, **kw)
+    s_varm, d_varm = _children(s_raw, "varm"), _children(d_raw, "varm")
+    out.add(_key_diffs("raw/varm", set(d_varm), set(s_varm)))
+    for k in sorted(set(s_varm) & set(d_varm)):
+        out.n_checked += 1
+        out.add(compare_any(f"raw/varm/{k}", read(d_varm[k], k), read(s_varm[k], k)))
+    out.add(_key_diffs("raw", set(d_raw.keys()), set(s_raw.keys())))
