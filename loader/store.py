@@ -1,0 +1,606 @@
+"""Open a layout store (or a raw .h5ad) and fetch blocks from it.
+
+::
+
+    reader = open_layout("data.zarr")          # or "data.h5ad", or "https://host/data.zarr"
+    pending = reader.submit(np.array([7, 3, 12]))   # all reads in flight, returns at once
+    fetched = pending.result()                 # the 3 blocks' rows, in sorted-block order
+    batch = fetched.take(np.array([5, 0, 9]), output="dense", obs=("cell_line",))
+
+Memory: a :class:`Fetched` holds one fetch decoded (``rows × nnz/row × (4 + 4)``
+bytes for float32 data and int32 indices, plus 8 bytes per row); a
+:class:`PendingFetch` allocates the same once its reads land. With the dataset's
+one-fetch read-ahead, peak memory is about **2 fetches + one minibatch + the
+tensorstore chunk cache** (64 MiB, :class:`loader.backends.TensorstoreSettings`).
+
+Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
+opened lazily in the process that reads, and reopened after a fork.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader.assemble import fetch_csr, get_output
+from loader.backends import get_backend
+from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
+from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
+from loader.plan import FetchPlan, plan_fetch
+
+__all__ = [
+    "H5AD_DEFAULT_BLOCK_SIZE",
+    "Fetched",
+    "LayoutReader",
+    "PendingFetch",
+    "open_layout",
+]
+
+H5AD_DEFAULT_BLOCK_SIZE = 64
+"""Rows per block when a raw .h5ad is opened without ``block_size``: the converter's
+default (``sclayout.convert.plan.DEFAULT_BLOCK_SIZE``), so switching from the raw file
+to a converted store keeps the sampling the same."""
+
+H5_NOMINAL_CHUNK_BYTES = 4096
+"""Planning granularity of a contiguous (unchunked) HDF5 dataset: one OS page, the
+smallest unit a read fetches from disk."""
+
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
+
+
+def _is_url(path: str) -> bool:
+    return path.startswith(("http://", "https://"))
+
+
+def _is_hdf5(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            for off in _USER_BLOCK_OFFSETS:
+                f.seek(off)
+                if f.read(8) == _HDF5_SIGNATURE:
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
+    """``(location, kind)``: kind is ``"store"`` or ``"h5ad"``."""
+    s = os.fspath(path_or_url)
+    if _is_url(s):
+        return s.rstrip("/"), "store"
+    p = Path(s).expanduser()
+    if not p.exists():
+        raise InputError(f"path {s!r}: no such file or directory; check the path")
+    if p.is_dir():
+        if (p / "zarr.json").is_file():
+            return str(p.resolve()), "store"
+        if (p / ".zgroup").is_file() or (p / ".zattrs").is_file():
+            raise NotALayoutStoreError(
+                f"{s} is a zarr v2 store, not a layout store: convert it with "
+                f"`sclayout convert {s} DST`"
+            )
+        raise InputError(
+            f"path {s!r}: a directory that is not a layout store (no zarr.json); "
+            "give a store written by `sclayout convert` or an .h5ad file"
+        )
+    if _is_hdf5(p):
+        return str(p.resolve()), "h5ad"
+    raise InputError(
+        f"path {s!r}: neither a layout store nor an .h5ad file; convert the data with "
+        "`sclayout convert SRC DST`"
+    )
+
+
+# ------------------------------------------------------------------ reading metadata
+
+
+def _read_store_text(location: str, key: str) -> str:
+    if _is_url(location):
+        import tensorstore as ts
+
+        kv = ts.KvStore.open({"driver": "http", "base_url": location + "/"}).result()
+        got = kv.read(key).result()
+        if got.state != "value":
+            raise NotALayoutStoreError(
+                f"{location}/{key} not found: this URL is not a layout store; check the URL"
+            )
+        return bytes(got.value).decode()
+    return Path(location, key).read_text()
+
+
+def _read_manifest(location: str) -> Manifest:
+    try:
+        meta = json.loads(_read_store_text(location, "zarr.json"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise NotALayoutStoreError(
+            f"{location}: unreadable zarr.json ({e}); reconvert with `sclayout convert --overwrite`"
+        ) from None
+    doc = meta.get("attributes", {}).get("sclayout") if isinstance(meta, dict) else None
+    if doc is None:
+        raise NotALayoutStoreError(
+            f"{location}: no sclayout manifest, this zarr store is not a layout store "
+            f"(convert it with `sclayout convert {location} DST`)"
+        )
+    return Manifest.from_dict(doc)
+
+
+def _h5_chunks(ds: Any) -> tuple[int, ...]:
+    if ds.chunks is not None:
+        return tuple(int(c) for c in ds.chunks)
+    row_bytes = int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize or 1
+    rows = max(1, H5_NOMINAL_CHUNK_BYTES // row_bytes)
+    return (min(rows, max(1, ds.shape[0])), *(int(s) for s in ds.shape[1:]))
+
+
+def _h5_array(ds: Any, path: str) -> ArrayLayout:
+    return ArrayLayout(
+        path=path,
+        shape=tuple(ds.shape),
+        dtype=str(ds.dtype),
+        chunks=_h5_chunks(ds),
+        shards=None,
+        codec=str(ds.compression or "none"),
+    )
+
+
+def _h5ad_manifest(location: str, *, block_size: int, matrix: str) -> tuple[Manifest, Any]:
+    """A virtual manifest of a raw .h5ad (original order) and its block pointer."""
+    import h5py
+
+    try:
+        f = h5py.File(location, "r")
+    except OSError as e:
+        raise InputError(f"{location}: cannot open as HDF5 ({e}); check the file") from None
+    with f:
+        if matrix not in f:
+            raise InputError(f"matrix={matrix!r}: not in {location}; try matrix='X'")
+        node = f[matrix]
+        enc = node.attrs.get("encoding-type", "array" if isinstance(node, h5py.Dataset) else "")
+        enc = enc.decode() if isinstance(enc, bytes) else str(enc)
+        if isinstance(node, h5py.Dataset):
+            n_obs, n_vars = (int(s) for s in node.shape)
+            layout = MatrixLayout(
+                encoding="dense",
+                shape=(n_obs, n_vars),
+                dtype=str(node.dtype),
+                nnz=n_obs * n_vars,
+                arrays={"values": _h5_array(node, matrix)},
+            )
+            bp = None
+        elif enc == "csr_matrix":
+            n_obs, n_vars = (int(s) for s in node.attrs["shape"])
+            arrays = {k: _h5_array(node[k], f"{matrix}/{k}") for k in ("data", "indices", "indptr")}
+            indptr = np.asarray(node["indptr"][...], dtype=np.int64)
+            starts = np.r_[np.arange(0, n_obs, block_size), n_obs]
+            bp = indptr[starts]
+            layout = MatrixLayout(
+                encoding="csr",
+                shape=(n_obs, n_vars),
+                dtype=str(node["data"].dtype),
+                nnz=int(indptr[-1]),
+                arrays=arrays,
+                block_pointer="(virtual)",
+            )
+        else:
+            raise InputError(
+                f"{location}: {matrix} is encoded as {enc or 'unknown'!r}; reading by row "
+                "blocks needs CSR or dense: convert it with `sclayout convert SRC DST`"
+            )
+    manifest = Manifest(
+        n_obs=n_obs,
+        n_vars=n_vars,
+        block_size=block_size,
+        order=RowOrder("original"),
+        matrices={matrix: layout} if matrix == "X" else {"X": layout, matrix: layout},
+        source={"path": location},
+        source_index="",
+    )
+    return manifest, bp
+
+
+def _decode_strings(values: Any) -> list:
+    out = []
+    for v in np.asarray(values, dtype=object).tolist():
+        out.append(v.decode() if isinstance(v, bytes) else v)
+    return out
+
+
+def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
+    """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py)."""
+    import pandas as pd
+
+    if "obs" not in root:
+        raise InputError(f"obs column {column!r}: {where} has no obs")
+    obs = root["obs"]
+    order = obs.attrs.get("column-order", [])
+    available = [
+        c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order).tolist()
+    ]
+    if column not in available or column not in obs:
+        raise InputError(
+            f"obs column {column!r}: not in {where}; available: "
+            f"{', '.join(available) if available else '(none)'}"
+        )
+    node = obs[column]
+    enc = node.attrs.get("encoding-type", "array")
+    enc = enc.decode() if isinstance(enc, bytes) else str(enc)
+    if enc == "categorical":
+        codes = np.asarray(node["codes"][...]).astype(np.int64)
+        cat_node = node["categories"]
+        if hasattr(cat_node, "asstr") and cat_node.dtype.kind in "OS":
+            cats = list(cat_node.asstr()[...])
+        else:
+            cats = _decode_strings(cat_node[...])
+        return codes, cats
+    if enc.startswith("nullable"):
+        values = np.asarray(node["values"][...])
+        mask = np.asarray(node["mask"][...], dtype=bool)
+        if values.dtype.kind in "OS":
+            values = np.asarray(_decode_strings(values), dtype=object)
+        codes, uniques = pd.factorize(values, sort=True)
+        codes = codes.astype(np.int64)
+        codes[mask] = -1
+        return codes, list(uniques)
+    if hasattr(node, "asstr") and node.dtype.kind in "OS":
+        values = np.asarray(node.asstr()[...], dtype=object)
+    else:
+        values = np.asarray(node[...])
+        if values.dtype.kind in "OSUT":
+            values = np.asarray(_decode_strings(values), dtype=object)
+    codes, uniques = pd.factorize(values, sort=True)
+    return codes.astype(np.int64), list(uniques)
+
+
+# ------------------------------------------------------------------ the reader
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    path: str
+    block_size: int | None
+    backend: str | None
+    matrix: str
+    backend_options: tuple[tuple[str, Any], ...]
+
+
+class LayoutReader:
+    """Reads blocks of a layout store or a raw .h5ad; see :func:`open_layout`.
+
+    Attributes
+    ----------
+    manifest
+        The store's manifest with ``block_size`` set to the reader's block size
+        (for a raw .h5ad: a virtual manifest, original order, chunks from HDF5).
+    n_obs, n_vars, block_size, n_blocks
+        Shape of the matrix and of the block grid.
+    kind
+        ``"store"`` or ``"h5ad"``.
+    backend
+        Name of the backend that executes fetches.
+    """
+
+    def __init__(self, settings: _Settings) -> None:
+        self._settings = settings
+        location, kind = _resolve(settings.path)
+        self.location = location
+        self.kind = kind
+        self.matrix = settings.matrix
+        backend = settings.backend or "tensorstore"
+        if kind == "h5ad":
+            # tensorstore and zarr cannot read HDF5: a raw .h5ad is always read
+            # with h5py, whatever the default backend is.
+            backend = "h5py"
+        factory = get_backend(backend)
+        if kind not in getattr(factory, "kinds", ()):
+            raise InputError(
+                f"backend={backend!r} cannot read {kind} sources ({location}); "
+                "use backend='tensorstore' or 'zarr' for layout stores"
+            )
+        self.backend = backend
+        self._io = factory(location, **dict(settings.backend_options))
+        self._obs: dict[str, tuple[np.ndarray, list]] = {}
+        self._source_index: np.ndarray | None = None
+        if kind == "h5ad":
+            bs = (
+                H5AD_DEFAULT_BLOCK_SIZE
+                if settings.block_size is None
+                else parse_block_size(settings.block_size)
+            )
+            self.manifest, self._block_pointer = _h5ad_manifest(
+                location, block_size=bs, matrix=settings.matrix
+            )
+            self._bp_loaded = True
+        else:
+            stored = _read_manifest(location)
+            if settings.matrix not in stored.matrices:
+                raise InputError(
+                    f"matrix={settings.matrix!r}: not in the store; available: "
+                    f"{', '.join(stored.matrices)}"
+                )
+            bs = stored.block_size
+            if settings.block_size is not None:
+                bs = parse_block_size(settings.block_size)
+                if bs % stored.block_size:
+                    raise SpecError(
+                        f"block_size={bs}: the store was converted with blocks of "
+                        f"{stored.block_size} rows; use a multiple of {stored.block_size} "
+                        "(or block_size=None for the store's own), or reconvert with "
+                        f"`sclayout convert --block-size {bs}`"
+                    )
+            self._stored_block_size = stored.block_size
+            self._stored_n_blocks = stored.n_blocks
+            self.manifest = dataclasses.replace(stored, block_size=bs)
+            self._block_pointer = None
+            self._bp_loaded = False
+        m = self.manifest
+        self.n_obs = m.n_obs
+        self.n_vars = m.n_vars
+        self.block_size = m.block_size
+        self.n_blocks = m.n_blocks
+
+    # -- pickling: path and settings only
+    def __getstate__(self) -> dict[str, Any]:
+        return {"settings": self._settings}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["settings"])  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        return (
+            f"LayoutReader({self.location!r}, kind={self.kind!r}, backend={self.backend!r}, "
+            f"n_obs={self.n_obs}, n_vars={self.n_vars}, block_size={self.block_size}, "
+            f"order={self.manifest.order.kind!r})"
+        )
+
+    # -- small arrays
+    def _meta_array(self, path: str) -> np.ndarray:
+        if self.kind == "store" and not _is_url(self.location):
+            import zarr
+
+            try:
+                return np.asarray(zarr.open_array(os.path.join(self.location, path), mode="r")[...])
+            except (FileNotFoundError, KeyError) as e:
+                raise LayoutError(
+                    f"{self.location}: array {path!r} named by the manifest is missing ({e}); "
+                    "reconvert with `sclayout convert --overwrite`"
+                ) from None
+        return self._io.read_array(path)
+
+    @property
+    def layout(self) -> MatrixLayout:
+        """Layout of the matrix this reader fetches."""
+        return self.manifest.matrices[self.matrix]
+
+    @property
+    def block_pointer(self) -> np.ndarray | None:
+        """CSR ``indptr`` at every block boundary (``n_blocks + 1``); ``None`` if dense."""
+        if not self._bp_loaded:
+            layout = self.layout
+            if layout.is_csr:
+                assert layout.block_pointer is not None
+                bp = self._meta_array(layout.block_pointer).astype(np.int64)
+                if bp.shape[0] != self._stored_n_blocks + 1:
+                    raise LayoutError(
+                        f"{self.location}: block pointer has {bp.shape[0]} values for "
+                        f"{self._stored_n_blocks} blocks; reconvert the store"
+                    )
+                k = self.block_size // self._stored_block_size
+                if k > 1:
+                    bp = bp[np.r_[np.arange(0, self._stored_n_blocks, k), self._stored_n_blocks]]
+                self._block_pointer = bp
+            self._bp_loaded = True
+        return self._block_pointer
+
+    def block_lengths(self) -> np.ndarray:
+        """Rows per block (int64; the last block may be short)."""
+        starts = np.arange(self.n_blocks, dtype=np.int64) * self.block_size
+        return np.minimum(starts + self.block_size, self.n_obs) - starts
+
+    def source_index(self) -> np.ndarray:
+        """Original (source) row of each stored row, int64 (``arange`` for an .h5ad)."""
+        if self._source_index is None:
+            if self.kind == "h5ad":
+                self._source_index = np.arange(self.n_obs, dtype=np.int64)
+            else:
+                self._source_index = self._meta_array(self.manifest.source_index).astype(np.int64)
+        return self._source_index
+
+    def obs_columns(self) -> list[str]:
+        """Names of the obs columns (in the stored column order)."""
+        root = self._obs_root()
+        try:
+            order = root["obs"].attrs.get("column-order", [])
+            return [
+                c.decode() if isinstance(c, bytes) else str(c)
+                for c in np.atleast_1d(order).tolist()
+            ]
+        finally:
+            if self.kind == "h5ad":
+                root.close()
+
+    def _obs_root(self) -> Any:
+        if self.kind == "h5ad":
+            import h5py
+
+            return h5py.File(self.location, "r")
+        if _is_url(self.location):
+            raise InputError(
+                f"obs columns of a store read over HTTP ({self.location}) are not "
+                "supported yet; read obs from a local copy of the store"
+            )
+        import zarr
+
+        return zarr.open_group(self.location, mode="r")
+
+    def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
+        """Integer codes of obs ``column`` per stored row, and the categories.
+
+        Categorical columns give their codes (``-1`` for missing); other columns are
+        factorized (sorted unique values).
+        """
+        if column not in self._obs:
+            root = self._obs_root()
+            try:
+                self._obs[column] = _read_obs(root, column, self.location)
+            finally:
+                if self.kind == "h5ad":
+                    root.close()
+        return self._obs[column]
+
+    # -- fetching
+    def plan(self, blocks: np.ndarray, *, max_gap_chunks: int = 0) -> FetchPlan:
+        """The :func:`loader.plan.plan_fetch` plan of ``blocks`` (no I/O)."""
+        return plan_fetch(
+            blocks,
+            manifest=self.manifest,
+            block_pointer=self.block_pointer,
+            matrix=self.matrix,
+            max_gap_chunks=max_gap_chunks,
+        )
+
+    def submit(self, blocks: np.ndarray) -> PendingFetch:
+        """Issue every read of the fetch of ``blocks`` and return without waiting."""
+        plan = self.plan(blocks)
+        layout = self.layout
+        bounds = np.asarray(plan["row_ranges"], dtype=np.int64).reshape(-1, 2)
+        request = {key: (layout.arrays[key].path, ranges) for key, ranges in plan["needed"].items()}
+        if self.kind == "store":
+            request["source_index"] = (self.manifest.source_index, bounds)
+        return PendingFetch(self, plan, bounds, self._io.submit(request))
+
+
+class PendingFetch:
+    """A fetch whose reads are in flight; :meth:`result` assembles it (once)."""
+
+    def __init__(self, reader: LayoutReader, plan: FetchPlan, bounds: np.ndarray, io: Any):
+        self.reader = reader
+        self.plan = plan
+        self._bounds = bounds
+        self._io = io
+        self._result: Fetched | None = None
+
+    def result(self) -> Fetched:
+        """Wait for the reads and return the fetch's rows."""
+        if self._result is None:
+            got = self._io.result()
+            r = self.reader
+            b = self._bounds
+            rows = (
+                np.concatenate([np.arange(a, z, dtype=np.int64) for a, z in b])
+                if b.shape[0]
+                else np.zeros(0, dtype=np.int64)
+            )
+            if r.layout.is_csr:
+                matrix: Any = fetch_csr(
+                    data=got["data"],
+                    indices=got["indices"],
+                    indptr_parts=got["indptr"],
+                    row_ranges=b,
+                    n_vars=r.n_vars,
+                )
+            else:
+                matrix = got["values"]
+            index = got["source_index"].astype(np.int64, copy=False) if r.kind == "store" else rows
+            self._result = Fetched(r, rows, index, matrix)
+            self._io = None
+        return self._result
+
+
+class Fetched:
+    """The rows of one fetch, in sorted-block order.
+
+    Attributes
+    ----------
+    rows
+        Stored row ids (int64).
+    index
+        Source row ids (int64).
+    n_rows
+        Number of rows.
+    matrix
+        The rows as one ``scipy.sparse.csr_matrix`` (CSR stores) or ndarray (dense).
+    """
+
+    def __init__(self, reader: LayoutReader, rows: np.ndarray, index: np.ndarray, matrix: Any):
+        self.reader = reader
+        self.rows = rows
+        self.index = index
+        self.n_rows = int(rows.shape[0])
+        self.matrix = matrix
+
+    def take(
+        self,
+        positions: np.ndarray,
+        *,
+        output: str = "dense",
+        obs: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """A minibatch: the rows at ``positions`` (indices into this fetch).
+
+        Returns
+        -------
+        dict
+            ``{"X": float32 ndarray (n, n_vars) or scipy CSR float32,
+            "index": int64 source row ids, "obs": {column: int64 codes}}``.
+        """
+        fn = get_output(output)
+        pos = np.asarray(positions, dtype=np.int64)
+        if pos.size and (pos.min() < 0 or pos.max() >= self.n_rows):
+            raise InputError(
+                f"positions out of range [0, {self.n_rows}) of this fetch: "
+                f"min {int(pos.min())}, max {int(pos.max())}"
+            )
+        if isinstance(obs, str):
+            obs = (obs,)
+        stored = self.rows[pos]
+        return {
+            "X": fn(self.matrix, pos),
+            "index": self.index[pos],
+            "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
+        }
+
+
+def open_layout(
+    path_or_url: str | os.PathLike[str],
+    *,
+    block_size: int | None = None,
+    backend: str | None = "tensorstore",
+    matrix: str = "X",
+    **backend_options: Any,
+) -> LayoutReader:
+    """Open a layout store (local or ``http(s)://``) or a raw .h5ad for block reads.
+
+    Parameters
+    ----------
+    path_or_url
+        A store written by ``sclayout convert``, its URL, or an .h5ad file.
+    block_size
+        Rows per block. ``None``: the store's own (``64`` for an .h5ad,
+        :data:`H5AD_DEFAULT_BLOCK_SIZE`). A store reads any multiple of its own.
+    backend
+        ``"tensorstore"`` (default), ``"zarr"`` or ``"h5py"``; an .h5ad is always
+        read with ``"h5py"``.
+    matrix
+        ``"X"`` or a layer (``"layers/counts"``).
+    **backend_options
+        Passed to the backend (e.g. tensorstore's ``file_io_concurrency``).
+    """
+    if block_size is not None:
+        block_size = parse_block_size(block_size)
+    return LayoutReader(
+        _Settings(
+            path=os.fspath(path_or_url),
+            block_size=block_size,
+            backend=backend,
+            matrix=matrix,
+            backend_options=tuple(sorted(backend_options.items())),
+        )
+    )
