@@ -1,0 +1,116 @@
+"""CLI commands of the converter package, registered by :mod:`sclayout.cli`.
+
+``COMMANDS`` lists the click commands; the checks helper appends ``verify`` and
+``inspect`` (defined in their own modules) below.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import click
+
+__all__ = ["COMMANDS", "convert_command"]
+
+
+def _dir_bytes(path: Path) -> tuple[int, int]:
+    files = total = 0
+    for dirpath, _, names in os.walk(path):
+        for n in names:
+            files += 1
+            total += os.path.getsize(os.path.join(dirpath, n))
+    return total, files
+
+
+@click.command("convert")
+@click.argument("src", type=click.Path(path_type=Path))
+@click.argument("dst", type=click.Path(path_type=Path))
+@click.option("--block-size", type=str, default=None, help="Rows per block [spec, else 64].")
+@click.option(
+    "--order",
+    type=str,
+    default=None,
+    help="Row order: original, shuffled or stratified [original].",
+)
+@click.option("--by", multiple=True, help="obs column to stratify by (repeatable).")
+@click.option("--seed", type=int, default=None, help="Seed of the permutation [0].")
+@click.option("--codec", type=str, default=None, help="Codec [blosc-lz4].")
+@click.option(
+    "--spec",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Layout spec JSON (from `sclayout recommend`); options given here override it.",
+)
+@click.option("--memory-budget", default="2GB", show_default=True, help="Peak memory target.")
+@click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
+@click.option("--jobs", type=int, default=None, help="Worker threads [CPUs].")
+@click.option("--scheduler", default=None, help="dask.distributed scheduler address.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars or summary.")
+def convert_command(
+    src: Path,
+    dst: Path,
+    block_size: str | None,
+    order: str | None,
+    by: tuple[str, ...],
+    seed: int | None,
+    codec: str | None,
+    spec: Path | None,
+    memory_budget: str,
+    overwrite: bool,
+    jobs: int | None,
+    scheduler: str | None,
+    quiet: bool,
+) -> None:
+    """Convert SRC (.h5ad or AnnData zarr) into the layout store DST."""
+    from loader.layout import RowOrder, parse_block_size
+    from loader.spec import LayoutSpec
+    from sclayout.convert import convert
+
+    size = parse_block_size(block_size, name="--block-size") if block_size is not None else None
+    kwargs = {"block_size": size, "order": order, "by": by, "seed": seed, "codec": codec}
+    layout_spec = None
+    if spec is not None:  # explicit options override the spec: fold them into it
+        layout_spec = LayoutSpec.load(spec)
+        st = layout_spec.store
+        merged_order = RowOrder(
+            kind=order or st.order.kind,
+            seed=seed if seed is not None else st.order.seed,
+            columns=by or st.order.columns,
+        )
+        layout_spec = layout_spec.with_store(
+            block_size=size or st.block_size, order=merged_order, codec=codec or st.codec
+        )
+        kwargs = {}
+    kwargs = {k: v for k, v in kwargs.items() if v is not None and v != ()}
+    t0 = time.perf_counter()
+    manifest = convert(
+        src,
+        dst,
+        spec=layout_spec,
+        memory_budget=memory_budget,
+        overwrite=overwrite,
+        jobs=jobs,
+        scheduler=scheduler,
+        progress=not quiet,
+        **kwargs,
+    )
+    seconds = time.perf_counter() - t0
+    if quiet:
+        return
+    written, files = _dir_bytes(dst)
+    src_bytes = manifest.source.get("size", 0)
+    arrays = sum(len(m.arrays) for m in manifest.matrices.values())
+    click.echo(
+        f"converted {src} -> {dst}: {manifest.n_obs} rows x {manifest.n_vars} vars, "
+        f"{manifest.n_blocks} blocks of {manifest.block_size}, order {manifest.order.kind}, "
+        f"{len(manifest.matrices)} matrices ({arrays} arrays), "
+        f"{written / 1e6:.1f} MB in {files} files, {seconds:.1f} s, "
+        f"{src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source"
+    )
+
+
+COMMANDS: list[click.Command] = [convert_command]
+# The checks helper registers `verify` and `inspect` here, e.g.:
+# from sclayout.convert.verify_cli import verify_command; COMMANDS.append(verify_command)

@@ -1,0 +1,602 @@
+"""``convert``: AnnData source -> layout store (the orchestrator).
+
+Steps: validate everything cheap first (source, options, destination); build the row
+permutation; write every small element with anndata into a zarr v3 store in a
+temporary sibling of DST; write each row-aligned matrix (X, layers, raw/X) with
+shard-aligned dask tasks (a direct copy in the source order, the bucketed two-pass
+reorder otherwise); write ``uns/sclayout``; write the manifest last; rename into place.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import shutil
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+import zarr
+
+from loader.errors import InputError, SpecError
+from loader.layout import (
+    MANIFEST_KEY,
+    SCLAYOUT_UNS,
+    ArrayLayout,
+    Manifest,
+    MatrixLayout,
+    RowOrder,
+    block_pointer_path,
+    parse_block_size,
+)
+from loader.spec import LayoutSpec
+from sclayout.convert import external as ext
+from sclayout.convert.codecs import get_codec
+from sclayout.convert.order import get_order, inverse_permutation
+from sclayout.convert.plan import (
+    DEFAULT_BLOCK_SIZE,
+    MatrixPlan,
+    parse_memory_budget,
+    plan_csr,
+    plan_dense,
+    shard_bytes_for_budget,
+)
+from sclayout.convert.source import (
+    MatrixInfo,
+    Source,
+    close_handles,
+    fingerprint,
+    open_group,
+    read_slice,
+)
+from sclayout.convert.write import (
+    CopyDenseJob,
+    CopySparseJob,
+    Runner,
+    copy_dense,
+    copy_sparse,
+    create_matrix,
+    shard_ranges,
+    write_region,
+)
+
+try:  # the input checks live in their own module (sclayout verify/inspect helper)
+    from sclayout.convert.checks import check_source
+except ImportError:  # pragma: no cover - only while that module is absent
+    check_source = None
+
+__all__ = ["ConvertOptions", "convert", "resolve_options"]
+
+ROUTE_COPIES = 4
+"""A route task holds its source slice about four times (read, gathered copy, per-row
+index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
+ASSEMBLE_INDEX_BYTES = 16
+"""Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
+and its sorted copy."""
+TMP_TAG = "sclayout-tmp"
+OLD_TAG = "sclayout-old"
+WORK_DIR = "_sclayout_work"
+
+
+@dataclass(frozen=True)
+class ConvertOptions:
+    """The resolved options of one conversion (explicit arguments over the spec)."""
+
+    block_size: int | None
+    order: RowOrder
+    codec: str
+    memory_budget: int
+    chunk_blocks: int = 1
+    csr_chunk_nnz: int | None = None
+    shard_chunks: int | None = None
+
+
+def resolve_options(
+    *,
+    spec: LayoutSpec | str | os.PathLike | None,
+    block_size: int | None,
+    order: str,
+    by: Sequence[str],
+    seed: int,
+    codec: str,
+    memory_budget: str | int,
+) -> ConvertOptions:
+    """Merge a spec with explicit arguments; arguments at their defaults take the spec's."""
+    if spec is not None and not isinstance(spec, LayoutSpec):
+        spec = LayoutSpec.load(spec)
+    store = spec.store if spec is not None else None
+    if block_size is not None:
+        block_size = parse_block_size(block_size)
+    elif store is not None:
+        block_size = store.block_size
+    if store is not None:
+        order = order if order != "original" else store.order.kind
+        by = tuple(by) or store.order.columns
+        seed = seed if seed != 0 or store.order.seed is None else store.order.seed
+        codec = codec if codec != "blosc-lz4" else store.codec
+    get_order(order)
+    get_codec(codec)
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:
+        raise SpecError(f"seed={seed!r}: must be an integer >= 0")
+    row_order = RowOrder(
+        kind=order, seed=None if order == "original" else int(seed), columns=tuple(by)
+    )
+    return ConvertOptions(
+        block_size=block_size,
+        order=row_order,
+        codec=codec,
+        memory_budget=parse_memory_budget(memory_budget),
+        chunk_blocks=store.chunk_blocks if store else 1,
+        csr_chunk_nnz=store.csr_chunk_nnz if store else None,
+        shard_chunks=store.shard_chunks if store else None,
+    )
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    spec: LayoutSpec | str | os.PathLike | None = None,
+    block_size: int | None = None,
+    order: str = "original",
+    by: Sequence[str] = (),
+    seed: int = 0,
+    codec: str = "blosc-lz4",
+    memory_budget: str | int = "2GB",
+    overwrite: bool = False,
+    jobs: int | None = None,
+    scheduler: str | None = None,
+    progress: bool = False,
+) -> Manifest:
+    """Convert an AnnData source (.h5ad or zarr v2/v3) into a layout store.
+
+    Parameters
+    ----------
+    src
+        The source dataset.
+    dst
+        The layout store to create (a directory).
+    spec
+        A :class:`~loader.spec.LayoutSpec` or the path of its JSON; arguments left at
+        their defaults take the spec's values, explicit ones override it.
+    block_size
+        Rows per block; default: the spec's, else :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`.
+    order
+        ``original``, ``shuffled`` or ``stratified`` (see :mod:`sclayout.convert.order`).
+    by
+        obs columns to stratify by (``order="stratified"``).
+    seed
+        Seed of the shuffled/stratified permutation.
+    codec
+        Codec name (:data:`~sclayout.convert.codecs.CODECS`).
+    memory_budget
+        Peak memory to aim for (``"2GB"``, ``"512MiB"`` or bytes); sizes read slices,
+        buckets and shards, independent of the number of rows.
+    overwrite
+        Replace an existing DST.
+    jobs
+        Worker threads (default: CPUs).
+    scheduler
+        Address of a dask.distributed scheduler to run the tasks on.
+    progress
+        Show progress bars.
+
+    Returns
+    -------
+    Manifest
+        The manifest written as the store's root attribute ``sclayout``.
+
+    Raises
+    ------
+    InputError
+        Bad source, bad option, DST exists without ``overwrite``, DST not writable.
+    """
+    if check_source is not None:
+        check_source(src)
+    opts = resolve_options(
+        spec=spec,
+        block_size=block_size,
+        order=order,
+        by=by,
+        seed=seed,
+        codec=codec,
+        memory_budget=memory_budget,
+    )
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise InputError(f"jobs={jobs!r}: must be a positive integer")
+    src_p, dst_p = Path(src), Path(os.path.abspath(dst))
+    if not src_p.exists():
+        raise InputError(f"SRC {src_p} does not exist: check the path")
+    _check_dst(dst_p, overwrite=overwrite)
+    _clean_stale(dst_p)
+    tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
+    runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+    try:
+        with open_group(src_p) as root:
+            source = Source(root, src_p)
+            manifest = _convert_into(source, tmp, opts, runner)
+        _install(tmp, dst_p, overwrite=overwrite)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise InputError(
+                f"no space left on the device of {dst_p.parent} while writing: "
+                "free space or choose another DST"
+            ) from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise InputError(
+                f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
+            ) from None
+        raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        runner.close()
+        close_handles()
+    return manifest
+
+
+# -- destination safety ------------------------------------------------------------------
+
+
+def _check_dst(dst: Path, *, overwrite: bool) -> None:
+    if dst.exists() and not overwrite:
+        raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
+    if not dst.parent.is_dir():
+        raise InputError(f"DST {dst}: parent directory {dst.parent} does not exist; create it")
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise InputError(f"DST {dst}: {dst.parent} is not writable; choose another location")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _clean_stale(dst: Path) -> None:
+    """Remove temp/aside siblings of DST left by a conversion that was killed."""
+    for tag in (TMP_TAG, OLD_TAG):
+        for p in dst.parent.glob(f".{dst.name}.{tag}-*"):
+            pid = p.name.rsplit("-", 1)[-1]
+            if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
+    """Move the finished store into place; DST is never half-written."""
+    if dst.exists():
+        if not overwrite:  # appeared while we converted
+            raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
+        old = dst.parent / f".{dst.name}.{OLD_TAG}-{os.getpid()}"
+        os.rename(dst, old)
+        os.rename(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, dst)
+
+
+# -- the conversion ----------------------------------------------------------------------
+
+
+def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
+    n_obs, n_vars = source.n_obs, source.n_vars
+    obs = source.read_elem("obs")
+    missing = [c for c in opts.order.columns if c not in obs.columns]
+    if missing:
+        raise InputError(
+            f"--by {missing[0]!r}: no such obs column; available: "
+            f"{', '.join(map(str, obs.columns)) or '(none)'}"
+        )
+    block_size = opts.block_size or DEFAULT_BLOCK_SIZE
+    perm = get_order(opts.order.kind)(
+        n_obs, obs=obs, by=opts.order.columns, seed=opts.order.seed or 0
+    )
+    identity = opts.order.kind == "original"
+    inv = inverse_permutation(perm)
+    tmp.mkdir()
+    root = zarr.open_group(tmp, mode="w", zarr_format=3)
+    root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+    _write_small(source, root, obs, perm)
+    matrices: dict[str, MatrixLayout] = {}
+    pointers: dict[str, np.ndarray] = {}
+    ctx = _Ctx(source, str(tmp), opts, block_size, runner, perm, inv, identity)
+    for info in source.row_matrices():
+        layout, pointer = _convert_matrix(ctx, info)
+        matrices[info.path] = layout
+        if pointer is not None:
+            pointers[info.path] = pointer
+    shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
+    _write_uns_sclayout(root, perm, pointers)
+    x = source.matrix_info("X")
+    nnz = matrices["X"].nnz
+    manifest = Manifest(
+        n_obs=n_obs,
+        n_vars=n_vars,
+        block_size=block_size,
+        order=opts.order,
+        matrices=matrices,
+        source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=nnz if x else 0),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+    root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
+    return manifest
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    source: Source
+    dst: str
+    opts: ConvertOptions
+    block_size: int
+    runner: Runner
+    perm: np.ndarray
+    inv: np.ndarray
+    identity: bool
+
+    @property
+    def jobs(self) -> int:
+        return self.runner.jobs
+
+
+def _quiet_write(group: Any, key: str, value: Any) -> None:
+    with warnings.catch_warnings(), ad.settings.override(zarr_write_format=3):
+        warnings.simplefilter("ignore")
+        ad.io.write_elem(group, key, value)
+
+
+def _take_rows(value: Any, perm: np.ndarray) -> Any:
+    if isinstance(value, pd.DataFrame):
+        return value.iloc[perm]
+    return value[perm]
+
+
+def _write_small(source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray) -> None:
+    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer."""
+    _quiet_write(root, "obs", obs.iloc[perm])
+    _quiet_write(root, "var", source.read_elem("var"))
+    obsm = source.read_elem("obsm") if source.has("obsm") else {}
+    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in obsm.items()})
+    for key in ("varm", "varp"):
+        _quiet_write(root, key, source.read_elem(key) if source.has(key) else {})
+    obsp = source.read_elem("obsp") if source.has("obsp") else {}
+    _quiet_write(root, "obsp", {k: _permute_pairwise(v, perm) for k, v in obsp.items()})
+    uns = source.read_elem("uns") if source.has("uns") else {}
+    uns.pop("sclayout", None)  # a layout store as source: its own arrays are rebuilt
+    _quiet_write(root, "uns", uns)
+    _quiet_write(root, "layers", {})
+    if source.has("raw") and source.has("raw/X"):
+        raw = root.require_group("raw")
+        raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
+        _quiet_write(raw, "var", source.read_elem("raw/var"))
+        _quiet_write(raw, "varm", source.read_elem("raw/varm") if source.has("raw/varm") else {})
+
+
+def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
+    if sp.issparse(value):
+        fmt = value.format
+        return value[perm][:, perm].asformat(fmt)
+    return np.asarray(value)[np.ix_(perm, perm)]
+
+
+def _write_uns_sclayout(root: zarr.Group, perm: np.ndarray, pointers: dict) -> None:
+    uns = root["uns"]
+    payload = {
+        "source_index": perm.astype(np.int64),
+        "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
+    }
+    _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
+
+
+def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
+    return ArrayLayout(
+        path=path,
+        shape=tuple(arr.shape),
+        dtype=str(arr.dtype),
+        chunks=tuple(arr.chunks),
+        shards=None if arr.shards is None else tuple(arr.shards),
+        codec=codec,
+    )
+
+
+def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarray | None]:
+    opts = ctx.opts
+    compressors = get_codec(opts.codec)
+    n_obs, n_vars = info.shape
+    shard_bytes = shard_bytes_for_budget(opts.memory_budget)
+    root = zarr.open_group(ctx.dst, mode="r+", zarr_format=3)
+    if info.encoding == "dense":
+        plan = plan_dense(
+            n_obs=n_obs,
+            n_vars=n_vars,
+            block_size=ctx.block_size,
+            itemsize=info.itemsize,
+            shard_bytes=shard_bytes,
+            chunk_blocks=opts.chunk_blocks,
+            shard_chunks=opts.shard_chunks,
+        )
+        arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors)
+        _fill_dense(ctx, info, plan)
+        layout = MatrixLayout(
+            encoding="dense",
+            shape=(n_obs, n_vars),
+            dtype=str(info.dtype),
+            nnz=n_obs * n_vars,
+            arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
+        )
+        return layout, None
+    if info.encoding == "csr":
+        src_ptr = ctx.source.indptr(info)
+        row_nnz = np.diff(src_ptr)
+    else:
+        src_ptr = ctx.source.indptr(info)  # column pointer
+        row_nnz = _csc_row_counts(ctx, info, src_ptr)
+    out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
+    np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
+    nnz = int(out_ptr[-1])
+    plan = plan_csr(
+        n_obs=n_obs,
+        nnz=nnz,
+        block_size=ctx.block_size,
+        itemsize=info.itemsize,
+        shard_bytes=shard_bytes,
+        csr_chunk_nnz=opts.csr_chunk_nnz,
+        shard_chunks=opts.shard_chunks,
+    )
+    arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors)
+    if info.encoding == "csr" and ctx.identity:
+        _copy_csr(ctx, info, plan, src_ptr, nnz)
+    else:
+        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+    ptr_shard = plan.arrays["indptr"].shards[0]
+    for a, b in shard_ranges(n_obs + 1, ptr_shard):
+        write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
+    pointer = out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]]
+    layout = MatrixLayout(
+        encoding="csr",
+        shape=(n_obs, n_vars),
+        dtype=str(info.dtype),
+        nnz=nnz,
+        arrays={
+            role: _array_layout(f"{info.path}/{role}", arr, opts.codec)
+            for role, arr in arrays.items()
+        },
+        block_pointer=block_pointer_path(info.path),
+    )
+    return layout, pointer
+
+
+def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, src_ptr, nnz: int) -> None:
+    start = int(src_ptr[0])
+    if start != 0:  # an indptr that does not start at 0: route through the general path
+        out_ptr = src_ptr - start
+        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+        return
+    jobs = [
+        CopySparseJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+        for a, b in shard_ranges(nnz, plan.elements_per_shard)
+    ]
+    ctx.runner.run(copy_sparse, jobs, desc=f"copy {info.path}")
+
+
+def _csc_row_counts(ctx: _Ctx, info: MatrixInfo, col_ptr: np.ndarray) -> np.ndarray:
+    """nnz of every row of a CSC matrix, from its indices read in slices."""
+    counts = np.zeros(info.shape[0], dtype=np.int64)
+    step = max(1, ctx.opts.memory_budget // (4 * 8))
+    for a, b in shard_ranges(int(col_ptr[-1]) - int(col_ptr[0]), step):
+        off = int(col_ptr[0])
+        rows = read_slice(ctx.source.path, f"{info.path}/indices", a + off, b + off)
+        counts += np.bincount(rows, minlength=info.shape[0])
+    return counts
+
+
+def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
+    """Bucketed two-pass reorder of a CSR or CSC source into CSR output."""
+    elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
+    shard = plan.elements_per_shard
+    bucket = ctx.opts.memory_budget // (ctx.jobs * (3 * elem_bytes + ASSEMBLE_INDEX_BYTES))
+    bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
+    workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
+    read_elems = max(1, ctx.opts.memory_budget // (ctx.jobs * ROUTE_COPIES * elem_bytes))
+    cuts = _cuts(src_ptr, read_elems)
+    src = ctx.source.path
+    if info.encoding == "csr":
+        fn = ext.route_rows
+        jobs = [
+            ext.RouteRowsJob(src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir)
+            for a, b in itertools.pairwise(cuts)
+        ]
+        kind = "rows"
+    else:
+        fn = ext.route_csc
+        jobs = [
+            ext.RouteCscJob(
+                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, info.index_dtype
+            )
+            for a, b in itertools.pairwise(cuts)
+        ]
+        kind = "csc"
+    ctx.runner.run(fn, jobs, desc=f"route {info.path}")
+    index_dtype = info.index_dtype
+    first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
+    assemble = [
+        ext.AssembleJob(
+            kind,
+            workdir,
+            b,
+            int(bounds[b]),
+            int(bounds[b + 1]),
+            int(out_ptr[first_rows[b]]),
+            ctx.dst,
+            info.path,
+            shard,
+            info.dtype,
+            index_dtype,
+            info.shape[1],
+        )
+        for b in range(len(bounds) - 1)
+    ]
+    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}")
+
+
+def _cuts(ptr: np.ndarray, step: int) -> list[int]:
+    """Boundaries (rows or columns) splitting ``ptr`` into slices of about ``step`` elements."""
+    n = ptr.size - 1
+    if n <= 0:
+        return [0, 0] if n == 0 else [0]
+    marks = np.arange(int(ptr[0]) + step, int(ptr[-1]), step)
+    inner = np.searchsorted(ptr, marks, side="left")
+    return sorted({0, n, *(int(i) for i in inner if 0 < i < n)})
+
+
+def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
+    n_obs, n_vars = info.shape
+    shard_rows = plan.elements_per_shard
+    if ctx.identity:
+        jobs = [
+            CopyDenseJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+            for a, b in shard_ranges(n_obs, shard_rows)
+        ]
+        ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")
+        return
+    row_bytes = max(1, n_vars * info.itemsize)
+    bucket_rows = ctx.opts.memory_budget // (ctx.jobs * 3 * row_bytes)
+    bounds = ext.bucket_bounds(n_obs, shard=shard_rows, bucket=bucket_rows)
+    workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
+    read_rows = max(1, ctx.opts.memory_budget // (ctx.jobs * ROUTE_COPIES * row_bytes))
+    jobs = [
+        ext.RouteDenseJob(ctx.source.path, info.path, a, b, ctx.inv, bounds, workdir)
+        for a, b in shard_ranges(n_obs, read_rows)
+    ]
+    ctx.runner.run(ext.route_dense, jobs, desc=f"route {info.path}")
+    assemble = [
+        ext.AssembleJob(
+            "dense",
+            workdir,
+            b,
+            int(bounds[b]),
+            int(bounds[b + 1]),
+            int(bounds[b]),
+            ctx.dst,
+            info.path,
+            shard_rows,
+            info.dtype,
+            None,
+            n_vars,
+        )
+        for b in range(len(bounds) - 1)
+    ]
+    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}")

@@ -1,0 +1,277 @@
+"""External (bucketed, two-pass) reordering of a row-aligned matrix.
+
+Used for every order other than the source's own CSR/dense order, and for CSC
+sources (whose rows are scattered over all columns). Memory stays bounded whatever
+the number of rows:
+
+- **Buckets** are consecutive ranges of *output* shards (elements of CSR
+  ``data``/``indices``, rows of dense arrays), so each bucket fills whole shards and
+  buckets are written independently, in parallel, without read-modify-write.
+- **Pass 1 (route)** reads the source sequentially in large slices (row ranges of
+  CSR/dense, column ranges of CSC) and appends every row (or CSC entry) to the temp
+  files of the bucket(s) its output position falls in. A CSR row that straddles a
+  bucket boundary goes to both buckets. Each worker thread appends to its own files.
+- **Pass 2 (assemble)** loads one bucket, sorts it into output order with vectorised
+  gathers, and writes its shards.
+
+Temp files live in a work directory inside the store's temporary sibling, so a kill
+leaves nothing behind that the next run does not remove.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from sclayout.convert.source import read_slice
+from sclayout.convert.write import write_region
+
+__all__ = [
+    "AssembleJob",
+    "RouteCscJob",
+    "RouteDenseJob",
+    "RouteRowsJob",
+    "assemble",
+    "bucket_bounds",
+    "route_csc",
+    "route_dense",
+    "route_rows",
+]
+
+
+def bucket_bounds(total: int, *, shard: int, bucket: int) -> np.ndarray:
+    """Bucket boundaries over ``[0, total)``: multiples of ``shard``, about ``bucket`` apart."""
+    step = max(shard, (bucket // shard) * shard)
+    return np.unique(np.r_[np.arange(0, total, step, dtype=np.int64), total])
+
+
+def _writer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}"
+
+
+def _append(workdir: str, bucket: int, parts: dict[str, np.ndarray]) -> None:
+    d = Path(workdir) / f"b{bucket:06d}"
+    d.mkdir(parents=True, exist_ok=True)
+    wid = _writer_id()
+    for name, arr in parts.items():
+        with open(d / f"{wid}.{name}", "ab") as f:
+            f.write(np.ascontiguousarray(arr).data)
+
+
+def _load(workdir: str, bucket: int, dtypes: dict[str, np.dtype]) -> dict[str, np.ndarray]:
+    d = Path(workdir) / f"b{bucket:06d}"
+    writers = sorted({p.name.rsplit(".", 1)[0] for p in d.iterdir()}) if d.exists() else []
+    out = {}
+    for name, dt in dtypes.items():
+        pieces = [np.fromfile(d / f"{w}.{name}", dtype=dt) for w in writers]
+        out[name] = np.concatenate(pieces) if pieces else np.empty(0, dtype=dt)
+    return out
+
+
+def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
+    total = int(lengths.sum())
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+
+
+# -- pass 1 ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RouteRowsJob:
+    """Route source rows ``[r0, r1)`` of a CSR matrix to their buckets.
+
+    ``indptr`` is the source indptr (int64), ``inv`` the inverse permutation,
+    ``out_ptr`` the output indptr, ``bounds`` the bucket element bounds.
+    """
+
+    src: str
+    path: str
+    r0: int
+    r1: int
+    indptr: np.ndarray
+    inv: np.ndarray
+    out_ptr: np.ndarray
+    bounds: np.ndarray
+    workdir: str
+
+
+def route_rows(job: RouteRowsJob) -> int:
+    """Run a :class:`RouteRowsJob`; returns bytes read."""
+    s = job.indptr
+    e0, e1 = int(s[job.r0]), int(s[job.r1])
+    data = read_slice(job.src, f"{job.path}/data", e0, e1)
+    indices = read_slice(job.src, f"{job.path}/indices", e0, e1)
+    nnz = np.diff(s[job.r0 : job.r1 + 1])
+    out_start = job.out_ptr[job.inv[job.r0 : job.r1]]
+    keep = np.flatnonzero(nnz > 0)
+    local = s[job.r0 : job.r1][keep] - e0
+    nnz, out_start = nnz[keep], out_start[keep]
+    first = np.searchsorted(job.bounds, out_start, side="right") - 1
+    last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1
+    order = np.argsort(first, kind="stable")
+    seg = _segments(local[order], nnz[order])
+    g_data, g_idx = data[seg], indices[seg]
+    cuts_rows = np.searchsorted(first[order], np.arange(len(job.bounds)))
+    cuts_elems = np.r_[0, np.cumsum(nnz[order])][cuts_rows]
+    meta = np.stack([out_start[order], nnz[order]], axis=1)
+    for b in np.unique(first):
+        ra, rb = cuts_rows[b], cuts_rows[b + 1]
+        ea, eb = cuts_elems[b], cuts_elems[b + 1]
+        _append(
+            job.workdir, int(b), {"meta": meta[ra:rb], "data": g_data[ea:eb], "idx": g_idx[ea:eb]}
+        )
+    for i in np.flatnonzero(last > first):  # rows straddling buckets: rare
+        a, n = int(local[i]), int(nnz[i])
+        row = {
+            "meta": np.array([[out_start[i], n]]),
+            "data": data[a : a + n],
+            "idx": indices[a : a + n],
+        }
+        for b in range(int(first[i]) + 1, int(last[i]) + 1):
+            _append(job.workdir, b, row)
+    return data.nbytes + indices.nbytes
+
+
+@dataclass(frozen=True)
+class RouteCscJob:
+    """Route the entries of source columns ``[c0, c1)`` of a CSC matrix to their buckets."""
+
+    src: str
+    path: str
+    c0: int
+    c1: int
+    col_ptr: np.ndarray
+    inv: np.ndarray
+    out_ptr: np.ndarray
+    bounds: np.ndarray
+    workdir: str
+    index_dtype: np.dtype
+
+
+def route_csc(job: RouteCscJob) -> int:
+    """Run a :class:`RouteCscJob`; returns bytes read."""
+    p = job.col_ptr
+    e0, e1 = int(p[job.c0]), int(p[job.c1])
+    data = read_slice(job.src, f"{job.path}/data", e0, e1)
+    rows = read_slice(job.src, f"{job.path}/indices", e0, e1)
+    cols = np.repeat(
+        np.arange(job.c0, job.c1, dtype=job.index_dtype), np.diff(p[job.c0 : job.c1 + 1])
+    )
+    out_row = job.inv[rows]
+    first = np.searchsorted(job.bounds, job.out_ptr[out_row], side="right") - 1
+    last = np.searchsorted(job.bounds, job.out_ptr[out_row + 1] - 1, side="right") - 1
+    order = np.argsort(first, kind="stable")
+    cuts = np.searchsorted(first[order], np.arange(len(job.bounds)))
+    o_row, o_data, o_col = out_row[order], data[order], cols[order]
+    for b in np.unique(first):
+        a, z = cuts[b], cuts[b + 1]
+        _append(job.workdir, int(b), {"meta": o_row[a:z], "data": o_data[a:z], "idx": o_col[a:z]})
+    span = last - first
+    for k in range(1, int(span.max(initial=0)) + 1):  # entries of rows straddling buckets
+        sel = np.flatnonzero(span >= k)
+        for b in np.unique(first[sel] + k):
+            s = sel[first[sel] + k == b]
+            _append(job.workdir, int(b), {"meta": out_row[s], "data": data[s], "idx": cols[s]})
+    return data.nbytes + rows.nbytes
+
+
+@dataclass(frozen=True)
+class RouteDenseJob:
+    """Route source rows ``[r0, r1)`` of a dense matrix to their buckets (row bounds)."""
+
+    src: str
+    path: str
+    r0: int
+    r1: int
+    inv: np.ndarray
+    bounds: np.ndarray
+    workdir: str
+
+
+def route_dense(job: RouteDenseJob) -> int:
+    """Run a :class:`RouteDenseJob`; returns bytes read."""
+    values = read_slice(job.src, job.path, job.r0, job.r1)
+    out_row = job.inv[job.r0 : job.r1]
+    first = np.searchsorted(job.bounds, out_row, side="right") - 1
+    order = np.argsort(first, kind="stable")
+    cuts = np.searchsorted(first[order], np.arange(len(job.bounds)))
+    o_row, o_val = out_row[order], values[order]
+    for b in np.unique(first):
+        a, z = cuts[b], cuts[b + 1]
+        _append(job.workdir, int(b), {"meta": o_row[a:z], "data": o_val[a:z]})
+    return values.nbytes
+
+
+# -- pass 2 ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AssembleJob:
+    """Assemble bucket ``bucket`` (output range ``[start, stop)``) and write its shards.
+
+    ``kind`` is ``rows`` (CSR source), ``csc`` or ``dense``. For ``csc``, ``base`` is
+    the output position of the first element of the first row overlapping the bucket.
+    """
+
+    kind: str
+    workdir: str
+    bucket: int
+    start: int
+    stop: int
+    base: int
+    dst: str
+    dst_path: str
+    shard: int
+    dtype: np.dtype
+    index_dtype: np.dtype | None
+    n_vars: int
+
+
+def assemble(job: AssembleJob) -> int:
+    """Run an :class:`AssembleJob`; returns bytes written (uncompressed)."""
+    if job.kind == "dense":
+        parts = _load(job.workdir, job.bucket, {"meta": np.dtype(np.int64), "data": job.dtype})
+        values = parts["data"].reshape(parts["meta"].size, job.n_vars)
+        order = np.argsort(parts["meta"], kind="stable")
+        rows = parts["meta"][order]
+        if not np.array_equal(rows, np.arange(job.start, job.stop)):
+            raise RuntimeError(f"bucket {job.bucket}: rows missing or repeated (a bug)")
+        out = {None: values[order]}
+    else:
+        meta_dt = np.dtype(np.int64)
+        parts = _load(
+            job.workdir, job.bucket, {"meta": meta_dt, "data": job.dtype, "idx": job.index_dtype}
+        )
+        if job.kind == "rows":
+            meta = parts["meta"].reshape(-1, 2)
+            order = np.argsort(meta[:, 0], kind="stable")
+            starts, nnz = meta[order, 0], meta[order, 1]
+            file_starts = np.cumsum(meta[:, 1]) - meta[:, 1]
+            seg = _segments(file_starts[order], nnz)
+            base = int(starts[0]) if starts.size else job.start
+            if starts.size and int(starts[-1] + nnz[-1] - base) != seg.size:
+                raise RuntimeError(f"bucket {job.bucket}: rows not contiguous (a bug)")
+        else:
+            seg = np.lexsort((parts["idx"], parts["meta"]))
+            base = job.base
+        lo, hi = job.start - base, job.stop - base
+        if hi > seg.size or lo < 0:
+            raise RuntimeError(f"bucket {job.bucket}: {seg.size} elements, need [{lo}, {hi})")
+        seg = seg[lo:hi]
+        out = {"data": parts["data"][seg], "indices": parts["idx"][seg]}
+    n = 0
+    for name, values in out.items():
+        path = job.dst_path if name is None else f"{job.dst_path}/{name}"
+        for a in range(0, values.shape[0], job.shard):
+            write_region(job.dst, path, job.start + a, values[a : a + job.shard])
+        n += values.nbytes
+    shutil.rmtree(Path(job.workdir) / f"b{job.bucket:06d}", ignore_errors=True)
+    return n

@@ -1,0 +1,204 @@
+"""Pure chunk and shard choice for the arrays of a layout store (no I/O).
+
+A *plan* says, for one row-aligned matrix, the chunk and shard shape of each of its
+zarr arrays. Dense chunks hold whole blocks; CSR ``data``/``indices`` inner chunks
+are sized from the nnz of a typical block; inner chunks are grouped into shards so
+that the number of files stays in the thousands at 10^8 cells (DESIGN §1).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from loader.errors import InputError
+
+__all__ = [
+    "CSR_CHUNK_NNZ_MIN",
+    "DEFAULT_BLOCK_SIZE",
+    "DENSE_CHUNK_MAX_BYTES",
+    "SHARD_BYTES_MAX",
+    "ArrayPlan",
+    "MatrixPlan",
+    "parse_memory_budget",
+    "plan_csr",
+    "plan_dense",
+    "shard_bytes_for_budget",
+]
+
+DEFAULT_BLOCK_SIZE = 64
+"""Rows per block when neither ``block_size`` nor a spec gives one. 64 rows of a
+~2,000-nnz/cell dataset are ~1 MB of float32 data+indices: large enough that a random
+block read is bandwidth- not latency-bound (DESIGN §3: ~150–210 µs per random read),
+small enough that a 16-block fetch of a 64-cell batch still mixes 16 blocks (DESIGN §4's
+E[D] formula; scDataset's b16/f64 setting is in the same range)."""
+
+CSR_CHUNK_NNZ_MIN = 4096
+"""Smallest CSR inner chunk (elements, 16 KiB of float32). Below this a read is pure
+latency (DESIGN §3: 8 KB random reads cost ~150–210 µs each), so smaller chunks only
+add requests."""
+
+DENSE_CHUNK_MAX_BYTES = 16 * 2**20
+"""Largest dense chunk before the gene axis is tiled: 16 MiB keeps one chunk's decode
+under ~10 ms at blosc-lz4 speeds (DESIGN §3) and bounds a worker's buffer."""
+
+SHARD_BYTES_MAX = 128 * 2**20
+"""Largest shard (uncompressed bytes). 10^8 cells × 2,000 nnz × 4 B = 800 GB of
+``data`` is ~6,000 shards: thousands of files, not millions (DESIGN §1), while a shard
+written whole stays a small fraction of a 2 GB memory budget."""
+
+SHARD_BUDGET_FRACTION = 16
+"""A shard is at most ``memory_budget / 16``: the converter holds, per worker, a
+shard of data and one of indices plus their compressed copies and source buffers."""
+
+INDPTR_CHUNK_ROWS = 8192
+"""``indptr`` chunk length (rounded to whole blocks): 64 KiB of int64. Readers use the
+block pointer for block ranges and read ``indptr`` only for the rows they fetch."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_memory_budget(value: str | int) -> int:
+    """Bytes from ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G`` or a plain number of bytes.
+
+    Raises
+    ------
+    InputError
+        For anything else, naming the value and the accepted forms.
+    """
+    bad = InputError(
+        f"memory_budget={value!r}: not a size; use e.g. 2GB, 512MiB or a number of bytes"
+    )
+    if isinstance(value, bool):
+        raise bad
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, str):
+        m = _SIZE.match(value)
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise bad
+        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    else:
+        raise bad
+    if n <= 0:
+        raise InputError(f"memory_budget={value!r}: must be positive, e.g. 2GB")
+    return n
+
+
+def shard_bytes_for_budget(memory_budget: int) -> int:
+    """Target uncompressed shard size for a memory budget (bytes)."""
+    return max(1, min(SHARD_BYTES_MAX, memory_budget // SHARD_BUDGET_FRACTION))
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """Chunk and shard shape of one zarr array (``shards`` None: unsharded)."""
+
+    chunks: tuple[int, ...]
+    shards: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class MatrixPlan:
+    """Arrays of one matrix: ``data``/``indices``/``indptr`` (csr) or ``values`` (dense)."""
+
+    encoding: str
+    arrays: dict[str, ArrayPlan]
+
+    @property
+    def elements_per_shard(self) -> int:
+        """CSR: elements of data/indices per shard; dense: rows per shard."""
+        a = self.arrays["data"] if self.encoding == "csr" else self.arrays["values"]
+        return (a.shards or a.chunks)[0]
+
+
+def plan_csr(
+    *,
+    n_obs: int,
+    nnz: int,
+    block_size: int,
+    itemsize: int,
+    shard_bytes: int,
+    csr_chunk_nnz: int | None = None,
+    shard_chunks: int | None = None,
+) -> MatrixPlan:
+    """Chunks and shards for a CSR matrix.
+
+    Parameters
+    ----------
+    n_obs, nnz
+        Rows and stored elements of the matrix.
+    block_size
+        Rows per block.
+    itemsize
+        Bytes per element of ``data`` (sizes the shards).
+    shard_bytes
+        Target uncompressed bytes per ``data`` shard.
+    csr_chunk_nnz
+        Elements per inner chunk; default: the nnz of a typical block (mean nnz per
+        row × block_size), at least :data:`CSR_CHUNK_NNZ_MIN`. A block then touches at
+        most two inner chunks and reads at most twice its size.
+    shard_chunks
+        Inner chunks per shard; default: as many as fit in ``shard_bytes``.
+    """
+    if csr_chunk_nnz is None:
+        per_block = math.ceil(nnz / n_obs * block_size) if n_obs else 0
+        csr_chunk_nnz = max(CSR_CHUNK_NNZ_MIN, per_block)
+    n_chunks = max(1, math.ceil(nnz / csr_chunk_nnz))
+    if shard_chunks is None:
+        shard_chunks = max(1, shard_bytes // max(1, csr_chunk_nnz * itemsize))
+    shard_chunks = min(shard_chunks, n_chunks)
+    elem = ArrayPlan(chunks=(csr_chunk_nnz,), shards=(csr_chunk_nnz * shard_chunks,))
+    ptr_chunk = block_size * max(1, INDPTR_CHUNK_ROWS // block_size)
+    ptr_n_chunks = max(1, math.ceil((n_obs + 1) / ptr_chunk))
+    ptr_shard_chunks = min(ptr_n_chunks, max(1, shard_bytes // (ptr_chunk * 8)))
+    indptr = ArrayPlan(chunks=(ptr_chunk,), shards=(ptr_chunk * ptr_shard_chunks,))
+    return MatrixPlan(encoding="csr", arrays={"data": elem, "indices": elem, "indptr": indptr})
+
+
+def plan_dense(
+    *,
+    n_obs: int,
+    n_vars: int,
+    block_size: int,
+    itemsize: int,
+    shard_bytes: int,
+    chunk_blocks: int = 1,
+    shard_chunks: int | None = None,
+) -> MatrixPlan:
+    """Chunks and shards for a dense matrix: a chunk holds ``chunk_blocks`` whole blocks.
+
+    The gene axis is tiled only when a chunk would exceed
+    :data:`DENSE_CHUNK_MAX_BYTES`; a shard spans every gene tile and as many chunk
+    rows as fit in ``shard_bytes``.
+    """
+    rows = block_size * chunk_blocks
+    cols = max(1, n_vars)
+    row_bytes = cols * itemsize
+    n_tiles = max(1, math.ceil(rows * row_bytes / DENSE_CHUNK_MAX_BYTES))
+    tile = math.ceil(cols / n_tiles)
+    n_row_chunks = max(1, math.ceil(n_obs / rows))
+    if shard_chunks is None:
+        shard_chunks = max(1, shard_bytes // max(1, rows * row_bytes))
+    shard_chunks = min(shard_chunks, n_row_chunks)
+    values = ArrayPlan(
+        chunks=(rows, tile), shards=(rows * shard_chunks, tile * math.ceil(cols / tile))
+    )
+    return MatrixPlan(encoding="dense", arrays={"values": values})

@@ -1,0 +1,216 @@
+"""Reading an AnnData source (.h5ad or an AnnData zarr v2/v3 store) piece by piece.
+
+Small elements (obs, var, obsm, uns, ...) are read whole with anndata's element
+reader. The row-aligned matrices (X, layers, raw/X) are described by
+:class:`MatrixInfo` and read in large contiguous slices (element ranges of CSR/CSC
+``data``/``indices``, row ranges of dense arrays), never row by row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anndata as ad
+import h5py
+import numpy as np
+import zarr
+
+from loader.errors import InputError
+
+__all__ = ["MatrixInfo", "Source", "fingerprint", "open_group", "read_slice"]
+
+FINGERPRINT_BYTES = 2**20
+"""Bytes hashed at each end of a source file for its fingerprint (1 MiB)."""
+
+_ENCODINGS = {"csr_matrix": "csr", "csc_matrix": "csc", "array": "dense"}
+
+
+@dataclass(frozen=True)
+class MatrixInfo:
+    """A row-aligned matrix of the source.
+
+    ``path`` is its key in the AnnData tree (``X``, ``layers/counts``, ``raw/X``);
+    ``encoding`` is ``csr``, ``csc`` or ``dense``; ``index_dtype`` is the dtype of
+    ``indices`` (sparse only).
+    """
+
+    path: str
+    encoding: str
+    shape: tuple[int, int]
+    dtype: np.dtype
+    index_dtype: np.dtype | None
+    nnz: int
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+
+def _is_zarr(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / name).exists() for name in ("zarr.json", ".zgroup", ".zattrs")
+    )
+
+
+@contextmanager
+def open_group(path: str | os.PathLike) -> Iterator[Any]:
+    """Open a source's root group read-only (``h5py.File`` or ``zarr.Group``)."""
+    p = Path(path)
+    if p.is_file():
+        with h5py.File(p, "r") as f:
+            yield f
+    elif _is_zarr(p):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield zarr.open_group(p, mode="r")
+    else:
+        raise InputError(f"SRC {p}: neither an .h5ad file nor an AnnData zarr store")
+
+
+_local = threading.local()
+
+
+def read_slice(src: str, array: str, start: int, stop: int) -> np.ndarray:
+    """``src[array][start:stop]`` (first axis), reusing an open handle per thread."""
+    cache = getattr(_local, "handles", None)
+    if cache is None:
+        cache = _local.handles = {}
+    key = (src, os.getpid())
+    if key not in cache:
+        p = Path(src)
+        if p.is_file():
+            cache[key] = h5py.File(p, "r")
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                cache[key] = zarr.open_group(p, mode="r")
+    return np.asarray(cache[key][array][start:stop])
+
+
+def close_handles() -> None:
+    """Close this thread's cached source handles."""
+    for h in getattr(_local, "handles", {}).values():
+        if isinstance(h, h5py.File):
+            h.close()
+    _local.handles = {}
+
+
+def _attr(node: Any, key: str, default: Any = None) -> Any:
+    v = node.attrs.get(key, default)
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class Source:
+    """An open AnnData source.
+
+    Parameters
+    ----------
+    root
+        Root group (``h5py.File`` or ``zarr.Group``) from :func:`open_group`.
+    path
+        Its path, used by workers to reopen it.
+    """
+
+    def __init__(self, root: Any, path: str | os.PathLike) -> None:
+        self.root = root
+        self.path = str(Path(path).resolve())
+        x = self.matrix_info("X") if "X" in root else None
+        if x is None:
+            raise InputError(f"SRC {path}: has no X matrix; sclayout needs one to lay out")
+        self.n_obs, self.n_vars = x.shape
+
+    # -- small elements ---------------------------------------------------------------
+    def read_elem(self, key: str) -> Any:
+        """Read element ``key`` whole with anndata (quietly)."""
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return ad.io.read_elem(self.root[key])
+
+    def has(self, key: str) -> bool:
+        return key in self.root
+
+    def keys(self, key: str) -> list[str]:
+        return list(self.root[key].keys()) if key in self.root else []
+
+    # -- matrices ---------------------------------------------------------------------
+    def matrix_info(self, key: str) -> MatrixInfo:
+        """Describe matrix ``key``.
+
+        Raises
+        ------
+        InputError
+            If its encoding is not csr_matrix, csc_matrix or a 2-D array.
+        """
+        node = self.root[key]
+        enc_type = _attr(node, "encoding-type", "array")
+        if isinstance(node, h5py.Dataset | zarr.Array):
+            enc_type = "array" if enc_type in (None, "array") else enc_type
+        enc = _ENCODINGS.get(enc_type)
+        if enc is None:
+            raise InputError(
+                f"SRC element {key}: unsupported encoding {enc_type!r}; "
+                "sclayout reads csr_matrix, csc_matrix or dense arrays"
+            )
+        if enc == "dense":
+            if len(node.shape) != 2:
+                raise InputError(f"SRC element {key}: a {len(node.shape)}-D array, expected 2-D")
+            return MatrixInfo(key, enc, tuple(node.shape), np.dtype(node.dtype), None, 0)
+        shape = tuple(int(s) for s in _attr(node, "shape"))
+        return MatrixInfo(
+            key,
+            enc,
+            shape,
+            np.dtype(node["data"].dtype),
+            np.dtype(node["indices"].dtype),
+            int(node["data"].shape[0]),
+        )
+
+    def row_matrices(self) -> list[MatrixInfo]:
+        """X, every layer and raw/X (all share the rows of X)."""
+        out = [self.matrix_info("X")]
+        out += [self.matrix_info(f"layers/{k}") for k in sorted(self.keys("layers"))]
+        if self.has("raw") and self.has("raw/X"):
+            out.append(self.matrix_info("raw/X"))
+        return out
+
+    def indptr(self, info: MatrixInfo) -> np.ndarray:
+        """The whole ``indptr`` of a sparse matrix as int64."""
+        return np.asarray(self.root[f"{info.path}/indptr"][...], dtype=np.int64)
+
+
+def fingerprint(path: str | os.PathLike, *, n_obs: int, n_vars: int, nnz: int) -> dict[str, Any]:
+    """Identify a source: path, size, mtime, shape, nnz and sha256 of its ends.
+
+    For a zarr directory the size is the sum of its files and the hashed bytes are
+    those of its root metadata file.
+    """
+    p = Path(path).resolve()
+    st = p.stat()
+    if p.is_file():
+        size = st.st_size
+        with open(p, "rb") as f:
+            head = hashlib.sha256(f.read(FINGERPRINT_BYTES)).hexdigest()
+            f.seek(max(0, size - FINGERPRINT_BYTES))
+            tail = hashlib.sha256(f.read(FINGERPRINT_BYTES)).hexdigest()
+    else:
+        size = sum(f.stat().st_size for f in p.rglob("*") if f.is_file())
+        meta = next(p / n for n in ("zarr.json", ".zattrs", ".zgroup") if (p / n).exists())
+        head = tail = hashlib.sha256(meta.read_bytes()).hexdigest()
+    return {
+        "path": str(p),
+        "size": int(size),
+        "mtime": float(st.st_mtime),
+        "n_obs": int(n_obs),
+        "n_vars": int(n_vars),
+        "nnz": int(nnz),
+        "sha256_first_mib": head,
+        "sha256_last_mib": tail,
+    }

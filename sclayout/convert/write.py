@@ -1,0 +1,260 @@
+"""Writing the layout store's big arrays: creation, shard-aligned writes, and the dask runner.
+
+Every write covers whole shards (or the clipped last one), so no shard is ever read
+back and modified, and independent tasks never touch the same file. Tasks are plain
+module-level functions taking one frozen job object, so they run on dask's threaded
+scheduler or on a dask.distributed cluster unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import zarr
+
+from loader.errors import InputError
+from sclayout.convert.plan import ArrayPlan, MatrixPlan
+from sclayout.convert.source import MatrixInfo, read_slice
+
+__all__ = [
+    "CopyDenseJob",
+    "CopySparseJob",
+    "Runner",
+    "create_matrix",
+    "open_dst",
+    "write_region",
+]
+
+_local = threading.local()
+
+
+def open_dst(root: str, path: str) -> zarr.Array:
+    """Open array ``path`` of the store being written (cached per thread)."""
+    cache = getattr(_local, "arrays", None)
+    if cache is None:
+        cache = _local.arrays = {}
+    key = (root, path, os.getpid())
+    if key not in cache:
+        cache[key] = zarr.open_array(store=os.path.join(root, path), mode="r+", zarr_format=3)
+    return cache[key]
+
+
+def write_region(root: str, path: str, start: int, values: np.ndarray) -> None:
+    """Write ``values`` at ``start`` along the first axis of array ``path``."""
+    if values.shape[0] == 0:
+        return
+    open_dst(root, path)[start : start + values.shape[0]] = values
+
+
+def _create_array(
+    group: zarr.Group, name: str, *, shape, dtype, plan: ArrayPlan, compressors
+) -> zarr.Array:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return group.create_array(
+            name,
+            shape=shape,
+            dtype=dtype,
+            chunks=plan.chunks,
+            shards=plan.shards,
+            compressors=compressors,
+            fill_value=0,
+        )
+
+
+def create_matrix(
+    root: zarr.Group, info: MatrixInfo, plan: MatrixPlan, *, nnz: int, compressors
+) -> dict[str, zarr.Array]:
+    """Create the (empty) arrays of one output matrix with anndata's encoding attrs.
+
+    CSR: a group with ``data`` (source dtype), ``indices`` (source index dtype),
+    ``indptr`` (int64); dense: one array. Returns the arrays by role.
+    """
+    n_obs, n_vars = info.shape
+    if plan.encoding == "dense":
+        parent, _, name = info.path.rpartition("/")
+        g = root.require_group(parent) if parent else root
+        arr = _create_array(
+            g,
+            name,
+            shape=(n_obs, n_vars),
+            dtype=info.dtype,
+            plan=plan.arrays["values"],
+            compressors=compressors,
+        )
+        arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+        return {"values": arr}
+    g = root.require_group(info.path)
+    g.attrs.update(
+        {"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": [n_obs, n_vars]}
+    )
+    index_dtype = info.index_dtype if info.index_dtype is not None else _index_dtype(n_vars)
+    return {
+        "data": _create_array(
+            g,
+            "data",
+            shape=(nnz,),
+            dtype=info.dtype,
+            plan=plan.arrays["data"],
+            compressors=compressors,
+        ),
+        "indices": _create_array(
+            g,
+            "indices",
+            shape=(nnz,),
+            dtype=index_dtype,
+            plan=plan.arrays["indices"],
+            compressors=compressors,
+        ),
+        "indptr": _create_array(
+            g,
+            "indptr",
+            shape=(n_obs + 1,),
+            dtype=np.int64,
+            plan=plan.arrays["indptr"],
+            compressors=compressors,
+        ),
+    }
+
+
+def _index_dtype(n_vars: int) -> np.dtype:
+    return np.dtype(np.int32 if n_vars < 2**31 else np.int64)
+
+
+# -- tasks ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CopySparseJob:
+    """Copy elements ``[start, stop)`` of a CSR source's data/indices unchanged."""
+
+    src: str
+    src_path: str
+    dst: str
+    dst_path: str
+    start: int
+    stop: int
+
+
+def copy_sparse(job: CopySparseJob) -> int:
+    """Run a :class:`CopySparseJob`; returns bytes read."""
+    n = 0
+    for part in ("data", "indices"):
+        values = read_slice(job.src, f"{job.src_path}/{part}", job.start, job.stop)
+        write_region(job.dst, f"{job.dst_path}/{part}", job.start, values)
+        n += values.nbytes
+    return n
+
+
+@dataclass(frozen=True)
+class CopyDenseJob:
+    """Copy rows ``[start, stop)`` of a dense source matrix unchanged."""
+
+    src: str
+    src_path: str
+    dst: str
+    dst_path: str
+    start: int
+    stop: int
+
+
+def copy_dense(job: CopyDenseJob) -> int:
+    """Run a :class:`CopyDenseJob`; returns bytes read."""
+    values = read_slice(job.src, job.src_path, job.start, job.stop)
+    write_region(job.dst, job.dst_path, job.start, values)
+    return values.nbytes
+
+
+# -- runner -----------------------------------------------------------------------------
+
+
+class Runner:
+    """Runs independent tasks with dask: local threads, or a dask.distributed scheduler.
+
+    Parameters
+    ----------
+    jobs
+        Threads (local) — default: the number of CPUs.
+    scheduler
+        Address of a dask.distributed scheduler (``tcp://host:8786``); the workers
+        must see the source and destination paths.
+    progress
+        Show a tqdm bar per :meth:`run`.
+    """
+
+    def __init__(self, *, jobs: int | None, scheduler: str | None, progress: bool) -> None:
+        self.jobs = jobs or os.cpu_count() or 1
+        self.progress = progress
+        self.client = None
+        if scheduler is not None:
+            try:
+                from distributed import Client
+            except ImportError:
+                raise InputError(
+                    f"scheduler={scheduler!r}: dask.distributed is not installed; "
+                    "install it with `pip install sclayout[distributed]`"
+                ) from None
+            try:
+                self.client = Client(scheduler, timeout="10s")
+            except OSError as e:
+                raise InputError(
+                    f"scheduler={scheduler!r}: cannot connect ({e}); check the address"
+                ) from None
+            self.jobs = max(1, sum(self.client.nthreads().values()))
+
+    def run(self, fn: Callable[[Any], Any], jobs: list[Any], *, desc: str) -> list[Any]:
+        """``[fn(job) for job in jobs]``, in parallel; results in job order."""
+        if not jobs:
+            return []
+        keys = [f"sclayout-{desc}-{i}" for i in range(len(jobs))]
+        dsk: dict[str, Any] = {k: (fn, j) for k, j in zip(keys, jobs, strict=True)}
+        bar = _bar(len(jobs), desc, self.progress)
+        try:
+            if self.client is not None:
+                from distributed import as_completed
+
+                futures = self.client.get(dsk, keys, sync=False)
+                for _ in as_completed(futures):
+                    bar.update()
+                return self.client.gather(futures)
+            import dask.threaded
+            from dask.callbacks import Callback
+
+            with Callback(posttask=lambda *a: bar.update()):
+                return list(dask.threaded.get(dsk, keys, num_workers=self.jobs))
+        finally:
+            bar.close()
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def _bar(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="task", disable=not enabled, leave=False)
+
+
+def shard_ranges(n: int, step: int) -> list[tuple[int, int]]:
+    """``[(0, step), (step, 2 step), ..., (k step, n)]`` covering ``[0, n)``."""
+    return [(a, min(a + step, n)) for a in range(0, n, max(1, step))]
+
+
+def arrays_layout(arrays: Mapping[str, zarr.Array]) -> dict[str, Any]:
+    """Shape/dtype/chunks/shards of created arrays, keyed by role."""
+    return {
+        role: {
+            "shape": tuple(a.shape),
+            "dtype": str(a.dtype),
+            "chunks": tuple(a.chunks),
+            "shards": None if a.shards is None else tuple(a.shards),
+        }
+        for role, a in arrays.items()
+    }
