@@ -1,0 +1,177 @@
+"""``sclayout inspect``: what a layout store is made of, from its manifest and files.
+
+:func:`inspect_store` returns plain JSON-ready data (``sclayout inspect --json``);
+:func:`render_inspect` turns it into the human report. Nothing is decompressed: sizes
+come from the file system, uncompressed sizes from shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader.errors import NotALayoutStoreError
+from loader.layout import MANIFEST_KEY, Manifest
+from sclayout.convert.verify import codec_name
+
+__all__ = ["inspect_store", "render_inspect"]
+
+
+def _tree_bytes(path: Path) -> tuple[int, int]:
+    """(files, bytes) under ``path`` (a file counts as itself)."""
+    if path.is_file():
+        return 1, path.stat().st_size
+    files = total = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for name in names:
+            files += 1
+            total += os.stat(os.path.join(dirpath, name)).st_size
+    return files, total
+
+
+def _open(dst: Path) -> tuple[Any, Manifest]:
+    import zarr
+
+    if not dst.is_dir():
+        raise NotALayoutStoreError(
+            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
+        )
+    try:
+        root = zarr.open_group(str(dst), mode="r", use_consolidated=False)
+    except Exception as e:
+        raise NotALayoutStoreError(
+            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): "
+            "convert one with `sclayout convert SRC DST`"
+        ) from None
+    return root, Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
+
+
+def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
+    """Describe the layout store at ``dst``.
+
+    Returns
+    -------
+    dict
+        ``block_size``, ``n_blocks``, ``order``, ``n_obs``, ``n_vars``, ``matrices``
+        (per matrix: encoding, nnz and, per array, shape, dtype, chunks, shards, codec,
+        stored and uncompressed bytes, compression ratio, files), ``files``,
+        ``total_bytes``, ``bytes_per_cell``, ``source`` (the fingerprint) and the
+        manifest's ``format``/``version``/``tool_version``/``created``.
+
+    Raises
+    ------
+    NotALayoutStoreError
+        If ``dst`` is not a zarr store with a sclayout manifest.
+    """
+    path = Path(dst)
+    root, manifest = _open(path)
+    matrices: dict[str, Any] = {}
+    for name, m in manifest.matrices.items():
+        arrays = {}
+        for part, a in m.arrays.items():
+            entry: dict[str, Any] = {
+                "path": a.path,
+                "shape": list(a.shape),
+                "dtype": a.dtype,
+                "chunks": list(a.chunks),
+                "shards": None if a.shards is None else list(a.shards),
+                "codec": a.codec,
+            }
+            if a.path in root:
+                arr = root[a.path]
+                entry["codec"] = codec_name(arr)
+                files, stored = _tree_bytes(path / a.path)
+                raw = int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
+                entry.update(
+                    files=files,
+                    stored_bytes=stored,
+                    uncompressed_bytes=raw,
+                    ratio=round(raw / stored, 3) if stored else None,
+                )
+            arrays[part] = entry
+        stored = sum(e.get("stored_bytes", 0) for e in arrays.values())
+        raw = sum(e.get("uncompressed_bytes", 0) for e in arrays.values())
+        matrices[name] = {
+            "encoding": m.encoding,
+            "shape": list(m.shape),
+            "dtype": m.dtype,
+            "nnz": int(m.nnz),
+            "block_pointer": m.block_pointer,
+            "stored_bytes": stored,
+            "uncompressed_bytes": raw,
+            "ratio": round(raw / stored, 3) if stored else None,
+            "arrays": arrays,
+        }
+    files, total = _tree_bytes(path)
+    return {
+        "path": str(path),
+        "format": manifest.format,
+        "version": manifest.version,
+        "tool_version": manifest.tool_version,
+        "created": manifest.created,
+        "n_obs": manifest.n_obs,
+        "n_vars": manifest.n_vars,
+        "block_size": manifest.block_size,
+        "n_blocks": manifest.n_blocks,
+        "order": manifest.order.to_dict(),
+        "matrices": matrices,
+        "files": files,
+        "total_bytes": total,
+        "bytes_per_cell": round(total / manifest.n_obs, 1) if manifest.n_obs else None,
+        "source": dict(manifest.source),
+    }
+
+
+def _size(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n}"  # pragma: no cover
+
+
+def _tuple(v: list[int] | None) -> str:
+    return "-" if v is None else "x".join(str(int(x)) for x in v)
+
+
+def render_inspect(info: dict[str, Any]) -> str:
+    """The human-readable report of :func:`inspect_store`'s result."""
+    order = info["order"]
+    order_text = order["kind"]
+    if order.get("seed") is not None:
+        order_text += f", seed {order['seed']}"
+    if order.get("columns"):
+        order_text += f", by {', '.join(order['columns'])}"
+    created = f", {info['created']}" if info["created"] else ""
+    lines = [
+        f"layout store {info['path']}  ({info['format']} v{info['version']}, "
+        f"written by sclayout {info['tool_version']}{created})",
+        f"  cells x genes   {info['n_obs']:,} x {info['n_vars']:,}",
+        f"  blocks          {info['n_blocks']:,} of {info['block_size']:,} rows",
+        f"  order           {order_text}",
+        f"  files           {info['files']:,}, {_size(info['total_bytes'])} "
+        f"({_size(info['bytes_per_cell'])} per cell)",
+    ]
+    header = (
+        f"  {'array':<24} {'shape':>16} {'dtype':>8} {'chunks':>12} {'shards':>12} "
+        f"{'codec':>20} {'stored':>10} {'raw':>10} {'ratio':>6} {'files':>6}"
+    )
+    lines += ["", header]
+    for name, m in info["matrices"].items():
+        lines.append(f"  {name} ({m['encoding']}, nnz {m['nnz']:,}, ratio {m['ratio'] or '-'})")
+        for a in m["arrays"].values():
+            lines.append(
+                f"    {a['path']:<22} {_tuple(a['shape']):>16} {a['dtype']:>8} "
+                f"{_tuple(a['chunks']):>12} {_tuple(a['shards']):>12} {a['codec']:>20} "
+                f"{_size(a.get('stored_bytes')):>10} {_size(a.get('uncompressed_bytes')):>10} "
+                f"{a.get('ratio') or '-':>6} {a.get('files', '-'):>6}"
+            )
+    if info["source"]:
+        lines += ["", "  source fingerprint"]
+        lines += [f"    {k}: {v}" for k, v in sorted(info["source"].items())]
+    return "\n".join(lines)
