@@ -1,0 +1,173 @@
+"""Helpers for the bad-input, verify, inspect and kill tests: small AnnData files, bad
+files of every kind the converter must refuse, and a snapshot of a directory tree to
+prove a refused command left DST untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import anndata as ad
+import h5py
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+DATA_DIR = Path(__file__).parents[2] / "shared" / "data"
+"""The real datasets (absent outside the development machine: tests skip)."""
+
+
+def small_adata(n_obs: int = 120, n_vars: int = 30, *, seed: int = 0) -> ad.AnnData:
+    """A small CSR AnnData with obs columns (categorical, float with NaN, string)."""
+    rng = np.random.default_rng(seed)
+    x = sp.random(n_obs, n_vars, density=0.2, format="csr", dtype=np.float32, rng=rng)
+    x.data[:] = rng.integers(1, 20, x.nnz)
+    obs = pd.DataFrame(
+        {
+            "plate": pd.Categorical(rng.choice(["p1", "p2", "p3"], n_obs)),
+            "score": rng.normal(size=n_obs),
+            "name": [f"n{i}" for i in range(n_obs)],
+        },
+        index=[f"cell{i}" for i in range(n_obs)],
+    )
+    obs.iloc[3, obs.columns.get_loc("score")] = np.nan
+    var = pd.DataFrame(index=[f"gene{i}" for i in range(n_vars)])
+    return ad.AnnData(x, obs=obs, var=var)
+
+
+def write_h5ad(adata: ad.AnnData, path: Path) -> Path:
+    adata.write_h5ad(path)
+    return path
+
+
+# ------------------------------------------------------------------------ bad inputs
+
+
+def bad_missing(tmp: Path) -> Path:
+    return tmp / "nope.h5ad"
+
+
+def bad_csv(tmp: Path) -> Path:
+    p = tmp / "counts.csv"
+    p.write_text("cell,g1,g2\nc1,1,2\nc2,3,4\n")
+    return p
+
+
+def bad_text_as_h5ad(tmp: Path) -> Path:
+    p = tmp / "notes.h5ad"
+    p.write_text("this is not an HDF5 file\n")
+    return p
+
+
+def bad_plain_dir(tmp: Path) -> Path:
+    p = tmp / "folder"
+    p.mkdir()
+    (p / "a.txt").write_text("x")
+    return p
+
+
+def bad_hdf5_not_anndata(tmp: Path) -> Path:
+    p = tmp / "matrix.h5"
+    with h5py.File(p, "w") as f:
+        f["matrix/data"] = np.arange(10, dtype=np.float32)
+        f["matrix/indices"] = np.arange(10)
+    return p
+
+
+def bad_zarr_not_anndata(tmp: Path) -> Path:
+    import zarr
+
+    p = tmp / "plain.zarr"
+    g = zarr.open_group(str(p), mode="w")
+    g.create_array("values", data=np.arange(10))
+    return p
+
+
+def bad_truncated(tmp: Path) -> Path:
+    good = write_h5ad(small_adata(), tmp / "good_for_trunc.h5ad")
+    data = good.read_bytes()
+    p = tmp / "truncated.h5ad"
+    p.write_bytes(data[: len(data) // 2])
+    good.unlink()
+    return p
+
+
+def bad_corrupt(tmp: Path) -> Path:
+    """Random bytes over the object headers that follow the superblock."""
+    good = write_h5ad(small_adata(), tmp / "good_for_corrupt.h5ad")
+    data = bytearray(good.read_bytes())
+    rng = np.random.default_rng(7)
+    data[96:4096] = rng.bytes(4096 - 96)
+    p = tmp / "corrupt.h5ad"
+    p.write_bytes(bytes(data))
+    good.unlink()
+    return p
+
+
+def bad_encoding(tmp: Path) -> Path:
+    p = write_h5ad(small_adata(), tmp / "bsr.h5ad")
+    with h5py.File(p, "a") as f:
+        f["X"].attrs["encoding-type"] = "bsr_matrix"
+    return p
+
+
+def bad_encoding_version(tmp: Path) -> Path:
+    p = write_h5ad(small_adata(), tmp / "future.h5ad")
+    with h5py.File(p, "a") as f:
+        f["X"].attrs["encoding-version"] = "9.0.0"
+    return p
+
+
+def bad_legacy(tmp: Path) -> Path:
+    """The anndata < 0.7 layout: obs and var as compound datasets."""
+    p = tmp / "legacy.h5ad"
+    rec = np.array([(b"c0",), (b"c1",)], dtype=[("index", "S4")])
+    with h5py.File(p, "w") as f:
+        f["X"] = np.ones((2, 2), np.float32)
+        f["obs"] = rec
+        f["var"] = np.array([(b"g0",), (b"g1",)], dtype=[("index", "S4")])
+    return p
+
+
+def bad_empty_cells(tmp: Path) -> Path:
+    a = ad.AnnData(np.zeros((0, 5), np.float32), var=pd.DataFrame(index=list("abcde")))
+    return write_h5ad(a, tmp / "empty_cells.h5ad")
+
+
+def bad_empty_genes(tmp: Path) -> Path:
+    a = ad.AnnData(np.zeros((5, 0), np.float32), obs=pd.DataFrame(index=list("abcde")))
+    return write_h5ad(a, tmp / "empty_genes.h5ad")
+
+
+# ------------------------------------------------------------------------- snapshots
+
+
+def snapshot(path: Path) -> dict[str, tuple[int, int, str]]:
+    """Every entry under ``path`` -> (size, mtime_ns, sha1 of content); {} if absent."""
+    if not path.exists():
+        return {}
+    if path.is_file():
+        return {".": _entry(path)}
+    out = {}
+    for dirpath, dirs, files in os.walk(path):
+        for name in sorted(dirs + files):
+            p = Path(dirpath) / name
+            out[str(p.relative_to(path))] = _entry(p) if p.is_file() else (0, 0, "dir")
+    return out
+
+
+def _entry(p: Path) -> tuple[int, int, str]:
+    st = p.stat()
+    return st.st_size, st.st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest()
+
+
+def chattr_immutable(path: Path, on: bool) -> bool:
+    """Set/clear the immutable flag (blocks writes even for root); False if unsupported."""
+    exe = shutil.which("chattr")
+    if exe is None:
+        return False
+    r = subprocess.run([exe, "+i" if on else "-i", str(path)], capture_output=True)
+    return r.returncode == 0

@@ -1,0 +1,264 @@
+"""Bad input through the CLI: a one-line error naming problem and fix, a non-zero exit,
+no traceback, and DST untouched (absent stays absent, an existing store stays
+byte-identical, no temporary sibling is left behind)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _checks_util import (
+    bad_corrupt,
+    bad_csv,
+    bad_empty_cells,
+    bad_empty_genes,
+    bad_encoding,
+    bad_encoding_version,
+    bad_hdf5_not_anndata,
+    bad_legacy,
+    bad_missing,
+    bad_plain_dir,
+    bad_text_as_h5ad,
+    bad_truncated,
+    bad_zarr_not_anndata,
+    chattr_immutable,
+    small_adata,
+    snapshot,
+    write_h5ad,
+)
+from click.testing import CliRunner
+
+from loader.errors import InputError
+from sclayout.cli import main
+from sclayout.convert import checks
+from sclayout.convert.checks import check_destination, check_source
+
+BAD_SOURCES = [
+    pytest.param(bad_missing, "does not exist: check the path", id="missing"),
+    pytest.param(
+        bad_csv,
+        "is neither HDF5 (.h5ad) nor a zarr store: convert it first: anndata.io.read_csv",
+        id="csv",
+    ),
+    pytest.param(bad_text_as_h5ad, "damaged (no HDF5 signature)", id="text-named-h5ad"),
+    pytest.param(bad_plain_dir, "is a directory but not a zarr store", id="plain-dir"),
+    pytest.param(bad_hdf5_not_anndata, "is HDF5 but not AnnData (no obs, var)", id="hdf5"),
+    pytest.param(bad_zarr_not_anndata, "is zarr but not AnnData (no obs, var)", id="zarr"),
+    pytest.param(bad_truncated, "truncated", id="truncated"),
+    pytest.param(bad_corrupt, "damaged", id="corrupt"),
+    pytest.param(bad_encoding, "unsupported encoding-type 'bsr_matrix'", id="encoding"),
+    pytest.param(bad_encoding_version, "version '9.0.0', newer than", id="encoding-version"),
+    pytest.param(bad_legacy, "anndata < 0.7 layout", id="legacy"),
+    pytest.param(bad_empty_cells, "is empty (0 cells x 5 genes)", id="empty-cells"),
+    pytest.param(bad_empty_genes, "is empty (5 cells x 0 genes)", id="empty-genes"),
+]
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result.exit_code, result.stdout, result.stderr
+
+
+def assert_one_line_error(code: int, out: str, err: str, fragment: str) -> None:
+    assert code != 0, out
+    assert "Traceback" not in out + err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: ")
+    assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture(scope="module")
+def good_h5ad(tmp_path_factory) -> Path:
+    return write_h5ad(small_adata(), tmp_path_factory.mktemp("src") / "good.h5ad")
+
+
+@pytest.mark.parametrize(("make", "fragment"), BAD_SOURCES)
+def test_bad_source_refused_dst_absent(tmp_path: Path, make, fragment: str) -> None:
+    src = make(tmp_path)
+    dst = tmp_path / "out.zarr"
+    before = snapshot(tmp_path)
+    assert_one_line_error(*run_cli("convert", src, dst, "--block-size", "16"), fragment)
+    assert not dst.exists()
+    assert snapshot(tmp_path) == before  # no temporary sibling left behind
+
+
+@pytest.mark.parametrize(
+    ("make", "fragment"),
+    [p for p in BAD_SOURCES if p.id in ("missing", "truncated", "encoding", "empty-cells")],
+)
+def test_bad_source_keeps_existing_store_even_with_overwrite(
+    tmp_path: Path, good_h5ad: Path, make, fragment: str
+) -> None:
+    dst = tmp_path / "out.zarr"
+    code, _, err = run_cli("convert", good_h5ad, dst, "--block-size", "16")
+    assert code == 0, err
+    src = make(tmp_path)
+    before = snapshot(tmp_path)
+    assert before[dst.name] == (0, 0, "dir")
+    assert_one_line_error(
+        *run_cli("convert", src, dst, "--block-size", "16", "--overwrite"), fragment
+    )
+    assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "2.5", "abc"])
+def test_bad_block_size(tmp_path: Path, good_h5ad: Path, value: str) -> None:
+    dst = tmp_path / "out.zarr"
+    code, out, err = run_cli("convert", good_h5ad, dst, f"--block-size={value}")
+    assert_one_line_error(code, out, err, "must be a positive integer")
+    assert value in err
+    assert not dst.exists() and not list(tmp_path.iterdir())
+
+
+def test_by_missing_column_lists_available(tmp_path: Path, good_h5ad: Path) -> None:
+    dst = tmp_path / "out.zarr"
+    args = ("convert", good_h5ad, dst, "--order", "stratified", "--by", "donor")
+    code, out, err = run_cli(*args)
+    assert_one_line_error(code, out, err, "--by 'donor': no such obs column")
+    assert "available: plate, score, name" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_dst_exists_without_overwrite(tmp_path: Path, good_h5ad: Path) -> None:
+    dst = tmp_path / "out.zarr"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("mine")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli("convert", good_h5ad, dst, "--block-size", "16")
+    assert_one_line_error(code, out, err, f"DST {dst} exists: pass --overwrite to replace it")
+    assert snapshot(tmp_path) == before
+
+
+def test_overwrite_never_replaces_a_non_store_directory(tmp_path: Path, good_h5ad: Path) -> None:
+    dst = tmp_path / "home"
+    dst.mkdir()
+    (dst / "thesis.tex").write_text("years of work")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli("convert", good_h5ad, dst, "--overwrite")
+    assert_one_line_error(code, out, err, "is a non-empty directory that is not a zarr store")
+    assert snapshot(tmp_path) == before
+
+
+def test_dst_is_src(tmp_path: Path, good_h5ad: Path) -> None:
+    before = snapshot(good_h5ad)
+    code, out, err = run_cli("convert", good_h5ad, good_h5ad, "--overwrite")
+    assert_one_line_error(code, out, err, "is SRC, inside it or contains it")
+    assert snapshot(good_h5ad) == before
+
+
+def test_dst_parent_missing(tmp_path: Path, good_h5ad: Path) -> None:
+    dst = tmp_path / "no" / "such" / "out.zarr"
+    code, out, err = run_cli("convert", good_h5ad, dst)
+    assert_one_line_error(code, out, err, f"parent directory {dst.parent} does not exist")
+    assert not (tmp_path / "no").exists()
+
+
+def test_dst_under_a_regular_file(tmp_path: Path, good_h5ad: Path) -> None:
+    """Genuinely unwritable even for root: a path whose parent is a regular file."""
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    before = snapshot(tmp_path)
+    code, out, err = run_cli("convert", good_h5ad, afile / "x.zarr")
+    assert_one_line_error(code, out, err, f"{afile} is a file, not a directory")
+    assert snapshot(tmp_path) == before
+
+
+def test_dst_parent_not_writable(tmp_path: Path, good_h5ad: Path) -> None:
+    """chmod does not stop root, so as root the parent is made immutable (chattr +i),
+    which refuses writes to everyone; without chattr support the case is skipped."""
+    parent = tmp_path / "ro"
+    parent.mkdir()
+    if os.geteuid() == 0:
+        if not chattr_immutable(parent, True):
+            pytest.skip("running as root and chattr +i is not supported here")
+        undo = lambda: chattr_immutable(parent, False)  # noqa: E731
+    else:
+        parent.chmod(0o500)
+        undo = lambda: parent.chmod(0o700)  # noqa: E731
+    try:
+        code, out, err = run_cli("convert", good_h5ad, parent / "out.zarr")
+        listing = list(parent.iterdir())
+    finally:
+        undo()
+    assert_one_line_error(code, out, err, f"cannot write in {parent}")
+    assert "choose a writable DST" in err
+    assert listing == []
+
+
+def test_not_enough_disk_space(tmp_path: Path, good_h5ad: Path, monkeypatch) -> None:
+    def tiny(path):
+        return type("usage", (), {"total": 10**6, "used": 10**6 - 1000, "free": 1000})()
+
+    monkeypatch.setattr(checks.shutil, "disk_usage", tiny)
+    dst = tmp_path / "out.zarr"
+    code, out, err = run_cli("convert", good_h5ad, dst)
+    assert_one_line_error(code, out, err, "not enough disk space: need ~")
+    assert "have 0.0 GB; free space or choose another DST" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
+    """The installed entry point, not just CliRunner: exit 2, one line on stderr."""
+    exe = Path(sys.executable).parent / "sclayout"
+    src = bad_truncated(tmp_path)
+    r = subprocess.run(
+        [str(exe), "convert", str(src), str(tmp_path / "out.zarr")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stdout + r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("error: SRC ")
+    assert not (tmp_path / "out.zarr").exists()
+
+
+# -- library level -------------------------------------------------------------------
+
+
+def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path) -> None:
+    import anndata as ad
+
+    a = small_adata()
+    a.write_h5ad(tmp_path / "a.h5ad")
+    for fmt in (2, 3):
+        with ad.settings.override(zarr_write_format=fmt):
+            a.write_zarr(tmp_path / f"a{fmt}.zarr")
+    for name in ("a.h5ad", "a2.zarr", "a3.zarr"):
+        info = checks.inspect_source(tmp_path / name)
+        assert (info["n_obs"], info["n_vars"]) == (a.n_obs, a.n_vars)
+        assert info["obs_columns"] == list(a.obs.columns)
+
+
+def test_check_source_reads_no_rows(tmp_path: Path, monkeypatch) -> None:
+    """Metadata only: reading any dataset's values would go through Dataset.__getitem__."""
+    import h5py
+
+    src = write_h5ad(small_adata(), tmp_path / "a.h5ad")
+
+    def forbidden(self, *args, **kwargs):
+        raise AssertionError(f"check_source read values of {self.name}")
+
+    monkeypatch.setattr(h5py.Dataset, "__getitem__", forbidden)
+    monkeypatch.setattr(h5py.Dataset, "read_direct", forbidden)
+    check_source(src)
+
+
+def test_check_destination_overwrite_replaces_only_stores(tmp_path: Path) -> None:
+    store = tmp_path / "old.zarr"
+    store.mkdir()
+    (store / "zarr.json").write_text("{}")
+    check_destination(store, overwrite=True)  # a zarr store may be replaced
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    check_destination(empty, overwrite=True)
+    afile = tmp_path / "f.h5ad"
+    afile.write_text("x")
+    with pytest.raises(InputError, match="exists and is not a zarr store"):
+        check_destination(afile, overwrite=True)
+    check_destination(tmp_path / "new.zarr", overwrite=False, need_bytes=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "f.h5ad", "old.zarr"]
