@@ -1,0 +1,540 @@
+"""Datasets for benchmarks, examples and the demo: generated or tiled from real files.
+
+Two builders write an ``.h5ad`` file out of core (rows streamed with h5py into
+resizable datasets, so memory stays bounded whatever ``n_obs``), and :func:`cached`
+keeps their output outside the repository so that a multi-GB benchmark set is built
+once per machine.
+
+* :func:`make_tahoe_like` — a synthetic set shaped like Tahoe-100M plates: CSR float32
+  counts, ``plate`` and ``cell_line`` labels that a classifier can learn from the
+  expression, rows sorted by plate then cell line (as real atlases are on disk).
+* :func:`tile_real` — a larger *real* set made by tiling real files (e.g. the PBMC
+  files in ``../shared/data``) with binomial thinning per copy, so no two cells are
+  equal, sorted by a label column.
+
+Both are deterministic given ``seed``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import statistics
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+import pandas as pd
+import scipy.sparse as sp
+
+from loader.errors import InputError
+
+__all__ = [
+    "bench_dir",
+    "cached",
+    "cached_tahoe_like",
+    "make_tahoe_like",
+    "shared_data_dir",
+    "tahoe_like_name",
+    "tile_real",
+]
+
+DENSE_CHUNK_ENTRIES = 1 << 24
+"""Cells × genes generated at once (16 Mi entries ≈ 64 MB per float32 array, a few arrays
+alive): bounds the generator's memory while keeping each numpy call large enough to be
+fast (≈0.3 s per chunk here)."""
+
+H5_CHUNK = 1 << 20
+"""HDF5 chunk length (elements) of the streamed ``data``/``indices`` datasets (4 MB)."""
+
+GENE_MEAN_SIGMA = 2.0
+"""Spread (natural-log sd) of the lognormal gene means. Real scRNA-seq gene means span
+~5 orders of magnitude; sd 2 (≈ ±4 decades at 2 sd) gives a Zipf-like head of
+ubiquitous genes and a long tail of rare ones."""
+
+SIZE_FACTOR_SIGMA = 0.35
+"""Log-sd of the per-cell library size (sequencing depth varies ~2× between cells)."""
+
+OVERDISPERSION = 2.0
+"""Gamma shape of the per-entry extra-Poisson noise (negative-binomial-like counts)."""
+
+LINE_PROGRAM_FRACTION, LINE_PROGRAM_SIGMA = 0.05, 1.5
+"""Each cell line up/down-regulates 5 % of the genes by a lognormal factor (log-sd 1.5):
+strong, line-specific programs a classifier can learn."""
+
+PLATE_EFFECT_FRACTION, PLATE_EFFECT_SIGMA = 0.10, 0.4
+"""Plates (batches) shift 10 % of the genes by a milder factor (log-sd 0.4)."""
+
+
+# --------------------------------------------------------------------------- cache
+
+
+def bench_dir() -> Path:
+    """Dataset cache: ``$SCLAYOUT_BENCH_DIR``, else ``~/.cache/sclayout-bench``."""
+    env = os.environ.get("SCLAYOUT_BENCH_DIR")
+    path = Path(env) if env else Path.home() / ".cache" / "sclayout-bench"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def shared_data_dir() -> Path | None:
+    """The real datasets folder next to the repository (``../shared/data``), if present."""
+    path = Path(__file__).resolve().parents[2] / "shared" / "data"
+    return path if path.is_dir() else None
+
+
+def cached(name: str, builder: Callable[..., Any], **kw: Any) -> Path:
+    """Return ``bench_dir()/name``, building it first with ``builder(tmp_path, **kw)`` if absent.
+
+    The build writes a temporary sibling and renames it into place, so an interrupted
+    build never leaves a file that looks complete. A lock file serialises concurrent
+    builders (several processes asking for the same dataset build it once).
+
+    Parameters
+    ----------
+    name
+        File (or folder) name inside the cache; encode the parameters in it.
+    builder
+        Called as ``builder(path, **kw)``; must create ``path``.
+    **kw
+        Passed to ``builder``.
+    """
+    root = bench_dir()
+    final = root / name
+    if final.exists():
+        return final
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if final.exists():  # built by another process while we waited
+                return final
+            tmp = root / f".{name}.tmp-{os.getpid()}"
+            _remove(tmp)
+            try:
+                builder(tmp, **kw)
+                os.replace(tmp, final)
+            finally:
+                _remove(tmp)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return final
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        import shutil
+
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+# ------------------------------------------------------------------ h5ad streaming
+
+
+class _CSRWriter:
+    """Append CSR rows to an h5ad whose obs/var skeleton anndata already wrote."""
+
+    def __init__(self, path: Path, *, n_obs: int, n_vars: int) -> None:
+        self.f = h5py.File(path, "r+")
+        x = self.f["X"]
+        for key in ("data", "indices", "indptr"):
+            del x[key]
+        self.data = x.create_dataset(
+            "data", shape=(0,), maxshape=(None,), dtype=np.float32, chunks=(H5_CHUNK,)
+        )
+        self.indices = x.create_dataset(
+            "indices", shape=(0,), maxshape=(None,), dtype=np.int32, chunks=(H5_CHUNK,)
+        )
+        self.indptr = np.zeros(n_obs + 1, dtype=np.int64)
+        self.row = 0
+        self.nnz = 0
+        x.attrs["shape"] = np.array([n_obs, n_vars], dtype=np.int64)
+
+    def append(self, data: np.ndarray, indices: np.ndarray, row_nnz: np.ndarray) -> None:
+        n = len(data)
+        end = self.nnz + n
+        self.data.resize((end,))
+        self.indices.resize((end,))
+        self.data[self.nnz : end] = data
+        self.indices[self.nnz : end] = indices
+        m = len(row_nnz)
+        self.indptr[self.row + 1 : self.row + 1 + m] = self.nnz + np.cumsum(row_nnz)
+        self.row += m
+        self.nnz = end
+
+    def close(self) -> None:
+        if self.row != len(self.indptr) - 1:
+            raise RuntimeError(f"wrote {self.row} rows, expected {len(self.indptr) - 1}")
+        self.f["X"].create_dataset("indptr", data=self.indptr)
+        self.f.close()
+
+
+def _write_skeleton(path: Path, obs: pd.DataFrame, var: pd.DataFrame) -> None:
+    """Write obs/var (and an empty X) with anndata itself, so encodings are exactly anndata's."""
+    import anndata as ad
+
+    x = sp.csr_matrix((len(obs), len(var)), dtype=np.float32)
+    ad.AnnData(X=x, obs=obs, var=var).write_h5ad(path)
+
+
+def _progress(total: int, enabled: bool, desc: str):
+    if not enabled:
+        return contextlib.nullcontext(None)
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="cells", unit_scale=True)
+
+
+# ------------------------------------------------------------------- Tahoe-like
+
+
+def tahoe_like_name(
+    *, n_obs: int = 200_000, n_vars: int = 20_000, nnz_per_cell: int = 2_000, seed: int = 0
+) -> str:
+    """Cache file name of :func:`make_tahoe_like` output for these parameters."""
+    return f"tahoe_like_{n_obs}x{n_vars}_nnz{nnz_per_cell}_seed{seed}.h5ad"
+
+
+def cached_tahoe_like(
+    *,
+    n_obs: int = 200_000,
+    n_vars: int = 20_000,
+    nnz_per_cell: int = 2_000,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
+    """The Tahoe-like dataset from the cache, built on first use (≈3.2 GB at the default size)."""
+    name = tahoe_like_name(n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, seed=seed)
+    return cached(
+        name,
+        make_tahoe_like,
+        n_obs=n_obs,
+        n_vars=n_vars,
+        nnz_per_cell=nnz_per_cell,
+        seed=seed,
+        progress=progress,
+    )
+
+
+def _solve_depth(weights: np.ndarray, target: float, sizes: np.ndarray) -> np.ndarray:
+    """Per row of ``weights``, depth L with ``mean_s sum_j 1 - exp(-L s w_j) = target``.
+
+    ``sizes`` are quantiles of the per-cell size factor, so the *average* cell (not the
+    cell of median depth) has ``target`` detected genes. Bisection, vectorised over rows.
+    """
+    lo = np.zeros(len(weights))
+    hi = np.full(len(weights), 1.0)
+
+    def detected(depth: np.ndarray) -> np.ndarray:
+        rate = depth[:, None, None] * sizes[None, :, None] * weights[:, None, :]
+        return (-np.expm1(-rate)).sum(axis=2).mean(axis=1)
+
+    while np.any(detected(hi) < target):
+        hi = np.where(detected(hi) < target, hi * 4, hi)
+    for _ in range(40):  # 2^-40 relative: far below sampling noise
+        mid = (lo + hi) / 2
+        below = detected(mid) < target
+        lo = np.where(below, mid, lo)
+        hi = np.where(below, hi, mid)
+    return (lo + hi) / 2
+
+
+def make_tahoe_like(
+    path: str | os.PathLike,
+    *,
+    n_obs: int = 200_000,
+    n_vars: int = 20_000,
+    nnz_per_cell: int = 2_000,
+    n_plates: int = 14,
+    n_cell_lines: int = 50,
+    seed: int = 0,
+    progress: bool = False,
+) -> Path:
+    """Write a synthetic, Tahoe-100M-like count matrix as ``.h5ad``, out of core.
+
+    Generative model (per cell *i* of cell line *c* on plate *p*, gene *j*): a Poisson
+    process of rate ``λ_ij = L_i · μ_j · program_cj · plate_pj`` with lognormal gene
+    means ``μ`` (see the module constants), line programs and plate effects; the entry
+    is non-zero when the first arrival ``E_ij ~ Exp(1)`` falls below ``λ_ij``, and its
+    count is ``1 + Poisson(G · (λ_ij − E_ij))`` with gamma noise ``G`` (overdispersed,
+    negative-binomial-like). Depths ``L`` are solved per line so a cell has on average
+    ``nnz_per_cell`` detected genes. Rows are grouped by plate, then cell line.
+
+    Parameters
+    ----------
+    path
+        Output ``.h5ad`` (overwritten).
+    n_obs, n_vars
+        Shape. At the defaults the file is ≈3.2 GB (uncompressed CSR float32 / int32).
+    nnz_per_cell
+        Mean number of non-zero genes per cell.
+    n_plates, n_cell_lines
+        Categories of ``obs["plate"]`` and ``obs["cell_line"]``.
+    seed
+        Same seed, same file (byte for byte in X).
+    progress
+        Show a progress bar.
+
+    Returns
+    -------
+    The path written. obs: ``plate``, ``cell_line`` (categoricals); var_names: gene ids.
+    """
+    path = Path(path)
+    for name, value in (("n_obs", n_obs), ("n_vars", n_vars), ("nnz_per_cell", nnz_per_cell)):
+        if int(value) != value or value <= 0:
+            raise InputError(f"{name}={value!r}: must be a positive integer")
+    if not 0 < nnz_per_cell < n_vars:
+        raise InputError(f"nnz_per_cell={nnz_per_cell}: must be below n_vars={n_vars}")
+    if n_plates <= 0 or n_cell_lines <= 0:
+        raise InputError(
+            f"n_plates={n_plates}, n_cell_lines={n_cell_lines}: must be positive integers"
+        )
+    structure_ss, rows_ss = np.random.SeedSequence(seed).spawn(2)
+    rng = np.random.default_rng(structure_ss)
+
+    # Genes: lognormal means, line programs, plate effects (all float64 then float32).
+    mu = rng.lognormal(0.0, GENE_MEAN_SIGMA, n_vars)
+    mu /= mu.sum()
+    program = np.ones((n_cell_lines, n_vars))
+    hit = rng.random((n_cell_lines, n_vars)) < LINE_PROGRAM_FRACTION
+    program[hit] = rng.lognormal(0.0, LINE_PROGRAM_SIGMA, int(hit.sum()))
+    weights = mu * program
+    weights /= weights.sum(axis=1, keepdims=True)
+    quantiles = statistics.NormalDist().inv_cdf
+    sizes = np.exp(SIZE_FACTOR_SIGMA * np.array([quantiles((k + 0.5) / 8) for k in range(8)]))
+    depth = _solve_depth(weights, float(nnz_per_cell), sizes)
+    line_rates = (weights * depth[:, None]).astype(np.float32)
+    plate_effect = np.ones((n_plates, n_vars), dtype=np.float32)
+    hit = rng.random((n_plates, n_vars)) < PLATE_EFFECT_FRACTION
+    plate_effect[hit] = rng.lognormal(0.0, PLATE_EFFECT_SIGMA, int(hit.sum()))
+
+    # Cells: group sizes per (plate, line), sorted by plate then line.
+    plate_p = rng.dirichlet(np.full(n_plates, 20.0))
+    line_p = rng.dirichlet(np.full(n_cell_lines, 5.0), size=n_plates)
+    sizes = rng.multinomial(n_obs, (plate_p[:, None] * line_p).ravel())
+    group = np.repeat(np.arange(n_plates * n_cell_lines), sizes)
+    plate_code, line_code = np.divmod(group, n_cell_lines)
+    size_factor = rng.lognormal(0.0, SIZE_FACTOR_SIGMA, n_obs).astype(np.float32)
+
+    plates = [f"plate{p + 1:02d}" for p in range(n_plates)]
+    lines = [f"CVCL_{c:04d}" for c in range(n_cell_lines)]
+    obs = pd.DataFrame(
+        {
+            "plate": pd.Categorical.from_codes(plate_code, categories=plates),
+            "cell_line": pd.Categorical.from_codes(line_code, categories=lines),
+        },
+        index=pd.Index([f"cell{i:08d}" for i in range(n_obs)]),
+    )
+    var = pd.DataFrame(index=pd.Index([f"ENSG{j:011d}" for j in range(n_vars)]))
+    _write_skeleton(path, obs, var)
+    del obs
+
+    rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // n_vars)
+    starts = range(0, n_obs, rows_per_chunk)
+    chunk_seeds = rows_ss.spawn(len(starts))
+    writer = _CSRWriter(path, n_obs=n_obs, n_vars=n_vars)
+    try:
+        with _progress(n_obs, progress, "generating") as bar:
+            for start, ss in zip(starts, chunk_seeds, strict=True):
+                stop = min(start + rows_per_chunk, n_obs)
+                data, indices, row_nnz = _tahoe_rows(
+                    np.random.default_rng(ss),
+                    line_rates[line_code[start:stop]],
+                    plate_effect[plate_code[start:stop]],
+                    size_factor[start:stop],
+                )
+                writer.append(data, indices, row_nnz)
+                if bar is not None:
+                    bar.update(stop - start)
+    finally:
+        writer.close()
+    return path
+
+
+def _tahoe_rows(
+    rng: np.random.Generator, rates: np.ndarray, plate: np.ndarray, size: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Generate one chunk of rows (vectorised over the dense chunk); returns CSR pieces."""
+    m, n_vars = rates.shape
+    lam = rates
+    lam *= plate
+    lam *= size[:, None]
+    arrival = rng.standard_exponential((m, n_vars), dtype=np.float32)
+    flat = np.flatnonzero(arrival < lam)
+    rest = lam.ravel()[flat] - arrival.ravel()[flat]
+    del arrival, lam
+    noise = rng.gamma(OVERDISPERSION, 1.0 / OVERDISPERSION, len(flat))
+    counts = (1 + rng.poisson(rest * noise)).astype(np.float32)
+    rows, cols = np.divmod(flat, n_vars)
+    row_nnz = np.bincount(rows, minlength=m)
+    return counts, cols.astype(np.int32), row_nnz
+
+
+# --------------------------------------------------------------------- tiled real
+
+
+def _read_source(path: Path, label: str) -> tuple[sp.csr_matrix, pd.DataFrame, pd.Index]:
+    import anndata as ad
+
+    if not path.exists():
+        raise InputError(f"sources: {path} does not exist; pass existing .h5ad files")
+    a = ad.read_h5ad(path)
+    if label not in a.obs.columns:
+        raise InputError(
+            f"label={label!r}: not an obs column of {path.name} "
+            f"(columns: {', '.join(map(str, a.obs.columns))})"
+        )
+    x = a.X if sp.issparse(a.X) else sp.csr_matrix(a.X)
+    return sp.csr_matrix(x, dtype=np.float32), a.obs, a.var_names
+
+
+def tile_real(
+    sources: Sequence[str | os.PathLike] | Mapping[str | os.PathLike, str],
+    path: str | os.PathLike,
+    *,
+    n_obs: int = 100_000,
+    label: str = "Annotation",
+    seed: int = 0,
+    thinning: float = 0.9,
+    test_fraction: float = 0.2,
+    progress: bool = False,
+) -> Path:
+    """Tile real ``.h5ad`` files into a larger real dataset, sorted by a label on disk.
+
+    Each copy of a source cell is binomially thinned (every count kept with probability
+    ``thinning``), so copies differ like resequenced cells and no two rows are equal.
+    Genes: those of a single source, or the intersection of the sources' var_names (in
+    the first source's order). Copies are spread evenly over the source cells until
+    ``n_obs`` rows, then rows are sorted by ``label`` (stable) — the on-disk order of
+    many real atlases, which is what makes sequential reading biased.
+
+    Parameters
+    ----------
+    sources
+        ``.h5ad`` files with counts in X; or a mapping ``file -> label column`` when the
+        label column is named differently per file (the output column is ``label``).
+    path
+        Output ``.h5ad`` (overwritten).
+    n_obs
+        Rows in the output.
+    label
+        obs column to sort by and keep (categorical in the output).
+    seed
+        Same seed, same output.
+    thinning
+        Binomial keep-probability per count, in (0, 1].
+    test_fraction
+        Fraction of *source cells* whose copies all go to ``obs["split"] == "test"``,
+        so a held-out split never shares a source cell with the training split.
+    progress
+        Show a progress bar.
+
+    Returns
+    -------
+    The path written. obs: ``label``, ``source`` (file stem), ``source_cell`` (its obs
+    name in the source), ``copy`` (int), ``split`` (``train``/``test``).
+    """
+    path = Path(path)
+    if not 0.0 < thinning <= 1.0:
+        raise InputError(f"thinning={thinning}: must be in (0, 1]")
+    if not 0.0 <= test_fraction < 1.0:
+        raise InputError(f"test_fraction={test_fraction}: must be in [0, 1)")
+    if int(n_obs) != n_obs or n_obs <= 0:
+        raise InputError(f"n_obs={n_obs!r}: must be a positive integer")
+    columns = (
+        {Path(s): c for s, c in sources.items()}
+        if isinstance(sources, Mapping)
+        else {Path(s): label for s in sources}
+    )
+    if not columns:
+        raise InputError("sources: empty; pass at least one .h5ad file")
+    loaded = [(p, *_read_source(p, col), col) for p, col in columns.items()]
+    genes = loaded[0][3]
+    for _, _, _, names, _ in loaded[1:]:
+        genes = genes[genes.isin(names)]
+    if len(genes) == 0:
+        raise InputError("sources: their var_names have no gene in common; tile one file")
+
+    xs, cells = [], []
+    for p, x, obs, names, col in loaded:
+        xs.append(x[:, names.get_indexer(genes)])
+        cells.append(
+            pd.DataFrame(
+                {
+                    label: obs[col].astype(str).to_numpy(),
+                    "source": p.stem,
+                    "source_cell": obs.index.astype(str),
+                }
+            )
+        )
+    x_all = sp.vstack(xs, format="csr")
+    x_all.sort_indices()
+    cell = pd.concat(cells, ignore_index=True)
+    n_src = len(cell)
+
+    ss_split, ss_pick, ss_thin = np.random.SeedSequence(seed).spawn(3)
+    is_test = np.zeros(n_src, dtype=bool)
+    n_test = round(test_fraction * n_src)
+    is_test[np.random.default_rng(ss_split).choice(n_src, n_test, replace=False)] = True
+    # Copies: every source cell `full` times, plus a random subset once more.
+    full, extra = divmod(n_obs, n_src)
+    copies = np.full(n_src, full, dtype=np.int64)
+    copies[np.random.default_rng(ss_pick).choice(n_src, extra, replace=False)] += 1
+    src_row = np.repeat(np.arange(n_src), copies)
+    copy_no = np.arange(n_obs) - np.repeat(np.cumsum(copies) - copies, copies)
+    categories = sorted(cell[label].unique())
+    order = np.argsort(pd.Categorical(cell[label], categories).codes[src_row], kind="stable")
+    src_row, copy_no = src_row[order], copy_no[order]
+
+    obs = pd.DataFrame(
+        {
+            label: pd.Categorical(cell[label].to_numpy()[src_row], categories=categories),
+            "source": pd.Categorical(cell["source"].to_numpy()[src_row]),
+            "source_cell": cell["source_cell"].to_numpy()[src_row],
+            "copy": copy_no.astype(np.int32),
+            "split": pd.Categorical(
+                np.where(is_test[src_row], "test", "train"), categories=["train", "test"]
+            ),
+        },
+        index=pd.Index(
+            [f"{s}-{c}" for s, c in zip(_row_names(cell, src_row), copy_no, strict=True)]
+        ),
+    )
+    _write_skeleton(path, obs, pd.DataFrame(index=genes.astype(str)))
+    del obs
+
+    rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // max(1, len(genes)))
+    starts = range(0, n_obs, rows_per_chunk)
+    chunk_seeds = ss_thin.spawn(len(starts))
+    writer = _CSRWriter(path, n_obs=n_obs, n_vars=len(genes))
+    try:
+        with _progress(n_obs, progress, "tiling") as bar:
+            for start, ss in zip(starts, chunk_seeds, strict=True):
+                stop = min(start + rows_per_chunk, n_obs)
+                block = x_all[src_row[start:stop]]
+                data = block.data
+                if thinning < 1.0:
+                    kept = np.random.default_rng(ss).binomial(
+                        np.rint(data).astype(np.int64), thinning
+                    )
+                    block = sp.csr_matrix(
+                        (kept.astype(np.float32), block.indices, block.indptr), shape=block.shape
+                    )
+                    block.eliminate_zeros()
+                writer.append(block.data, block.indices.astype(np.int32), np.diff(block.indptr))
+                if bar is not None:
+                    bar.update(stop - start)
+    finally:
+        writer.close()
+    return path
+
+
+def _row_names(cell: pd.DataFrame, src_row: np.ndarray) -> Iterator[str]:
+    """Unique-ish row names: ``<source>:<source cell>`` per tiled row (copy appended by caller)."""
+    src = cell["source"].to_numpy()
+    name = cell["source_cell"].to_numpy()
+    return (f"{src[i]}:{name[i]}" for i in src_row)
