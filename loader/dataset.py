@@ -1,0 +1,710 @@
+"""``BlockDataset``: block sampling + batched fetching, as a torch ``IterableDataset``.
+
+::
+
+    from loader import BlockDataset, BlockDataLoader
+
+    ds = BlockDataset("data.zarr", batch_size=64, fetch_factor=16, obs=("cell_line",))
+    dl = BlockDataLoader(ds, num_workers=2)       # a torch DataLoader (batch_size=None)
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        for batch in dl:                           # {"X", "obs": {...}, "index"}
+            ...
+
+Without torch the dataset is a plain iterable of numpy / scipy batches.
+
+Workers and fork safety
+    Pickling a dataset carries only the path and the settings (plus a small
+    shared-memory tensor holding epoch and resume position); each process opens its
+    own reader lazily, on first use, and reopens it when it finds itself in a new
+    process. The readers run thread pools (tensorstore, h5py locks): a process forked
+    *after* the parent has read data can deadlock inside them. :class:`BlockDataLoader`
+    therefore starts workers with ``multiprocessing_context="spawn"`` by default; with a
+    plain ``torch.utils.data.DataLoader`` pass ``multiprocessing_context="spawn"``
+    (or ``"forkserver"``) yourself unless the main process never reads batches.
+
+Memory
+    ``prefetch`` fetches are in flight while one is consumed: peak ≈ ``(prefetch + 1)``
+    decoded fetches per worker (a fetch is about ``fetch_factor × batch_size`` rows,
+    at least one block), plus one minibatch and the reader's chunk cache.
+
+Resuming
+    ``state_dict()`` records the epoch and how many minibatches of it were delivered;
+    ``load_state_dict()`` (in any process, on the same data and settings) makes the
+    next iteration yield exactly the remaining minibatches, in the same order. Workers
+    skip to their position by recomputing the pure sampling plan (no skipped data is
+    read). With ``num_workers > 0`` the count of delivered minibatches lives in the
+    main process, so iterate with :class:`BlockDataLoader` (a ``DataLoader`` that
+    reports each delivered minibatch); the number of workers must be the same when
+    resuming.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections import deque
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader import sampler as S
+from loader.errors import InputError, LayoutError
+from loader.layout import parse_block_size
+
+__all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
+
+STATE_FORMAT = "sclayout-loader-state"
+OUTPUTS = ("dense", "csr")
+_STATE_KEYS = (
+    "seed",
+    "strategy",
+    "batch_size",
+    "fetch_factor",
+    "drop_last",
+    "world_size",
+    "rank",
+    "n_obs",
+    "n_blocks",
+)
+# Slots of the shared-state vector (shared memory, so persistent workers see updates).
+_EPOCH, _START_EPOCH, _START, _START_WORKERS, _UNTRACKED = range(5)
+_TORCH_HINT = "pip install sclayout[torch]"
+
+
+def torch_available() -> bool:
+    """Whether torch can be imported (without importing it if it was not yet)."""
+    if "torch" in sys.modules:
+        return True
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _require_torch(feature: str) -> Any:
+    if not torch_available():
+        raise InputError(f"{feature} needs torch: {_TORCH_HINT}")
+    import torch
+
+    return torch
+
+
+def _worker_info() -> tuple[int, int] | None:
+    """``(worker id, num_workers)`` inside a torch DataLoader worker, else ``None``."""
+    if "torch" not in sys.modules:
+        return None
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    return None if info is None else (int(info.id), int(info.num_workers))
+
+
+def _default_rank_world() -> tuple[int, int]:
+    if "torch" in sys.modules:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank()), int(dist.get_world_size())
+    return 0, 1
+
+
+def _is_reader(obj: Any) -> bool:
+    return all(hasattr(obj, a) for a in ("submit", "block_lengths", "obs_codes"))
+
+
+class BlockDataset:
+    """Minibatches of a layout store (or raw .h5ad) by block sampling.
+
+    Parameters
+    ----------
+    path
+        A layout store, its URL, an .h5ad file, or an already opened reader
+        (:func:`loader.open_layout`).
+    batch_size
+        Rows per minibatch (default: the spec's, else 64).
+    fetch_factor
+        Minibatches per fetch (default: the spec's, else 16). Rows are shuffled within
+        a fetch of about ``fetch_factor × batch_size`` rows.
+    block_size
+        Rows per block; ``None``: the store's (a store reads any multiple of its own).
+    obs
+        obs columns delivered as int64 codes (categories in :attr:`categories`).
+    seed
+        Root seed; the order is a pure function of seed, epoch, rank and worker.
+    strategy
+        ``block_shuffle`` (default), ``streaming``, ``weighted``, ``class_balanced``
+        (see :func:`loader.sampler.strategies`).
+    output
+        ``"dense"`` (float32) or ``"csr"`` (torch sparse CSR / scipy CSR, float32).
+    drop_last
+        Drop each rank's incomplete last minibatch, and the ``n % world_size`` rows
+        that do not divide across ranks; otherwise those are padded by repeating the
+        first rows of the epoch (like ``DistributedSampler``).
+    weights
+        ``weighted``: one weight per row, in *source* row order (as in the original
+        AnnData), or a mapping ``{category: weight}`` of ``class_column``.
+    class_column
+        obs column whose classes ``class_balanced`` balances (weights ``1/frequency``),
+        or whose categories a ``weights`` mapping names.
+    replacement
+        Weighted strategies: draw blocks (and rows within them) with replacement, so
+        that every row's expected frequency is proportional to its weight (default);
+        ``False``: each row at most once, blocks drawn in weighted random order, all
+        rows of a drawn block delivered (weights then act per block, approximately).
+    num_samples
+        Rows per epoch for weighted strategies (default: the number of rows).
+    backend
+        Reader backend (``"tensorstore"``, ``"zarr"``; ``.h5ad`` always uses h5py).
+    spec
+        A :class:`loader.spec.LayoutSpec` or the path of its JSON: its loader settings
+        (and block size) become the defaults of the arguments left unset.
+    rank, world_size
+        DDP position; default: from ``torch.distributed`` if initialised, else 0 / 1.
+    prefetch
+        Fetches kept in flight ahead of the one being consumed (0: no read-ahead).
+    matrix
+        ``"X"`` or a layer (``"layers/counts"``).
+
+    Notes
+    -----
+    Block sampling works at block granularity: a weighted strategy chooses *blocks*
+    with probability proportional to the summed weight of their rows, then (with
+    replacement) rows within each drawn block by row weight. The delivered
+    proportions then match the requested weights in expectation, but rows of one
+    block arrive together, so counts vary more than under row-by-row sampling.
+    """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> BlockDataset:
+        if cls is BlockDataset and torch_available():
+            cls = _torch_dataset_class()
+        return super().__new__(cls)
+
+    def __init__(
+        self,
+        path: Any,
+        batch_size: int | None = None,
+        fetch_factor: int | None = None,
+        block_size: int | None = None,
+        obs: Sequence[str] = (),
+        seed: int = 0,
+        strategy: str | None = None,
+        output: str = "dense",
+        drop_last: bool = False,
+        *,
+        weights: Any = None,
+        class_column: str | None = None,
+        replacement: bool = True,
+        num_samples: int | None = None,
+        backend: str | None = None,
+        spec: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 1,
+        matrix: str = "X",
+    ) -> None:
+        settings = _spec_settings(spec)
+        batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
+        fetch_factor = settings.get("fetch_factor", 16) if fetch_factor is None else fetch_factor
+        strategy = settings.get("strategy", "block_shuffle") if strategy is None else strategy
+        backend = settings.get("backend", "tensorstore") if backend is None else backend
+        block_size = settings.get("block_size") if block_size is None else block_size
+        batch_size = parse_block_size(batch_size, name="batch_size")
+        fetch_factor = parse_block_size(fetch_factor, name="fetch_factor")
+        if block_size is not None:
+            block_size = parse_block_size(block_size)
+        S.get_strategy(strategy)
+        if output not in OUTPUTS:
+            raise InputError(f"output={output!r}: unknown; known: {', '.join(OUTPUTS)}")
+        if isinstance(obs, str):
+            obs = (obs,)
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+            raise InputError(f"prefetch={prefetch!r}: must be an integer >= 0")
+        if rank is None or world_size is None:
+            d_rank, d_world = _default_rank_world()
+            rank = d_rank if rank is None else rank
+            world_size = d_world if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+
+        if _is_reader(path):
+            reader, self._path = path, None
+        else:
+            self._path = _check_path(path)
+            from loader.store import open_layout
+
+            reader = open_layout(self._path, block_size=block_size, backend=backend, matrix=matrix)
+        self._reader_args = {"block_size": block_size, "backend": backend, "matrix": matrix}
+        self._reader: Any = reader
+        self._reader_pid = os.getpid()
+
+        self.obs = tuple(obs)
+        self.output = output
+        self.prefetch = prefetch
+        self.rank, self.world_size = int(rank), int(world_size)
+        self.n_obs = int(reader.n_obs)
+        self.n_vars = int(reader.n_vars)
+        self.categories: dict[str, list] = {}
+        codes = {}
+        for col in dict.fromkeys((*self.obs, *([class_column] if class_column else []))):
+            codes[col], self.categories[col] = _obs_codes(reader, col)
+        row_weights = _row_weights(strategy, weights, class_column, codes, reader, self.categories)
+        self.config = S.SamplerConfig(
+            block_lengths=reader.block_lengths(),
+            batch_size=batch_size,
+            fetch_factor=fetch_factor,
+            seed=seed,
+            strategy=strategy,
+            drop_last=bool(drop_last),
+            row_weights=row_weights,
+            num_samples=num_samples,
+            replacement=bool(replacement),
+        )
+        _ = self.config.epoch_rows  # validate num_samples against the weights now
+        self._shared = _shared_state()
+        self._consumed = 0
+        self._tracked_workers = 0  # set by BlockDataLoader in the main process
+
+    # -- settings -------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        return self.config.batch_size
+
+    @property
+    def fetch_factor(self) -> int:
+        return self.config.fetch_factor
+
+    @property
+    def strategy(self) -> str:
+        return self.config.strategy
+
+    @property
+    def seed(self) -> int:
+        return self.config.seed
+
+    @property
+    def block_size(self) -> int:
+        return int(self._get_reader().block_size)
+
+    @property
+    def epoch(self) -> int:
+        return int(self._shared[_EPOCH])
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch whose order the next iteration yields."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+            raise InputError(f"epoch={epoch!r}: must be a non-negative integer")
+        self._shared[_EPOCH] = int(epoch)
+
+    def __len__(self) -> int:
+        """Minibatches per epoch on this rank (all workers together)."""
+        return S.rank_batches(self.config, world_size=self.world_size)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}({self._path or self._reader!r}, batch_size="
+            f"{self.batch_size}, fetch_factor={self.fetch_factor}, strategy={self.strategy!r}, "
+            f"output={self.output!r}, rank={self.rank}/{self.world_size})"
+        )
+
+    # -- pickling: no open handles ------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        if self._path is not None:
+            state["_reader"] = None  # reopened lazily in the process that reads
+        return state
+
+    def _get_reader(self) -> Any:
+        if self._reader is None or self._reader_pid != os.getpid():
+            if self._path is not None:
+                from loader.store import open_layout
+
+                self._reader = open_layout(self._path, **self._reader_args)
+            else:  # a user-given reader: a fresh copy without the parent's handles
+                import pickle
+
+                self._reader = pickle.loads(pickle.dumps(self._reader))
+            self._reader_pid = os.getpid()
+        return self._reader
+
+    # -- state ----------------------------------------------------------------------
+    def _settings_for_state(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "seed": int(c.seed),
+            "strategy": c.strategy,
+            "batch_size": c.batch_size,
+            "fetch_factor": c.fetch_factor,
+            "drop_last": c.drop_last,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "n_obs": c.n_obs,
+            "n_blocks": c.n_blocks,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Position in the sampled sequence: epoch and minibatches delivered in it.
+
+        JSON-serialisable. Resuming needs the same data, settings, rank and number
+        of DataLoader workers.
+        """
+        if int(self._shared[_UNTRACKED]):
+            raise InputError(
+                "state_dict: DataLoader workers read batches this dataset cannot count; "
+                "iterate with loader.BlockDataLoader(ds, num_workers=...) to resume with workers"
+            )
+        return {
+            "format": STATE_FORMAT,
+            "version": 1,
+            "epoch": self.epoch,
+            "consumed": int(self._consumed),
+            "num_workers": max(1, self._tracked_workers),
+            **self._settings_for_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next iteration yields the minibatches after ``state``'s position."""
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise InputError("load_state_dict: not a BlockDataset state (from ds.state_dict())")
+        mine = self._settings_for_state()
+        diff = [
+            f"{k}={state.get(k)!r} (now {mine[k]!r})"
+            for k in _STATE_KEYS
+            if state.get(k) != mine[k]
+        ]
+        if diff:
+            raise InputError(
+                "load_state_dict: the state was saved with other settings: "
+                + ", ".join(diff)
+                + "; create the dataset with the saved settings"
+            )
+        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        total = len(self)
+        if not 0 <= consumed <= total:
+            raise InputError(f"load_state_dict: consumed={consumed} outside 0..{total}")
+        self._shared[_EPOCH] = epoch
+        self._shared[_START_EPOCH] = epoch
+        self._shared[_START] = consumed
+        self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
+        self._consumed = consumed
+
+    def _start(self) -> tuple[int, int]:
+        """``(epoch, minibatches to skip)`` for an iteration starting now."""
+        epoch = self.epoch
+        if int(self._shared[_START_EPOCH]) == epoch:
+            return epoch, int(self._shared[_START])
+        return epoch, 0
+
+    def _begin_pass(self, num_workers: int) -> None:
+        """Main process, before an iteration: reset the delivered-minibatch counter."""
+        _, start = self._start()
+        if start and int(self._shared[_START_WORKERS]) != max(1, num_workers):
+            raise InputError(
+                f"num_workers={num_workers}: the state was saved with "
+                f"num_workers={int(self._shared[_START_WORKERS])}; resume with the same number"
+            )
+        self._consumed = start
+        self._tracked_workers = num_workers
+        if num_workers:
+            self._shared[_UNTRACKED] = 0
+
+    def _end_pass(self) -> None:
+        """Main process, after a complete iteration: a later pass starts from 0."""
+        self._shared[_START_EPOCH] = -1
+
+    # -- iteration ------------------------------------------------------------------
+    def __iter__(self):
+        info = _worker_info()
+        if info is None:
+            self._begin_pass(0)
+            return self._main_iter()
+        worker, num_workers = info
+        if not self._tracked_workers:
+            self._shared[_UNTRACKED] = 1
+        return self._batches(worker, num_workers)
+
+    def _main_iter(self):
+        for batch in self._batches(0, 1):
+            self._consumed += 1
+            yield batch
+        self._end_pass()
+
+    def _batches(self, worker: int, num_workers: int):
+        epoch, start = self._start()
+        counts = S.worker_batches(self.config, world_size=self.world_size, num_workers=num_workers)
+        skip, rotation = S.resume_point(counts, start)
+        logical = (worker + rotation) % num_workers
+        plan = S.worker_plan(
+            self.config,
+            epoch,
+            rank=self.rank,
+            world_size=self.world_size,
+            worker=logical,
+            num_workers=num_workers,
+        )
+        yield from self._execute(plan, int(skip[logical]))
+
+    def _execute(self, plan: S.WorkerPlan, skip: int):
+        """Run ``plan`` from minibatch ``skip``: read-ahead, take, concatenate, convert."""
+        reader = self._get_reader()
+        lengths = self.config.block_lengths
+        in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order
+        ready: dict[int, tuple[S.Fetch, Any]] = {}
+        next_k = None
+
+        def submit_more(k_from: int, *, at_least_one: bool = False) -> None:
+            nonlocal next_k
+            if next_k is None:
+                next_k = k_from
+            while next_k < plan.n_fetches and (
+                len(ready) + len(in_flight) < self.prefetch + 1 or at_least_one
+            ):
+                f = plan.fetch(next_k)
+                in_flight.append((f, reader.submit(f.blocks)))
+                next_k += 1
+                at_least_one = False
+
+        for parts in plan.batch_parts(skip):
+            first = parts[0][0]
+            for k in [k for k in ready if k < first]:
+                del ready[k]
+            submit_more(first)
+            for k, _, _ in parts:
+                while k not in ready:
+                    if not in_flight:
+                        submit_more(k, at_least_one=True)
+                    f, pending = in_flight.popleft()
+                    got = pending.result()
+                    if got.n_rows != int(lengths[f.blocks].sum()):
+                        raise LayoutError(
+                            f"reader returned {got.n_rows} rows for blocks with "
+                            f"{int(lengths[f.blocks].sum())}; the store is inconsistent"
+                        )
+                    ready[f.index] = (f, got)
+            submit_more(first)  # keep the read-ahead full before taking rows
+            pieces = [
+                ready[k][1].take(ready[k][0].order[a:b], output=self.output, obs=self.obs)
+                for k, a, b in parts
+            ]
+            yield self._convert(_concat(pieces))
+
+    def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+        X = batch["X"]
+        if self.output == "dense":
+            X = np.ascontiguousarray(X, dtype=np.float32)
+        else:
+            X = X if X.dtype == np.float32 else X.astype(np.float32)
+        index = np.asarray(batch["index"], dtype=np.int64)
+        obs = {c: np.asarray(batch["obs"][c], dtype=np.int64) for c in self.obs}
+        return {"X": X, "obs": obs, "index": index}
+
+    def dataloader(self, **kwargs: Any) -> Any:
+        """A :class:`BlockDataLoader` over this dataset (torch needed)."""
+        return _dataloader_class()(self, **kwargs)
+
+
+def _concat(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    if len(pieces) == 1:
+        return pieces[0]
+    Xs = [p["X"] for p in pieces]
+    if isinstance(Xs[0], np.ndarray):
+        X = np.concatenate(Xs)
+    else:
+        import scipy.sparse as sp
+
+        X = sp.vstack(Xs, format="csr")
+    return {
+        "X": X,
+        "index": np.concatenate([p["index"] for p in pieces]),
+        "obs": {c: np.concatenate([p["obs"][c] for p in pieces]) for c in pieces[0]["obs"]},
+    }
+
+
+def _check_path(path: Any) -> str:
+    if not isinstance(path, str | os.PathLike):
+        raise InputError(
+            f"path={path!r}: expected a store path, URL or .h5ad file (or an open reader)"
+        )
+    s = os.fspath(path)
+    if "://" not in s and not Path(s).expanduser().exists():
+        raise InputError(f"path={s!r}: no such file or directory; check the path")
+    return s
+
+
+def _spec_settings(spec: Any) -> dict[str, Any]:
+    if spec is None:
+        return {}
+    from loader.spec import LayoutSpec
+
+    if isinstance(spec, str | os.PathLike):
+        spec = LayoutSpec.load(spec)
+    if not isinstance(spec, LayoutSpec):
+        raise InputError(f"spec={spec!r}: expected a LayoutSpec or the path of its JSON")
+    out = spec.loader.to_dict()
+    out.pop("num_workers", None)
+    out["block_size"] = spec.store.block_size
+    return out
+
+
+def _obs_codes(reader: Any, column: str) -> tuple[np.ndarray, list]:
+    try:
+        codes, cats = reader.obs_codes(column)
+    except KeyError:
+        raise InputError(f"obs column {column!r}: not in the dataset's obs") from None
+    return np.asarray(codes, dtype=np.int64), list(cats)
+
+
+def _row_weights(
+    strategy: str,
+    weights: Any,
+    class_column: str | None,
+    codes: dict[str, np.ndarray],
+    reader: Any,
+    categories: dict[str, list],
+) -> np.ndarray | None:
+    """Weight per stored row, or ``None`` for unweighted strategies."""
+    if strategy == "class_balanced":
+        if class_column is None:
+            raise InputError("strategy='class_balanced' needs class_column= (an obs column)")
+        c = codes[class_column]
+        if weights is not None:
+            raise InputError("strategy='class_balanced' computes its weights; drop weights=")
+        valid = c >= 0
+        freq = np.bincount(c[valid], minlength=len(categories[class_column]))
+        w = np.zeros(c.size, dtype=np.float64)
+        w[valid] = 1.0 / freq[c[valid]]
+        return w
+    if weights is None:
+        return None
+    if S.get_strategy(strategy).needs_weights is False:
+        raise InputError(f"weights= is used by strategy='weighted', not {strategy!r}")
+    if isinstance(weights, Mapping):
+        if class_column is None:
+            raise InputError("weights={category: weight} needs class_column= (an obs column)")
+        cats = categories[class_column]
+        unknown = [k for k in weights if k not in cats]
+        if unknown:
+            raise InputError(
+                f"weights: categories {unknown} not in obs column {class_column!r}; "
+                f"known: {cats[:20]}"
+            )
+        per_class = np.array([float(weights.get(k, 0.0)) for k in cats] + [0.0])
+        return per_class[codes[class_column]]  # code -1 (missing) -> the trailing 0
+    w_source = np.asarray(weights, dtype=np.float64)
+    if w_source.shape != (reader.n_obs,):
+        raise InputError(
+            f"weights: {w_source.size} values for {reader.n_obs} rows; give one weight "
+            "per row (source order) or a {category: weight} mapping with class_column="
+        )
+    return w_source[np.asarray(reader.source_index(), dtype=np.int64)]
+
+
+def _shared_state() -> Any:
+    """Epoch / resume slots, in shared memory when torch is there (seen by workers)."""
+    if torch_available():
+        import torch
+
+        state = torch.zeros(5, dtype=torch.int64)
+        state[_START_EPOCH] = -1
+        return state.share_memory_()
+    state = np.zeros(5, dtype=np.int64)
+    state[_START_EPOCH] = -1
+    return state
+
+
+# --------------------------------------------------------------------------- torch glue
+
+
+def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    import torch
+
+    X = batch["X"]
+    if isinstance(X, np.ndarray):
+        tX = torch.from_numpy(X)
+    else:
+        with warnings.catch_warnings():
+            # torch warns once that it skips CSR invariant checks; take_csr built it valid.
+            warnings.filterwarnings("ignore", message="Sparse invariant checks")
+            tX = torch.sparse_csr_tensor(
+                torch.from_numpy(X.indptr.astype(np.int64)),
+                torch.from_numpy(X.indices.astype(np.int64)),
+                torch.from_numpy(X.data),
+                size=X.shape,
+            )
+    return {
+        "X": tX,
+        "obs": {c: torch.from_numpy(v) for c, v in batch["obs"].items()},
+        "index": torch.from_numpy(batch["index"]),
+    }
+
+
+_LAZY: dict[str, Any] = {}
+
+
+def _torch_dataset_class() -> type:
+    if "TorchBlockDataset" not in _LAZY:
+        from torch.utils.data import IterableDataset
+
+        class TorchBlockDataset(BlockDataset, IterableDataset):
+            """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
+
+            def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+                return _to_torch(super()._convert(batch))
+
+        TorchBlockDataset.__module__ = __name__
+        TorchBlockDataset.__qualname__ = "TorchBlockDataset"
+        _LAZY["TorchBlockDataset"] = TorchBlockDataset
+    return _LAZY["TorchBlockDataset"]
+
+
+def _dataloader_class() -> type:
+    if "BlockDataLoader" not in _LAZY:
+        torch = _require_torch("BlockDataLoader")
+
+        class BlockDataLoader(torch.utils.data.DataLoader):
+            """A ``DataLoader`` for a :class:`BlockDataset` that counts delivered batches.
+
+            It passes ``batch_size=None`` (the dataset batches), starts workers with
+            ``multiprocessing_context="spawn"`` unless told otherwise (fork after the
+            parent read data can deadlock the readers' threads), and reports every
+            delivered minibatch to the dataset so that ``ds.state_dict()`` is exact with
+            ``num_workers > 0``.
+            """
+
+            def __init__(self, dataset: BlockDataset, **kwargs: Any) -> None:
+                if not isinstance(dataset, BlockDataset):
+                    raise InputError("BlockDataLoader: dataset must be a loader.BlockDataset")
+                if kwargs.get("batch_size") is not None:
+                    raise InputError(
+                        "BlockDataLoader: batch_size is the dataset's; pass it to BlockDataset"
+                    )
+                kwargs["batch_size"] = None
+                if kwargs.get("num_workers", 0) > 0:
+                    kwargs.setdefault("multiprocessing_context", "spawn")
+                super().__init__(dataset, **kwargs)
+
+            def __iter__(self):
+                ds = self.dataset
+                if self.num_workers == 0:
+                    yield from super().__iter__()  # the dataset counts in this process
+                    return
+                ds._begin_pass(self.num_workers)
+                for batch in super().__iter__():
+                    ds._consumed += 1
+                    yield batch
+                ds._end_pass()
+
+        BlockDataLoader.__module__ = __name__
+        BlockDataLoader.__qualname__ = "BlockDataLoader"
+        _LAZY["BlockDataLoader"] = BlockDataLoader
+    return _LAZY["BlockDataLoader"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "TorchBlockDataset":
+        return _torch_dataset_class()
+    if name == "BlockDataLoader":
+        return _dataloader_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

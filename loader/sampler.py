@@ -1,0 +1,603 @@
+"""Pure block sampling: which blocks each fetch reads and how its rows become minibatches.
+
+Nothing here does I/O. Everything is a pure function of the sampler configuration and
+``(epoch, rank, world_size, worker, num_workers)``, so any position of any epoch can be
+recomputed from scratch (this is what makes ``state_dict`` resume exact and lets a
+DataLoader worker skip to its position without reading the skipped data).
+
+The pipeline for one epoch (see DESIGN.md §3):
+
+1. **Epoch stream.** The strategy turns the blocks into one ordered stream of rows,
+   held as *runs*: run ``i`` is local rows ``lo[i]:hi[i]`` of block ``block[i]``
+   (:class:`Segments`). ``block_shuffle`` permutes the blocks, ``streaming`` keeps
+   them in order, ``weighted`` / ``class_balanced`` draw blocks by weight.
+2. **Ranks.** The stream is cut into ``world_size`` equal, contiguous, disjoint row
+   ranges (a block on a boundary is shared, its rows are not). When the stream length
+   ``T`` is not a multiple of ``world_size``: ``drop_last=False`` pads by repeating the
+   first ``world_size - T % world_size`` rows of the stream (as torch's
+   ``DistributedSampler`` does), ``drop_last=True`` drops the last ``T % world_size``
+   rows. Then each rank holds the same number of rows, hence of batches;
+   ``drop_last=True`` also drops each rank's final incomplete batch.
+3. **Workers.** A rank's batches are split into ``num_workers`` contiguous ranges of
+   (nearly) equal size; a torch ``DataLoader`` consumes workers round-robin, so the
+   rank's delivered order is the round-robin interleave of the worker streams
+   (:func:`interleave`).
+4. **Fetches.** A worker's rows are grouped into fetches of about
+   ``fetch_factor × batch_size`` rows, cut at run boundaries (a fetch reads whole
+   blocks, once). Within a fetch the rows are permuted with a generator unique to
+   ``(seed, epoch, world_size, rank, num_workers, worker, fetch)``; minibatches are
+   consecutive ``batch_size`` slices of the worker's permuted stream (a minibatch can
+   take its last rows from the next fetch, so every minibatch but the very last is
+   full).
+
+Randomness comes only from :class:`numpy.random.SeedSequence` children addressed by
+their spawn key (``SeedSequence(seed, spawn_key=k)`` equals spawning down the path
+``k``), never from global state.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from loader.errors import InputError
+from loader.layout import parse_block_size
+
+__all__ = [
+    "Fetch",
+    "SamplerConfig",
+    "Segments",
+    "Strategy",
+    "WorkerPlan",
+    "epoch_stream",
+    "get_strategy",
+    "interleave",
+    "rank_batches",
+    "register_strategy",
+    "resume_point",
+    "strategies",
+    "worker_plan",
+]
+
+_TAG_EPOCH = 0
+"""Spawn-key tag of the epoch-level generator (block order, block draws)."""
+_TAG_FETCH = 1
+"""Spawn-key tag of the per-fetch generators (row permutation, within-block draws)."""
+
+
+def _arange_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenate ``arange(s, s + n)`` for every run, vectorised."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    total = int(lengths.sum())
+    if total == 0:
+        return np.empty(0, dtype=np.int64)
+    offsets = np.cumsum(lengths) - lengths
+    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(
+        total, dtype=np.int64
+    )
+
+
+@dataclass(frozen=True)
+class Segments:
+    """A stream of rows held as runs inside blocks.
+
+    Run ``i`` is local rows ``lo[i]:hi[i]`` of block ``block[i]``. With ``sampled``
+    true a run instead stands for ``hi[i] - lo[i]`` rows drawn from that block with
+    replacement, by row weight, when its fetch is realised.
+    """
+
+    block: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    sampled: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block", "lo", "hi"):
+            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.hi - self.lo
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.lengths.sum())
+
+    def boundaries(self) -> np.ndarray:
+        """Stream position of each run start, plus the total (``len + 1`` values)."""
+        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+
+    def slice(self, start: int, stop: int) -> Segments:
+        """The runs covering stream positions ``[start, stop)``."""
+        cum = self.boundaries()
+        stop = min(stop, int(cum[-1]))
+        if stop <= start:
+            return Segments(self.block[:0], self.lo[:0], self.hi[:0], self.sampled)
+        i0 = int(np.searchsorted(cum, start, side="right")) - 1
+        i1 = int(np.searchsorted(cum, stop, side="left"))
+        block, lo, hi = self.block[i0:i1].copy(), self.lo[i0:i1].copy(), self.hi[i0:i1].copy()
+        lo[0] += start - cum[i0]
+        hi[-1] = self.lo[i1 - 1] + (stop - cum[i1 - 1])
+        return Segments(block, lo, hi, self.sampled)
+
+    def concat(self, other: Segments) -> Segments:
+        return Segments(
+            np.concatenate([self.block, other.block]),
+            np.concatenate([self.lo, other.lo]),
+            np.concatenate([self.hi, other.hi]),
+            self.sampled,
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class SamplerConfig:
+    """Everything that decides the sampled sequence, except the epoch and the position.
+
+    Parameters
+    ----------
+    block_lengths
+        Rows of each block, in store order.
+    batch_size
+        Rows per minibatch.
+    fetch_factor
+        Minibatches per fetch: a fetch holds about ``fetch_factor × batch_size`` rows.
+    seed
+        Root seed (a non-negative integer).
+    strategy
+        Name of a registered strategy (:func:`strategies`).
+    drop_last
+        Drop each rank's incomplete final minibatch and the rows that do not divide
+        evenly across ranks (otherwise: pad by repeating, see the module docstring).
+    row_weights
+        Non-negative weight of each stored row (store order), for weighted strategies.
+    num_samples
+        Rows per epoch for weighted strategies; ``None``: the number of rows.
+    replacement
+        Weighted strategies: draw with replacement (exact proportions) or not.
+    """
+
+    block_lengths: np.ndarray
+    batch_size: int = 64
+    fetch_factor: int = 16
+    seed: int = 0
+    strategy: str = "block_shuffle"
+    drop_last: bool = False
+    row_weights: np.ndarray | None = None
+    num_samples: int | None = None
+    replacement: bool = True
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        lengths = np.asarray(self.block_lengths, dtype=np.int64)
+        if lengths.ndim != 1 or (lengths.size and lengths.min() <= 0):
+            raise InputError("block_lengths: must be a 1-D array of positive row counts")
+        object.__setattr__(self, "block_lengths", lengths)
+        for name in ("batch_size", "fetch_factor"):
+            object.__setattr__(self, name, parse_block_size(getattr(self, name), name=name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
+            raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
+        if self.seed < 0:
+            raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
+        strategy = get_strategy(self.strategy)
+        if self.num_samples is not None:
+            object.__setattr__(
+                self, "num_samples", parse_block_size(self.num_samples, name="num_samples")
+            )
+        if self.row_weights is not None:
+            w = np.asarray(self.row_weights, dtype=np.float64)
+            if w.shape != (self.n_obs,):
+                raise InputError(
+                    f"weights: {w.shape[0] if w.ndim == 1 else w.shape} values for "
+                    f"{self.n_obs} rows; give one weight per row"
+                )
+            if not np.isfinite(w).all() or (w.size and w.min() < 0) or w.sum() <= 0:
+                raise InputError(
+                    "weights: must be finite, non-negative and not all zero; "
+                    "give each row (or class) a weight >= 0"
+                )
+            object.__setattr__(self, "row_weights", w)
+        elif strategy.needs_weights:
+            raise InputError(
+                f"strategy={self.strategy!r} needs weights: pass weights= (per row or "
+                "per class with class_column=)"
+            )
+
+    @property
+    def n_blocks(self) -> int:
+        return int(self.block_lengths.size)
+
+    @property
+    def n_obs(self) -> int:
+        return int(self.block_lengths.sum())
+
+    @property
+    def block_starts(self) -> np.ndarray:
+        """Store row where each block begins, plus ``n_obs`` at the end."""
+        if "starts" not in self._cache:
+            self._cache["starts"] = np.concatenate([[0], np.cumsum(self.block_lengths)])
+        return self._cache["starts"]
+
+    @property
+    def block_weights(self) -> np.ndarray:
+        """Sum of row weights in each block."""
+        if "block_weights" not in self._cache:
+            w = self.row_weights
+            self._cache["block_weights"] = (
+                np.add.reduceat(w, self.block_starts[:-1]) if self.n_blocks else w[:0]
+            )
+        return self._cache["block_weights"]
+
+    @property
+    def weight_cumsum(self) -> np.ndarray:
+        """``[0, cumsum(row_weights)]``: row ``i`` owns ``[c[i], c[i+1])``."""
+        if "wcum" not in self._cache:
+            self._cache["wcum"] = np.concatenate([[0.0], np.cumsum(self.row_weights)])
+        return self._cache["wcum"]
+
+    @property
+    def epoch_rows(self) -> int:
+        """Rows in one epoch's stream, before the split across ranks."""
+        return get_strategy(self.strategy).epoch_rows(self)
+
+    @property
+    def fetch_rows(self) -> int:
+        return self.batch_size * self.fetch_factor
+
+
+# --------------------------------------------------------------------------- strategies
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """A registered way of turning blocks into an epoch's stream of rows.
+
+    ``draw(config, rng)`` returns the epoch's :class:`Segments`; ``epoch_rows(config)``
+    its length without drawing; ``shuffle_rows`` whether rows are permuted within a
+    fetch; ``exactly_once`` whether every row appears exactly once per epoch.
+    """
+
+    name: str
+    draw: Callable[[SamplerConfig, np.random.Generator], Segments]
+    epoch_rows: Callable[[SamplerConfig], int]
+    shuffle_rows: bool = True
+    needs_weights: bool = False
+    exactly_once: bool = True
+    doc: str = ""
+
+
+_STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(strategy: Strategy) -> Strategy:
+    """Add a strategy to the registry (replacing one of the same name)."""
+    _STRATEGIES[strategy.name] = strategy
+    return strategy
+
+
+def get_strategy(name: str) -> Strategy:
+    """The registered strategy called ``name``; an error naming the known ones otherwise."""
+    try:
+        return _STRATEGIES[name]
+    except (KeyError, TypeError):
+        raise InputError(
+            f"strategy={name!r}: unknown; known: {', '.join(sorted(_STRATEGIES))}"
+        ) from None
+
+
+def strategies() -> tuple[str, ...]:
+    """Names of the registered strategies."""
+    return tuple(sorted(_STRATEGIES))
+
+
+def _whole_blocks(cfg: SamplerConfig, order: np.ndarray) -> Segments:
+    lengths = cfg.block_lengths[order]
+    return Segments(order, np.zeros_like(lengths), lengths)
+
+
+def _draw_block_shuffle(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+    return _whole_blocks(cfg, rng.permutation(cfg.n_blocks))
+
+
+def _draw_streaming(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+    return _whole_blocks(cfg, np.arange(cfg.n_blocks, dtype=np.int64))
+
+
+def _weighted_rows(cfg: SamplerConfig) -> int:
+    n = cfg.n_obs if cfg.num_samples is None else cfg.num_samples
+    if not cfg.replacement:
+        positive = int(cfg.block_lengths[cfg.block_weights > 0].sum())
+        if n > positive:
+            raise InputError(
+                f"num_samples={n}: more than the {positive} rows in blocks of positive "
+                "weight; without replacement lower num_samples or pass replacement=True"
+            )
+    return n
+
+
+def _draw_weighted(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+    n = _weighted_rows(cfg)
+    bw = cfg.block_weights
+    if cfg.replacement:
+        # Each draw picks a block with probability ∝ its weight, then k rows of it
+        # with probability ∝ row weight (at realisation). k is the same for every draw,
+        # so a row's expected count is ∝ its weight exactly.
+        k = int(cfg.block_lengths.max())
+        n_draws = -(-n // k)
+        blocks = rng.choice(cfg.n_blocks, size=n_draws, replace=True, p=bw / bw.sum())
+        hi = np.full(n_draws, k, dtype=np.int64)
+        hi[-1] = n - k * (n_draws - 1)
+        return Segments(blocks, np.zeros(n_draws, dtype=np.int64), hi, sampled=True)
+    # Without replacement: successive sampling ∝ block weight (Efraimidis & Spirakis
+    # 2006, keys u^(1/w)), whole blocks, until n rows.
+    positive = np.flatnonzero(bw > 0)
+    keys = np.log(rng.random(positive.size)) / bw[positive]
+    order = positive[np.argsort(-keys, kind="stable")]
+    return _whole_blocks(cfg, order).slice(0, n)
+
+
+register_strategy(
+    Strategy(
+        "block_shuffle",
+        _draw_block_shuffle,
+        lambda cfg: cfg.n_obs,
+        doc="blocks in a new random order each epoch, rows shuffled within each fetch",
+    )
+)
+register_strategy(
+    Strategy(
+        "streaming",
+        _draw_streaming,
+        lambda cfg: cfg.n_obs,
+        shuffle_rows=False,
+        doc="blocks and rows in store order (no shuffling)",
+    )
+)
+for _name in ("weighted", "class_balanced"):
+    register_strategy(
+        Strategy(
+            _name,
+            _draw_weighted,
+            _weighted_rows,
+            needs_weights=True,
+            exactly_once=False,
+            doc="blocks drawn by weight (row weights summed per block)",
+        )
+    )
+
+
+# --------------------------------------------------------------------------- epoch plan
+
+
+def epoch_stream(cfg: SamplerConfig, epoch: int) -> Segments:
+    """The whole epoch's stream of rows (identical on every rank and worker)."""
+    rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(epoch, _TAG_EPOCH)))
+    return get_strategy(cfg.strategy).draw(cfg, rng)
+
+
+def _rank_rows(cfg: SamplerConfig, world_size: int) -> tuple[int, int]:
+    """Rows per rank and rows per rank actually delivered (after ``drop_last``)."""
+    total = cfg.epoch_rows
+    per_rank = total // world_size if cfg.drop_last else -(-total // world_size)
+    used = (per_rank // cfg.batch_size) * cfg.batch_size if cfg.drop_last else per_rank
+    return per_rank, used
+
+
+def rank_batches(cfg: SamplerConfig, *, world_size: int = 1) -> int:
+    """Minibatches per epoch on each rank (the same on every rank)."""
+    _, used = _rank_rows(cfg, world_size)
+    return -(-used // cfg.batch_size)
+
+
+def _worker_batch_range(n_batches: int, worker: int, num_workers: int) -> tuple[int, int]:
+    return (worker * n_batches) // num_workers, ((worker + 1) * n_batches) // num_workers
+
+
+def worker_batches(cfg: SamplerConfig, *, world_size: int = 1, num_workers: int = 1) -> np.ndarray:
+    """Minibatches of each worker of a rank (``num_workers`` values)."""
+    nb = rank_batches(cfg, world_size=world_size)
+    bounds = (np.arange(num_workers + 1) * nb) // num_workers
+    return np.diff(bounds)
+
+
+def _check_position(rank: int, world_size: int, worker: int, num_workers: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+    if num_workers < 1 or not 0 <= worker < num_workers:
+        raise InputError(f"worker={worker}, num_workers={num_workers}: need 0 <= worker < n")
+
+
+@dataclass(frozen=True)
+class Fetch:
+    """One fetch: the blocks to read and the delivery order of its rows.
+
+    Attributes
+    ----------
+    blocks
+        Block ids, sorted and unique: what the reader is asked for. The fetch's rows
+        are these blocks' rows in this order.
+    order
+        Positions into the fetch's rows, in delivery order (may repeat for sampling
+        with replacement).
+    rows
+        Store row id of each entry of ``order``.
+    """
+
+    index: int
+    blocks: np.ndarray
+    order: np.ndarray
+    rows: np.ndarray
+
+
+@dataclass(frozen=True, eq=False)
+class WorkerPlan:
+    """The fetches and minibatches of one worker of one rank in one epoch."""
+
+    cfg: SamplerConfig
+    key: tuple[int, ...]
+    segments: Segments
+    fetch_cuts: np.ndarray
+    """Run index where each fetch begins, plus the number of runs."""
+    fetch_bounds: np.ndarray
+    """Worker-stream row where each fetch begins, plus the total."""
+    n_batches: int
+
+    @property
+    def n_fetches(self) -> int:
+        return int(self.fetch_cuts.size - 1)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.fetch_bounds[-1])
+
+    def fetch(self, k: int) -> Fetch:
+        """Realise fetch ``k``: its blocks and its rows in delivery order."""
+        cfg = self.cfg
+        seg = Segments(
+            self.segments.block[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
+            self.segments.lo[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
+            self.segments.hi[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
+            self.segments.sampled,
+        )
+        rng = np.random.default_rng(
+            np.random.SeedSequence(cfg.seed, spawn_key=(*self.key, _TAG_FETCH, k))
+        )
+        blocks = np.unique(seg.block)
+        offsets = np.cumsum(cfg.block_lengths[blocks]) - cfg.block_lengths[blocks]
+        run_offset = offsets[np.searchsorted(blocks, seg.block)]
+        starts = cfg.block_starts[seg.block]
+        if seg.sampled:
+            wcum = cfg.weight_cumsum
+            lengths = seg.lengths
+            lo = np.repeat(wcum[starts], lengths)
+            hi = np.repeat(wcum[starts + cfg.block_lengths[seg.block]], lengths)
+            u = lo + (hi - lo) * rng.random(lo.size)
+            rows = np.searchsorted(wcum, u, side="right") - 1
+            first = np.repeat(starts, lengths)
+            rows = np.clip(
+                rows, first, first + np.repeat(cfg.block_lengths[seg.block], lengths) - 1
+            )
+            positions = rows - first + np.repeat(run_offset, lengths)
+        else:
+            positions = _arange_runs(run_offset + seg.lo, seg.lengths)
+            rows = _arange_runs(starts + seg.lo, seg.lengths)
+        if get_strategy(cfg.strategy).shuffle_rows:
+            perm = rng.permutation(positions.size)
+            positions, rows = positions[perm], rows[perm]
+        return Fetch(k, blocks, positions, rows)
+
+    def batch_parts(self, start: int = 0) -> Iterator[list[tuple[int, int, int]]]:
+        """Minibatches from number ``start`` on, each as ``[(fetch, a, b), ...]``.
+
+        A part ``(k, a, b)`` is ``fetch(k).order[a:b]``; parts are in delivery order.
+        """
+        bs, bounds = self.cfg.batch_size, self.fetch_bounds.tolist()
+        for j in range(start, self.n_batches):
+            lo, hi = j * bs, min((j + 1) * bs, self.n_rows)
+            k = bisect.bisect_right(bounds, lo) - 1
+            parts = []
+            while lo < hi:
+                end = min(hi, bounds[k + 1])
+                parts.append((k, lo - bounds[k], end - bounds[k]))
+                lo, k = end, k + 1
+            yield parts
+
+
+def _cut_fetches(segments: Segments, fetch_rows: int) -> np.ndarray:
+    """Run indices cutting the stream into fetches of about ``fetch_rows`` rows.
+
+    Each cut is the run boundary nearest a multiple of ``fetch_rows``, so a fetch reads
+    whole runs (each block once) and averages ``fetch_rows`` rows.
+    """
+    cum = segments.boundaries()
+    total, n_runs = int(cum[-1]), int(cum.size - 1)
+    targets = np.arange(fetch_rows, total, fetch_rows, dtype=np.int64)
+    after = np.searchsorted(cum, targets, side="left")
+    before = after - 1
+    nearest = np.where(targets - cum[before] < cum[after] - targets, before, after)
+    return np.unique(np.concatenate([[0], nearest, [n_runs]])).astype(np.int64)
+
+
+def rank_stream(cfg: SamplerConfig, epoch: int, *, rank: int = 0, world_size: int = 1) -> Segments:
+    """The rows of one rank in one epoch (before dropping an incomplete last batch)."""
+    stream = epoch_stream(cfg, epoch)
+    per_rank, _ = _rank_rows(cfg, world_size)
+    pad = per_rank * world_size - stream.n_rows
+    while (
+        pad > 0 and stream.n_rows
+    ):  # repeat the start of the stream (a tiny dataset may need several laps)
+        stream = stream.concat(stream.slice(0, pad))
+        pad = per_rank * world_size - stream.n_rows
+    return stream.slice(rank * per_rank, (rank + 1) * per_rank)
+
+
+def worker_plan(
+    cfg: SamplerConfig,
+    epoch: int,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    worker: int = 0,
+    num_workers: int = 1,
+) -> WorkerPlan:
+    """The plan of one worker (``worker`` of ``num_workers``) of one rank in ``epoch``."""
+    _check_position(rank, world_size, worker, num_workers)
+    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
+        raise InputError(f"epoch={epoch!r}: must be a non-negative integer")
+    _, used = _rank_rows(cfg, world_size)
+    nb = -(-used // cfg.batch_size)
+    b0, b1 = _worker_batch_range(nb, worker, num_workers)
+    stream = rank_stream(cfg, epoch, rank=rank, world_size=world_size)
+    segments = stream.slice(b0 * cfg.batch_size, min(b1 * cfg.batch_size, used))
+    cuts = _cut_fetches(segments, cfg.fetch_rows)
+    bounds = segments.boundaries()[cuts]
+    key = (int(epoch), int(world_size), int(rank), int(num_workers), int(worker))
+    return WorkerPlan(cfg, key, segments, cuts, bounds, b1 - b0)
+
+
+# --------------------------------------------------------------------------- workers
+
+
+def interleave(counts: np.ndarray) -> np.ndarray:
+    """Round-robin merge order of worker streams, as a torch ``DataLoader`` yields them.
+
+    Returns an ``(n, 2)`` array of ``(worker, batch number within the worker)``: round
+    ``r`` takes batch ``r`` of every worker that still has one, in worker order.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.size == 0 or counts.max() == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    rounds = np.arange(int(counts.max()))
+    w, r = np.meshgrid(np.arange(counts.size), rounds)
+    keep = r < counts[w]
+    return np.stack([w[keep], r[keep]], axis=1)
+
+
+def resume_point(counts: np.ndarray, consumed: int) -> tuple[np.ndarray, int]:
+    """Per-worker batches already delivered after ``consumed`` merged batches.
+
+    Also returns the worker that delivers the next batch (``rotation``): a resumed
+    ``DataLoader`` starts its round-robin at worker 0, so worker ``p`` of the resumed
+    run plays logical worker ``(p + rotation) % num_workers``, which makes the resumed
+    merged order equal the rest of the original one.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    total = int(counts.sum())
+    if not 0 <= consumed <= total:
+        raise InputError(f"consumed={consumed}: must be between 0 and {total} batches")
+    if consumed == total:
+        return counts.copy(), 0
+    # r: the round holding merged item `consumed` (largest r with sum(min(n, r)) <= c).
+    r = (
+        bisect.bisect_right(
+            range(int(counts.max()) + 1), consumed, key=lambda k: int(np.minimum(counts, k).sum())
+        )
+        - 1
+    )
+    done_in_round = consumed - int(np.minimum(counts, r).sum())
+    active = np.flatnonzero(counts > r)
+    skip = np.minimum(counts, r)
+    skip[active[:done_in_round]] += 1
+    return skip, int(active[done_in_round])
