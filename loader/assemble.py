@@ -2,34 +2,160 @@
 
 Per fetch, the backend returns each array's needed element ranges concatenated: the
 rows' ``data`` and ``indices`` back to back, and one ``indptr`` slice per row range
-(``rows + 1`` values each). :func:`fetch_csr` turns that into one CSR matrix of the
-fetch's rows in sorted-block order with a handful of numpy calls, whatever the number
-of rows. A minibatch is then a row gather of that matrix (scipy's C++ row index) and,
-for dense output, one C++ scatter into a zeroed ``float32`` array (``toarray``); no
-Python work per row.
+(``rows + 1`` values each). :func:`fetch_rows` turns that into one CSR block of the
+fetch's rows (in sorted-block order) with a handful of numpy calls, whatever the
+number of rows. A minibatch is then
+
+- a contiguous row range: no gather at all, one C++ scatter (scipy's
+  ``csr_todense``) from the fetch's arrays into a zeroed ``float32`` array;
+- arbitrary positions: one C++ row gather (scipy's ``csr_row_index``), then the
+  scatter.
+
+:meth:`CSRRows.permute` applies a within-fetch shuffle once per fetch, so every
+minibatch after it is a contiguous range. There is no Python work per row.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import scipy.sparse as sp
 
 from loader.errors import InputError, LayoutError
 
-__all__ = ["OUTPUTS", "fetch_csr", "get_output", "register_output"]
+try:  # scipy's C++ kernels behind csr[rows] and toarray(); private but stable for years
+    from scipy.sparse._sparsetools import csr_row_index, csr_todense
+except ImportError:  # pragma: no cover - a future scipy that moved them
+    csr_row_index = csr_todense = None
+
+__all__ = [
+    "OUTPUTS",
+    "CSRRows",
+    "DenseRows",
+    "fetch_rows",
+    "get_output",
+    "register_output",
+]
 
 
-def fetch_csr(
+def _contiguous(pos: np.ndarray) -> bool:
+    n = pos.shape[0]
+    return n > 0 and int(pos[-1]) - int(pos[0]) == n - 1 and bool(np.all(np.diff(pos) == 1))
+
+
+@dataclass(frozen=True)
+class CSRRows:
+    """Rows of a fetch as CSR arrays: row ``i`` is ``data[indptr[i]:indptr[i+1]]``.
+
+    ``indptr`` and ``indices`` share one integer dtype (int32 unless a fetch holds
+    ``>= 2**31`` values), as scipy's kernels require.
+    """
+
+    data: np.ndarray
+    indices: np.ndarray
+    indptr: np.ndarray
+    n_vars: int
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.indptr.shape[0] - 1)
+
+    def _gather(self, pos: np.ndarray) -> CSRRows:
+        ip = self.indptr
+        pos = pos.astype(ip.dtype, copy=False)
+        lengths = ip[pos + 1] - ip[pos]
+        new_ptr = np.empty(pos.shape[0] + 1, dtype=ip.dtype)
+        new_ptr[0] = 0
+        np.cumsum(lengths, out=new_ptr[1:])
+        nnz = int(new_ptr[-1])
+        new_idx = np.empty(nnz, dtype=ip.dtype)
+        new_data = np.empty(nnz, dtype=self.data.dtype)
+        if csr_row_index is not None:
+            csr_row_index(pos.shape[0], pos, ip, self.indices, self.data, new_idx, new_data)
+        else:  # pragma: no cover
+            sub = self.to_scipy()[pos]
+            new_idx[:], new_data[:] = sub.indices, sub.data
+        return CSRRows(new_data, new_idx, new_ptr, self.n_vars)
+
+    def permute(self, order: np.ndarray) -> CSRRows:
+        """The rows in ``order`` (one gather for the whole fetch)."""
+        return self._gather(np.asarray(order, dtype=np.int64))
+
+    def to_scipy(self) -> sp.csr_matrix:
+        return sp.csr_matrix(
+            (self.data, self.indices, self.indptr), shape=(self.n_rows, self.n_vars), copy=False
+        )
+
+    def dense(self, pos: np.ndarray) -> np.ndarray:
+        """Rows ``pos`` as a C-contiguous float32 ``(len(pos), n_vars)`` array."""
+        n = pos.shape[0]
+        src = self
+        ptr = self.indptr
+        if _contiguous(pos):
+            ptr = self.indptr[int(pos[0]) : int(pos[0]) + n + 1]
+        else:
+            src = self._gather(pos)
+            ptr = src.indptr
+        data = src.data if src.data.dtype == np.float32 else src.data.astype(np.float32)
+        out = np.zeros((n, self.n_vars), dtype=np.float32)
+        if n and csr_todense is not None:
+            csr_todense(n, self.n_vars, ptr, src.indices, data, out)
+        elif n:  # pragma: no cover
+            out[...] = sp.csr_matrix((data, src.indices, ptr - ptr[0]), shape=out.shape).toarray()
+        return out
+
+    def csr(self, pos: np.ndarray) -> sp.csr_matrix:
+        """Rows ``pos`` as a float32 ``scipy.sparse.csr_matrix`` (its own memory)."""
+        n = pos.shape[0]
+        if _contiguous(pos):
+            a = int(pos[0])
+            s, e = int(self.indptr[a]), int(self.indptr[a + n])
+            sub = CSRRows(
+                self.data[s:e].copy(),
+                self.indices[s:e].copy(),
+                self.indptr[a : a + n + 1] - self.indptr[a],
+                self.n_vars,
+            )
+        else:
+            sub = self._gather(pos)
+        m = sub.to_scipy()
+        return m.astype(np.float32) if m.dtype != np.float32 else m
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """Rows of a fetch from a dense matrix."""
+
+    values: np.ndarray
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.values.shape[0])
+
+    def permute(self, order: np.ndarray) -> DenseRows:
+        return DenseRows(self.values[np.asarray(order, dtype=np.int64)])
+
+    def dense(self, pos: np.ndarray) -> np.ndarray:
+        if _contiguous(pos):
+            a = int(pos[0])
+            return np.array(self.values[a : a + pos.shape[0]], dtype=np.float32)
+        return np.asarray(self.values[pos], dtype=np.float32)
+
+    def csr(self, pos: np.ndarray) -> sp.csr_matrix:
+        return sp.csr_matrix(self.dense(pos))
+
+
+def fetch_rows(
     *,
     data: np.ndarray,
     indices: np.ndarray,
     indptr_parts: np.ndarray,
     row_ranges: np.ndarray,
     n_vars: int,
-) -> sp.csr_matrix:
-    """One CSR matrix of all rows of a fetch.
+) -> CSRRows:
+    """All rows of a fetch as one :class:`CSRRows`.
 
     Parameters
     ----------
@@ -50,54 +176,30 @@ def fetch_csr(
     # those sit at positions cumsum(sizes + 1) - 1 for all but the last part.
     if sizes.size > 1:
         step = np.delete(step, np.cumsum(sizes + 1)[:-1] - 1)
-    indptr = np.empty(n_rows + 1, dtype=np.int64)
-    indptr[0] = 0
-    np.cumsum(step, out=indptr[1:])
-    if indptr[-1] != data.shape[0] or data.shape[0] != indices.shape[0]:
+    total = int(step.sum()) if step.size else 0
+    if total != data.shape[0] or data.shape[0] != indices.shape[0]:
         raise LayoutError(
-            f"store is inconsistent: indptr says {int(indptr[-1])} values for the fetch, "
+            f"store is inconsistent: indptr says {total} values for the fetch, "
             f"read {data.shape[0]} data and {indices.shape[0]} indices; run "
             "`sclayout verify` and reconvert"
         )
-    idx_dtype = np.int32 if max(int(indptr[-1]), n_vars) < 2**31 else np.int64
-    return sp.csr_matrix(
-        (
-            data,
-            indices.astype(idx_dtype, copy=False),
-            indptr.astype(idx_dtype, copy=False),
-        ),
-        shape=(n_rows, n_vars),
-        copy=False,
-    )
+    idx_dtype = np.int32 if max(total, n_vars) < 2**31 else np.int64
+    indptr = np.empty(n_rows + 1, dtype=idx_dtype)
+    indptr[0] = 0
+    np.cumsum(step, out=indptr[1:])
+    return CSRRows(data, indices.astype(idx_dtype, copy=False), indptr, int(n_vars))
 
 
-def _dense(matrix: sp.csr_matrix | np.ndarray, positions: np.ndarray) -> np.ndarray:
-    if isinstance(matrix, np.ndarray):
-        return np.asarray(matrix[positions], dtype=np.float32)
-    sub = matrix[positions]
-    if sub.dtype != np.float32:
-        sub = sub.astype(np.float32)
-    return sub.toarray()
+Rows = CSRRows | DenseRows
+OUTPUTS: dict[str, Callable[[Rows, np.ndarray], object]] = {}
 
 
-def _csr(matrix: sp.csr_matrix | np.ndarray, positions: np.ndarray) -> sp.csr_matrix:
-    if isinstance(matrix, np.ndarray):
-        return sp.csr_matrix(np.asarray(matrix[positions], dtype=np.float32))
-    sub = matrix[positions]
-    return sub.astype(np.float32) if sub.dtype != np.float32 else sub
-
-
-OUTPUTS: dict[str, Callable[[sp.csr_matrix | np.ndarray, np.ndarray], object]] = {}
-
-
-def register_output(
-    name: str, fn: Callable[[sp.csr_matrix | np.ndarray, np.ndarray], object]
-) -> None:
-    """Register ``fn(fetch_matrix, positions) -> X`` as output format ``name``."""
+def register_output(name: str, fn: Callable[[Rows, np.ndarray], object]) -> None:
+    """Register ``fn(rows, positions) -> X`` as output format ``name``."""
     OUTPUTS[name] = fn
 
 
-def get_output(name: str) -> Callable[[sp.csr_matrix | np.ndarray, np.ndarray], object]:
+def get_output(name: str) -> Callable[[Rows, np.ndarray], object]:
     """The output function registered under ``name`` (error names the known ones)."""
     try:
         return OUTPUTS[name]
@@ -105,5 +207,5 @@ def get_output(name: str) -> Callable[[sp.csr_matrix | np.ndarray, np.ndarray], 
         raise InputError(f"output={name!r}: unknown; known: {', '.join(sorted(OUTPUTS))}") from None
 
 
-register_output("dense", _dense)
-register_output("csr", _csr)
+register_output("dense", lambda rows, pos: rows.dense(pos))
+register_output("csr", lambda rows, pos: rows.csr(pos))

@@ -21,7 +21,7 @@ import numpy as np
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout
 
-__all__ = ["FetchPlan", "ReadRange", "blocks_to_rows", "plan_fetch"]
+__all__ = ["FetchPlan", "ReadRange", "blocks_to_rows", "plan_fetch", "ranges_to_rows"]
 
 
 class ReadRange(NamedTuple):
@@ -102,6 +102,17 @@ def blocks_to_rows(
     return first, last, bounds
 
 
+def ranges_to_rows(bounds: np.ndarray) -> np.ndarray:
+    """All rows of the ``(n, 2)`` ranges ``bounds``, in order (int64, vectorised)."""
+    sizes = (bounds[:, 1] - bounds[:, 0]).astype(np.int64)
+    total = int(sizes.sum())
+    if total == 0:
+        return np.zeros(0, dtype=np.int64)
+    # Each row is its range's start plus its position inside the range.
+    starts = np.repeat(bounds[:, 0].astype(np.int64) - np.cumsum(sizes) + sizes, sizes)
+    return starts + np.arange(total, dtype=np.int64)
+
+
 def _chunk_reads(
     name: str,
     ranges: np.ndarray,
@@ -140,7 +151,7 @@ def _chunk_reads(
     lo = g_lo * chunk
     hi = np.minimum(g_hi * chunk, length)
     bytes_read = int((hi - lo).sum()) * width * item
-    reads = [ReadRange(name, int(a), int(b)) for a, b in zip(lo, hi, strict=True)]
+    reads = [ReadRange(name, a, b) for a, b in zip(lo.tolist(), hi.tolist(), strict=True)]
     return reads, n_chunks, bytes_read, needed
 
 
@@ -227,7 +238,7 @@ def plan_fetch(
         bytes_needed += b_need
     return FetchPlan(
         blocks=ids,
-        row_ranges=[(int(a), int(b)) for a, b in bounds],
+        row_ranges=[tuple(r) for r in bounds.tolist()],
         reads=reads,
         needed=needed,
         n_rows=int((bounds[:, 1] - bounds[:, 0]).sum()),
