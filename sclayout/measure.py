@@ -91,11 +91,13 @@ def tree_bytes(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> tuple[
     return sum(sizes), len(sizes)
 
 
-def evict(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> int:
+def evict(paths: str | os.PathLike | Iterable[str | os.PathLike], *, sync: bool = True) -> int:
     """Drop every file under ``paths`` from the page cache; returns the bytes covered.
 
-    Dirty pages cannot be dropped, so each file is first flushed (``fdatasync``), then
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` is applied to the whole file.
+    Dirty pages cannot be dropped, so with ``sync=True`` each file is first flushed
+    (``fdatasync``); then ``posix_fadvise(POSIX_FADV_DONTNEED)`` is applied to the whole
+    file (which by itself only starts write-back of dirty pages and drops clean ones;
+    :class:`Evictor` uses ``sync=False`` so it never stalls a writer).
     """
     total = 0
     for f in iter_files(paths):
@@ -104,8 +106,9 @@ def evict(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> int:
         except (FileNotFoundError, PermissionError):
             continue  # removed meanwhile (a store being written) or unreadable
         try:
-            with contextlib.suppress(OSError):
-                os.fdatasync(fd)
+            if sync:
+                with contextlib.suppress(OSError):
+                    os.fdatasync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             total += os.fstat(fd).st_size
         finally:
@@ -274,7 +277,8 @@ class Evictor:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            evict(self.paths)
+            with contextlib.suppress(InputError):  # a path removed during the run
+                evict(self.paths, sync=False)
             self.passes += 1
             self._stop.wait(self.interval)
 

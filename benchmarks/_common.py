@@ -1,0 +1,111 @@
+"""Shared helpers of the benchmark scripts: environment record, results files, tables.
+
+Benchmarks are scripts, not tests (STYLE.md §11): they measure with a cold page cache
+(:mod:`sclayout.measure`), quote medians of several runs, and write
+``benchmarks/results/<name>.{json,md}`` with the command line and the machine they ran on.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+
+__all__ = [
+    "REPO",
+    "RESULTS",
+    "command_line",
+    "environment",
+    "fmt_bytes",
+    "markdown_table",
+    "sclayout_cmd",
+    "write_results",
+]
+
+
+def command_line() -> str:
+    """The command that is running, relative to the repository, for the record."""
+    script = Path(sys.argv[0]).resolve()
+    with_repo = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return shlex.join([".venv/bin/python", str(with_repo), *sys.argv[1:]])
+
+
+def environment() -> dict[str, Any]:
+    """Date, git revision, machine and library versions of this run."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        rev = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        rev = "unknown"
+    versions = {}
+    for pkg in ("sclayout", "anndata", "zarr", "tensorstore", "numcodecs", "h5py", "numpy"):
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "git": rev,
+        "cpus": os.cpu_count(),
+        "memory_gib": round(mem / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "versions": versions,
+    }
+
+
+def sclayout_cmd() -> list[str]:
+    """How to run the ``sclayout`` CLI in a child process (the venv's entry point)."""
+    exe = Path(sys.executable).with_name("sclayout")
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", "from sclayout.cli import main; main()"]
+
+
+def fmt_bytes(n: float) -> str:
+    """``1.23 GiB`` style."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> str:
+    """A markdown table of ``rows`` with ``columns`` (key -> header)."""
+    lines = [
+        "| " + " | ".join(columns.values()) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(k, "")) for k in columns) + " |")
+    return "\n".join(lines)
+
+
+def write_results(
+    name: str, payload: Mapping[str, Any], markdown: str, *, results: Path = RESULTS
+) -> tuple[Path, Path]:
+    """Write ``<results>/<name>.json`` and ``.md``; returns both paths."""
+    results.mkdir(parents=True, exist_ok=True)
+    js, md = results / f"{name}.json", results / f"{name}.md"
+    js.write_text(json.dumps(payload, indent=2, default=str) + "\n")
+    md.write_text(markdown.rstrip() + "\n")
+    return js, md

@@ -1,0 +1,274 @@
+"""Benchmark `sclayout convert`: source MB/s, peak RSS, output bytes and files per row order.
+
+Converts the Tahoe-like dataset (200,000 cells × 20,000 genes, CSR float32, ~2,000
+nnz/cell, sorted by plate then cell_line, ≈3.2 GB h5ad; built once and cached outside
+the repository by :func:`sclayout.datasets.cached_tahoe_like`) with each row order,
+running the CLI in a child process so that its own peak RSS is measured.
+
+Before every run the source is evicted from the page cache and the eviction checked
+(cold read slower than warm, pages gone per ``mincore``). In the default regime
+``larger-than-ram`` the source and the conversion's work folder are also evicted every
+0.5 s during the run (DESIGN.md §5: the dataset here fits in RAM; a 10^8-cell one
+would not, so nothing read may stay cached); ``--regime cold`` only evicts before.
+
+Targets (issue 2, this 2-core machine): ≥ 300 MB/s for ``original``, ≥ 200 MB/s for
+``shuffled`` and ``stratified``, peak RSS ≤ 2 GiB for every order.
+
+Usage::
+
+    .venv/bin/python benchmarks/convert.py                 # full, 3 runs per order
+    .venv/bin/python benchmarks/convert.py --repeat 1      # when time is short
+    .venv/bin/python benchmarks/convert.py --quick         # tiny smoke run (tests)
+
+Writes ``benchmarks/results/convert.{json,md}`` (``--results DIR`` elsewhere; ``--quick``
+writes to a temporary folder unless ``--results`` is given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (
+    RESULTS,
+    command_line,
+    environment,
+    fmt_bytes,
+    markdown_table,
+    sclayout_cmd,
+    write_results,
+)
+
+from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like
+from sclayout.measure import (
+    Evictor,
+    check_eviction,
+    evict,
+    median_of,
+    run_child,
+    tree_bytes,
+)
+
+ORDERS: dict[str, list[str]] = {
+    "original": ["--order", "original"],
+    "shuffled": ["--order", "shuffled", "--seed", "0"],
+    "stratified": ["--order", "stratified", "--by", "plate", "--by", "cell_line", "--seed", "0"],
+}
+"""Row orders benchmarked and their CLI options."""
+
+TARGET_MB_S = {"original": 300.0, "shuffled": 200.0, "stratified": 200.0}
+"""Source-read throughput targets of issue 2 (MB/s, 10^6 bytes)."""
+
+TARGET_RSS = 2 * 2**30
+"""Peak RSS target of issue 2 for every order (2 GiB)."""
+
+QUICK = {"n_obs": 3000, "n_vars": 1000, "nnz_per_cell": 100, "n_plates": 3, "n_cell_lines": 5}
+"""Smoke-test dataset: seconds to build and convert."""
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny generated dataset, 1 run")
+    p.add_argument("--repeat", type=int, default=None, help="runs per order [3; quick: 1]")
+    p.add_argument("--orders", default=",".join(ORDERS), help="comma-separated orders")
+    p.add_argument(
+        "--regime",
+        choices=("larger-than-ram", "cold"),
+        default="larger-than-ram",
+        help="evict during the run too (default), or only before it",
+    )
+    p.add_argument("--source", type=Path, default=None, help="convert this file instead")
+    p.add_argument("--results", type=Path, default=None, help="where to write convert.{json,md}")
+    p.add_argument("--work", type=Path, default=None, help="folder for the output stores")
+    p.add_argument("--keep", action="store_true", help="keep the output stores")
+    p.add_argument(
+        "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
+    )
+    args = p.parse_args(argv)
+    unknown = set(args.orders.split(",")) - set(ORDERS)
+    if unknown:
+        p.error(f"--orders: unknown {sorted(unknown)}; known: {', '.join(ORDERS)}")
+    if args.repeat is None:
+        args.repeat = 1 if args.quick else 3
+    if args.repeat <= 0:
+        p.error(f"--repeat={args.repeat}: must be a positive integer")
+    return args
+
+
+def _one_run(
+    src: Path, order: str, work: Path, *, regime: str, extra: Sequence[str]
+) -> dict[str, Any]:
+    out_parent = work / order
+    shutil.rmtree(out_parent, ignore_errors=True)
+    out_parent.mkdir(parents=True)
+    dst = out_parent / "store.zarr"
+    check = check_eviction(src)
+    evict(src)
+    cmd = [*sclayout_cmd(), "convert", str(src), str(dst), "-q", *ORDERS[order], *extra]
+    if regime == "larger-than-ram":
+        with Evictor([src, out_parent]) as ev:
+            run = run_child(cmd)
+        passes = ev.passes
+    else:
+        run = run_child(cmd)
+        passes = 0
+    run.check()
+    src_bytes = src.stat().st_size
+    out_bytes, files = tree_bytes(dst)
+    manifest = json.loads((dst / "zarr.json").read_text())["attributes"]["sclayout"]
+    return {
+        "order": order,
+        "seconds": run.seconds,
+        "source_bytes": src_bytes,
+        "source_mb_s": src_bytes / 1e6 / run.seconds,
+        "peak_rss": run.peak_rss,
+        "peak_tree_rss": run.peak_tree_rss,
+        "output_bytes": out_bytes,
+        "files": files,
+        "evictions_during_run": passes,
+        "cold_check_mb_s": check.cold_mb_s,
+        "warm_check_mb_s": check.warm_mb_s,
+        "eviction_ok": check.ok,
+        "block_size": manifest["block_size"],
+        "order_recorded": manifest["order"]["kind"],
+        "cmd": " ".join(cmd),
+    }
+
+
+def _summary(order: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    med = median_of(runs)
+    med["runs"] = len(runs)
+    med["peak_rss"] = max(r["peak_rss"] for r in runs)  # the worst run counts for memory
+    med["mb_s_target"] = TARGET_MB_S[order]
+    med["meets_mb_s"] = med["source_mb_s"] >= TARGET_MB_S[order]
+    med["meets_rss"] = med["peak_rss"] <= TARGET_RSS
+    med["eviction_ok"] = all(r["eviction_ok"] for r in runs)
+    return med
+
+
+def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    rows = []
+    for s in summaries:
+        rows.append(
+            {
+                "order": s["order"],
+                "mb_s": f"{s['source_mb_s']:,.0f} (≥ {s['mb_s_target']:.0f}) "
+                + ("✓" if s["meets_mb_s"] else "✗"),
+                "seconds": f"{s['seconds']:.1f}",
+                "rss": f"{fmt_bytes(s['peak_rss'])} " + ("✓" if s["meets_rss"] else "✗"),
+                "out": fmt_bytes(s["output_bytes"]),
+                "ratio": f"{s['source_bytes'] / s['output_bytes']:.2f}",
+                "files": f"{s['files']:,}",
+                "runs": s["runs"],
+            }
+        )
+    table = markdown_table(
+        rows,
+        {
+            "order": "order",
+            "mb_s": "source MB/s (target)",
+            "seconds": "wall s",
+            "rss": "peak RSS (≤ 2 GiB)",
+            "out": "output",
+            "ratio": "h5ad / store bytes",
+            "files": "files",
+            "runs": "runs",
+        },
+    )
+    env = meta["environment"]
+    src = meta["source"]
+    return (
+        f"### `sclayout convert` ({meta['regime']} regime)\n\n"
+        f"Source: `{src['name']}` ({fmt_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
+        f"{src['n_vars']:,} genes). Medians of {meta['repeat']} run(s) per order "
+        f"(peak RSS: worst run); cold page cache before every run "
+        f"(eviction check: cold {meta['cold_check_mb_s']:,.0f} MB/s vs warm "
+        f"{meta['warm_check_mb_s']:,.0f} MB/s)"
+        + (
+            ", source and work folder evicted every 0.5 s during the run"
+            if meta["regime"] == "larger-than-ram"
+            else ""
+        )
+        + ".\n\n"
+        f"{table}\n\n"
+        f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
+        f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    tmp = None
+    if args.quick:
+        tmp = Path(tempfile.mkdtemp(prefix="sclayout-bench-convert-"))
+        src = args.source or make_tahoe_like(tmp / "quick.h5ad", seed=0, **QUICK)
+        results = args.results or tmp / "results"
+        work = args.work or tmp / "stores"
+    else:
+        src = args.source or cached_tahoe_like(progress=True)
+        results = args.results or RESULTS
+        work = args.work or bench_dir() / "convert-bench"
+    import h5py
+
+    with h5py.File(src, "r") as f:
+        n_obs, n_vars = (int(v) for v in f["X"].attrs["shape"])
+    extra = args.extra.split()
+    summaries, all_runs = [], []
+    try:
+        for order in args.orders.split(","):
+            runs = []
+            for i in range(args.repeat):
+                r = _one_run(src, order, work, regime=args.regime, extra=extra)
+                print(
+                    f"{order} run {i + 1}/{args.repeat}: {r['seconds']:.1f} s, "
+                    f"{r['source_mb_s']:,.0f} MB/s, peak RSS {fmt_bytes(r['peak_rss'])}, "
+                    f"{fmt_bytes(r['output_bytes'])} in {r['files']} files",
+                    flush=True,
+                )
+                runs.append(r)
+            all_runs += runs
+            summaries.append(_summary(order, runs))
+            if not args.keep:
+                shutil.rmtree(work / order, ignore_errors=True)
+        meta = {
+            "command": command_line(),
+            "regime": args.regime,
+            "repeat": args.repeat,
+            "quick": args.quick,
+            "source": {
+                "name": src.name,
+                "bytes": src.stat().st_size,
+                "n_obs": n_obs,
+                "n_vars": n_vars,
+            },
+            "cold_check_mb_s": median_of(r["cold_check_mb_s"] for r in all_runs),
+            "warm_check_mb_s": median_of(r["warm_check_mb_s"] for r in all_runs),
+            "targets": {"mb_s": TARGET_MB_S, "peak_rss": TARGET_RSS},
+            "environment": environment(),
+        }
+        md = _markdown(summaries, meta)
+        js, mdp = write_results(
+            "convert",
+            {"meta": meta, "summary": summaries, "runs": all_runs},
+            md,
+            results=results,
+        )
+        print(md)
+        print(f"wrote {js} and {mdp}")
+    finally:
+        if tmp is not None and not args.keep:
+            shutil.rmtree(tmp / "stores", ignore_errors=True)
+            (tmp / "quick.h5ad").unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+"""Benchmarks in their tiny smoke mode: they run end to end and write sane results.
+
+Speed targets live in the benchmark scripts, never here (STYLE.md §11).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parents[1] / "benchmarks"
+
+
+def test_convert_benchmark_quick(tmp_path):
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "convert.py"),
+            "--quick",
+            "--results",
+            str(tmp_path / "results"),
+            "--work",
+            str(tmp_path / "stores"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "results" / "convert.json").read_text())
+    summary = {s["order"]: s for s in payload["summary"]}
+    assert sorted(summary) == ["original", "shuffled", "stratified"]
+    for order, s in summary.items():
+        assert s["order_recorded"] == order
+        assert s["source_mb_s"] > 0 and s["seconds"] > 0
+        assert 0 < s["peak_rss"] < 2**32
+        assert s["output_bytes"] > 0 and s["files"] > 0
+        assert s["runs"] == 1
+    assert payload["meta"]["quick"] is True
+    md = (tmp_path / "results" / "convert.md").read_text()
+    assert "| stratified |" in md and "benchmarks/convert.py --quick" in md
+    assert not (tmp_path / "stores" / "original").exists()  # stores removed unless --keep
