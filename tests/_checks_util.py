@@ -171,3 +171,35 @@ def chattr_immutable(path: Path, on: bool) -> bool:
         return False
     r = subprocess.run([exe, "+i" if on else "-i", str(path)], capture_output=True)
     return r.returncode == 0
+
+
+def rich_adata(n_obs: int = 150, n_vars: int = 25, *, x: str = "csr", seed: int = 0) -> ad.AnnData:
+    """Every AnnData element, with awkward values: NaN and negative numbers in X
+    (converted as they are, never rejected), nullable and categorical obs columns,
+    obsm/varm/obsp/varp, nested uns and raw."""
+    rng = np.random.default_rng(seed)
+    base = sp.random(n_obs, n_vars, density=0.25, format="csr", dtype=np.float32, rng=rng)
+    base.data[:] = rng.integers(1, 50, base.nnz)
+    base.data[:3] = [np.nan, -1.0, -7.5]
+    matrix = {"csr": base, "csc": base.tocsc(), "dense": base.toarray()}[x]
+    a = small_adata(n_obs, n_vars, seed=seed)
+    a.X = matrix
+    a.obs["count"] = pd.array(rng.integers(0, 9, n_obs), dtype="Int64")
+    a.obs.loc[a.obs.index[5], "count"] = pd.NA
+    a.obs["flag"] = pd.array(rng.random(n_obs) > 0.5, dtype="boolean")
+    a.obs["ordered"] = pd.Categorical(
+        rng.choice(["lo", "mid", "hi"], n_obs), categories=["lo", "mid", "hi"], ordered=True
+    )
+    a.var["symbol"] = [f"S{i}" for i in range(n_vars)]
+    a.layers["counts"] = base.copy()
+    a.layers["dense"] = rng.normal(size=(n_obs, n_vars)).astype(np.float32)
+    a.obsm["X_pca"] = rng.normal(size=(n_obs, 4))
+    a.obsm["sparse"] = sp.random(n_obs, 6, density=0.3, format="csr", rng=rng)
+    a.varm["loadings"] = rng.normal(size=(n_vars, 4))
+    a.obsp["connectivities"] = sp.random(n_obs, n_obs, density=0.02, format="csr", rng=rng)
+    a.varp["corr"] = rng.normal(size=(n_vars, n_vars))
+    a.uns["method"] = "test"
+    a.uns["params"] = {"k": 15, "ratio": 0.5, "names": np.array(["a", "b"], dtype=object)}
+    a.uns["colors"] = np.array(["#ff0000", "#00ff00", "#0000ff"], dtype=object)
+    a.raw = a.copy()
+    return a
