@@ -1,0 +1,129 @@
+"""Measure what the model predicts: real cells/s and diversity of loader settings.
+
+``sclayout bench`` and ``benchmarks/costmodel.py`` both call
+:func:`measure_loader`: it iterates :class:`loader.BlockDataset` (through its
+DataLoader when ``workers > 0``) for a fixed time after the first minibatch (worker
+start-up is not throughput), cold for a local store (evicted before and every 0.5 s
+during the run: the regime of a dataset far larger than RAM, DESIGN §5), and
+computes the diversity of a label over the minibatches it delivered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Measurement", "measure_loader"]
+
+WARMUP_BATCHES = 3
+"""Minibatches delivered before the clock starts (opening the store, first fetch,
+worker start-up)."""
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One timed run."""
+
+    cells_per_s: float
+    batches: int
+    cells: int
+    seconds: float
+    diversity: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_loader(
+    path: str | os.PathLike[str],
+    *,
+    batch_size: int = 64,
+    fetch_factor: int = 16,
+    block_size: int | None = None,
+    workers: int = 0,
+    label: str | None = None,
+    seconds: float = 8.0,
+    max_batches: int | None = None,
+    cold: bool = True,
+    seed: int = 0,
+    output: str = "dense",
+    backend: str | None = None,
+) -> Measurement:
+    """Iterate a :class:`loader.BlockDataset` over ``path`` and time it.
+
+    Parameters
+    ----------
+    path
+        Layout store (path or URL) or .h5ad.
+    batch_size, fetch_factor, block_size, workers
+        Loader settings (``block_size=None``: the store's).
+    label
+        obs column whose diversity is measured (:func:`sclayout.measure.diversity_ratio`).
+    seconds
+        Timed duration after the warm-up minibatches.
+    max_batches
+        Stop earlier after this many timed minibatches.
+    cold
+        Local paths: evict before and continuously during the run.
+    """
+    from loader.dataset import BlockDataset
+    from sclayout.measure import Evictor, diversity_ratio
+
+    location = os.fspath(path)
+    is_local = not location.startswith(("http://", "https://"))
+    obs = (label,) if label else ()
+    ds = BlockDataset(
+        location,
+        batch_size=batch_size,
+        fetch_factor=fetch_factor,
+        block_size=block_size,
+        obs=obs,
+        seed=seed,
+        output=output,
+        backend=backend,
+    )
+    if workers > 0:
+        it_src: Any = ds.dataloader(num_workers=workers)
+    else:
+        it_src = ds
+    labels: list[np.ndarray] = []
+    evictor = Evictor([location]) if (cold and is_local) else contextlib.nullcontext()
+    n = cells = 0
+    t0 = None
+    with evictor:
+        it = iter(it_src)
+        try:
+            for i, batch in enumerate(it):
+                if i == WARMUP_BATCHES - 1:
+                    t0 = time.perf_counter()
+                    continue
+                if t0 is None:
+                    continue
+                x = batch["X"]
+                cells += int(x.shape[0])
+                n += 1
+                if label:
+                    labels.append(np.asarray(batch["obs"][label]))
+                if time.perf_counter() - t0 >= seconds or (max_batches and n >= max_batches):
+                    break
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+    dt = time.perf_counter() - (t0 or time.perf_counter())
+    div = None
+    if label and labels:
+        all_codes = ds._get_reader().obs_codes(label)[0]
+        div = diversity_ratio(labels, all_codes, batch_size=batch_size)
+    return Measurement(
+        cells_per_s=cells / dt if dt > 0 else float("nan"),
+        batches=n,
+        cells=cells,
+        seconds=dt,
+        diversity=div,
+    )

@@ -1,0 +1,551 @@
+"""Measure a storage profile: ``sclayout calibrate TARGET``.
+
+Reads go through tensorstore's key-value stores (``file`` or ``http``), the layer
+the loader's default backend reads with, so the figures include its overheads:
+
+1. latency: small reads at random offsets, one at a time (cold: evicted first and
+   every 0.5 s during the run for a local target);
+2. concurrency: reads of ``request_bytes`` at random offsets with 1…64 in flight;
+3. bandwidth: large sequential reads, several in flight;
+4. decode speed and compression ratio of every codec on CSR count data (the
+   target's own ``X/data``/``X/indices`` when it is a local store, otherwise
+   synthetic counts);
+5. assembly: gather + densify of fetched rows with the loader's own code
+   (:mod:`loader.assemble`), memory copy bandwidth, and the per-request CPU cost.
+
+About a minute in total (``quick=True``: a few seconds, rougher).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader.errors import InputError
+from sclayout.cost.profile import CodecSpeed, Profile
+
+__all__ = [
+    "CODEC_NAMES",
+    "IN_FLIGHT",
+    "CalibrationPlan",
+    "calibrate",
+    "measure_assembly",
+    "measure_codecs",
+]
+
+IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
+"""Reads in flight of the concurrency curve (issue 4: 1…64)."""
+CODEC_NAMES = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
+REQUEST_BYTES = 64 * 1024
+"""Size of the concurrency-curve reads: a compressed inner chunk of a 16–32-row
+block of a ~2,000-nnz/cell dataset (16–32 rows × 16 KB / ratio ~2.2)."""
+SMALL_BYTES = 4096
+"""Latency reads: one page, so transfer time is negligible."""
+SEQ_BYTES = 8 * 2**20
+"""Bandwidth reads: large enough that per-request cost is < 5 % on every profile."""
+
+
+@dataclass(frozen=True)
+class CalibrationPlan:
+    """Durations (seconds) of each measurement."""
+
+    latency: float = 3.0
+    per_in_flight: float = 2.0
+    bandwidth: float = 5.0
+    per_codec: float = 1.5
+    assembly: float = 3.0
+
+    @classmethod
+    def quick(cls) -> CalibrationPlan:
+        return cls(latency=0.5, per_in_flight=0.3, bandwidth=0.8, per_codec=0.3, assembly=0.5)
+
+
+# ---------------------------------------------------------------- target files
+
+
+def _is_url(target: str) -> bool:
+    return target.startswith(("http://", "https://"))
+
+
+def _local_files(root: Path) -> list[tuple[str, int]]:
+    files = []
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = Path(dirpath, n)
+            size = p.stat().st_size
+            if size >= SMALL_BYTES:
+                files.append((str(p.relative_to(root)), size))
+    return files
+
+
+def _http_size(url: str) -> int | None:
+    req = urllib.request.Request(url, method="HEAD")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.headers.get("Content-Length", 0))
+    except (urllib.error.URLError, ValueError):
+        return None
+
+
+def _http_files(base: str) -> list[tuple[str, int]]:
+    """Shard files of a layout store served at ``base`` (from its manifest)."""
+    from loader.layout import Manifest
+
+    try:
+        with urllib.request.urlopen(base + "zarr.json", timeout=30) as r:
+            meta = json.loads(r.read())
+        manifest = Manifest.from_dict(meta.get("attributes", {}).get("sclayout"))
+    except (urllib.error.URLError, json.JSONDecodeError, ValueError) as e:
+        raise InputError(
+            f"calibrate {base}: cannot read a layout store manifest there ({e}); pass the "
+            "URL of a layout store (its zarr.json at the root)"
+        ) from None
+    files = []
+    for m in manifest.matrices.values():
+        for a in m.arrays.values():
+            per = (a.shards or a.chunks)[0]
+            n = -(-a.shape[0] // per)
+            for i in range(min(n, 64)):
+                key = f"{a.path}/c/{i}" + "/0" * (len(a.shape) - 1)
+                size = _http_size(base + key)
+                if size and size >= SMALL_BYTES:
+                    files.append((key, size))
+    return files
+
+
+def _target(target: str) -> tuple[dict[str, Any], list[tuple[str, int]], str | None]:
+    if _is_url(target):
+        base = target.rstrip("/") + "/"
+        files = _http_files(base)
+        kv = {"driver": "http", "base_url": base}
+        local = None
+    else:
+        root = Path(target)
+        if not root.is_dir():
+            raise InputError(
+                f"calibrate target {target!r}: not a directory or http(s) URL; pass a layout "
+                "store (or any directory on the storage to profile)"
+            )
+        files = _local_files(root)
+        kv = {"driver": "file", "path": str(root.resolve()) + "/"}
+        local = str(root)
+    if not files:
+        raise InputError(
+            f"calibrate target {target!r}: no file of at least {SMALL_BYTES} bytes to read"
+        )
+    total = sum(s for _, s in files)
+    if total < 32 * 2**20:
+        # not fatal: small targets give a page-cache-dominated profile
+        pass
+    return kv, files, local
+
+
+class _Reader:
+    def __init__(self, kv_spec: dict[str, Any], files: list[tuple[str, int]], seed: int):
+        import tensorstore as ts
+
+        ctx = ts.Context(
+            {
+                "file_io_concurrency": {"limit": max(IN_FLIGHT)},
+                "http_request_concurrency": {"limit": max(IN_FLIGHT)},
+            }
+        )
+        self.kv = ts.KvStore.open(kv_spec, context=ctx).result()
+        self.files = files
+        sizes = np.array([s for _, s in files], dtype=np.float64)
+        self.p = sizes / sizes.sum()
+        self.rng = np.random.default_rng(np.random.SeedSequence([seed, 11]))
+
+    def random_ranges(self, n: int, nbytes: int) -> list[tuple[str, int, int]]:
+        idx = self.rng.choice(len(self.files), size=n, p=self.p)
+        out = []
+        for i in idx:
+            key, size = self.files[i]
+            length = min(nbytes, size)
+            start = int(self.rng.integers(0, size - length + 1))
+            start -= start % 4096 if length <= size - 4096 else 0
+            out.append((key, start, start + length))
+        return out
+
+    def read_all(self, ranges: Sequence[tuple[str, int, int]]) -> int:
+        futs = [self.kv.read(k, byte_range=slice(a, b)) for k, a, b in ranges]
+        return sum(len(f.result().value) for f in futs)
+
+
+def _timed_loop(
+    step: Callable[[], int], seconds: float, *, min_iter: int = 3
+) -> tuple[float, int, int]:
+    t0 = time.perf_counter()
+    it = nbytes = 0
+    while it < min_iter or time.perf_counter() - t0 < seconds:
+        nbytes += step()
+        it += 1
+    return time.perf_counter() - t0, it, nbytes
+
+
+# ---------------------------------------------------------------- CPU measurements
+
+
+def _count_data(n_rows: int, *, n_vars: int, nnz_per_row: int, seed: int) -> tuple[np.ndarray, ...]:
+    """Synthetic CSR counts: geometric values (mostly 1–3), sorted random genes."""
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 13]))
+    nnz = rng.poisson(nnz_per_row, n_rows).clip(1, n_vars)
+    indptr = np.concatenate([[0], np.cumsum(nnz)])
+    # genes with a skewed popularity (low ids common), sorted within each row
+    genes = (n_vars * rng.random(int(indptr[-1])) ** 1.7).astype(np.int64)
+    rows = np.repeat(np.arange(n_rows), nnz)
+    order = np.lexsort((genes, rows))
+    indices = genes[order].astype(np.int32)
+    data = rng.geometric(0.55, size=int(indptr[-1])).astype(np.float32)
+    return data, indices, indptr
+
+
+def _numcodec(name: str, itemsize: int) -> Any:
+    import numcodecs
+
+    from sclayout.convert.codecs import BLOSC_CLEVEL, GZIP_LEVEL, ZSTD_LEVEL
+
+    base = name.removesuffix("-bitshuffle")
+    shuffle = (
+        numcodecs.Blosc.BITSHUFFLE if name.endswith("-bitshuffle") else numcodecs.Blosc.SHUFFLE
+    )
+    factories = {
+        "blosc-lz4": lambda: numcodecs.Blosc("lz4", BLOSC_CLEVEL, shuffle, typesize=itemsize),
+        "blosc-zstd": lambda: numcodecs.Blosc("zstd", BLOSC_CLEVEL, shuffle, typesize=itemsize),
+        "zstd": lambda: numcodecs.Zstd(level=ZSTD_LEVEL),
+        "gzip": lambda: numcodecs.GZip(level=GZIP_LEVEL),
+        "none": lambda: None,
+    }
+    if base not in factories:
+        raise InputError(f"codec={name!r}: unknown; known: {', '.join(factories)}")
+    return factories[base]()
+
+
+def measure_codecs(
+    data: np.ndarray,
+    indices: np.ndarray,
+    *,
+    codecs: Sequence[str] = CODEC_NAMES,
+    chunk_elems: int = 64 * 1024,
+    seconds: float = 1.5,
+) -> dict[str, CodecSpeed]:
+    """Ratio and single-core decode speed of each codec on ``data`` + ``indices``,
+    compressed in inner chunks of ``chunk_elems`` as the converter writes them."""
+    out = {}
+    arrays = [np.ascontiguousarray(data), np.ascontiguousarray(indices)]
+    for name in codecs:
+        chunks = [a[i : i + chunk_elems] for a in arrays for i in range(0, a.size, chunk_elems)]
+        raw = sum(c.nbytes for c in chunks)
+        codec = _numcodec(name, 4)
+        if codec is None:
+            enc = [c.tobytes() for c in chunks]
+
+            def step(enc: list[bytes] = enc) -> int:
+                return sum(np.frombuffer(e, dtype=np.uint8).copy().nbytes for e in enc)
+        else:
+            enc = [codec.encode(c) for c in chunks]
+
+            def step(enc: list[bytes] = enc, codec: Any = codec) -> int:
+                return sum(len(codec.decode(e)) for e in enc)
+
+        comp = sum(len(e) for e in enc)
+        import numcodecs
+
+        threads = None
+        if name.startswith("blosc"):
+            threads = numcodecs.blosc.get_nthreads()
+            numcodecs.blosc.set_nthreads(1)
+        try:
+            dt, _, nbytes = _timed_loop(step, seconds)
+        finally:
+            if threads is not None:
+                numcodecs.blosc.set_nthreads(threads)
+        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=nbytes / dt)
+    return out
+
+
+def measure_assembly(
+    data: np.ndarray,
+    indices: np.ndarray,
+    indptr: np.ndarray,
+    *,
+    n_vars: int,
+    batch_size: int = 64,
+    seconds: float = 3.0,
+    seed: int = 0,
+) -> tuple[float, float]:
+    """CPU seconds per gathered nnz and per dense output value of the loader's
+    assembly (:func:`loader.assemble.fetch_csr` + the ``csr``/``dense`` outputs)."""
+    from loader.assemble import fetch_rows, get_output
+
+    n_rows = len(indptr) - 1
+    rng = np.random.default_rng(np.random.SeedSequence([seed, 17]))
+    ranges = np.array([[0, n_rows]])
+    order = rng.permutation(n_rows)
+    n_batches = n_rows // batch_size
+    positions = [np.arange(i * batch_size, (i + 1) * batch_size) for i in range(n_batches)]
+    csr_out, dense_out = get_output("csr"), get_output("dense")
+
+    def run(out: Callable[[Any, np.ndarray], object]) -> Callable[[], int]:
+        def step() -> int:
+            rows = fetch_rows(
+                data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges, n_vars=n_vars
+            )
+            rows = rows.permute(order)  # the loader's within-fetch shuffle
+            for p in positions:
+                out(rows, p)
+            return 1
+
+        return step
+
+    gather, dense = run(csr_out), run(dense_out)
+    dt, it, _ = _timed_loop(gather, seconds / 2)
+    t_gather = dt / it
+    dt, it, _ = _timed_loop(dense, seconds / 2)
+    t_dense = dt / it
+    nnz = int(indptr[-1])
+    cells = n_batches * batch_size
+    per_nnz = t_gather / nnz
+    per_value = max(t_dense - t_gather, 1e-12) / (cells * n_vars)
+    return per_nnz, per_value
+
+
+def _copy_bandwidth(seconds: float = 0.5) -> float:
+    src = np.ones(16 * 2**20 // 4, dtype=np.float32)
+    dst = np.empty_like(src)
+
+    def step() -> int:
+        np.copyto(dst, src)
+        return src.nbytes
+
+    dt, _, nbytes = _timed_loop(step, seconds)
+    return nbytes / dt
+
+
+def _store_sample(local: str | None, max_elems: int = 4 * 2**20) -> tuple[np.ndarray, ...] | None:
+    """``data``, ``indices``, ``indptr`` of the first rows of a local store, if any."""
+    if local is None:
+        return None
+    try:
+        from loader.store import _read_manifest
+
+        manifest = _read_manifest(local)
+    except Exception:  # not a layout store: synthetic data instead
+        return None
+    import zarr
+
+    x = manifest.X
+    if not x.is_csr:
+        return None
+    root = zarr.open_group(local, mode="r")
+    indptr_all = root[x.arrays["indptr"].path]
+    n = min(x.shape[0], 4096)
+    indptr = np.asarray(indptr_all[: n + 1], dtype=np.int64)
+    stop = int(min(indptr[-1], max_elems))
+    rows = int(np.searchsorted(indptr, stop, side="right")) - 1
+    indptr = indptr[: rows + 1]
+    stop = int(indptr[-1])
+    data = np.asarray(root[x.arrays["data"].path][:stop])
+    indices = np.asarray(root[x.arrays["indices"].path][:stop])
+    return data, indices, indptr - indptr[0], x.shape[1]
+
+
+# ---------------------------------------------------------------- the calibration
+
+
+def calibrate(
+    target: str | os.PathLike[str],
+    *,
+    name: str | None = None,
+    plan: CalibrationPlan | None = None,
+    request_bytes: int = REQUEST_BYTES,
+    codecs: Sequence[str] = CODEC_NAMES,
+    evict: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> Profile:
+    """Measure a storage profile of ``target`` (a local directory or an http(s) URL
+    of a layout store) and of this CPU.
+
+    Parameters
+    ----------
+    target
+        What to read from.
+    name
+        Profile name (default: the target).
+    plan
+        Durations of the measurements (:meth:`CalibrationPlan.quick` for a rough one).
+    request_bytes
+        Size of the concurrency-curve reads.
+    codecs
+        Codecs to time.
+    evict
+        Local targets: drop the files from the page cache before and every 0.5 s
+        during the I/O measurements (cold cache).
+    progress
+        Show a progress bar.
+    """
+    from tqdm.auto import tqdm
+
+    plan = plan or CalibrationPlan()
+    target = os.fspath(target)
+    kv_spec, files, local = _target(target)
+    steps = [
+        "latency",
+        *[f"{n} in flight" for n in IN_FLIGHT],
+        "bandwidth",
+        *[f"decode {c}" for c in codecs],
+        "assembly",
+    ]
+    bar = tqdm(total=len(steps), desc="calibrate", disable=not progress, unit="step")
+    reader = _Reader(kv_spec, files, seed)
+    evictor = None
+    if local is not None and evict:
+        from sclayout.measure import Evictor
+
+        evictor = Evictor([local]).start()
+    try:
+        # 1. latency
+        bar.set_postfix_str("latency")
+        times: list[float] = []
+        t_end = time.perf_counter() + plan.latency
+        while len(times) < 5 or time.perf_counter() < t_end:
+            (rng_,) = reader.random_ranges(1, SMALL_BYTES)
+            t0 = time.perf_counter()
+            reader.read_all([rng_])
+            times.append(time.perf_counter() - t0)
+        latency = float(np.median(times))
+        bar.update()
+        # 2. concurrency curve
+        curve = []
+        for n in IN_FLIGHT:
+            bar.set_postfix_str(f"{n} in flight")
+            dt, it, _ = _timed_loop(
+                lambda n=n: reader.read_all(reader.random_ranges(n, request_bytes)),
+                plan.per_in_flight,
+            )
+            curve.append((n, it * n / dt))
+            bar.update()
+        # 3. sequential bandwidth: large reads, 4 in flight, walking through files
+        bar.set_postfix_str("bandwidth")
+        bw_state = {"file": 0, "offset": 0}
+        big = sorted(files, key=lambda f: -f[1])
+
+        def seq_step() -> int:
+            ranges = []
+            for _ in range(4):
+                key, size = big[bw_state["file"] % len(big)]
+                a = bw_state["offset"]
+                b = min(a + SEQ_BYTES, size)
+                ranges.append((key, a, b))
+                if b >= size:
+                    bw_state["file"] += 1
+                    bw_state["offset"] = 0
+                else:
+                    bw_state["offset"] = b
+            return reader.read_all(ranges)
+
+        dt, _, nbytes = _timed_loop(seq_step, plan.bandwidth)
+        bandwidth = nbytes / dt
+        bar.update()
+    finally:
+        if evictor is not None:
+            evictor.stop()
+    # 4. codecs, on the store's own values when we can read them
+    sample = _store_sample(local)
+    if sample is None:
+        data, indices, indptr = _count_data(4096, n_vars=20000, nnz_per_row=1000, seed=seed)
+        n_vars, data_source = 20000, "synthetic counts (4,096 rows × 20,000 genes, ~1,000 nnz/row)"
+    else:
+        data, indices, indptr, n_vars = sample
+        data_source = f"{len(indptr) - 1:,} rows of {target}"
+    speeds: dict[str, CodecSpeed] = {}
+    for c in codecs:
+        bar.set_postfix_str(f"decode {c}")
+        speeds.update(measure_codecs(data, indices, codecs=[c], seconds=plan.per_codec))
+        bar.update()
+    # 5. assembly, copies, per-request CPU (warm reads of tiny ranges, 64 in flight)
+    bar.set_postfix_str("assembly")
+    gather, densify = measure_assembly(
+        data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
+    )
+    copy_bps = _copy_bandwidth(plan.assembly * 0.1)
+    warm = reader.random_ranges(64, 64)
+    reader.read_all(warm)
+    cpu0 = time.process_time()
+    dt, it, _ = _timed_loop(lambda: reader.read_all(warm), plan.assembly * 0.3)
+    request_cpu = (time.process_time() - cpu0) / (it * len(warm))
+    fetch_overhead = _fetch_overhead()
+    bar.update()
+    bar.close()
+    kind = "http" if _is_url(target) else "local"
+    host = platform.node() or "this machine"
+    return Profile(
+        name=name or target,
+        kind=kind,
+        latency_s=latency,
+        bandwidth_Bps=bandwidth,
+        concurrency=tuple(curve),
+        request_bytes=request_bytes,
+        codecs=speeds,
+        gather_s_per_nnz=gather,
+        densify_s_per_value=densify,
+        copy_Bps=copy_bps,
+        fetch_overhead_s=fetch_overhead,
+        request_cpu_s=request_cpu,
+        cores=os.cpu_count() or 1,
+        source=(
+            f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
+            f"{platform.machine()}, Python {platform.python_version()}); "
+            f"{'cold cache, evicted every 0.5 s' if kind == 'local' and evict else 'no eviction'}; "
+            f"codecs and assembly on {data_source}"
+        ),
+        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        extra={"target": target, "plan": plan.__dict__},
+    )
+
+
+def _fetch_overhead(repeats: int = 50) -> float:
+    """CPU time of planning one 16-block fetch with the loader's planner (the fixed
+    per-fetch work besides I/O, decode and assembly)."""
+    from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
+    from loader.plan import plan_fetch
+
+    n_obs, b = 200_000, 32
+    nnz = n_obs * 2000
+    arrays = {
+        "data": ArrayLayout("X/data", (nnz,), "float32", (64_000,), (64_000 * 64,), "blosc-lz4"),
+        "indices": ArrayLayout(
+            "X/indices", (nnz,), "int32", (64_000,), (64_000 * 64,), "blosc-lz4"
+        ),
+        "indptr": ArrayLayout(
+            "X/indptr", (n_obs + 1,), "int64", (8192,), (8192 * 16,), "blosc-lz4"
+        ),
+    }
+    m = Manifest(
+        n_obs=n_obs,
+        n_vars=20_000,
+        block_size=b,
+        order=RowOrder(),
+        matrices={
+            "X": MatrixLayout("csr", (n_obs, 20_000), "float32", nnz, arrays, block_pointer="bp")
+        },
+    )
+    bp = np.minimum(np.arange(m.n_blocks + 1) * b, n_obs) * 2000
+    rng = np.random.default_rng(0)
+    blocks = [rng.choice(m.n_blocks, 32, replace=False) for _ in range(repeats)]
+    t0 = time.process_time()
+    for bl in blocks:
+        plan_fetch(bl, manifest=m, block_pointer=bp)
+    return (time.process_time() - t0) / repeats

@@ -1,0 +1,319 @@
+"""Storage profiles: the measured figures the throughput model predicts from.
+
+A profile says how fast one storage location (a local disk read cold, an HTTP
+object store, ...) serves reads, and how fast this CPU decodes and assembles
+them. ``sclayout calibrate`` measures one; a few presets ship with the package
+(``sclayout/cost/presets/*.json``), each citing where its figures come from.
+
+Profile format version 1 (JSON)::
+
+    {"format": "sclayout-profile", "version": 1, "name": ..., "kind": "local"|"http",
+     "latency_s": ..., "bandwidth_Bps": ..., "request_bytes": ...,
+     "concurrency": [[in_flight, requests_per_s], ...],
+     "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ...}, ...},
+     "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
+     "fetch_overhead_s": ..., "request_cpu_s": ..., "cores": ...,
+     "source": "where the figures come from", "created": ISO-8601}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from loader.errors import FormatVersionError, SpecError
+
+__all__ = [
+    "PROFILE_FORMAT",
+    "PROFILE_VERSION",
+    "CodecSpeed",
+    "Profile",
+    "get_preset",
+    "list_presets",
+    "load_profile",
+]
+
+PROFILE_FORMAT = "sclayout-profile"
+PROFILE_VERSION = 1
+"""Version of the profile format this package writes and the newest it reads."""
+KINDS = ("local", "http")
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """How one codec behaves on single-cell count data on this CPU.
+
+    Parameters
+    ----------
+    ratio
+        Uncompressed bytes / compressed bytes for CSR ``data`` + ``indices``.
+    decode_Bps
+        Uncompressed bytes produced per second by one core.
+    """
+
+    ratio: float
+    decode_Bps: float
+
+    def __post_init__(self) -> None:
+        for name in ("ratio", "decode_Bps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise SpecError(f"codec {name}={v!r}: must be a positive number")
+        object.__setattr__(self, "ratio", float(self.ratio))
+        object.__setattr__(self, "decode_Bps", float(self.decode_Bps))
+
+    def to_dict(self) -> dict[str, float]:
+        return {"ratio": self.ratio, "decode_Bps": self.decode_Bps}
+
+
+_POSITIVE = (
+    "latency_s",
+    "bandwidth_Bps",
+    "gather_s_per_nnz",
+    "densify_s_per_value",
+    "copy_Bps",
+)
+_NON_NEGATIVE = ("fetch_overhead_s", "request_cpu_s")
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured speeds of one storage location and this CPU.
+
+    Parameters
+    ----------
+    name
+        Short name (a preset's name, or the calibrated target).
+    kind
+        ``"local"`` (file system) or ``"http"`` (HTTP server / object store).
+    latency_s
+        Time of one small read with nothing else in flight (cold).
+    bandwidth_Bps
+        Sequential bandwidth of large reads, bytes/s.
+    concurrency
+        ``(in_flight, requests_per_s)`` pairs for reads of ``request_bytes`` each,
+        sorted by ``in_flight``; how the store's throughput grows with parallelism.
+    request_bytes
+        Size of the reads behind ``concurrency``.
+    codecs
+        Codec name -> :class:`CodecSpeed`.
+    gather_s_per_nnz
+        CPU time to gather one stored value (data + index) into a fetch's rows.
+    densify_s_per_value
+        CPU time to write one dense output value (zero fill + scatter), per cell ×
+        gene.
+    copy_Bps
+        Memory copy bandwidth (batches handed from worker processes).
+    fetch_overhead_s
+        Fixed CPU time per fetch (planning, futures, Python).
+    request_cpu_s
+        Client CPU time per read request.
+    cores
+        CPU cores the figures were taken with.
+    source
+        Where the figures come from (machine and command, or a citation).
+    """
+
+    name: str
+    kind: str
+    latency_s: float
+    bandwidth_Bps: float
+    concurrency: tuple[tuple[int, float], ...]
+    request_bytes: int
+    codecs: Mapping[str, CodecSpeed]
+    gather_s_per_nnz: float
+    densify_s_per_value: float
+    copy_Bps: float
+    fetch_overhead_s: float = 0.0
+    request_cpu_s: float = 0.0
+    cores: int = 1
+    source: str = ""
+    created: str = ""
+    format: str = PROFILE_FORMAT
+    version: int = PROFILE_VERSION
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpecError(f"profile kind={self.kind!r}: unknown; known: {', '.join(KINDS)}")
+        for name in _POSITIVE:
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise SpecError(f"profile {name}={v!r}: must be a positive number")
+            object.__setattr__(self, name, float(v))
+        for name in _NON_NEGATIVE:
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
+                raise SpecError(f"profile {name}={v!r}: must be a number >= 0")
+            object.__setattr__(self, name, float(v))
+        curve = tuple(sorted((int(n), float(r)) for n, r in self.concurrency))
+        if not curve or any(n < 1 or r <= 0 for n, r in curve):
+            raise SpecError(
+                f"profile concurrency={self.concurrency!r}: needs (in_flight >= 1, "
+                "requests_per_s > 0) pairs"
+            )
+        object.__setattr__(self, "concurrency", curve)
+        if not self.codecs:
+            raise SpecError("profile lists no codecs; recalibrate with `sclayout calibrate`")
+        object.__setattr__(
+            self,
+            "codecs",
+            {
+                k: v if isinstance(v, CodecSpeed) else CodecSpeed(**v)
+                for k, v in self.codecs.items()
+            },
+        )
+        if int(self.cores) < 1:
+            raise SpecError(f"profile cores={self.cores!r}: must be >= 1")
+        object.__setattr__(self, "cores", int(self.cores))
+        object.__setattr__(self, "request_bytes", int(self.request_bytes))
+
+    def requests_per_s(self, in_flight: float) -> float:
+        """Throughput in requests/s of reads of ``request_bytes`` with ``in_flight``
+        in flight: log-linear interpolation of the measured curve, flat beyond it."""
+        n = max(1.0, float(in_flight))
+        xs = [math.log(c) for c, _ in self.concurrency]
+        ys = [r for _, r in self.concurrency]
+        x = math.log(n)
+        if x <= xs[0]:
+            # below the first point: scale linearly with parallelism
+            return ys[0] * n / self.concurrency[0][0]
+        if x >= xs[-1]:
+            return ys[-1]
+        for i in range(1, len(xs)):
+            if x <= xs[i]:
+                t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+                return ys[i - 1] + t * (ys[i] - ys[i - 1])
+        return ys[-1]  # pragma: no cover
+
+    def request_time(self, in_flight: float) -> float:
+        """Device time per request at ``in_flight`` parallel reads, net of the
+        transfer of ``request_bytes`` (which the bandwidth term charges)."""
+        per = 1.0 / self.requests_per_s(in_flight)
+        net = per - self.request_bytes / self.bandwidth_Bps
+        return max(net, 0.1 * per)
+
+    def codec(self, name: str) -> CodecSpeed:
+        """Speed of codec ``name``; error names the codecs this profile measured."""
+        try:
+            return self.codecs[name]
+        except KeyError:
+            base = name.removesuffix("-bitshuffle")
+            if base in self.codecs:
+                return self.codecs[base]
+            raise SpecError(
+                f"codec={name!r}: not in profile {self.name!r}; known: "
+                f"{', '.join(sorted(self.codecs))} (recalibrate with `sclayout calibrate`)"
+            ) from None
+
+    def with_(self, **changes: Any) -> Profile:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": self.format,
+            "version": self.version,
+            "name": self.name,
+            "kind": self.kind,
+            "latency_s": self.latency_s,
+            "bandwidth_Bps": self.bandwidth_Bps,
+            "request_bytes": self.request_bytes,
+            "concurrency": [[n, r] for n, r in self.concurrency],
+            "codecs": {k: v.to_dict() for k, v in sorted(self.codecs.items())},
+            "gather_s_per_nnz": self.gather_s_per_nnz,
+            "densify_s_per_value": self.densify_s_per_value,
+            "copy_Bps": self.copy_Bps,
+            "fetch_overhead_s": self.fetch_overhead_s,
+            "request_cpu_s": self.request_cpu_s,
+            "cores": self.cores,
+            "source": self.source,
+            "created": self.created,
+            "extra": dict(self.extra),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_dict(cls, d: Any, *, where: str = "profile") -> Profile:
+        if not isinstance(d, Mapping) or d.get("format") != PROFILE_FORMAT:
+            raise SpecError(
+                f'{where} is not a storage profile (no "format": "{PROFILE_FORMAT}"); '
+                "write one with `sclayout calibrate TARGET --out FILE`"
+            )
+        version = d.get("version")
+        if not isinstance(version, int) or not 1 <= version <= PROFILE_VERSION:
+            raise FormatVersionError(
+                f"{where}: profile version {version!r} is not readable by this sclayout "
+                f"(reads version {PROFILE_VERSION}): upgrade with `pip install -U sclayout`, "
+                "or recalibrate with `sclayout calibrate`"
+            )
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = set(d) - known
+        if unknown:
+            raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        kw = dict(d)
+        try:
+            kw["concurrency"] = tuple(tuple(p) for p in d["concurrency"])
+            kw["codecs"] = {k: CodecSpeed(**v) for k, v in d["codecs"].items()}
+            return cls(**kw)
+        except (KeyError, TypeError) as e:
+            raise SpecError(
+                f"{where} is incomplete or malformed ({e}); recalibrate with `sclayout calibrate`"
+            ) from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile JSON file.
+
+    Raises
+    ------
+    SpecError
+        If the file is missing, not JSON or not a profile.
+    FormatVersionError
+        If it was written by a newer sclayout.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = getattr(e, "strerror", None) or "not a text file"
+        raise SpecError(f"cannot read profile {p}: {reason}; check the path") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SpecError(f"profile {p} is not valid JSON ({e.msg} at line {e.lineno})") from None
+    return Profile.from_dict(data, where=f"profile {p}")
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped with the package."""
+    root = resources.files("sclayout.cost") / "presets"
+    return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
+
+
+def get_preset(name: str) -> Profile:
+    """The preset profile ``name``; the error lists the known presets."""
+    known = list_presets()
+    if name not in known:
+        raise SpecError(f"profile preset {name!r}: unknown; known presets: {', '.join(known)}")
+    text = (resources.files("sclayout.cost") / "presets" / f"{name}.json").read_text()
+    return Profile.from_dict(json.loads(text), where=f"preset {name}")
+
+
+def resolve_profile(value: str | Path | Profile) -> Profile:
+    """A profile from a :class:`Profile`, a JSON file path or a preset name."""
+    if isinstance(value, Profile):
+        return value
+    s = str(value)
+    if s.endswith(".json") or Path(s).exists() or "/" in s:
+        return load_profile(s)
+    return get_preset(s)

@@ -1,0 +1,429 @@
+"""Search layouts and loader settings for the fastest one that is diverse enough.
+
+Pure (no I/O): it takes :class:`~sclayout.cost.stats.DatasetStats` and a profile
+and evaluates a grid of block size × fetch factor × row order × CSR chunk size ×
+codec × workers. Fetch statistics depend only on the layout and the fetch size,
+diversity only on (block size, fetch factor, order), so each is computed once and
+reused across codecs and workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from loader.errors import InputError
+from loader.layout import RowOrder
+from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
+from sclayout.cost.diversity import (
+    blocks_per_fetch,
+    expected_distinct_blocks,
+    predict_diversity,
+    simulate_diversity,
+    store_permutation,
+)
+from sclayout.cost.model import (
+    ModelOptions,
+    Prediction,
+    predict_from_stats,
+    sample_fetch_stats,
+    store_bytes,
+    virtual_layout,
+)
+from sclayout.cost.profile import Profile
+from sclayout.cost.stats import DatasetStats
+
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "search", "search_loader"]
+
+SEARCH_MINIBATCHES = 2048
+"""Minibatches per diversity simulation during a search (±0.3 % on 14 plates)."""
+NEAR_BEST = 0.03
+"""Candidates within 3 % of the fastest are a tie (below the model's error); the tie
+goes to the least memory, then the fewest bytes on disk."""
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """The grid ``recommend`` explores."""
+
+    block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)
+    fetch_factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    orders: tuple[str, ...] = ("original", "shuffled", "stratified")
+    codecs: tuple[str, ...] = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
+    chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
+    """CSR inner chunk in units of a typical block's nnz (1.0: the converter's default)."""
+    workers: tuple[int, ...] = (0, 2)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One evaluated configuration."""
+
+    spec: LayoutSpec
+    prediction: Prediction
+    diversity: float
+    diversity_method: str
+    disk_bytes: float
+    feasible: bool = True
+
+    @property
+    def cells_per_s(self) -> float:
+        return self.prediction.cells_per_s
+
+    def row(self) -> dict[str, Any]:
+        s, ld, p = self.spec.store, self.spec.loader, self.prediction
+        return {
+            "block_size": s.block_size,
+            "fetch_factor": ld.fetch_factor,
+            "order": s.order.kind,
+            "codec": s.codec,
+            "csr_chunk_nnz": s.csr_chunk_nnz,
+            "workers": ld.num_workers,
+            "cells_per_s": round(p.cells_per_s, 1),
+            "diversity": round(self.diversity, 4),
+            "diversity_method": self.diversity_method,
+            "memory_bytes": p.peak_memory,
+            "disk_bytes": int(self.disk_bytes),
+            "bound": p.bound,
+            "requests_per_fetch": round(p.requests_per_fetch, 1),
+        }
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """Every candidate, the ranked feasible ones and the pick."""
+
+    candidates: list[Candidate]
+    ranked: list[Candidate]
+    pick: Candidate
+    reason: str
+    min_diversity: float
+    memory_budget: int
+    profile: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _check_targets(min_diversity: float, memory_budget: int) -> None:
+    if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
+        raise InputError(
+            f"--min-diversity={min_diversity!r}: must be in (0, 1] (1.0 = as diverse as "
+            "true random sampling), e.g. 0.95"
+        )
+    if memory_budget <= 0:
+        raise InputError(f"--memory-budget={memory_budget!r}: must be positive, e.g. 4GB")
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.0f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _diversity(
+    stats: DatasetStats,
+    *,
+    batch_size: int,
+    fetch_factor: int,
+    block_size: int,
+    order: str,
+    seed: int,
+    cache: dict,
+    stored_labels: np.ndarray | None = None,
+) -> tuple[float, str]:
+    key = (block_size, fetch_factor, order, stored_labels is not None)
+    if key not in cache:
+        if stored_labels is not None:
+            r = simulate_diversity(
+                stored_labels,
+                batch_size=batch_size,
+                fetch_factor=fetch_factor,
+                block_size=block_size,
+                n_minibatches=SEARCH_MINIBATCHES,
+                seed=seed,
+            )
+            cache[key] = (r, "simulation")
+        else:
+            est = predict_diversity(
+                batch_size=batch_size,
+                fetch_factor=fetch_factor,
+                block_size=block_size,
+                order=order,
+                labels=stats.labels,
+                seed=seed,
+                n_minibatches=SEARCH_MINIBATCHES,
+            )
+            cache[key] = (est.ratio, est.method)
+    return cache[key]
+
+
+def _feasible_fetch(stats: DatasetStats, batch_size: int, fetch_factor: int, b: int) -> bool:
+    k = blocks_per_fetch(batch_size, fetch_factor, b)
+    return k * b >= batch_size and (stats.n_obs // b) >= 2 * k
+
+
+def search(
+    stats: DatasetStats,
+    *,
+    profile: Profile,
+    batch_size: int = 64,
+    min_diversity: float = 0.95,
+    memory_budget: int = 4 * 10**9,
+    space: SearchSpace | None = None,
+    options: ModelOptions | None = None,
+    backend: str = "tensorstore",
+    seed: int = 0,
+) -> SearchResult:
+    """Evaluate the grid and pick the fastest configuration meeting both targets.
+
+    Raises
+    ------
+    InputError
+        ``min_diversity`` outside (0, 1]; no configuration fits ``memory_budget``
+        (the message names the smallest budget that fits one); no configuration
+        reaches ``min_diversity``.
+    """
+    _check_targets(min_diversity, memory_budget)
+    space = space or SearchSpace()
+    options = options or ModelOptions(seed=seed)
+    orders = [o for o in space.orders if o != "stratified" or stats.labels is not None]
+    mean_nnz = stats.nnz / max(stats.n_obs, 1)
+    div_cache: dict = {}
+    candidates: list[Candidate] = []
+    perms = {
+        o: None
+        if o == "original"
+        else store_permutation(stats.n_obs, kind=o, seed=seed, strata=stats.labels)
+        for o in orders
+    }
+    for b, order, cb in itertools.product(space.block_sizes, orders, space.chunk_blocks):
+        if b > stats.n_obs:
+            continue
+        chunk = max(1, round(cb * mean_nnz * b))
+        base = StoreSpec(
+            block_size=b,
+            order=RowOrder(
+                order,
+                None if order == "original" else seed,
+                (stats.label,) if order == "stratified" and stats.label else (),
+            ),
+            codec=space.codecs[0],
+            csr_chunk_nnz=chunk if cb != 1.0 else None,
+        )
+        manifest, bp = virtual_layout(
+            stats.row_nnz,
+            n_vars=stats.n_vars,
+            spec=base,
+            perm=perms[order],
+            data_dtype=stats.data_dtype,
+        )
+        for f in space.fetch_factors:
+            if not _feasible_fetch(stats, batch_size, f, b):
+                continue
+            fs = sample_fetch_stats(
+                manifest,
+                bp,
+                settings=LoaderSettings(batch_size=batch_size, fetch_factor=f),
+                options=options,
+            )
+            div, method = _diversity(
+                stats,
+                batch_size=batch_size,
+                fetch_factor=f,
+                block_size=b,
+                order=order,
+                seed=seed,
+                cache=div_cache,
+            )
+            for codec, w in itertools.product(space.codecs, space.workers):
+                settings = LoaderSettings(
+                    batch_size=batch_size, fetch_factor=f, num_workers=w, backend=backend
+                )
+                pred = predict_from_stats(
+                    fs,
+                    n_vars=stats.n_vars,
+                    codec=codec,
+                    settings=settings,
+                    profile=profile,
+                    options=options,
+                )
+                spec = LayoutSpec(store=replace(base, codec=codec), loader=settings)
+                m = replace(
+                    manifest,
+                    matrices={
+                        "X": replace(
+                            manifest.X,
+                            arrays={
+                                k: replace(a, codec=codec) for k, a in manifest.X.arrays.items()
+                            },
+                        )
+                    },
+                )
+                candidates.append(Candidate(spec, pred, div, method, store_bytes(m, profile)))
+    return _rank(
+        candidates,
+        min_diversity=min_diversity,
+        memory_budget=memory_budget,
+        profile=profile,
+        what="configuration",
+    )
+
+
+def search_loader(
+    stats: DatasetStats,
+    *,
+    profile: Profile,
+    batch_size: int = 64,
+    min_diversity: float = 0.95,
+    memory_budget: int = 4 * 10**9,
+    fetch_factors: Sequence[int] = SearchSpace.fetch_factors,
+    block_multiples: Sequence[int] = (1, 2, 4, 8),
+    workers: Sequence[int] = SearchSpace.workers,
+    options: ModelOptions | None = None,
+    backend: str = "tensorstore",
+    seed: int = 0,
+) -> SearchResult:
+    """Loader settings for an existing layout store (its real manifest and block
+    pointer): block sizes that are multiples of the store's, fetch factor, workers."""
+    if stats.manifest is None:
+        raise InputError(f"{stats.location} is not a layout store; use search()")
+    _check_targets(min_diversity, memory_budget)
+    options = options or ModelOptions(seed=seed)
+    stored_labels = stats.store_labels()
+    man0, bp0 = stats.manifest, stats.block_pointer
+    codec = man0.X.arrays["data"].codec
+    div_cache: dict = {}
+    candidates = []
+    disk = store_bytes(man0, profile)
+    for mult in block_multiples:
+        b = man0.block_size * mult
+        if b > stats.n_obs:
+            continue
+        man = replace(man0, block_size=b)
+        n_blocks0 = man0.n_blocks
+        bp = bp0[np.r_[np.arange(0, n_blocks0, mult), n_blocks0]]
+        for f in fetch_factors:
+            if not _feasible_fetch(stats, batch_size, f, b):
+                continue
+            fs = sample_fetch_stats(
+                man,
+                bp,
+                settings=LoaderSettings(batch_size=batch_size, fetch_factor=f),
+                options=options,
+            )
+            if stored_labels is not None:
+                div, method = _diversity(
+                    stats,
+                    batch_size=batch_size,
+                    fetch_factor=f,
+                    block_size=b,
+                    order=man0.order.kind,
+                    seed=seed,
+                    cache=div_cache,
+                    stored_labels=stored_labels,
+                )
+            else:
+                est = predict_diversity(
+                    batch_size=batch_size, fetch_factor=f, block_size=b, order=man0.order.kind
+                )
+                div, method = est.ratio, est.method
+            for w in workers:
+                settings = LoaderSettings(
+                    batch_size=batch_size, fetch_factor=f, num_workers=w, backend=backend
+                )
+                pred = predict_from_stats(
+                    fs,
+                    n_vars=stats.n_vars,
+                    codec=codec,
+                    settings=settings,
+                    profile=profile,
+                    options=options,
+                )
+                store = StoreSpec(block_size=b, order=man0.order, codec=codec)
+                candidates.append(
+                    Candidate(LayoutSpec(store=store, loader=settings), pred, div, method, disk)
+                )
+    return _rank(
+        candidates,
+        min_diversity=min_diversity,
+        memory_budget=memory_budget,
+        profile=profile,
+        what="loader setting",
+    )
+
+
+def _rank(
+    candidates: list[Candidate],
+    *,
+    min_diversity: float,
+    memory_budget: int,
+    profile: Profile,
+    what: str,
+) -> SearchResult:
+    if not candidates:
+        raise InputError("the dataset is too small for any block size / fetch factor searched")
+    fits = [c for c in candidates if c.prediction.peak_memory <= memory_budget]
+    if not fits:
+        smallest = min(c.prediction.peak_memory for c in candidates)
+        raise InputError(
+            f"--memory-budget={_fmt_bytes(memory_budget)}: too small for any {what}; the "
+            f"smallest feasible budget is {_fmt_bytes(smallest)} (raise --memory-budget)"
+        )
+    ok = [c for c in fits if c.diversity >= min_diversity]
+    if not ok:
+        best = max(fits, key=lambda c: c.diversity)
+        raise InputError(
+            f"--min-diversity={min_diversity}: no {what} within the memory budget reaches it "
+            f"(best {best.diversity:.3f}); lower --min-diversity or raise --memory-budget"
+        )
+    ranked = sorted(ok, key=lambda c: -c.cells_per_s)
+    top = ranked[0].cells_per_s
+    near = [c for c in ranked if c.cells_per_s >= top * (1 - NEAR_BEST)]
+    pick = min(near, key=lambda c: (c.prediction.peak_memory, c.disk_bytes))
+    ranked.remove(pick)
+    ranked.insert(0, pick)
+    p = pick.prediction
+    fastest_any = max(fits, key=lambda c: c.cells_per_s)
+    reason = (
+        f"fastest predicted ({p.cells_per_s:,.0f} cells/s, {p.bound}-bound: "
+        f"{p.requests_per_fetch:.0f} requests and {_fmt_bytes(p.read_bytes_per_fetch)} read per "
+        f"fetch of {p.rows_per_fetch:.0f} rows) of {len(ok)} {what}s with diversity >= "
+        f"{min_diversity} and memory <= {_fmt_bytes(memory_budget)}"
+    )
+    if len(near) > 1:
+        reason += f"; least memory among the {len(near)} within {NEAR_BEST:.0%} of the fastest"
+    if fastest_any.cells_per_s > p.cells_per_s * 1.05:
+        reason += (
+            f"; the diversity target costs {1 - p.cells_per_s / fastest_any.cells_per_s:.0%} "
+            f"(fastest overall {fastest_any.cells_per_s:,.0f} cells/s at diversity "
+            f"{fastest_any.diversity:.2f})"
+        )
+    return SearchResult(
+        candidates=candidates,
+        ranked=ranked,
+        pick=pick,
+        reason=reason,
+        min_diversity=min_diversity,
+        memory_budget=memory_budget,
+        profile=profile.name,
+    )
+
+
+def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """Candidates no other beats on both throughput and diversity."""
+    pts = sorted(candidates, key=lambda c: (-c.diversity, -c.cells_per_s))
+    front, best = [], -1.0
+    for c in pts:
+        if c.cells_per_s > best:
+            front.append(c)
+            best = c.cells_per_s
+    return front
+
+
+def distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
+    """Re-export for tables: expected distinct blocks per minibatch."""
+    return expected_distinct_blocks(batch_size, fetch_factor, block_size)

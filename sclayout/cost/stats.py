@@ -1,0 +1,172 @@
+"""What the cost model reads of a dataset: shapes, per-row nnz and one label column.
+
+Nothing else is read: ``X/indptr`` (or, for CSC, ``X/indices`` in slices) gives the
+per-row nnz, ``obs/COL`` the label. Works on an .h5ad, an AnnData zarr store and a
+layout store (local or ``http(s)://``; for a layout store the real manifest and block
+pointer are kept so predictions use them).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from loader.errors import InputError, NotALayoutStoreError
+from loader.layout import Manifest
+
+__all__ = ["DatasetStats", "read_dataset_stats"]
+
+CSC_SLICE = 2**24
+"""Elements of a CSC ``indices`` array read at a time to count nnz per row (64 MiB)."""
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """Shapes, per-row nnz and label of a dataset, in *source* order.
+
+    For a layout store, ``manifest`` and ``block_pointer`` are the store's and
+    ``source_index`` maps stored rows to source rows.
+    """
+
+    location: str
+    kind: str  # "h5ad", "zarr" or "store"
+    n_obs: int
+    n_vars: int
+    row_nnz: np.ndarray
+    data_dtype: str
+    label: str | None = None
+    labels: np.ndarray | None = None
+    manifest: Manifest | None = None
+    block_pointer: np.ndarray | None = None
+    source_index: np.ndarray | None = None
+
+    @property
+    def nnz(self) -> int:
+        return int(self.row_nnz.sum())
+
+    def store_labels(self) -> np.ndarray | None:
+        """Label codes in store order (layout stores only)."""
+        if self.labels is None or self.source_index is None:
+            return None
+        return self.labels[self.source_index]
+
+
+def _codes(values: Any) -> np.ndarray:
+    codes, _ = pd.factorize(pd.Series(values), use_na_sentinel=False)
+    return codes.astype(np.int64)
+
+
+def _obs_column(root: Any, label: str, where: str) -> np.ndarray:
+    from anndata.io import read_elem
+
+    obs = root["obs"]
+    if label not in obs:
+        cols = [k for k in obs.keys() if k != "_index"]
+        raise InputError(
+            f"--label {label!r}: no such obs column in {where}; available: "
+            f"{', '.join(cols) or '(none)'}"
+        )
+    return _codes(read_elem(obs[label]))
+
+
+def _source_stats(path: Path, kind: str, label: str | None) -> DatasetStats:
+    from sclayout.convert.source import open_group
+
+    with open_group(path) as root:
+        if "X" not in root:
+            raise InputError(f"{path}: no X matrix; pass an AnnData .h5ad or zarr store")
+        x = root["X"]
+        attrs = dict(x.attrs)
+        enc = attrs.get("encoding-type")
+        if enc not in ("csr_matrix", "csc_matrix"):
+            raise InputError(
+                f"{path}: X is {enc or 'dense'}; the cost model supports sparse (CSR/CSC) X "
+                "only — convert with explicit settings instead"
+            )
+        n_obs, n_vars = (int(s) for s in attrs["shape"])
+        data_dtype = str(np.dtype(x["data"].dtype))
+        if enc == "csr_matrix":
+            row_nnz = np.diff(np.asarray(x["indptr"][...], dtype=np.int64))
+        else:
+            ind = x["indices"]
+            row_nnz = np.zeros(n_obs, dtype=np.int64)
+            for a in range(0, ind.shape[0], CSC_SLICE):
+                row_nnz += np.bincount(np.asarray(ind[a : a + CSC_SLICE]), minlength=n_obs)
+        labels = _obs_column(root, label, str(path)) if label else None
+    return DatasetStats(
+        location=str(path),
+        kind=kind,
+        n_obs=n_obs,
+        n_vars=n_vars,
+        row_nnz=row_nnz,
+        data_dtype=data_dtype,
+        label=label,
+        labels=labels,
+    )
+
+
+def _store_stats(location: str, label: str | None) -> DatasetStats:
+    from loader.store import open_layout
+
+    reader = open_layout(location)
+    manifest = reader.manifest
+    x = manifest.X
+    if not x.is_csr:
+        raise InputError(f"{location}: dense X; the cost model supports CSR stores only")
+    indptr = reader._meta_array(x.arrays["indptr"].path).astype(np.int64)
+    stored_nnz = np.diff(indptr)
+    source_index = reader.source_index()
+    row_nnz = np.empty_like(stored_nnz)
+    row_nnz[source_index] = stored_nnz
+    labels = None
+    if label:
+        if label not in reader.obs_columns():
+            raise InputError(
+                f"--label {label!r}: no such obs column in {location}; available: "
+                f"{', '.join(reader.obs_columns()) or '(none)'}"
+            )
+        stored, _ = reader.obs_codes(label)
+        labels = np.empty_like(stored)
+        labels[source_index] = stored
+    return DatasetStats(
+        location=location,
+        kind="store",
+        n_obs=manifest.n_obs,
+        n_vars=manifest.n_vars,
+        row_nnz=row_nnz,
+        data_dtype=x.dtype,
+        label=label,
+        labels=labels,
+        manifest=manifest,
+        block_pointer=reader.block_pointer,
+        source_index=source_index,
+    )
+
+
+def read_dataset_stats(path: str | os.PathLike[str], *, label: str | None = None) -> DatasetStats:
+    """Read what the cost model needs from ``path``.
+
+    Parameters
+    ----------
+    path
+        An .h5ad, an AnnData zarr store, or a layout store (path or URL).
+    label
+        obs column whose diversity is predicted.
+    """
+    s = os.fspath(path)
+    if s.startswith(("http://", "https://")):
+        return _store_stats(s.rstrip("/"), label)
+    p = Path(s)
+    if not p.exists():
+        raise InputError(f"{s}: no such file or directory; check the path")
+    if p.is_dir():
+        try:
+            return _store_stats(s, label)
+        except NotALayoutStoreError:
+            return _source_stats(p, "zarr", label)
+    return _source_stats(p, "h5ad", label)
