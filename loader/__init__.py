@@ -5,6 +5,7 @@ Importing this package loads neither ``sclayout``, ``dask`` nor ``click``.
 
 from __future__ import annotations
 
+from loader.backends import get_backend, register_backend
 from loader.errors import (
     FormatVersionError,
     InputError,
@@ -14,17 +15,28 @@ from loader.errors import (
     SpecError,
 )
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
+from loader.plan import FetchPlan, ReadRange, plan_fetch
+from loader.store import Fetched, LayoutReader, PendingFetch, open_layout
 
 __all__ = [
     "ArrayLayout",
+    "FetchPlan",
+    "Fetched",
     "FormatVersionError",
     "InputError",
     "LayoutError",
+    "LayoutReader",
     "Manifest",
     "MatrixLayout",
     "NotALayoutStoreError",
+    "PendingFetch",
+    "ReadRange",
     "RowOrder",
     "SclayoutError",
     "SpecError",
+    "get_backend",
+    "open_layout",
+    "plan_fetch",
+    "register_backend",
 ]
 __version__ = "0.1.0"
