@@ -39,6 +39,13 @@ from loader.layout import (
 )
 from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
+from sclayout.convert.checks import (
+    check_destination,
+    check_obs_columns,
+    check_source,
+    estimate_store_bytes,
+    explain_read_errors,
+)
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.order import get_order, inverse_permutation
 from sclayout.convert.plan import (
@@ -67,11 +74,6 @@ from sclayout.convert.write import (
     shard_ranges,
     write_region,
 )
-
-try:  # the input checks live in their own module (sclayout verify/inspect helper)
-    from sclayout.convert.checks import check_source
-except ImportError:  # pragma: no cover - only while that module is absent
-    check_source = None
 
 __all__ = ["ConvertOptions", "convert", "resolve_options"]
 
@@ -199,8 +201,7 @@ def convert(
     InputError
         Bad source, bad option, DST exists without ``overwrite``, DST not writable.
     """
-    if check_source is not None:
-        check_source(src)
+    check_source(src)
     opts = resolve_options(
         spec=spec,
         block_size=block_size,
@@ -213,9 +214,8 @@ def convert(
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
     src_p, dst_p = Path(src), Path(os.path.abspath(dst))
-    if not src_p.exists():
-        raise InputError(f"SRC {src_p} does not exist: check the path")
-    _check_dst(dst_p, overwrite=overwrite)
+    check_obs_columns(src_p, opts.order.columns)
+    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
     _clean_stale(dst_p)
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
@@ -235,7 +235,8 @@ def convert(
             raise InputError(
                 f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
             ) from None
-        raise
+        with explain_read_errors(src_p):  # anything else: the source failed to read
+            raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -246,15 +247,6 @@ def convert(
 
 
 # -- destination safety ------------------------------------------------------------------
-
-
-def _check_dst(dst: Path, *, overwrite: bool) -> None:
-    if dst.exists() and not overwrite:
-        raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
-    if not dst.parent.is_dir():
-        raise InputError(f"DST {dst}: parent directory {dst.parent} does not exist; create it")
-    if not os.access(dst.parent, os.W_OK | os.X_OK):
-        raise InputError(f"DST {dst}: {dst.parent} is not writable; choose another location")
 
 
 def _pid_alive(pid: int) -> bool:
