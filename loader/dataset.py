@@ -46,7 +46,6 @@ import sys
 import warnings
 from collections import deque
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -527,10 +526,7 @@ def _check_path(path: Any) -> str:
         raise InputError(
             f"path={path!r}: expected a store path, URL or .h5ad file (or an open reader)"
         )
-    s = os.fspath(path)
-    if "://" not in s and not Path(s).expanduser().exists():
-        raise InputError(f"path={s!r}: no such file or directory; check the path")
-    return s
+    return os.fspath(path)  # existence and kind are checked by open_layout
 
 
 def _spec_settings(spec: Any) -> dict[str, Any]:
@@ -627,6 +623,7 @@ def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
         with warnings.catch_warnings():
             # torch warns once that it skips CSR invariant checks; take_csr built it valid.
             warnings.filterwarnings("ignore", message="Sparse invariant checks")
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
             tX = torch.sparse_csr_tensor(
                 torch.from_numpy(X.indptr.astype(np.int64)),
                 torch.from_numpy(X.indices.astype(np.int64)),
@@ -660,8 +657,8 @@ def _torch_dataset_class() -> type:
 
 
 def _dataloader_class() -> type:
+    torch = _require_torch("BlockDataLoader")
     if "BlockDataLoader" not in _LAZY:
-        torch = _require_torch("BlockDataLoader")
 
         class BlockDataLoader(torch.utils.data.DataLoader):
             """A ``DataLoader`` for a :class:`BlockDataset` that counts delivered batches.

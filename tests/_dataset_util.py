@@ -170,3 +170,53 @@ def run_python(code: str, *args: str, timeout: float = 120) -> str:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
+
+
+# --------------------------------------------------------------------------- real stores
+
+N_OBS, N_VARS, BLOCK = 203, 17, 8
+"""Tiny real stores: 203 rows (not a multiple of anything used), 8-row blocks."""
+_STORES: dict[str, Any] = {}
+
+
+def build_stores(tmp_path_factory) -> dict[str, Any]:
+    """Sources and layout stores built once per test session.
+
+    Keys: ``h5ad`` (CSR), ``h5ad-dense``, ``original``, ``shuffled``, ``stratified``
+    (CSR stores of ``h5ad``), ``dense`` (shuffled store of ``h5ad-dense``), and
+    ``truth``: ``{"X": dense source matrix, "obs": DataFrame}`` per source kind.
+    """
+    if _STORES:
+        return _STORES
+    import anndata as ad
+    from _synth import make_adata
+
+    from sclayout.convert import convert
+
+    root = tmp_path_factory.mktemp("dataset_stores")
+    kw = dict(density=0.3, layers=False, obsm=False, uns=False, seed=11)
+    csr = make_adata(N_OBS, N_VARS, **kw)
+    dense = make_adata(N_OBS, N_VARS, x_format="dense", **kw)
+    paths = {"h5ad": root / "src.h5ad", "h5ad-dense": root / "dense.h5ad"}
+    csr.write_h5ad(paths["h5ad"])
+    dense.write_h5ad(paths["h5ad-dense"])
+    for order, by in [("original", ()), ("shuffled", ()), ("stratified", ("plate",))]:
+        paths[order] = root / f"{order}.zarr"
+        convert(paths["h5ad"], paths[order], block_size=BLOCK, order=order, by=by, seed=5)
+    paths["dense"] = root / "dense.zarr"
+    convert(paths["h5ad-dense"], paths["dense"], block_size=BLOCK, order="shuffled", seed=6)
+    src = {p: ad.read_h5ad(paths[p]) for p in ("h5ad", "h5ad-dense")}
+    truth = {
+        k: {"X": (a.X.toarray() if sp.issparse(a.X) else np.asarray(a.X)), "obs": a.obs}
+        for k, a in src.items()
+    }
+    _STORES.update({k: str(v) for k, v in paths.items()})
+    _STORES["truth"] = {
+        "h5ad": truth["h5ad"],
+        "original": truth["h5ad"],
+        "shuffled": truth["h5ad"],
+        "stratified": truth["h5ad"],
+        "h5ad-dense": truth["h5ad-dense"],
+        "dense": truth["h5ad-dense"],
+    }
+    return _STORES

@@ -1,0 +1,337 @@
+"""BlockDataset: values equal the source through the real reader (every store order,
+raw h5ad, dense and CSR), exactly once with 0/1/2 DataLoader workers, determinism,
+read-ahead bound, in-process resume without reading skipped data, errors, no-torch."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from _dataset_util import (
+    N_OBS,
+    as_numpy,
+    build_stores,
+    check_epoch,
+    indices,
+    memory_reader,
+)
+
+from loader import sampler as S
+from loader.dataset import BlockDataLoader, BlockDataset
+from loader.errors import InputError, SclayoutError
+from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    return build_stores(tmp_path_factory)
+
+
+def expected_sequence(ds: BlockDataset, num_workers: int) -> list[np.ndarray]:
+    """The rank's minibatch indices in DataLoader round-robin order, computed in-process."""
+    streams = [indices(ds._batches(w, num_workers)) for w in range(num_workers)]
+    return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
+
+
+def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
+    return len(a) == len(b) and all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+# ---------------------------------------------------------------- values, real reader
+
+SOURCES = ["original", "shuffled", "stratified", "h5ad", "dense", "h5ad-dense"]
+
+
+@pytest.mark.parametrize("output", ["dense", "csr"])
+@pytest.mark.parametrize("source", SOURCES)
+def test_values_equal_source(stores, source, output):
+    truth = stores["truth"][source]
+    ds = BlockDataset(
+        stores[source],
+        batch_size=24,
+        fetch_factor=2,
+        obs=("plate", "cell_line"),
+        output=output,
+        seed=1,
+    )
+    batches = list(ds)
+    assert len(batches) == len(ds) == math.ceil(N_OBS / 24)
+    check_epoch(batches, n_obs=N_OBS, batch_size=24)
+    for b in batches:
+        idx = b["index"].numpy()
+        X = b["X"]
+        if output == "csr":
+            assert X.layout == torch.sparse_csr and X.dtype == torch.float32
+        else:
+            assert X.layout == torch.strided and X.dtype == torch.float32
+        assert np.array_equal(as_numpy(X), truth["X"][idx].astype(np.float32))
+        for col in ("plate", "cell_line"):
+            codes = b["obs"][col]
+            assert codes.dtype == torch.int64
+            names = np.asarray(ds.categories[col], dtype=object)[codes.numpy()]
+            assert names.tolist() == truth["obs"][col].to_numpy()[idx].tolist()
+
+
+def test_block_size_multiple_of_the_store(stores):
+    ds = BlockDataset(stores["shuffled"], block_size=16, batch_size=10, fetch_factor=3)
+    assert ds.block_size == 16
+    check_epoch(list(ds), n_obs=N_OBS, batch_size=10)
+
+
+# ---------------------------------------------------------------- exactly once, workers
+
+ONCE = {
+    "tiny": (5, 4, 2, 3),
+    "ragged": (203, 7, 10, 3),
+    "block>fetch": (150, 64, 8, 2),
+    "batch>n": (20, 3, 64, 1),
+}
+
+
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep", "drop_last"])
+@pytest.mark.parametrize("case", ONCE.values(), ids=ONCE.keys())
+def test_exactly_once_in_process(case, drop_last):
+    n, block, batch, ff = case
+    ds = BlockDataset(
+        memory_reader(n, block_size=block, seed=2),
+        batch_size=batch,
+        fetch_factor=ff,
+        drop_last=drop_last,
+    )
+    for epoch in range(2):
+        ds.set_epoch(epoch)
+        batches = list(ds)
+        check_epoch(batches, n_obs=n, batch_size=batch, drop_last=drop_last)
+        assert len(batches) == len(ds)
+        for b in batches:  # values follow the index (first column holds the source id)
+            assert np.array_equal(b["X"][:, 0].numpy(), b["index"].numpy().astype(np.float32))
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
+@pytest.mark.parametrize("num_workers", [0, 1, 2], ids=lambda w: f"w{w}")
+def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persistent):
+    if persistent and num_workers == 0:
+        pytest.skip("persistent workers need num_workers > 0")
+    n, batch = 203, 10
+    ds = BlockDataset(memory_reader(n, block_size=7, seed=3), batch_size=batch, fetch_factor=3)
+    kw = {"multiprocessing_context": "fork"} if num_workers else {}  # memory reader: fork-safe
+    dl = BlockDataLoader(ds, num_workers=num_workers, persistent_workers=persistent, **kw)
+    seen = {}
+    for epoch in (0, 1, 0):
+        ds.set_epoch(epoch)
+        got = indices(dl)
+        check_epoch([{"index": i} for i in got], n_obs=n, batch_size=batch)
+        assert same(got, expected_sequence(ds, max(1, num_workers)))  # round-robin order
+        if epoch in seen:
+            assert same(got, seen[epoch])  # same seed and epoch -> same sequence
+        seen[epoch] = got
+    assert not np.array_equal(np.concatenate(seen[0]), np.concatenate(seen[1]))
+
+
+def test_real_store_spawned_persistent_workers(stores):
+    """Two spawned workers reading a real store: each row once per epoch, epochs differ,
+    the order is the documented round-robin, values equal the source."""
+    truth = stores["truth"]["stratified"]
+    ds = BlockDataset(stores["stratified"], batch_size=16, fetch_factor=2, output="csr")
+    dl = BlockDataLoader(ds, num_workers=2, persistent_workers=True)
+    epochs = []
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        batches = list(dl)
+        check_epoch(batches, n_obs=N_OBS, batch_size=16)
+        for b in batches:
+            assert np.array_equal(as_numpy(b["X"]), truth["X"][b["index"].numpy()])
+        got = indices(batches)
+        assert same(got, expected_sequence(ds, 2))
+        epochs.append(np.concatenate(got))
+    assert not np.array_equal(*epochs)
+
+
+# ---------------------------------------------------------------- read-ahead, resume
+
+
+class CountingReader:
+    """Wraps a reader; records submits and results in order."""
+
+    def __init__(self, inner):
+        self.inner, self.events = inner, []
+        for a in ("n_obs", "n_vars", "block_size", "n_blocks"):
+            setattr(self, a, getattr(inner, a))
+        self.block_lengths, self.source_index = inner.block_lengths, inner.source_index
+        self.obs_codes = inner.obs_codes
+
+    def submit(self, blocks):
+        k = sum(e[0] == "submit" for e in self.events)
+        self.events.append(("submit", k, int(self.block_lengths()[blocks].sum())))
+        pending, events = self.inner.submit(blocks), self.events
+
+        class Pending:
+            def result(self):
+                events.append(("result", k, 0))
+                return pending.result()
+
+        return Pending()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 3])
+def test_read_ahead_is_bounded(prefetch):
+    reader = CountingReader(memory_reader(400, block_size=5))
+    ds = BlockDataset(reader, batch_size=10, fetch_factor=2, prefetch=prefetch)
+    n_fetches = S.worker_plan(ds.config, 0).n_fetches
+    for i, _ in enumerate(ds):
+        submitted = sum(e[0] == "submit" for e in reader.events)
+        waited = sum(e[0] == "result" for e in reader.events)
+        # in flight: submitted but not yet waited for; at most prefetch ahead of use
+        assert submitted - waited <= prefetch, (i, submitted, waited)
+        if prefetch and waited < n_fetches:
+            assert submitted > waited, "no read-ahead while consuming a fetch"
+    assert sum(e[0] == "submit" for e in reader.events) == n_fetches
+
+
+@pytest.mark.parametrize("consumed", [0, 1, 7, 20, 21])
+def test_resume_in_process_reads_no_skipped_fetch(consumed):
+    n, batch, ff = 210, 10, 3
+    full = indices(
+        BlockDataset(memory_reader(n, block_size=4, seed=1), batch_size=batch, fetch_factor=ff)
+    )
+    first = BlockDataset(memory_reader(n, block_size=4, seed=1), batch_size=batch, fetch_factor=ff)
+    it = iter(first)
+    for _ in range(consumed):
+        next(it)
+    state = first.state_dict()
+    assert state["consumed"] == consumed and state["epoch"] == 0
+    reader = memory_reader(n, block_size=4, seed=1)
+    fresh = BlockDataset(reader, batch_size=batch, fetch_factor=ff)
+    fresh.load_state_dict(pickle.loads(pickle.dumps(state)))
+    rest = indices(fresh)
+    assert same(rest, full[consumed:])
+    read = sum(int(reader.block_lengths()[b].sum()) for b in reader.submitted)
+    # only the fetch holding the next batch onwards: remaining rows + < 2 fetches
+    assert read <= (len(full) - consumed) * batch + 2 * (batch * ff + 4)
+    assert fresh.state_dict()["consumed"] == len(full)
+    assert len(indices(fresh)) == len(full)  # a completed pass: the next starts over
+
+
+def test_state_refuses_other_settings_and_untracked_workers():
+    state = BlockDataset(memory_reader(50, block_size=4), batch_size=5).state_dict()
+    other = BlockDataset(memory_reader(50, block_size=4), batch_size=6)
+    with pytest.raises(InputError, match=r"batch_size=5 \(now 6\)") as e:
+        other.load_state_dict(state)
+    assert "\n" not in str(e.value)
+    ds = BlockDataset(memory_reader(50, block_size=4), batch_size=5)
+    list(
+        torch.utils.data.DataLoader(
+            ds, batch_size=None, num_workers=1, multiprocessing_context="fork"
+        )
+    )
+    with pytest.raises(InputError, match=r"BlockDataLoader"):
+        ds.state_dict()
+
+
+# ---------------------------------------------------------------- weighted, end to end
+
+
+def test_class_balanced_through_dataset():
+    n, block = 3000, 10
+    labels = np.repeat([0, 1, 2], [2100, 600, 300])  # sorted: pure blocks
+    ds = BlockDataset(
+        memory_reader(n, block_size=block, classes=labels),
+        batch_size=100,
+        fetch_factor=4,
+        strategy="class_balanced",
+        class_column="label",
+        obs=("label",),
+        num_samples=30000,
+    )
+    got = np.bincount(np.concatenate([b["obs"]["label"].numpy() for b in ds]), minlength=3)
+    draws = 30000 // block
+    tol = block * math.sqrt(draws * math.log(2 / 1e-6) / 2)  # Hoeffding, delta 1e-6/class
+    assert got.sum() == 30000 and np.all(np.abs(got - 10000) <= tol), (got, tol)
+
+
+def test_weights_by_class_mapping_and_real_store(stores):
+    ds = BlockDataset(
+        stores["shuffled"],
+        batch_size=32,
+        strategy="weighted",
+        class_column="plate",
+        weights={"plate00": 1.0},
+        obs=("plate",),
+        num_samples=500,
+    )
+    plates = np.concatenate([b["obs"]["plate"].numpy() for b in ds])
+    assert plates.size == 500 and set(plates.tolist()) == {ds.categories["plate"].index("plate00")}
+
+
+# ---------------------------------------------------------------- settings and errors
+
+
+def test_spec_settings_are_defaults(tmp_path):
+    spec = LayoutSpec(
+        store=StoreSpec(block_size=4), loader=LoaderSettings(batch_size=9, fetch_factor=5)
+    )
+    spec.save(tmp_path / "spec.json")
+    ds = BlockDataset(memory_reader(40, block_size=4), spec=tmp_path / "spec.json")
+    assert (ds.batch_size, ds.fetch_factor) == (9, 5)
+    ds = BlockDataset(memory_reader(40, block_size=4), spec=spec, batch_size=7)
+    assert (ds.batch_size, ds.fetch_factor) == (7, 5)
+
+
+def test_pickle_carries_no_reader(stores):
+    ds = BlockDataset(stores["original"], batch_size=50, seed=3)
+    first = indices(ds)
+    state = ds.__getstate__()
+    assert state["_reader"] is None and state["_path"] == stores["original"]
+    assert same(indices(pickle.loads(pickle.dumps(ds))), first)
+
+
+BAD = {
+    "batch0": (dict(batch_size=0), r"^batch_size=0: must be a positive integer$"),
+    "ff0": (dict(fetch_factor=0), r"^fetch_factor=0: must be a positive integer$"),
+    "block-neg": (dict(block_size=-8), r"^block_size=-8: must be a positive integer$"),
+    "block-not-multiple": (dict(block_size=12), r"^block_size=12: the store was converted"),
+    "strategy": (dict(strategy="random"), r"^strategy='random': unknown; known: "),
+    "obs": (dict(obs=("nope",)), r"^obs column 'nope': not in "),
+    "output": (dict(output="coo"), r"^output='coo': unknown; known: dense, csr$"),
+    "balanced": (dict(strategy="class_balanced"), r"needs class_column="),
+    "weights-len": (dict(strategy="weighted", weights=[1.0, 2.0]), r"^weights: 2 values for 203"),
+    "rank": (dict(rank=2, world_size=2), r"^rank=2, world_size=2: need 0 <= rank"),
+}
+
+
+@pytest.mark.parametrize(("kw", "msg"), BAD.values(), ids=BAD.keys())
+def test_bad_input_one_line_error(stores, kw, msg):
+    with pytest.raises(SclayoutError, match=msg) as e:
+        BlockDataset(stores["shuffled"], **kw)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["missing", "not-a-store"])
+def test_bad_path(tmp_path, kind):
+    path = tmp_path / "nothing.zarr"
+    if kind == "not-a-store":
+        path.mkdir()
+    with pytest.raises(SclayoutError, match=r"nothing\.zarr") as e:
+        BlockDataset(path)
+    assert "\n" not in str(e.value)
+
+
+def test_without_torch_numpy_batches(monkeypatch):
+    import loader.dataset as D
+
+    monkeypatch.setattr(D, "torch_available", lambda: False)
+    ds = BlockDataset(memory_reader(30, block_size=4), batch_size=8, output="csr", obs=("parity",))
+    assert type(ds) is BlockDataset and not isinstance(ds, torch.utils.data.Dataset)
+    batches = list(ds)
+    check_epoch(batches, n_obs=30, batch_size=8)
+    import scipy.sparse as sp
+
+    assert sp.issparse(batches[0]["X"]) and batches[0]["X"].dtype == np.float32
+    assert isinstance(batches[0]["index"], np.ndarray) and batches[0]["index"].dtype == np.int64
+    with pytest.raises(
+        InputError, match=r"^BlockDataLoader needs torch: pip install sclayout\[torch\]$"
+    ):
+        ds.dataloader()
