@@ -241,3 +241,31 @@ def serve_directory(
     return ServedDirectory(
         root, delay=delay, port=port, max_connections=max_connections, max_seconds=max_seconds
     )
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m sclayout.httpserver DIR [--delay S] [--port N] [--max-seconds S]``:
+    serve until interrupted or ``--max-seconds`` (prints the URL first)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m sclayout.httpserver", description=main.__doc__)
+    ap.add_argument("root")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds added per request")
+    ap.add_argument("--port", type=int, default=0)
+    ap.add_argument("--max-seconds", type=float, default=MAX_SECONDS)
+    args = ap.parse_args(argv)
+    server = serve_directory(
+        args.root, delay=args.delay, port=args.port, max_seconds=args.max_seconds
+    )
+    print(server.url, flush=True)
+    try:
+        while not server._stopped:
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -333,31 +333,36 @@ def _copy_bandwidth(seconds: float = 0.5) -> float:
     return nbytes / dt
 
 
-def _store_sample(local: str | None, max_elems: int = 4 * 2**20) -> tuple[np.ndarray, ...] | None:
-    """``data``, ``indices``, ``indptr`` of the first rows of a local store, if any."""
-    if local is None:
-        return None
-    try:
-        from loader.store import _read_manifest
+def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
+    """``data``, ``indices``, ``indptr``, ``n_vars`` of the first rows of a layout
+    store (local or URL), read with tensorstore; ``None`` if it is not one."""
+    import tensorstore as ts
 
-        manifest = _read_manifest(local)
+    from loader.backends import _ts_kvstore
+    from loader.store import _read_manifest
+
+    location = target.rstrip("/")
+    try:
+        manifest = _read_manifest(location)
     except Exception:  # not a layout store: synthetic data instead
         return None
-    import zarr
-
     x = manifest.X
     if not x.is_csr:
         return None
-    root = zarr.open_group(local, mode="r")
-    indptr_all = root[x.arrays["indptr"].path]
+
+    def read(path: str, stop: int) -> np.ndarray:
+        spec = {"driver": "zarr3", "kvstore": _ts_kvstore(location, path)}
+        arr = ts.open(spec, read=True).result()
+        return np.asarray(arr[:stop].read().result())
+
     n = min(x.shape[0], 4096)
-    indptr = np.asarray(indptr_all[: n + 1], dtype=np.int64)
+    indptr = read(x.arrays["indptr"].path, n + 1).astype(np.int64)
     stop = int(min(indptr[-1], max_elems))
     rows = int(np.searchsorted(indptr, stop, side="right")) - 1
     indptr = indptr[: rows + 1]
     stop = int(indptr[-1])
-    data = np.asarray(root[x.arrays["data"].path][:stop])
-    indices = np.asarray(root[x.arrays["indices"].path][:stop])
+    data = read(x.arrays["data"].path, stop)
+    indices = read(x.arrays["indices"].path, stop)
     return data, indices, indptr - indptr[0], x.shape[1]
 
 
@@ -463,7 +468,7 @@ def calibrate(
         if evictor is not None:
             evictor.stop()
     # 4. codecs, on the store's own values when we can read them
-    sample = _store_sample(local)
+    sample = _store_sample(target)
     if sample is None:
         data, indices, indptr = _count_data(4096, n_vars=20000, nnz_per_row=1000, seed=seed)
         n_vars, data_source = 20000, "synthetic counts (4,096 rows × 20,000 genes, ~1,000 nnz/row)"

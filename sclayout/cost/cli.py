@@ -1,0 +1,455 @@
+"""CLI of the cost model: ``sclayout calibrate``, ``recommend`` and ``bench``.
+
+Thin: parse, call :mod:`sclayout.cost`, print. Library errors become one-line
+messages in :mod:`sclayout.cli`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from loader.errors import InputError
+
+__all__ = ["COMMANDS", "bench_command", "calibrate_command", "recommend_command"]
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _is_url(s: str) -> bool:
+    return s.startswith(("http://", "https://"))
+
+
+# ------------------------------------------------------------------------ calibrate
+
+
+@click.command("calibrate")
+@click.argument("target", type=str)
+@click.option(
+    "--out", "out", type=click.Path(path_type=Path), required=True, help="Profile JSON to write."
+)
+@click.option("--name", default=None, help="Profile name [the target].")
+@click.option("--quick", is_flag=True, help="A few seconds instead of about a minute (rougher).")
+@click.option("--no-evict", is_flag=True, help="Local target: keep the page cache (warm).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def calibrate_command(
+    target: str, out: Path, name: str | None, quick: bool, no_evict: bool, quiet: bool
+) -> None:
+    """Measure a storage profile of TARGET (a local directory, cold cache, or the
+    http(s) URL of a layout store): latency, bandwidth, throughput vs requests in
+    flight, codec decode speeds and assembly cost on this CPU."""
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+
+    t0 = time.perf_counter()
+    profile = calibrate(
+        target,
+        name=name,
+        plan=CalibrationPlan.quick() if quick else None,
+        evict=not no_evict,
+        progress=not quiet,
+    )
+    try:
+        profile.save(out)
+    except OSError as e:
+        raise InputError(
+            f"--out {out}: cannot write ({e.strerror}); choose a writable path"
+        ) from None
+    click.echo(_profile_summary(profile))
+    click.echo(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+
+
+def _profile_summary(p: Any) -> str:
+    curve = ", ".join(f"{n}: {r:,.0f}" for n, r in p.concurrency)
+    codecs = ", ".join(
+        f"{k} x{v.ratio:.2f} {v.decode_Bps / 1e6:,.0f} MB/s" for k, v in sorted(p.codecs.items())
+    )
+    return (
+        f"profile {p.name} ({p.kind})\n"
+        f"  latency {p.latency_s * 1e6:,.0f} µs, sequential {p.bandwidth_Bps / 1e6:,.0f} MB/s\n"
+        f"  requests/s of {p.request_bytes // 1024} KiB by reads in flight: {curve}\n"
+        f"  decode (ratio, per core): {codecs}\n"
+        f"  assembly {p.gather_s_per_nnz * 1e9:.1f} ns/nnz gather + "
+        f"{p.densify_s_per_value * 1e9:.2f} ns/value densify"
+    )
+
+
+# ------------------------------------------------------------------------ profiles
+
+
+def _resolve_profile(profile: str | None, location: str, *, quiet: bool) -> tuple[Any, str]:
+    """The profile to predict with, and a sentence saying where it came from."""
+    from sclayout.cost.profile import resolve_profile
+
+    if profile is not None:
+        p = resolve_profile(profile)
+        src = "file" if (profile.endswith(".json") or os.sep in profile) else "preset"
+        return p, f"profile: {p.name} ({src} {profile})"
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+
+    target = (
+        location
+        if _is_url(location) or os.path.isdir(location)
+        else (os.path.dirname(os.path.abspath(location)))
+    )
+    t0 = time.perf_counter()
+    p = calibrate(target, name=f"quick:{target}", plan=CalibrationPlan.quick(), progress=not quiet)
+    return p, (
+        f"profile: quick calibration of {target} ({time.perf_counter() - t0:.0f} s; pass "
+        "--profile FILE|PRESET for a full one, see `sclayout calibrate`)"
+    )
+
+
+# ------------------------------------------------------------------------ recommend
+
+_COLUMNS = (
+    ("#", "rank", 3),
+    ("block", "block_size", 5),
+    ("fetch", "fetch_factor", 5),
+    ("order", "order", 10),
+    ("codec", "codec", 10),
+    ("chunk nnz", "csr_chunk_nnz", 9),
+    ("wk", "workers", 2),
+    ("cells/s", "cells_per_s", 9),
+    ("divers.", "diversity", 7),
+    ("memory", "memory_bytes", 8),
+    ("on disk", "disk_bytes", 8),
+    ("bound", "bound", 8),
+)
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    def cell(key: str, v: Any) -> str:
+        if key == "cells_per_s":
+            return f"{v:,.0f}"
+        if key == "diversity":
+            return f"{v:.3f}"
+        if key in ("memory_bytes", "disk_bytes"):
+            return _fmt_bytes(v)
+        if v is None:
+            return "auto"
+        return str(v)
+
+    lines = ["  ".join(h.rjust(w) for h, _, w in _COLUMNS)]
+    for r in rows:
+        lines.append("  ".join(cell(k, r[k]).rjust(w) for _, k, w in _COLUMNS))
+    return "\n".join(lines)
+
+
+def _rows(result: Any, top: int) -> list[dict[str, Any]]:
+    out = []
+    for i, c in enumerate(result.ranked[:top], 1):
+        r = c.row()
+        r["rank"] = i
+        out.append(r)
+    return out
+
+
+def _plot(result: Any, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sclayout.cost.search import pareto_front
+
+    cands = result.candidates
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
+    ax.scatter(
+        [c.diversity for c in cands],
+        [c.cells_per_s for c in cands],
+        s=6,
+        c="0.75",
+        label=f"{len(cands)} configurations",
+    )
+    fits = [c for c in cands if c.prediction.peak_memory <= result.memory_budget]
+    front = pareto_front(fits)
+    ax.plot(
+        [c.diversity for c in front],
+        [c.cells_per_s for c in front],
+        "-o",
+        ms=3,
+        color="tab:blue",
+        label="front (within memory budget)",
+    )
+    ax.axvline(
+        result.min_diversity,
+        color="tab:red",
+        ls="--",
+        lw=1,
+        label=f"min diversity {result.min_diversity}",
+    )
+    pk = result.pick
+    ax.scatter(
+        [pk.diversity],
+        [pk.cells_per_s],
+        s=120,
+        marker="*",
+        color="tab:orange",
+        zorder=5,
+        label="pick",
+    )
+    ax.set_xlabel("predicted diversity (1.0 = true random)")
+    ax.set_ylabel("predicted cells/s")
+    ax.set_yscale("log")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+@click.command("recommend")
+@click.argument("source", type=str)
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--label", default=None, help="obs column whose diversity must stay high.")
+@click.option(
+    "--min-diversity",
+    type=float,
+    default=0.95,
+    show_default=True,
+    help="Diversity target in (0, 1] (1.0 = true random).",
+)
+@click.option(
+    "--memory-budget", default="4GB", show_default=True, help="Loader memory budget (all workers)."
+)
+@click.option(
+    "--profile",
+    default=None,
+    help="Profile JSON or preset name [quick calibration of the data's location].",
+)
+@click.option("--top", type=int, default=10, show_default=True, help="Rows of the table.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@click.option(
+    "--plot",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="PNG of the throughput-diversity front with the pick.",
+)
+@click.option(
+    "--spec-out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Write the pick as a layout spec (for `convert --spec`, BlockDataset(spec=)).",
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+def recommend_command(
+    source: str,
+    batch_size: int,
+    label: str | None,
+    min_diversity: float,
+    memory_budget: str,
+    profile: str | None,
+    top: int,
+    as_json: bool,
+    plot: Path | None,
+    spec_out: Path | None,
+    seed: int,
+    quiet: bool,
+) -> None:
+    """Recommend a layout (block size, fetch factor, chunk size, codec, row order) and
+    loader settings for SOURCE (.h5ad, AnnData zarr or layout store): the fastest
+    predicted configuration whose minibatches stay diverse enough."""
+    from dataclasses import replace
+
+    from sclayout.convert.plan import parse_memory_budget
+    from sclayout.cost.search import _check_targets, search, search_loader
+    from sclayout.cost.stats import read_dataset_stats
+
+    budget = parse_memory_budget(memory_budget)
+    _check_targets(min_diversity, budget)
+    if batch_size < 1:
+        raise InputError(f"--batch-size={batch_size}: must be a positive integer")
+    prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
+    stats = read_dataset_stats(source, label=label)
+    kw = dict(
+        profile=prof,
+        batch_size=batch_size,
+        min_diversity=min_diversity,
+        memory_budget=budget,
+        seed=seed,
+    )
+    out: dict[str, Any] = {"source": source, "profile": prof.name, "profile_note": prof_note}
+    if stats.manifest is not None:
+        result = search_loader(stats, **kw)
+        reconvert = search(stats, **kw)
+        gain = reconvert.pick.cells_per_s / result.pick.cells_per_s
+        verdict = (
+            f"re-converting would pay: {gain:.2f}x faster predicted "
+            f"({reconvert.pick.cells_per_s:,.0f} vs {result.pick.cells_per_s:,.0f} cells/s) with "
+            f"block {reconvert.pick.spec.store.block_size}, order "
+            f"{reconvert.pick.spec.store.order.kind}, codec {reconvert.pick.spec.store.codec}"
+            if gain >= 1.10
+            else f"re-converting would not pay ({gain:.2f}x, below the model's ~10 % error)"
+        )
+        out["reconvert"] = {"gain": gain, "pick": reconvert.pick.row(), "verdict": verdict}
+        what = "loader settings for this layout store"
+    else:
+        result = search(stats, **kw)
+        what = "layouts"
+    pick = result.pick
+    spec = replace(
+        pick.spec,
+        predicted={
+            "cells_per_s": round(pick.cells_per_s, 1),
+            "diversity": round(pick.diversity, 4),
+            "diversity_label": label,
+            "peak_memory_bytes": pick.prediction.peak_memory,
+            "disk_bytes": int(pick.disk_bytes),
+            "profile": prof.name,
+        },
+    )
+    out.update(
+        {
+            "pick": pick.row(),
+            "reason": result.reason,
+            "spec": spec.to_dict(),
+            "ranked": _rows(result, top),
+            "n_candidates": len(result.candidates),
+        }
+    )
+    if spec_out is not None:
+        try:
+            spec.save(spec_out)
+        except OSError as e:
+            raise InputError(f"--spec-out {spec_out}: cannot write ({e.strerror})") from None
+    if plot is not None:
+        _plot(result, plot, f"{Path(source).name}: batch {batch_size}, label {label}, {prof.name}")
+    if as_json:
+        click.echo(json.dumps(out, indent=1, default=str))
+        return
+    click.echo(prof_note)
+    click.echo(
+        f"{stats.n_obs:,} cells x {stats.n_vars:,} genes, {stats.nnz / stats.n_obs:,.0f} "
+        f"nnz/cell; {len(result.candidates)} {what} evaluated"
+    )
+    click.echo(_table(out["ranked"]))
+    click.echo(f"pick: #1 — {result.reason}")
+    if "reconvert" in out:
+        click.echo(out["reconvert"]["verdict"])
+    if spec_out is not None:
+        click.echo(f"wrote {spec_out} (use: sclayout convert SRC DST --spec {spec_out})")
+    if plot is not None:
+        click.echo(f"wrote {plot}")
+
+
+# ------------------------------------------------------------------------ bench
+
+
+@click.command("bench")
+@click.argument("source", type=str)
+@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--fetch-factor", type=int, default=16, show_default=True)
+@click.option("--block-size", type=int, default=None, help="[the store's]")
+@click.option("--workers", type=int, default=0, show_default=True)
+@click.option("--runs", type=int, default=3, show_default=True)
+@click.option("--seconds", type=float, default=8.0, show_default=True, help="Per run.")
+@click.option("--label", default=None, help="obs column for the diversity figure.")
+@click.option("--profile", default=None, help="Profile JSON or preset for the prediction.")
+@click.option("--warm", is_flag=True, help="Do not evict the page cache.")
+@click.option("--json", "as_json", is_flag=True)
+def bench_command(
+    source: str,
+    batch_size: int,
+    fetch_factor: int,
+    block_size: int | None,
+    workers: int,
+    runs: int,
+    seconds: float,
+    label: str | None,
+    profile: str | None,
+    warm: bool,
+    as_json: bool,
+) -> None:
+    """Measure real cells/s (cold cache for local data) and diversity of loader
+    settings on SOURCE, beside the cost model's prediction."""
+    from loader.spec import LoaderSettings
+    from loader.store import open_layout
+    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.diversity import simulate_diversity
+    from sclayout.cost.model import predict
+
+    if runs < 1:
+        raise InputError(f"--runs={runs}: must be >= 1")
+    reader = open_layout(source, block_size=block_size)
+    prof, note = _resolve_profile(profile, source, quiet=as_json)
+    settings = LoaderSettings(
+        batch_size=batch_size,
+        fetch_factor=fetch_factor,
+        num_workers=workers,
+        backend=reader.backend,
+    )
+    pred = predict(reader.manifest, reader.block_pointer, settings=settings, profile=prof)
+    pred_div = None
+    if label:
+        if label not in reader.obs_columns():
+            raise InputError(
+                f"--label {label!r}: no such obs column; available: "
+                f"{', '.join(reader.obs_columns())}"
+            )
+        pred_div = simulate_diversity(
+            reader.obs_codes(label)[0],
+            batch_size=batch_size,
+            fetch_factor=fetch_factor,
+            block_size=reader.block_size,
+        )
+    ms = [
+        measure_loader(
+            source,
+            batch_size=batch_size,
+            fetch_factor=fetch_factor,
+            block_size=block_size,
+            workers=workers,
+            label=label,
+            seconds=seconds,
+            cold=not warm,
+            seed=i,
+        )
+        for i in range(runs)
+    ]
+    cps = statistics.median(m.cells_per_s for m in ms)
+    divs = [m.diversity for m in ms if m.diversity is not None]
+    out = {
+        "source": source,
+        "settings": settings.to_dict(),
+        "block_size": reader.block_size,
+        "measured_cells_per_s": cps,
+        "runs": [m.to_dict() for m in ms],
+        "measured_diversity": statistics.median(divs) if divs else None,
+        "predicted": pred.to_dict(),
+        "predicted_diversity": pred_div,
+        "profile": prof.name,
+        "relative_error": pred.cells_per_s / cps - 1 if cps else None,
+    }
+    if as_json:
+        click.echo(json.dumps(out, indent=1, default=str))
+        return
+    click.echo(note)
+    regime = "warm" if warm or _is_url(source) else "cold, evicted every 0.5 s"
+    click.echo(
+        f"{source}: batch {batch_size}, fetch factor {fetch_factor}, block "
+        f"{reader.block_size}, workers {workers} ({regime}, median of {runs})"
+    )
+    click.echo(
+        f"  cells/s   measured {cps:10,.0f}   predicted {pred.cells_per_s:10,.0f}   "
+        f"({out['relative_error']:+.0%}, {pred.bound}-bound)"
+    )
+    if divs:
+        click.echo(
+            f"  diversity measured {out['measured_diversity']:10.3f}   predicted "
+            f"{pred_div:10.3f}   ({label})"
+        )
+
+
+COMMANDS = [calibrate_command, recommend_command, bench_command]
