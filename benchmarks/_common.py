@@ -66,6 +66,7 @@ def environment() -> dict[str, Any]:
         "git": rev,
         "cpus": os.cpu_count(),
         "memory_gib": round(mem / 2**30, 1),
+        "load_avg_1min": round(os.getloadavg()[0], 1),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "versions": versions,

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import tempfile
@@ -121,6 +122,7 @@ def _one_run(
         run = run_child(cmd)
         passes = 0
     run.check()
+    load = os.getloadavg()[0]  # the machine is shared: record how busy it was
     src_bytes = src.stat().st_size
     out_bytes, files = tree_bytes(dst)
     manifest = json.loads((dst / "zarr.json").read_text())["attributes"]["sclayout"]
@@ -129,11 +131,14 @@ def _one_run(
         "seconds": run.seconds,
         "source_bytes": src_bytes,
         "source_mb_s": src_bytes / 1e6 / run.seconds,
+        "cpu_seconds": run.cpu_seconds,
+        "source_mb_per_cpu_s": src_bytes / 1e6 / run.cpu_seconds,
         "peak_rss": run.peak_rss,
         "peak_tree_rss": run.peak_tree_rss,
         "output_bytes": out_bytes,
         "files": files,
         "evictions_during_run": passes,
+        "load_avg_1min": load,
         "cold_check_mb_s": check.cold_mb_s,
         "warm_check_mb_s": check.warm_mb_s,
         "eviction_ok": check.ok,

@@ -314,6 +314,9 @@ class ChildRun:
     peak_rss: int
     """Peak resident set size in bytes (``wait4`` ``ru_maxrss``: the largest of the
     command and its waited-for descendants, not their sum)."""
+    cpu_seconds: float
+    """User + system CPU time of the command (and its waited-for descendants). On a
+    shared machine wall time depends on the load; CPU time much less."""
     peak_tree_rss: int | None
     """Peak of the *summed* RSS of the child and all its descendants, sampled every
     50 ms with psutil (``None`` without psutil); catches multi-process schedulers."""
@@ -337,7 +340,8 @@ pid = os.posix_spawnp(cmd[0], cmd, os.environ)
 _, status, usage = os.wait4(pid, 0)
 seconds = time.perf_counter() - t0
 with open(out, "w") as f:
-    f.write(f"{os.waitstatus_to_exitcode(status)} {seconds!r} {usage.ru_maxrss}")
+    cpu = usage.ru_utime + usage.ru_stime
+    f.write(f"{os.waitstatus_to_exitcode(status)} {seconds!r} {usage.ru_maxrss} {cpu!r}")
 """
 """A small process between us and the command. Linux carries a process's peak RSS
 across ``fork``/``exec``, so a command forked from a large benchmark process would
@@ -410,15 +414,18 @@ def run_child(
                 sampler.join()
         stdout, stderr = out_path.read_text(), err_path.read_text()
         if result.exists():
-            code, seconds, maxrss = result.read_text().split()
+            code, seconds, maxrss, cpu = result.read_text().split()
             returncode, secs, peak = int(code), float(seconds), _maxrss_bytes(int(maxrss))
+            cpu_seconds = float(cpu)
         else:  # the launcher itself failed or was killed
             returncode, secs, peak = proc.returncode or -9, float("nan"), 0
+            cpu_seconds = float("nan")
     return ChildRun(
         cmd=cmd,
         returncode=returncode,
         seconds=secs,
         peak_rss=peak,
+        cpu_seconds=cpu_seconds,
         peak_tree_rss=tree[0] if tree else None,
         stdout=stdout,
         stderr=stderr,

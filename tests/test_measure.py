@@ -165,6 +165,7 @@ def test_run_child_measures_its_own_peak_rss():
     assert r_big.peak_rss > 320e6
     assert r_small.peak_rss < r_big.peak_rss - 200e6
     assert r_big.seconds > 0
+    assert 0 < r_big.cpu_seconds
     assert peak_rss_of_child(small) < 200e6
 
 
