@@ -72,3 +72,15 @@ def assert_one_line_error(result, *parts: str) -> None:
 def labels_sorted(n: int, k: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return np.sort(rng.integers(0, k, n))
+
+
+def shared_store(tmp_path_factory) -> tuple[Path, Path]:
+    """One source .h5ad and one layout store (block 8, shuffled) per test session,
+    under the session's base temp directory (built by whichever test asks first)."""
+    root = tmp_path_factory.getbasetemp() / "cost_shared"
+    src, dst = root / "src.h5ad", root / "store.zarr"
+    if not dst.exists():
+        root.mkdir(exist_ok=True)
+        make_source(src)
+        make_store(src, dst, block_size=8, order="shuffled", seed=3)
+    return src, dst

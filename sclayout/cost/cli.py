@@ -242,6 +242,13 @@ def _plot(result: Any, path: Path, title: str) -> None:
     default=None,
     help="Write the pick as a layout spec (for `convert --spec`, BlockDataset(spec=)).",
 )
+@click.option("--block-sizes", default=None, help="Block sizes to search, e.g. 16,32,64.")
+@click.option("--fetch-factors", default=None, help="Fetch factors to search, e.g. 4,16,64.")
+@click.option("--orders", default=None, help="Row orders to search [original,shuffled,stratified].")
+@click.option(
+    "--codecs", default=None, help="Codecs to search [blosc-lz4,blosc-zstd,zstd,gzip,none]."
+)
+@click.option("--workers", default=None, help="DataLoader worker counts to search [0,2].")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 def recommend_command(
@@ -255,6 +262,11 @@ def recommend_command(
     as_json: bool,
     plot: Path | None,
     spec_out: Path | None,
+    block_sizes: str | None,
+    fetch_factors: str | None,
+    orders: str | None,
+    codecs: str | None,
+    workers: str | None,
     seed: int,
     quiet: bool,
 ) -> None:
@@ -267,6 +279,7 @@ def recommend_command(
     from sclayout.cost.search import _check_targets, search, search_loader
     from sclayout.cost.stats import read_dataset_stats
 
+    space = _space(block_sizes, fetch_factors, orders, codecs, workers)
     budget = parse_memory_budget(memory_budget)
     _check_targets(min_diversity, budget)
     if batch_size < 1:
@@ -282,8 +295,10 @@ def recommend_command(
     )
     out: dict[str, Any] = {"source": source, "profile": prof.name, "profile_note": prof_note}
     if stats.manifest is not None:
-        result = search_loader(stats, **kw)
-        reconvert = search(stats, **kw)
+        result = search_loader(
+            stats, fetch_factors=space.fetch_factors, workers=space.workers, **kw
+        )
+        reconvert = search(stats, space=space, **kw)
         gain = reconvert.pick.cells_per_s / result.pick.cells_per_s
         verdict = (
             f"re-converting would pay: {gain:.2f}x faster predicted "
@@ -296,7 +311,7 @@ def recommend_command(
         out["reconvert"] = {"gain": gain, "pick": reconvert.pick.row(), "verdict": verdict}
         what = "loader settings for this layout store"
     else:
-        result = search(stats, **kw)
+        result = search(stats, space=space, **kw)
         what = "layouts"
     pick = result.pick
     spec = replace(
@@ -342,6 +357,53 @@ def recommend_command(
         click.echo(f"wrote {spec_out} (use: sclayout convert SRC DST --spec {spec_out})")
     if plot is not None:
         click.echo(f"wrote {plot}")
+
+
+def _space(
+    block_sizes: str | None,
+    fetch_factors: str | None,
+    orders: str | None,
+    codecs: str | None,
+    workers: str | None,
+) -> Any:
+    from loader.layout import ORDER_KINDS
+    from sclayout.convert.codecs import CODECS
+    from sclayout.cost.search import SearchSpace
+
+    def ints(value: str | None, name: str, minimum: int) -> tuple[int, ...] | None:
+        if value is None:
+            return None
+        try:
+            out = tuple(int(v) for v in value.split(","))
+        except ValueError:
+            out = ()
+        if not out or min(out) < minimum:
+            raise InputError(
+                f"--{name}={value!r}: must be a comma-separated list of integers >= {minimum}"
+            )
+        return out
+
+    def names(value: str | None, name: str, known: Any) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        out = tuple(v.strip() for v in value.split(",") if v.strip())
+        bad = [v for v in out if v not in known]
+        if bad or not out:
+            raise InputError(
+                f"--{name}={value!r}: unknown {bad[0] if bad else 'value'}; known: "
+                f"{', '.join(sorted(known))}"
+            )
+        return out
+
+    d = SearchSpace()
+    return SearchSpace(
+        block_sizes=ints(block_sizes, "block-sizes", 1) or d.block_sizes,
+        fetch_factors=ints(fetch_factors, "fetch-factors", 1) or d.fetch_factors,
+        orders=names(orders, "orders", ORDER_KINDS) or d.orders,
+        codecs=names(codecs, "codecs", CODECS) or d.codecs,
+        chunk_blocks=d.chunk_blocks,
+        workers=ints(workers, "workers", 0) or d.workers,
+    )
 
 
 # ------------------------------------------------------------------------ bench

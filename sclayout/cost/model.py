@@ -66,6 +66,9 @@ CACHE_BYTES = 64 * 2**20
 """tensorstore chunk cache per process (``loader.backends.TensorstoreSettings``)."""
 PREFETCH_BATCHES = 2
 """torch DataLoader's default ``prefetch_factor``: minibatches queued per worker."""
+CONVERT_BUDGET = 2 * 10**9
+"""``sclayout convert``'s default ``--memory-budget`` (2GB), which sizes its shards: a
+virtual layout assumes the store is converted with it."""
 SAMPLE_FETCHES = 16
 """Fetches planned per prediction: the figures vary by a few % between fetches
 (block nnz varies), 16 keeps the mean's error ~1 % and a prediction ~10 ms."""
@@ -183,8 +186,8 @@ def virtual_layout(
     data_dtype
         dtype of CSR ``data``.
     shard_bytes
-        Target shard size when ``spec.shard_chunks`` is not set (the converter's
-        default for a 4 GB budget otherwise).
+        Target shard size when ``spec.shard_chunks`` is not set (default: the
+        converter's for its default memory budget, :data:`CONVERT_BUDGET`).
 
     Uses the converter's chunk/shard planner (:func:`sclayout.convert.plan.plan_csr`),
     so the virtual layout is the one ``convert`` would write.
@@ -205,7 +208,7 @@ def virtual_layout(
         nnz=nnz,
         block_size=b,
         itemsize=item,
-        shard_bytes=shard_bytes or min(SHARD_BYTES_MAX, shard_bytes_for_budget(4 * 10**9)),
+        shard_bytes=shard_bytes or min(SHARD_BYTES_MAX, shard_bytes_for_budget(CONVERT_BUDGET)),
         csr_chunk_nnz=spec.csr_chunk_nnz,
         shard_chunks=spec.shard_chunks,
     )

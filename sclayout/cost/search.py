@@ -10,6 +10,7 @@ reused across codecs and workers.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -381,7 +382,7 @@ def _rank(
         smallest = min(c.prediction.peak_memory for c in candidates)
         raise InputError(
             f"--memory-budget={_fmt_bytes(memory_budget)}: too small for any {what}; the "
-            f"smallest feasible budget is {_fmt_bytes(smallest)} (raise --memory-budget)"
+            f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
     if not ok:

@@ -1,0 +1,172 @@
+"""``sclayout calibrate``, ``recommend`` and ``bench`` end to end on a small store."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loader.spec import LayoutSpec
+from loader.store import open_layout
+from sclayout.cost.profile import load_profile
+from tests._cost_util import assert_one_line_error, run_cli, shared_store
+
+SMALL_SPACE = (
+    "--block-sizes", "4,8,16", "--fetch-factors", "2,4,8", "--codecs", "blosc-lz4,zstd",
+    "--workers", "0", "--batch-size", "16",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    return shared_store(tmp_path_factory)
+
+
+def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path):
+    src, _ = data
+    spec_path, plot = tmp_path / "spec.json", tmp_path / "front.png"
+    r = run_cli(
+        "recommend", src, "--label", "plate", "--profile", "local-disk-here",
+        "--min-diversity", "0.9", "--spec-out", spec_path, "--plot", plot, "--json",
+        *SMALL_SPACE,
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output + r.stderr
+    out = json.loads(r.stdout)
+    spec = LayoutSpec.load(spec_path)
+    assert spec.to_dict()["store"] == out["spec"]["store"]
+    assert out["pick"]["diversity"] >= 0.9
+    assert spec.predicted["cells_per_s"] == out["pick"]["cells_per_s"]
+    ranked = out["ranked"]
+    assert ranked[0] == {**out["pick"], "rank": 1}
+    assert plot.stat().st_size < 300_000 and plot.read_bytes()[:4] == b"\x89PNG"
+
+    from loader.dataset import BlockDataset
+    from sclayout.convert.convert import convert
+
+    manifest = convert(src, tmp_path / "picked.zarr", spec=spec_path)
+    assert manifest.block_size == spec.store.block_size
+    assert manifest.order.kind == spec.store.order.kind
+    assert manifest.X.arrays["data"].codec == spec.store.codec
+    ds = BlockDataset(tmp_path / "picked.zarr", spec=spec_path)
+    assert (ds.batch_size, ds.fetch_factor) == (spec.loader.batch_size, spec.loader.fetch_factor)
+
+
+def test_recommend_prints_a_ranked_table_and_the_reason(data):
+    src, _ = data
+    r = run_cli("recommend", src, "--label", "plate", "--profile", "local-nvme", *SMALL_SPACE)
+    assert r.exit_code == 0, r.stderr
+    assert "profile: local-nvme (preset local-nvme)" in r.stdout
+    assert "cells/s" in r.stdout and "divers." in r.stdout
+    assert "pick: #1 — fastest predicted" in r.stdout
+
+
+def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting(data):
+    _, store = data
+    r = run_cli(
+        "recommend",
+        store,
+        "--label",
+        "plate",
+        "--profile",
+        "local-disk-here",
+        "--json",
+        *SMALL_SPACE,
+    )
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["pick"]["block_size"] % open_layout(store).manifest.block_size == 0
+    assert "re-converting would" in out["reconvert"]["verdict"]
+    assert out["reconvert"]["gain"] > 0
+
+
+@pytest.mark.parametrize(
+    ("args", "parts"),
+    [
+        (("--min-diversity", "0"), ("--min-diversity=0.0: must be in (0, 1]",)),
+        (("--min-diversity", "1.5"), ("--min-diversity=1.5: must be in (0, 1]",)),
+        (
+            ("--memory-budget", "1KB"),
+            ("--memory-budget=1 KB: too small", "smallest feasible budget is"),
+        ),
+        (
+            ("--profile", "floppy"),
+            ("profile preset 'floppy': unknown; known presets:", "local-nvme"),
+        ),
+        (("--label", "nope"), ("--label 'nope': no such obs column", "plate")),
+        (("--block-sizes", "0,8"), ("--block-sizes='0,8'",)),
+    ],
+    ids=["div-0", "div-1.5", "budget", "preset", "label", "block-sizes"],
+)
+def test_recommend_bad_input(data, args, parts):
+    src, _ = data
+    r = run_cli(
+        "recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate", *args
+    )
+    assert_one_line_error(r, *parts)
+
+
+def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data):
+    import re
+
+    src, _ = data
+    args = (
+        "recommend",
+        src,
+        "--profile",
+        "local-disk-here",
+        *SMALL_SPACE,
+        "--min-diversity",
+        "0.5",
+    )
+    err = run_cli(*args, "--memory-budget", "1KB").stderr
+    budget = re.search(r"smallest feasible budget is (\d+MB)", err).group(1)
+    assert run_cli(*args, "--memory-budget", budget).exit_code == 0
+
+
+def test_unreadable_profile_file(data, tmp_path):
+    src, _ = data
+    (tmp_path / "bad.json").write_text("{oops")
+    r = run_cli("recommend", src, "--profile", tmp_path / "bad.json", *SMALL_SPACE)
+    assert_one_line_error(r, "is not valid JSON")
+
+
+def test_bench_prints_measured_beside_predicted(data):
+    _, store = data
+    r = run_cli(
+        "bench",
+        store,
+        "--batch-size",
+        "16",
+        "--fetch-factor",
+        "4",
+        "--runs",
+        "1",
+        "--seconds",
+        "0.5",
+        "--label",
+        "plate",
+        "--profile",
+        "local-disk-here",
+        "--json",
+    )
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["measured_cells_per_s"] > 0 and out["predicted"]["cells_per_s"] > 0
+    # a shuffled store: both the measurement and the prediction are random-like
+    assert out["measured_diversity"] == pytest.approx(1.0, abs=0.1)
+    assert out["predicted_diversity"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_calibrate_writes_a_profile(data, tmp_path):
+    _, store = data
+    r = run_cli("calibrate", store, "--out", tmp_path / "p.json", "--quick", "--quiet")
+    assert r.exit_code == 0, r.stderr
+    p = load_profile(tmp_path / "p.json")
+    assert p.kind == "local" and [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
+    assert set(p.codecs) == {"blosc-lz4", "blosc-zstd", "zstd", "gzip", "none"}
+    assert "wrote" in r.stdout
+
+
+def test_calibrate_bad_target(tmp_path):
+    r = run_cli("calibrate", tmp_path / "nothing", "--out", tmp_path / "p.json")
+    assert_one_line_error(r, "not a directory or http(s) URL")

@@ -1,0 +1,153 @@
+"""The throughput model: hand-computed arithmetic, and the same plans as the loader."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from loader.spec import LoaderSettings, StoreSpec
+from loader.store import open_layout
+from sclayout.cost.model import (
+    CACHE_BYTES,
+    FetchStats,
+    ModelOptions,
+    predict,
+    predict_from_stats,
+    sample_fetch_stats,
+    virtual_layout,
+)
+from tests._cost_util import flat_profile, shared_store
+
+STATS = FetchStats(
+    rows=1000,
+    nnz=1e6,
+    requests=10,
+    chunks=10,
+    reads=10,
+    bytes_needed=8e6,
+    bytes_read=8e6,
+    max_bytes_read=8e6,
+    max_rows=1000,
+    max_nnz=1e6,
+)
+
+
+def _predict(workers: int = 0, read_ahead: int = 1, output: str = "dense"):
+    return predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10, num_workers=workers),
+        profile=flat_profile(),
+        options=ModelOptions(read_ahead=read_ahead, output=output),
+    )
+
+
+def test_one_pipeline_by_hand():
+    # io: 10 requests x 1 ms + (8 MB / ratio 2) / 100 MB/s = 10 ms + 40 ms
+    # decode: 8 MB / 1 GB/s = 8 ms on 2 threads -> 4 ms wall, in front of the assembly
+    # assembly: 1e6 nnz x 10 ns + 1000 x 1000 values x 1 ns = 11 ms; overhead 1 ms
+    p = _predict()
+    assert p.t_io == pytest.approx(0.050)
+    assert p.t_decode == pytest.approx(0.008)
+    assert p.t_assembly == pytest.approx(0.011)
+    assert p.fetch_s == pytest.approx(0.054)  # max(50 + 4, 11 + 1) ms with read-ahead
+    assert p.cells_per_s == pytest.approx(1000 / 0.054)
+    assert p.bound == "io"
+    assert p.overread == pytest.approx(0.0)
+    # memory: 2 fetches x (8 MB decoded + 4 MB compressed + 4 MB dense rows) + cache
+    assert p.peak_memory == 2 * 16_000_000 + CACHE_BYTES
+
+
+def test_no_read_ahead_adds_the_stages():
+    assert _predict(read_ahead=0).fetch_s == pytest.approx(0.054 + 0.012)
+
+
+def test_workers_share_the_storage_and_the_cores():
+    # 2 pipelines of max(54, 11 + 1 + 8 ms copy) each -> 27 ms per fetch, but the
+    # storage serves 10 requests + 4 MB per fetch whatever the parallelism (flat
+    # curve): 50 ms per fetch bounds it
+    p = _predict(workers=2)
+    assert p.fetch_s == pytest.approx(0.050)
+    assert p.bound == "storage"
+    # memory: 2 workers x (2 fetches + cache) + 2 x 2 queued dense minibatches of 100 rows
+    assert p.peak_memory == 2 * (2 * 16_000_000 + CACHE_BYTES) + 2 * 2 * 100 * 1000 * 4
+
+
+def test_cpu_bound_when_storage_is_free():
+    fast = flat_profile(
+        latency_s=1e-6, bandwidth_Bps=1e12, concurrency=((1, 1e9),), gather_s_per_nnz=1e-7
+    )
+    p = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=fast,
+    )
+    # assembly 1e6 x 100 ns + 1 ms densify + 1 ms overhead = 102 ms dominates
+    assert p.bound == "assembly"
+    assert p.fetch_s == pytest.approx(0.102, rel=1e-3)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    return shared_store(tmp_path_factory)
+
+
+def test_virtual_layout_is_the_layout_convert_writes(store):
+    import anndata as ad
+
+    src, dst = store
+    reader = open_layout(dst)
+    row_nnz = np.diff(ad.read_h5ad(src).X.indptr)
+    spec = StoreSpec(block_size=8, order=reader.manifest.order)
+    manifest, bp = virtual_layout(
+        row_nnz, n_vars=reader.n_vars, spec=spec, perm=reader.source_index()
+    )
+    assert np.array_equal(bp, reader.block_pointer)
+    for name in ("data", "indices", "indptr"):
+        real, virt = reader.manifest.X.arrays[name], manifest.X.arrays[name]
+        assert (virt.shape, virt.chunks, virt.shards) == (real.shape, real.chunks, real.shards)
+
+
+def test_prediction_uses_the_loaders_plans(store):
+    _, dst = store
+    reader = open_layout(dst)
+    settings = LoaderSettings(batch_size=16, fetch_factor=4)
+    opts = ModelOptions(sample_fetches=4, seed=1, requests="reads")
+    stats = sample_fetch_stats(
+        reader.manifest, reader.block_pointer, settings=settings, options=opts
+    )
+    # the same fetches through the reader's own planner
+    from sclayout.cost.diversity import blocks_per_fetch, fetch_blocks
+
+    k = blocks_per_fetch(16, 4, 8)
+    fetches = fetch_blocks(
+        reader.n_blocks, k, 4, np.random.default_rng(np.random.SeedSequence([1, 7]))
+    )
+    plans = [reader.plan(f) for f in fetches]
+    assert stats.rows == pytest.approx(np.mean([p["n_rows"] for p in plans]))
+    n_ptr = [sum(r.array == "indptr" for r in p["reads"]) for p in plans]
+    assert stats.reads == pytest.approx(np.mean([p["n_requests"] for p in plans]) + np.mean(n_ptr))
+    p = predict(
+        reader.manifest,
+        reader.block_pointer,
+        settings=settings,
+        profile=flat_profile(),
+        options=opts,
+    )
+    assert p.rows_per_fetch == stats.rows and p.cells_per_s > 0
+
+
+def test_larger_blocks_need_fewer_requests_per_row(store):
+    src, _ = store
+    import anndata as ad
+
+    row_nnz = np.diff(ad.read_h5ad(src).X.indptr)
+    per_row = []
+    for b in (2, 8, 32):
+        m, bp = virtual_layout(row_nnz, n_vars=300, spec=StoreSpec(block_size=b))
+        s = sample_fetch_stats(m, bp, settings=LoaderSettings(batch_size=32, fetch_factor=4))
+        per_row.append(s.chunks / s.rows)
+    assert per_row[0] > per_row[1] > per_row[2]
