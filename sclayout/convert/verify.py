@@ -44,6 +44,9 @@ from sclayout.convert.checks import explain_read_errors, inspect_source
 
 __all__ = ["VerifyReport", "codec_name", "parse_bytes", "verify"]
 
+MAX_PASSES = 2
+"""Above this many passes over SRC, verify gathers SRC rows for each DST window
+instead (one read of DST; SRC rows read in sorted runs)."""
 MAX_DIFFERENCES = 100
 """Difference lines kept in a report; the rest are only counted."""
 
@@ -155,6 +158,8 @@ class _Rows:
         import anndata.io
 
         self.encoding = _encoding(node)
+        self._node = node
+        self._indptr: np.ndarray | None = None
         if self.encoding in ("csr_matrix", "csc_matrix"):
             self._ds = anndata.io.sparse_dataset(node)
             self.shape = tuple(int(s) for s in self._ds.shape)
@@ -177,6 +182,44 @@ class _Rows:
         if self.sparse:
             return sp.csr_matrix(self._ds[a:b])
         return np.asarray(self._ds[a:b])
+
+    def gather(self, rows: np.ndarray) -> Any:
+        """Rows ``rows`` (sorted, unique) of a CSR or dense matrix; each run of
+        consecutive rows is one contiguous read."""
+        runs = np.flatnonzero(np.diff(rows) != 1) + 1
+        starts = rows[np.r_[0, runs]] if len(rows) else rows
+        stops = rows[np.r_[runs - 1, len(rows) - 1]] + 1 if len(rows) else rows
+        if not self.sparse:
+            return (
+                np.concatenate(
+                    [
+                        np.asarray(self._node[int(a) : int(b)])
+                        for a, b in zip(starts, stops, strict=True)
+                    ]
+                )
+                if len(rows)
+                else np.asarray(self._node[0:0])
+            )
+        if self._indptr is None:
+            self._indptr = np.asarray(self._node["indptr"][...], dtype=np.int64)
+        ptr = self._indptr
+        data, indices = self._node["data"], self._node["indices"]
+        d_parts, i_parts = [], []
+        for a, b in zip(starts, stops, strict=True):
+            lo, hi = int(ptr[a]), int(ptr[b])
+            d_parts.append(np.asarray(data[lo:hi]))
+            i_parts.append(np.asarray(indices[lo:hi]))
+        counts = ptr[rows + 1] - ptr[rows]
+        out_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=out_ptr[1:])
+        return sp.csr_matrix(
+            (
+                np.concatenate(d_parts) if d_parts else np.empty(0, self.dtype),
+                np.concatenate(i_parts) if i_parts else np.empty(0, np.int32),
+                out_ptr,
+            ),
+            shape=(len(rows), self.shape[1]),
+        )
 
 
 def _window(rows: _Rows, budget: int) -> int:
@@ -245,36 +288,68 @@ def _compare_rowwise(
     if dtype_label(d_rows.dtype) != dtype_label(s_rows.dtype):
         out.add([f"{name}: dtype {d_rows.dtype} in DST, {s_rows.dtype} in SRC"])
     n = d_rows.shape[0]
-    pass_rows = _window(s_rows, budget)
-    win_rows = _window(d_rows, budget)
+    n_passes = -(-n // _window(s_rows, budget)) if n else 0
+    gather = n_passes > MAX_PASSES and s_rows.encoding != "csc_matrix"
+    parts = (
+        _gathering(d_rows, s_rows, si=si, budget=budget, src=src, name=name)
+        if gather
+        else _source_passes(d_rows, s_rows, si=si, inv=inv, budget=budget, src=src, name=name)
+    )
     bad_found: list[str] = []
     n_bad = 0
     with _progress(n, f"verify {name}", progress) as bar:
-        for lo in range(0, n, pass_rows):
-            hi = min(lo + pass_rows, n)
-            with explain_read_errors(src, what=name):
-                s_part = s_rows.read(lo, hi)
-            targets = np.sort(inv[lo:hi])
-            for a, b in _windows(targets, win_rows, n):
-                d_win = d_rows.read(a, b)
-                lo_t, hi_t = np.searchsorted(targets, [a, b])
-                rows = targets[lo_t:hi_t]
-                d_sel = d_win[rows - a]
-                s_sel = s_part[si[rows] - lo]
-                d_sel, s_sel = _as_same_kind(d_sel, s_sel)
-                out.n_values += int(d_sel.nnz if sp.issparse(d_sel) else d_sel.size)
-                bad = _row_mismatch(d_sel, s_sel)
-                n_bad += len(bad)
-                for r in bad[: max(0, MAX_ROWS_SPELT_OUT - len(bad_found))]:
-                    row = int(rows[r])
-                    bad_found.append(
-                        f"{name} row {row} (source row {int(si[row])}): "
-                        + _describe_row(d_sel, s_sel, int(r), names)
-                    )
-                bar.update(len(rows))
+        for rows, d_sel, s_sel in parts:
+            d_sel, s_sel = _as_same_kind(d_sel, s_sel)
+            out.n_values += int(d_sel.nnz if sp.issparse(d_sel) else d_sel.size)
+            bad = _row_mismatch(d_sel, s_sel)
+            n_bad += len(bad)
+            for r in bad[: max(0, MAX_ROWS_SPELT_OUT - len(bad_found))]:
+                row = int(rows[r])
+                bad_found.append(
+                    f"{name} row {row} (source row {int(si[row])}): "
+                    + _describe_row(d_sel, s_sel, int(r), names)
+                )
+            bar.update(len(rows))
     out.add(bad_found)
     if n_bad > len(bad_found):
         out.add([f"{name}: {n_bad - len(bad_found)} more rows differ"])
+
+
+_Parts = Iterator[tuple[np.ndarray, Any, Any]]
+"""(DST rows, those DST rows, the SRC rows they must equal) in bounded pieces."""
+
+
+def _source_passes(d_rows, s_rows, *, si, inv, budget, src, name) -> _Parts:
+    """Read SRC in passes of consecutive rows; for each, the DST rows holding them in
+    sorted windows. One read of each side when a pass holds everything."""
+    n = d_rows.shape[0]
+    pass_rows, win_rows = _window(s_rows, budget), _window(d_rows, budget)
+    for lo in range(0, n, pass_rows):
+        hi = min(lo + pass_rows, n)
+        with explain_read_errors(src, what=name):
+            s_part = s_rows.read(lo, hi)
+        targets = np.sort(inv[lo:hi])
+        for a, b in _windows(targets, win_rows, n):
+            d_win = d_rows.read(a, b)
+            lo_t, hi_t = np.searchsorted(targets, [a, b])
+            rows = targets[lo_t:hi_t]
+            yield rows, d_win[rows - a], s_part[si[rows] - lo]
+
+
+def _gathering(d_rows, s_rows, *, si, budget, src, name) -> _Parts:
+    """Read DST once in row windows and gather the matching SRC rows (sorted, runs of
+    consecutive rows read as one range): linear, for stores many passes would need."""
+    n = d_rows.shape[0]
+    win_rows = min(_window(d_rows, budget), _window(s_rows, budget))
+    for a in range(0, n, win_rows):
+        b = min(a + win_rows, n)
+        wanted = si[a:b]
+        order = np.argsort(wanted, kind="stable")
+        with explain_read_errors(src, what=name):
+            got = s_rows.gather(wanted[order])
+        back = np.empty_like(order)
+        back[order] = np.arange(len(order))
+        yield np.arange(a, b), d_rows.read(a, b), got[back]
 
 
 def _windows(targets: np.ndarray, size: int, n: int) -> Iterator[tuple[int, int]]:
