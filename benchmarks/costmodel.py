@@ -1,0 +1,524 @@
+"""Validate the cost model: predicted vs measured cells/s on the Tahoe-like dataset.
+
+For two storage profiles — local disk, cold (evicted before and every 0.5 s: the
+regime of a dataset far larger than RAM), and HTTP with 2 ms injected per-request
+latency (``sclayout.httpserver`` in a subprocess, loopback) — the script
+
+1. calibrates the profile right before measuring (``sclayout.cost.calibrate``),
+2. measures >= 20 configurations (store layout: block size, row order, codec, CSR
+   chunk size; loader: block multiple, fetch factor, workers) with
+   ``sclayout.cost.bench.measure_loader`` (batch 64, dense output, median of runs),
+3. predicts each with ``sclayout.cost.model.predict`` on the store's real manifest and
+   block pointer, and its diversity (label ``plate``) by simulation,
+4. runs ``recommend``'s search on the source (diversity >= 0.95, 4 GB) and measures
+   its pick (converting it if no store matches),
+
+and writes ``benchmarks/results/costmodel.{json,md,png}``: the table, the median
+absolute relative error (target <= 15 %), the Spearman rank correlation (target >= 0.9)
+and whether the pick is within 10 % of the best measured configuration meeting the
+diversity target.
+
+Stores are converted once and cached in ``~/.cache/sclayout-bench/costmodel`` (seven
+stores of the 200,000-cell set, 0.6–3.2 GB each): loader settings reuse them (a store
+reads any multiple of its block size).
+
+Usage::
+
+    python benchmarks/costmodel.py            # full run (~30–40 min on 2 cores)
+    python benchmarks/costmodel.py --build    # only convert the stores
+    python benchmarks/costmodel.py --smoke    # tiny dataset, seconds (for tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent
+# Run as a script, this folder is sys.path[0]; benchmarks/loader.py would then shadow
+# the `loader` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+RESULTS = ROOT / "results"
+LABEL = "plate"
+BATCH = 64
+MIN_DIVERSITY = 0.95
+MEMORY_BUDGET = 4 * 10**9
+HTTP_DELAY = 0.002
+
+
+@dataclass(frozen=True)
+class StoreDef:
+    """A store to convert: name and convert() options."""
+
+    name: str
+    block_size: int
+    order: str
+    codec: str
+    chunk_factor: float | None = None  # CSR inner chunk in block-nnz units (None: default)
+
+
+STORES = [
+    StoreDef("orig_b16_lz4", 16, "original", "blosc-lz4"),
+    StoreDef("shuf_b64_lz4", 64, "shuffled", "blosc-lz4"),
+    StoreDef("strat_b32_zstd", 32, "stratified", "blosc-zstd"),
+    StoreDef("orig_b16_gzip", 16, "original", "gzip"),
+    StoreDef("shuf_b32_none", 32, "shuffled", "none"),
+    StoreDef("orig_b16_lz4_chunk4x", 16, "original", "blosc-lz4", 4.0),
+    StoreDef("shuf_b64_zstd_chunk0.5x", 64, "shuffled", "zstd", 0.5),
+]
+
+# (store, block_size, fetch_factor, workers)
+CONFIGS = [
+    ("orig_b16_lz4", 16, 4, 0),
+    ("orig_b16_lz4", 16, 16, 0),
+    ("orig_b16_lz4", 16, 64, 0),
+    ("orig_b16_lz4", 64, 16, 0),
+    ("orig_b16_lz4", 128, 4, 0),
+    ("orig_b16_lz4", 32, 32, 2),
+    ("shuf_b64_lz4", 64, 4, 0),
+    ("shuf_b64_lz4", 64, 16, 0),
+    ("shuf_b64_lz4", 128, 16, 0),
+    ("shuf_b64_lz4", 256, 4, 0),
+    ("shuf_b64_lz4", 64, 16, 2),
+    ("strat_b32_zstd", 32, 8, 0),
+    ("strat_b32_zstd", 32, 32, 0),
+    ("strat_b32_zstd", 128, 8, 0),
+    ("orig_b16_gzip", 16, 16, 0),
+    ("orig_b16_gzip", 64, 16, 0),
+    ("shuf_b32_none", 32, 16, 0),
+    ("shuf_b32_none", 128, 8, 0),
+    ("orig_b16_lz4_chunk4x", 16, 16, 0),
+    ("orig_b16_lz4_chunk4x", 64, 16, 0),
+    ("shuf_b64_zstd_chunk0.5x", 64, 16, 0),
+    ("shuf_b64_zstd_chunk0.5x", 64, 4, 0),
+]
+
+
+def _cache() -> Path:
+    from sclayout.datasets import bench_dir
+
+    d = bench_dir() / "costmodel"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def _source(smoke: bool) -> Path:
+    from sclayout.datasets import cached_tahoe_like
+
+    if smoke:
+        return cached_tahoe_like(n_obs=4000, n_vars=2000, nnz_per_cell=200)
+    return cached_tahoe_like(progress=True)
+
+
+def _store_path(root: Path, sd: StoreDef, smoke: bool) -> Path:
+    return root / (("smoke_" if smoke else "full_") + sd.name + ".zarr")
+
+
+def build_store(src: Path, dst: Path, sd: StoreDef) -> Path:
+    """Convert ``src`` into ``dst`` with ``sd``'s layout unless a complete store is there."""
+    from loader.errors import SclayoutError
+    from loader.layout import RowOrder
+    from loader.spec import LayoutSpec, StoreSpec
+    from loader.store import open_layout
+    from sclayout.convert.convert import convert
+    from sclayout.cost.stats import read_dataset_stats
+
+    try:
+        open_layout(dst)
+        return dst
+    except SclayoutError:
+        pass
+    chunk = None
+    if sd.chunk_factor is not None:
+        s = read_dataset_stats(src)
+        chunk = max(1, round(sd.chunk_factor * s.nnz / s.n_obs * sd.block_size))
+    order = RowOrder(
+        sd.order,
+        None if sd.order == "original" else 0,
+        (LABEL,) if sd.order == "stratified" else (),
+    )
+    spec = LayoutSpec(
+        store=StoreSpec(block_size=sd.block_size, order=order, codec=sd.codec, csr_chunk_nnz=chunk)
+    )
+    t0 = time.perf_counter()
+    convert(src, dst, spec=spec, memory_budget="2GB", overwrite=True, progress=True)
+    print(f"converted {dst.name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return dst
+
+
+# ---------------------------------------------------------------- HTTP server
+
+
+class HttpServer:
+    """``python -m sclayout.httpserver ROOT --delay D`` in a subprocess (so that the
+    server's Python does not share the loader's GIL)."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sclayout.httpserver",
+                str(root),
+                "--delay",
+                str(delay),
+                "--max-seconds",
+                "7200",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.url = self.proc.stdout.readline().strip()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+# ---------------------------------------------------------------- one profile
+
+
+def run_profile(
+    kind: str,
+    stores: dict[str, Path],
+    *,
+    runs: int,
+    seconds: float,
+    smoke: bool,
+) -> tuple[list[dict[str, Any]], Any]:
+    from loader.spec import LoaderSettings
+    from loader.store import open_layout
+    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from sclayout.cost.diversity import simulate_diversity
+    from sclayout.cost.model import predict
+
+    root = next(iter(stores.values())).parent
+    server = HttpServer(root, HTTP_DELAY) if kind == "http" else None
+    try:
+
+        def loc(p: Path) -> str:
+            return server.url + p.name if server else str(p)
+
+        first = stores[CONFIGS[0][0]]
+        plan = CalibrationPlan.quick() if smoke else None
+        print(f"[{kind}] calibrating {loc(first)}", flush=True)
+        profile = calibrate(loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke)
+        profile.save(RESULTS / f"costmodel-profile-{kind}.json")
+        rows = []
+        for store, b, f, w in CONFIGS:
+            path = stores[store]
+            reader = open_layout(loc(path), block_size=b)
+            settings = LoaderSettings(
+                batch_size=BATCH, fetch_factor=f, num_workers=w, backend=reader.backend
+            )
+            pred = predict(
+                reader.manifest, reader.block_pointer, settings=settings, profile=profile
+            )
+            labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
+            pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
+            ms = [
+                measure_loader(
+                    loc(path),
+                    batch_size=BATCH,
+                    fetch_factor=f,
+                    block_size=b,
+                    workers=w,
+                    label=LABEL if kind == "local" else None,
+                    seconds=seconds,
+                    cold=(kind == "local"),
+                    seed=i,
+                )
+                for i in range(runs)
+            ]
+            meas = statistics.median(m.cells_per_s for m in ms)
+            div = [m.diversity for m in ms if m.diversity is not None]
+            row = {
+                "profile": kind,
+                "store": store,
+                "block_size": b,
+                "fetch_factor": f,
+                "workers": w,
+                "codec": reader.manifest.X.arrays["data"].codec,
+                "order": reader.manifest.order.kind,
+                "chunk_nnz": reader.manifest.X.arrays["data"].chunks[0],
+                "predicted": pred.cells_per_s,
+                "measured": meas,
+                "runs": [m.cells_per_s for m in ms],
+                "rel_error": pred.cells_per_s / meas - 1,
+                "bound": pred.bound,
+                "predicted_diversity": pred_div,
+                "measured_diversity": statistics.median(div) if div else None,
+                "peak_memory_predicted": pred.peak_memory,
+            }
+            rows.append(row)
+            print(
+                f"[{kind}] {store:24s} b{b:<4d} f{f:<3d} w{w}  pred {pred.cells_per_s:9,.0f}"
+                f"  meas {meas:9,.0f}  ({row['rel_error']:+.0%}, {pred.bound})"
+                f"  div pred {pred_div:.3f} meas {row['measured_diversity'] or float('nan'):.3f}",
+                flush=True,
+            )
+        return rows, (profile, server)
+    except BaseException:
+        if server:
+            server.close()
+        raise
+
+
+def check_pick(
+    kind: str,
+    profile: Any,
+    server: Any,
+    src: Path,
+    stores: dict[str, Path],
+    rows: list[dict[str, Any]],
+    *,
+    runs: int,
+    seconds: float,
+    smoke: bool,
+) -> dict[str, Any]:
+    """Run recommend's search for this profile and measure its pick."""
+    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.search import search
+    from sclayout.cost.stats import read_dataset_stats
+
+    stats = read_dataset_stats(src, label=LABEL)
+    res = search(
+        stats,
+        profile=profile,
+        batch_size=BATCH,
+        min_diversity=MIN_DIVERSITY,
+        memory_budget=MEMORY_BUDGET,
+    )
+    pick = res.pick
+    s, ld = pick.spec.store, pick.spec.loader
+    chunk_factor = None
+    if s.csr_chunk_nnz is not None:
+        chunk_factor = s.csr_chunk_nnz / (stats.nnz / stats.n_obs * s.block_size)
+    sd = StoreDef(
+        f"pick_{kind}_{s.order.kind}_b{s.block_size}_{s.codec}"
+        + (f"_chunk{chunk_factor:.2g}x" if chunk_factor else ""),
+        s.block_size,
+        s.order.kind,
+        s.codec,
+        chunk_factor,
+    )
+    root = next(iter(stores.values())).parent
+    path = build_store(src, _store_path(root, sd, smoke), sd)
+    loc = server.url + path.name if server else str(path)
+    ms = [
+        measure_loader(
+            loc,
+            batch_size=BATCH,
+            fetch_factor=ld.fetch_factor,
+            workers=ld.num_workers,
+            label=LABEL if kind == "local" else None,
+            seconds=seconds,
+            cold=(kind == "local"),
+            seed=i,
+        )
+        for i in range(runs)
+    ]
+    meas = statistics.median(m.cells_per_s for m in ms)
+    div = [m.diversity for m in ms if m.diversity is not None]
+    ok = [r for r in rows if r["predicted_diversity"] >= MIN_DIVERSITY]
+    best = max(ok, key=lambda r: r["measured"]) if ok else None
+    return {
+        "profile": kind,
+        "pick": pick.row(),
+        "reason": res.reason,
+        "measured": meas,
+        "measured_diversity": statistics.median(div) if div else None,
+        "best_measured_meeting_target": best,
+        "within_10pct": bool(best is None or meas >= 0.9 * best["measured"]),
+        "ratio_to_best": meas / best["measured"] if best else None,
+    }
+
+
+# ---------------------------------------------------------------- report
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    from scipy.stats import spearmanr
+
+    out = {}
+    for kind in [*sorted({r["profile"] for r in rows}), "all"]:
+        sel = [r for r in rows if kind == "all" or r["profile"] == kind]
+        err = [abs(r["rel_error"]) for r in sel]
+        rho = spearmanr([r["predicted"] for r in sel], [r["measured"] for r in sel]).statistic
+        out[kind] = {
+            "n": len(sel),
+            "median_abs_rel_error": float(np.median(err)),
+            "spearman": float(rho),
+            "within_15pct": int(sum(e <= 0.15 for e in err)),
+        }
+    return out
+
+
+def plot(rows: list[dict[str, Any]], picks: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 5), dpi=90)
+    colors = {"local": "tab:blue", "http": "tab:orange"}
+    names = {"local": "local disk, cold", "http": f"HTTP +{HTTP_DELAY * 1e3:.0f} ms"}
+    for kind in ("local", "http"):
+        sel = [r for r in rows if r["profile"] == kind]
+        if sel:
+            ax.scatter(
+                [r["measured"] for r in sel],
+                [r["predicted"] for r in sel],
+                s=22,
+                color=colors[kind],
+                label=names[kind],
+                alpha=0.8,
+            )
+    lo = min(min(r["measured"], r["predicted"]) for r in rows) * 0.8
+    hi = max(max(r["measured"], r["predicted"]) for r in rows) * 1.25
+    xs = np.geomspace(lo, hi, 50)
+    ax.plot(xs, xs, "k-", lw=1, label="prediction = measurement")
+    ax.fill_between(xs, xs * 0.85, xs * 1.15, color="0.85", label="±15 %")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured cells/s")
+    ax.set_ylabel("predicted cells/s")
+    ax.set_title("Cost model on the 200k-cell Tahoe-like set (batch 64)", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], picks: list[dict]) -> str:
+    lines = [
+        "| profile | store | block | fetch | workers | predicted cells/s | measured cells/s | "
+        "error | bound | diversity pred. | diversity meas. |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for r in rows:
+        md = r["measured_diversity"]
+        lines.append(
+            f"| {r['profile']} | {r['store']} | {r['block_size']} | {r['fetch_factor']} | "
+            f"{r['workers']} | {r['predicted']:,.0f} | {r['measured']:,.0f} | "
+            f"{r['rel_error']:+.0%} | {r['bound']} | {r['predicted_diversity']:.3f} | "
+            f"{'' if md is None else f'{md:.3f}'} |"
+        )
+    lines += [
+        "",
+        "| profile | n | median abs. rel. error | Spearman | within ±15 % |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for k, s in summary.items():
+        lines.append(
+            f"| {k} | {s['n']} | {s['median_abs_rel_error']:.1%} | "
+            f"{s['spearman']:.2f} | {s['within_15pct']}/{s['n']} |"
+        )
+    if picks:
+        lines += [
+            "",
+            "| profile | recommend's pick | measured | best measured meeting "
+            "diversity >= 0.95 | pick / best |",
+            "|---|---|---:|---|---:|",
+        ]
+        for p in picks:
+            k = p["pick"]
+            b = p["best_measured_meeting_target"]
+            best = (
+                (
+                    f"{b['store']} b{b['block_size']} f{b['fetch_factor']} w{b['workers']}: "
+                    f"{b['measured']:,.0f}"
+                )
+                if b
+                else "-"
+            )
+            ratio = "" if p["ratio_to_best"] is None else f"{p['ratio_to_best']:.2f}"
+            lines.append(
+                f"| {p['profile']} | {k['order']} b{k['block_size']} f{k['fetch_factor']} "
+                f"{k['codec']} w{k['workers']} (pred. {k['cells_per_s']:,.0f}) | "
+                f"{p['measured']:,.0f} | {best} | {ratio} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny dataset, seconds")
+    ap.add_argument("--build", action="store_true", help="only convert the stores")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--profiles", default="local,http")
+    ap.add_argument("--no-pick", action="store_true", help="skip measuring recommend's pick")
+    ap.add_argument("--out", type=Path, default=None, help="results folder [benchmarks/results]")
+    args = ap.parse_args(argv)
+    global RESULTS
+    RESULTS = args.out or RESULTS
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    runs, seconds = (1, 0.3) if args.smoke else (args.runs, args.seconds)
+    src = _source(args.smoke)
+    root = _cache()
+    stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in STORES}
+    if args.build:
+        return
+    rows: list[dict[str, Any]] = []
+    picks: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for kind in args.profiles.split(","):
+        got, (profile, server) = run_profile(
+            kind, stores, runs=runs, seconds=seconds, smoke=args.smoke
+        )
+        rows += got
+        try:
+            if not args.no_pick:
+                picks.append(
+                    check_pick(
+                        kind,
+                        profile,
+                        server,
+                        src,
+                        stores,
+                        got,
+                        runs=runs,
+                        seconds=seconds,
+                        smoke=args.smoke,
+                    )
+                )
+                print(f"[{kind}] pick: {picks[-1]}", flush=True)
+        finally:
+            if server:
+                server.close()
+    summary = summarize(rows)
+    doc = {
+        "dataset": str(src.name),
+        "machine": f"{os.cpu_count()} cores, {sys.platform}",
+        "batch_size": BATCH,
+        "runs": runs,
+        "seconds_per_run": seconds,
+        "http_delay_s": HTTP_DELAY,
+        "elapsed_s": time.perf_counter() - t0,
+        "rows": rows,
+        "summary": summary,
+        "picks": picks,
+    }
+    tag = "-smoke" if args.smoke else ""
+    (RESULTS / f"costmodel{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (RESULTS / f"costmodel{tag}.md").write_text(markdown(rows, summary, picks))
+    plot(rows, picks, RESULTS / f"costmodel{tag}.png")
+    print(markdown(rows, summary, picks))
+
+
+if __name__ == "__main__":
+    main()
