@@ -36,9 +36,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Python puts this script's folder first on sys.path, where benchmarks/loader.py would
+# shadow the `loader` package: move the folder to the end (it is only needed for _common).
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
-from _common import (
+from _common import (  # noqa: E402
     RESULTS,
     command_line,
     environment,
@@ -48,8 +51,8 @@ from _common import (
     write_results,
 )
 
-from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like
-from sclayout.measure import (
+from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
+from sclayout.measure import (  # noqa: E402
     Evictor,
     check_eviction,
     evict,
