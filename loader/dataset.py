@@ -184,6 +184,7 @@ class BlockDataset:
     def __init__(
         self,
         path: Any,
+        *,
         batch_size: int | None = None,
         fetch_factor: int | None = None,
         block_size: int | None = None,
@@ -192,7 +193,6 @@ class BlockDataset:
         strategy: str | None = None,
         output: str = "dense",
         drop_last: bool = False,
-        *,
         weights: Any = None,
         class_column: str | None = None,
         replacement: bool = True,
@@ -205,6 +205,7 @@ class BlockDataset:
         matrix: str = "X",
     ) -> None:
         settings = _spec_settings(spec)
+        self._spec_num_workers = int(settings.get("num_workers", 0))
         batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
         fetch_factor = settings.get("fetch_factor", 16) if fetch_factor is None else fetch_factor
         strategy = settings.get("strategy", "block_shuffle") if strategy is None else strategy
@@ -500,8 +501,13 @@ class BlockDataset:
         return {"X": X, "obs": obs, "index": index}
 
     def dataloader(self, **kwargs: Any) -> Any:
-        """A :class:`BlockDataLoader` over this dataset (torch needed)."""
-        return _dataloader_class()(self, **kwargs)
+        """A :class:`BlockDataLoader` over this dataset (torch needed).
+
+        ``num_workers`` defaults to the spec's (0 without a spec).
+        """
+        cls = _dataloader_class()
+        kwargs.setdefault("num_workers", self._spec_num_workers)
+        return cls(self, **kwargs)
 
 
 def _concat(pieces: list[dict[str, Any]]) -> dict[str, Any]:
@@ -539,7 +545,6 @@ def _spec_settings(spec: Any) -> dict[str, Any]:
     if not isinstance(spec, LayoutSpec):
         raise InputError(f"spec={spec!r}: expected a LayoutSpec or the path of its JSON")
     out = spec.loader.to_dict()
-    out.pop("num_workers", None)
     out["block_size"] = spec.store.block_size
     return out
 

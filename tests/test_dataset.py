@@ -4,8 +4,10 @@ read-ahead bound, in-process resume without reading skipped data, errors, no-tor
 
 from __future__ import annotations
 
+import json
 import math
 import pickle
+import shutil
 
 import numpy as np
 import pytest
@@ -271,11 +273,13 @@ def test_weights_by_class_mapping_and_real_store(stores):
 
 def test_spec_settings_are_defaults(tmp_path):
     spec = LayoutSpec(
-        store=StoreSpec(block_size=4), loader=LoaderSettings(batch_size=9, fetch_factor=5)
+        store=StoreSpec(block_size=4),
+        loader=LoaderSettings(batch_size=9, fetch_factor=5, num_workers=2),
     )
     spec.save(tmp_path / "spec.json")
     ds = BlockDataset(memory_reader(40, block_size=4), spec=tmp_path / "spec.json")
     assert (ds.batch_size, ds.fetch_factor) == (9, 5)
+    assert ds.dataloader().num_workers == 2  # no worker starts before iterating
     ds = BlockDataset(memory_reader(40, block_size=4), spec=spec, batch_size=7)
     assert (ds.batch_size, ds.fetch_factor) == (7, 5)
 
@@ -309,12 +313,21 @@ def test_bad_input_one_line_error(stores, kw, msg):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("kind", ["missing", "not-a-store"])
-def test_bad_path(tmp_path, kind):
+@pytest.mark.parametrize("kind", ["missing", "empty-dir", "text-file", "future-version"])
+def test_bad_path(stores, tmp_path, kind):
     path = tmp_path / "nothing.zarr"
-    if kind == "not-a-store":
+    expected = r"nothing\.zarr"
+    if kind == "empty-dir":
         path.mkdir()
-    with pytest.raises(SclayoutError, match=r"nothing\.zarr") as e:
+    elif kind == "text-file":
+        path.write_text("hello")
+    elif kind == "future-version":
+        shutil.copytree(stores["original"], path)
+        meta = json.loads((path / "zarr.json").read_text())
+        meta["attributes"]["sclayout"]["version"] = 99
+        (path / "zarr.json").write_text(json.dumps(meta))
+        expected = r"^layout store format version 99 is not readable .*pip install -U sclayout"
+    with pytest.raises(SclayoutError, match=expected) as e:
         BlockDataset(path)
     assert "\n" not in str(e.value)
 
