@@ -68,6 +68,7 @@ from sclayout.convert.write import (
     CopyDenseJob,
     CopySparseJob,
     Runner,
+    close_dst,
     copy_dense,
     copy_sparse,
     create_matrix,
@@ -243,6 +244,7 @@ def convert(
     finally:
         runner.close()
         close_handles()
+        close_dst()
     return manifest
 
 

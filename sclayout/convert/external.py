@@ -20,6 +20,7 @@ leaves nothing behind that the next run does not remove.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import socket
@@ -74,11 +75,44 @@ def _load(workdir: str, bucket: int, dtypes: dict[str, np.dtype]) -> dict[str, n
     return out
 
 
+PIECE_ELEMS = 2**20
+"""Elements gathered per vectorised step: the int64 index of a piece (8 MiB) stays in
+cache-friendly, reusable memory instead of a fresh multi-GB array (fresh pages cost
+page faults: measured 1.0 s vs 0.15 s for 40M elements on this machine)."""
+
+
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
+    nz = lengths > 0
+    starts, lengths = starts[nz], lengths[nz]
     total = int(lengths.sum())
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(starts - offsets, lengths) + np.arange(total, dtype=np.int64)
+    out = np.ones(total, dtype=np.int64)
+    if total:
+        offsets = np.cumsum(lengths) - lengths
+        out[0] = starts[0]
+        out[offsets[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
+        np.cumsum(out, out=out)
+    return out
+
+
+def gather_segments(
+    sources: list[np.ndarray], starts: np.ndarray, lengths: np.ndarray, outs: list[np.ndarray]
+) -> None:
+    """``outs[k] = concat(sources[k][s : s + n] for s, n in zip(starts, lengths))``.
+
+    Vectorised in pieces of about :data:`PIECE_ELEMS` elements.
+    """
+    ends = np.cumsum(lengths)
+    total = int(ends[-1]) if ends.size else 0
+    cuts = np.unique(
+        np.r_[0, np.searchsorted(ends, np.arange(PIECE_ELEMS, total, PIECE_ELEMS)), lengths.size]
+    )
+    pos = 0
+    for a, b in itertools.pairwise(cuts):
+        seg = _segments(starts[a:b], lengths[a:b])
+        for src, out in zip(sources, outs, strict=True):
+            np.take(src, seg, out=out[pos : pos + seg.size])
+        pos += seg.size
 
 
 # -- pass 1 ------------------------------------------------------------------------------
@@ -117,17 +151,20 @@ def route_rows(job: RouteRowsJob) -> int:
     first = np.searchsorted(job.bounds, out_start, side="right") - 1
     last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1
     order = np.argsort(first, kind="stable")
-    seg = _segments(local[order], nnz[order])
-    g_data, g_idx = data[seg], indices[seg]
+    if first.size and first.min() == first.max() and keep.size == job.r1 - job.r0:
+        g_data, g_idx = data, indices  # one bucket, no empty row: already in file order
+    else:
+        g_data = np.empty(int(nnz.sum()), dtype=data.dtype)
+        g_idx = np.empty(g_data.size, dtype=indices.dtype)
+        gather_segments([data, indices], local[order], nnz[order], [g_data, g_idx])
     cuts_rows = np.searchsorted(first[order], np.arange(len(job.bounds)))
     cuts_elems = np.r_[0, np.cumsum(nnz[order])][cuts_rows]
     meta = np.stack([out_start[order], nnz[order]], axis=1)
     for b in np.unique(first):
         ra, rb = cuts_rows[b], cuts_rows[b + 1]
         ea, eb = cuts_elems[b], cuts_elems[b + 1]
-        _append(
-            job.workdir, int(b), {"meta": meta[ra:rb], "data": g_data[ea:eb], "idx": g_idx[ea:eb]}
-        )
+        parts = {"meta": meta[ra:rb], "data": g_data[ea:eb], "idx": g_idx[ea:eb]}
+        _append(job.workdir, int(b), parts)
     for i in np.flatnonzero(last > first):  # rows straddling buckets: rare
         a, n = int(local[i]), int(nnz[i])
         row = {
@@ -254,14 +291,28 @@ def assemble(job: AssembleJob) -> int:
             meta = parts["meta"].reshape(-1, 2)
             order = np.argsort(meta[:, 0], kind="stable")
             starts, nnz = meta[order, 0], meta[order, 1]
-            file_starts = np.cumsum(meta[:, 1]) - meta[:, 1]
-            seg = _segments(file_starts[order], nnz)
+            file_starts = (np.cumsum(meta[:, 1]) - meta[:, 1])[order]
             base = int(starts[0]) if starts.size else job.start
-            if starts.size and int(starts[-1] + nnz[-1] - base) != seg.size:
+            ends = np.cumsum(nnz)
+            if starts.size and int(starts[-1] + nnz[-1] - base) != int(ends[-1]):
                 raise RuntimeError(f"bucket {job.bucket}: rows not contiguous (a bug)")
-        else:
-            seg = np.lexsort((parts["idx"], parts["meta"]))
-            base = job.base
+            n = 0
+            src = [parts["data"], parts["idx"]]
+            for a in range(job.start, job.stop, job.shard):
+                b = min(a + job.shard, job.stop)
+                r0 = int(np.searchsorted(ends, a - base, side="right"))
+                r1 = int(np.searchsorted(ends, b - base - 1, side="right")) + 1
+                first = int(ends[r0] - nnz[r0]) + base
+                size = int(ends[r1 - 1]) + base - first
+                outs = [np.empty(size, dtype=x.dtype) for x in src]
+                gather_segments(src, file_starts[r0:r1], nnz[r0:r1], outs)
+                for name, buf in zip(("data", "indices"), outs, strict=True):
+                    write_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])
+                    n += b - a
+            shutil.rmtree(Path(job.workdir) / f"b{job.bucket:06d}", ignore_errors=True)
+            return n
+        seg = np.lexsort((parts["idx"], parts["meta"]))
+        base = job.base
         lo, hi = job.start - base, job.stop - base
         if hi > seg.size or lo < 0:
             raise RuntimeError(f"bucket {job.bucket}: {seg.size} elements, need [{lo}, {hi})")

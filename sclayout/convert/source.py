@@ -75,32 +75,33 @@ def open_group(path: str | os.PathLike) -> Iterator[Any]:
         raise InputError(f"SRC {p}: neither an .h5ad file nor an AnnData zarr store")
 
 
-_local = threading.local()
+_lock = threading.Lock()
+_handles: dict[tuple[str, int], Any] = {}
 
 
 def read_slice(src: str, array: str, start: int, stop: int) -> np.ndarray:
-    """``src[array][start:stop]`` (first axis), reusing an open handle per thread."""
-    cache = getattr(_local, "handles", None)
-    if cache is None:
-        cache = _local.handles = {}
+    """``src[array][start:stop]`` (first axis), reusing one open handle per process."""
     key = (src, os.getpid())
-    if key not in cache:
-        p = Path(src)
-        if p.is_file():
-            cache[key] = h5py.File(p, "r")
-        else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                cache[key] = zarr.open_group(p, mode="r")
-    return np.asarray(cache[key][array][start:stop])
+    with _lock:
+        if key not in _handles:
+            p = Path(src)
+            if p.is_file():
+                _handles[key] = h5py.File(p, "r")
+            else:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    _handles[key] = zarr.open_group(p, mode="r")
+        handle = _handles[key]
+    return np.asarray(handle[array][start:stop])
 
 
 def close_handles() -> None:
-    """Close this thread's cached source handles."""
-    for h in getattr(_local, "handles", {}).values():
-        if isinstance(h, h5py.File):
-            h.close()
-    _local.handles = {}
+    """Close the cached source handles."""
+    with _lock:
+        for h in _handles.values():
+            if isinstance(h, h5py.File):
+                h.close()
+        _handles.clear()
 
 
 def _attr(node: Any, key: str, default: Any = None) -> Any:
