@@ -27,6 +27,9 @@ import threading
 import time
 from pathlib import Path
 
+import tensorstore  # noqa: F401  (imported lazily by the writer: pay it once, here)
+import tqdm.auto  # noqa: F401
+
 from loader.layout import Manifest
 from sclayout.convert import convert
 
