@@ -118,6 +118,12 @@ def _stores(src: Path, work: Path, orders: Sequence[str], block_size: int) -> di
     out = {}
     for order in orders:
         dst = work / f"{src.stem}-{order}-b{block_size}-{CODEC}.zarr"
+        if dst.exists():
+            try:
+                open_layout(dst)  # complete: the manifest is written last
+            except Exception:
+                print(f"{dst.name} is incomplete: converting again", flush=True)
+                shutil.rmtree(dst)
         if not dst.exists():
             print(f"converting {src.name} -> {dst.name} ...", flush=True)
             by = ("plate", "cell_line") if order == "stratified" else ()

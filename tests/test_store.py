@@ -151,6 +151,18 @@ class ReaderContract:
             check_batch(g.take(np.arange(3, 20), output=output), adata, output=output)
             check_batch(g.take(np.array([], dtype=np.int64), output=output), adata, output=output)
 
+    def test_submit_with_order_permutes_the_fetch(self, reader, adata):
+        blocks = np.array([2, 0])
+        n = int(reader.block_lengths()[blocks].sum())
+        order = np.random.default_rng(5).permutation(n)
+        plain = reader.submit(blocks).result()
+        shuffled = reader.submit(blocks, order=order).result()
+        np.testing.assert_array_equal(shuffled.rows, plain.rows[order])
+        np.testing.assert_array_equal(shuffled.index, plain.index[order])
+        check_batch(shuffled.take(np.arange(n)), adata, output="dense")
+        with pytest.raises(InputError, match=f"must be a permutation of the fetch's {n} rows"):
+            reader.submit(blocks, order=order[:-1])
+
     def test_two_fetches_in_flight(self, reader, adata):
         a = reader.submit(np.array([0, 2]))
         b = reader.submit(np.array([1, reader.n_blocks - 1]))
@@ -208,6 +220,22 @@ class TestH5py(ReaderContract):
     @pytest.fixture(params=H5ADS)
     def source(self, request, built):
         return _path(built, request.param)
+
+
+def test_tensorstore_cache_follows_the_block_span(built):
+    small = open_layout(built["own-original-csr"])  # 16-row blocks over 64-element chunks
+    assert small.chunks_per_block() < 4 and small.backend_options["cache_bytes"] > 0
+    large = open_layout(built["own-original-csr"], block_size=160)
+    assert large.chunks_per_block() >= 4 and large.backend_options["cache_bytes"] == 0
+    forced = open_layout(built["own-original-csr"], block_size=160, cache_bytes=123)
+    assert forced.backend_options["cache_bytes"] == 123
+
+
+def test_tune_malloc_is_idempotent():
+    from loader.store import tune_malloc
+
+    first = tune_malloc()
+    assert tune_malloc() == first  # glibc here: True; elsewhere a no-op False
 
 
 def test_h5ad_is_read_with_h5py_whatever_the_default(built):
