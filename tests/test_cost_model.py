@@ -44,15 +44,15 @@ def _predict(workers: int = 0, read_ahead: int = 1, output: str = "dense"):
 
 
 def test_one_pipeline_by_hand():
-    # io: 10 requests x 1 ms + (8 MB / ratio 2) / 100 MB/s = 10 ms + 40 ms
+    # io: max(10 requests / 1000 per s, (8 MB / ratio 2) / 100 MB/s) = max(10, 40) ms
     # decode: 8 MB / 1 GB/s = 8 ms on 2 threads -> 4 ms wall, in front of the assembly
     # assembly: 1e6 nnz x 10 ns + 1000 x 1000 values x 1 ns = 11 ms; overhead 1 ms
     p = _predict()
-    assert p.t_io == pytest.approx(0.050)
+    assert p.t_io == pytest.approx(0.040)
     assert p.t_decode == pytest.approx(0.008)
     assert p.t_assembly == pytest.approx(0.011)
-    assert p.fetch_s == pytest.approx(0.054)  # max(50 + 4, 11 + 1) ms with read-ahead
-    assert p.cells_per_s == pytest.approx(1000 / 0.054)
+    assert p.fetch_s == pytest.approx(0.044)  # max(40 + 4, 11 + 1) ms with read-ahead
+    assert p.cells_per_s == pytest.approx(1000 / 0.044)
     assert p.bound == "io"
     assert p.overread == pytest.approx(0.0)
     # memory: 2 fetches x (8 MB decoded + 4 MB compressed + 4 MB dense rows) + cache
@@ -60,18 +60,42 @@ def test_one_pipeline_by_hand():
 
 
 def test_no_read_ahead_adds_the_stages():
-    assert _predict(read_ahead=0).fetch_s == pytest.approx(0.054 + 0.012)
+    assert _predict(read_ahead=0).fetch_s == pytest.approx(0.044 + 0.012)
 
 
 def test_workers_share_the_storage_and_the_cores():
-    # 2 pipelines of max(54, 11 + 1 + 8 ms copy) each -> 27 ms per fetch, but the
-    # storage serves 10 requests + 4 MB per fetch whatever the parallelism (flat
-    # curve): 50 ms per fetch bounds it
+    # 2 pipelines of max(44, 11 + 1 + 8 ms copy) each -> 22 ms per fetch, but the
+    # storage moves 4 MB per fetch at 100 MB/s whatever the parallelism: 40 ms
     p = _predict(workers=2)
-    assert p.fetch_s == pytest.approx(0.050)
+    assert p.fetch_s == pytest.approx(0.040)
     assert p.bound == "storage"
     # memory: 2 workers x (2 fetches + cache) + 2 x 2 queued dense minibatches of 100 rows
     assert p.peak_memory == 2 * (2 * 16_000_000 + CACHE_BYTES) + 2 * 2 * 100 * 1000 * 4
+
+
+def test_request_bound_with_many_small_reads():
+    many = FetchStats(**{**STATS.__dict__, "requests": 200})
+    p = predict_from_stats(
+        many,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=flat_profile(),
+    )
+    assert p.t_io == pytest.approx(0.200)  # 200 requests / 1000 per s > 40 ms of bytes
+
+
+def test_shared_cores_bound_the_workers():
+    slow_cpu = flat_profile(cores=1.0, bandwidth_Bps=1e12, gather_s_per_nnz=5e-8)
+    p = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10, num_workers=2),
+        profile=slow_cpu,
+    )
+    # CPU per fetch: 8 decode + 50 gather + 1 densify + 1 overhead + 8 copy = 68 ms on 1 core
+    assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.068)
 
 
 def test_cpu_bound_when_storage_is_free():

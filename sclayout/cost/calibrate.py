@@ -42,6 +42,7 @@ __all__ = [
     "calibrate",
     "measure_assembly",
     "measure_codecs",
+    "measure_parallelism",
 ]
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
@@ -54,6 +55,8 @@ SMALL_BYTES = 4096
 """Latency reads: one page, so transfer time is negligible."""
 SEQ_BYTES = 8 * 2**20
 """Bandwidth reads: large enough that per-request cost is < 5 % on every profile."""
+RANDOM_LARGE_BYTES = 2**20
+"""Bandwidth is also read as 16 random 1 MiB reads in flight; the larger figure wins."""
 
 
 @dataclass(frozen=True)
@@ -321,6 +324,33 @@ def measure_assembly(
     return per_nnz, per_value
 
 
+def measure_parallelism(seconds: float = 1.0) -> float:
+    """Usable CPU parallelism: throughput of GIL-free numpy work (sorting a copy of 1M
+    floats) on ``os.cpu_count()`` threads over one thread. On a shared machine it is
+    below the core count, and so is what the loader's threads get."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = os.cpu_count() or 1
+    src = np.random.default_rng(0).random(2**20).astype(np.float32)
+
+    def work() -> int:
+        a = src.copy()
+        a.sort()
+        return 1
+
+    dt1, it1, _ = _timed_loop(work, seconds / 2)
+    if n == 1:
+        return 1.0
+    with ThreadPoolExecutor(n) as pool:
+
+        def step() -> int:
+            return sum(pool.map(lambda _: work(), range(n)))
+
+        dtn, _, done = _timed_loop(step, seconds / 2)
+    ratio = (done / dtn) / (it1 / dt1)
+    return float(min(max(ratio, 0.5), n))
+
+
 def _copy_bandwidth(seconds: float = 0.5) -> float:
     src = np.ones(16 * 2**20 // 4, dtype=np.float32)
     dst = np.empty_like(src)
@@ -461,8 +491,14 @@ def calibrate(
                     bw_state["offset"] = b
             return reader.read_all(ranges)
 
-        dt, _, nbytes = _timed_loop(seq_step, plan.bandwidth)
+        dt, _, nbytes = _timed_loop(seq_step, plan.bandwidth / 2)
         bandwidth = nbytes / dt
+        # and many large reads at random offsets in flight (the loader's pattern)
+        dt, _, nbytes = _timed_loop(
+            lambda: reader.read_all(reader.random_ranges(16, RANDOM_LARGE_BYTES)),
+            plan.bandwidth / 2,
+        )
+        bandwidth = max(bandwidth, nbytes / dt)
         bar.update()
     finally:
         if evictor is not None:
@@ -492,6 +528,7 @@ def calibrate(
     dt, it, _ = _timed_loop(lambda: reader.read_all(warm), plan.assembly * 0.3)
     request_cpu = (time.process_time() - cpu0) / (it * len(warm))
     fetch_overhead = _fetch_overhead()
+    cores = measure_parallelism(seconds=plan.assembly * 0.3)
     bar.update()
     bar.close()
     kind = "http" if _is_url(target) else "local"
@@ -509,7 +546,7 @@ def calibrate(
         copy_Bps=copy_bps,
         fetch_overhead_s=fetch_overhead,
         request_cpu_s=request_cpu,
-        cores=os.cpu_count() or 1,
+        cores=cores,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "

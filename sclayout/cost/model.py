@@ -6,8 +6,10 @@ or on a *virtual* one built from the dataset's per-row nnz for a layout that doe
 not exist yet — and turns each plan into time with a storage profile:
 
 ``t_io``
-    ``requests × request_time(in_flight) + compressed_bytes / bandwidth``, at least
-    one latency. ``in_flight = min(requests, backend concurrency)``; requests are the
+    ``max(requests / requests_per_s(in_flight), compressed_bytes / bandwidth)``, at
+    least one latency: with many reads in flight the storage is either
+    request-bound (the measured concurrency curve) or bandwidth-bound (a roofline).
+    ``in_flight = min(requests, backend concurrency)``; requests are the
     planner's coalesced reads: tensorstore merges the byte ranges of adjacent inner
     chunks of one shard into one request (counted on the loopback HTTP server: a
     64-random-block fetch of the 200k-cell store made 176 requests for 131 planned
@@ -338,7 +340,7 @@ def predict_from_stats(
 
     # ---- storage
     def io_time(in_flight: float) -> float:
-        t = R * profile.request_time(in_flight) + compressed / profile.bandwidth_Bps
+        t = max(R / profile.requests_per_s(in_flight), compressed / profile.effective_bandwidth)
         return max(t, profile.latency_s)
 
     t_io = io_time(c)

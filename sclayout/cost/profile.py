@@ -114,7 +114,8 @@ class Profile:
     request_cpu_s
         Client CPU time per read request.
     cores
-        CPU cores the figures were taken with.
+        Usable CPU parallelism: aggregate / single-thread speed of GIL-free work on
+        every core, as measured (below the core count on a shared machine).
     source
         Where the figures come from (machine and command, or a citation).
     """
@@ -131,7 +132,7 @@ class Profile:
     copy_Bps: float
     fetch_overhead_s: float = 0.0
     request_cpu_s: float = 0.0
-    cores: int = 1
+    cores: float = 1.0
     source: str = ""
     created: str = ""
     format: str = PROFILE_FORMAT
@@ -168,9 +169,9 @@ class Profile:
                 for k, v in self.codecs.items()
             },
         )
-        if int(self.cores) < 1:
-            raise SpecError(f"profile cores={self.cores!r}: must be >= 1")
-        object.__setattr__(self, "cores", int(self.cores))
+        if not (isinstance(self.cores, int | float) and self.cores >= 0.5):
+            raise SpecError(f"profile cores={self.cores!r}: must be a number >= 0.5")
+        object.__setattr__(self, "cores", float(self.cores))
         object.__setattr__(self, "request_bytes", int(self.request_bytes))
 
     def requests_per_s(self, in_flight: float) -> float:
@@ -190,6 +191,13 @@ class Profile:
                 t = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
                 return ys[i - 1] + t * (ys[i] - ys[i - 1])
         return ys[-1]  # pragma: no cover
+
+    @property
+    def effective_bandwidth(self) -> float:
+        """Largest bandwidth seen: sequential reads, or the concurrency curve's
+        requests/s × ``request_bytes`` (many reads in flight can beat a few large ones)."""
+        curve = max(r for _, r in self.concurrency) * self.request_bytes
+        return max(self.bandwidth_Bps, curve)
 
     def request_time(self, in_flight: float) -> float:
         """Device time per request at ``in_flight`` parallel reads, net of the
