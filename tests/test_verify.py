@@ -48,8 +48,9 @@ def shuffled_store(tmp_path_factory, sources) -> Path:
     return dst
 
 
-def _dense_store(tmp_path: Path, sources) -> Path:
-    dst = tmp_path / "dense.zarr"
+@pytest.fixture(scope="module")
+def dense_store(tmp_path_factory, sources) -> Path:
+    dst = tmp_path_factory.mktemp("stores") / "dense.zarr"
     convert(sources["dense"], dst, block_size=16, order="shuffled", seed=2)
     return dst
 
@@ -139,13 +140,13 @@ def test_tampered_x_value_is_named_precisely(tmp_path: Path, sources, shuffled_s
     ids=["one-pass", "gather", "many-passes"],
 )
 def test_tampered_x_caught_with_any_budget(
-    tmp_path, sources, shuffled_store, budget, max_passes, monkeypatch
+    tmp_path, sources, shuffled_store, dense_store, budget, max_passes, monkeypatch
 ) -> None:
     """Both strategies (passes over SRC; gathering SRC rows per DST window), with
     budgets that cut the work into many pieces, find the same difference and nothing
     else."""
     monkeypatch.setattr(verify_module, "MAX_PASSES", max_passes)
-    assert verify(sources["dense"], _dense_store(tmp_path, sources), memory_budget=budget).equal
+    assert verify(sources["dense"], dense_store, memory_budget=budget).equal
     dst = _copy(shuffled_store, tmp_path)
     root = _root(dst)
     last = int(root["X/indptr"][-1]) - 1
