@@ -205,6 +205,14 @@ class SamplerConfig:
                 "per class with class_column=)"
             )
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_cache"] = {}  # derived arrays (n_obs-long for weights): rebuilt on use
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
     @property
     def n_blocks(self) -> int:
         return int(self.block_lengths.size)

@@ -133,6 +133,7 @@ def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persiste
     assert not np.array_equal(np.concatenate(seen[0]), np.concatenate(seen[1]))
 
 
+@pytest.mark.slow
 def test_real_store_spawned_persistent_workers(stores):
     """Two spawned workers reading a real store: each row once per epoch, epochs differ,
     the order is the documented round-robin, values equal the source."""

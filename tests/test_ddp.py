@@ -79,6 +79,7 @@ def ranks(tmp_path_factory):
     return outs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["keep", "drop_last", "streaming"])
 def test_ranks_disjoint_equal_and_complete(ranks, config):
     batch = 10 if config == "streaming" else 16

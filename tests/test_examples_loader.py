@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_minimal.py"
 
 
+@pytest.mark.slow
 def test_train_minimal_smoke_resumes_exactly():
     res = subprocess.run(
         [sys.executable, str(EXAMPLE), "--smoke"], capture_output=True, text=True, timeout=300

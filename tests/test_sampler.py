@@ -287,6 +287,18 @@ def test_bad_config_one_line_error(kw, msg):
     assert "\n" not in str(e.value)
 
 
+def test_config_pickles_without_derived_arrays():
+    import pickle
+
+    w = np.arange(100, dtype=float)
+    cfg = config(strategy="weighted", row_weights=w, seed=2)
+    before = rank_sequence(cfg, 1)
+    assert "wcum" in cfg._cache
+    copy = pickle.loads(pickle.dumps(cfg))
+    assert copy._cache == {}
+    assert all(np.array_equal(a, b) for a, b in zip(rank_sequence(copy, 1), before, strict=True))
+
+
 def test_bad_positions():
     cfg = config()
     with pytest.raises(InputError, match=r"rank=2, world_size=2"):

@@ -39,7 +39,7 @@ for job in json.loads(sys.argv[1]):
 print(json.dumps(results))
 """
 
-DS = {"batch_size": 12, "fetch_factor": 2, "seed": 7, "obs": ["plate"]}
+DS = {"batch_size": 12, "fetch_factor": 2, "seed": 7}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +68,7 @@ def run_jobs(*jobs: dict) -> list[dict]:
 CASES = {"w0-dense": (0, "dense", 5), "w2-csr": (2, "csr", 7)}
 
 
+@pytest.mark.slow
 def test_resume_in_fresh_process(stores):
     """Case w0: state taken in this process; case w2: taken in a fresh interpreter
     with 2 DataLoader workers. Both resumed together in another fresh interpreter."""
