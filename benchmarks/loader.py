@@ -93,8 +93,8 @@ TARGET_DIVERSITY = 0.95
 FULL = {
     "block_sizes": (32, 128, 1024),
     "fetch_factors": (4, 16, 64),
-    "cells": 60_000,
-    "seconds": 10.0,
+    "cells": 40_000,
+    "seconds": 6.0,
     "repeat": 3,
 }
 QUICK = {
@@ -102,6 +102,7 @@ QUICK = {
     "store_block_size": 16,
     "block_sizes": (16, 64),
     "fetch_factors": (4,),
+    "cold_ff": (4,),
     "cells": 1500,
     "seconds": 1.0,
     "repeat": 1,
@@ -433,6 +434,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--fetch-factors", default=None, help="comma-separated [4,16,64]")
     p.add_argument("--outputs", default="dense,csr", help="dense,csr")
     p.add_argument("--regimes", default="cold,evicting", help="cold,evicting")
+    p.add_argument("--cold-ff", default=None, help="fetch factors also run cold [16]")
     p.add_argument("--workers", default=None, help="BlockDataset rows, e.g. 0,2 [0,2; quick: none]")
     p.add_argument("--dataset-bs", type=int, default=None, help="BlockDataset block size")
     p.add_argument("--dataset-ff", type=int, default=16, help="BlockDataset fetch factor")
@@ -456,6 +458,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.orders = tuple(o for o in args.orders.split(",") if o)
     args.outputs = tuple(o for o in args.outputs.split(",") if o)
     args.regimes = tuple(o for o in args.regimes.split(",") if o)
+    args.cold_ff = ints(args.cold_ff) if args.cold_ff else d.get("cold_ff", (16,))
     return args
 
 
@@ -487,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for cfg in _configs(args, src, stores):
             files = [cfg["path"]]
             for regime in args.regimes:
+                if regime == "cold" and cfg.get("fetch_factor", 0) not in (0, *args.cold_ff):
+                    continue  # cold rows only for some fetch factors: time
                 runs = []
                 for i in range(args.repeat):
                     runs.append(
