@@ -107,6 +107,27 @@ def bad_corrupt(tmp: Path) -> Path:
     return p
 
 
+def gzip_h5ad(tmp: Path, name: str = "gzip.h5ad") -> Path:
+    p = tmp / name
+    small_adata(2000, 50).write_h5ad(p, compression="gzip")
+    return p
+
+
+def corrupt_first_chunk(p: Path) -> Path:
+    """Zero 64 bytes inside the first gzip chunk of X/data; metadata stays intact."""
+    with h5py.File(p, "r") as f:
+        info = f["X/data"].id.get_chunk_info(0)
+    data = bytearray(p.read_bytes())
+    start = info.byte_offset + info.size // 4
+    data[start : start + 64] = bytes(64)
+    p.write_bytes(bytes(data))
+    return p
+
+
+def bad_compressed_chunk(tmp: Path) -> Path:
+    return corrupt_first_chunk(gzip_h5ad(tmp, "bad_chunk.h5ad"))
+
+
 def bad_encoding(tmp: Path) -> Path:
     p = write_h5ad(small_adata(), tmp / "bsr.h5ad")
     with h5py.File(p, "a") as f:

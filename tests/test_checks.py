@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from _checks_util import (
+    bad_compressed_chunk,
     bad_corrupt,
     bad_csv,
     bad_empty_cells,
@@ -25,6 +26,8 @@ from _checks_util import (
     bad_truncated,
     bad_zarr_not_anndata,
     chattr_immutable,
+    corrupt_first_chunk,
+    gzip_h5ad,
     small_adata,
     snapshot,
     write_h5ad,
@@ -103,6 +106,25 @@ def test_bad_source_keeps_existing_store_even_with_overwrite(
         *run_cli("convert", src, dst, "--block-size", "16", "--overwrite"), fragment
     )
     assert snapshot(tmp_path) == before
+
+
+def test_damaged_data_found_while_converting(tmp_path: Path) -> None:
+    """A file whose metadata is fine but whose X data chunk is corrupt: the converter
+    stops with the one-line message and removes its temporary store; verify too."""
+    src = bad_compressed_chunk(tmp_path)
+    check_source(src)  # the metadata checks cannot see it
+    dst = tmp_path / "out.zarr"
+    before = snapshot(tmp_path)
+    code, out, err = run_cli("convert", src, dst, "--quiet")
+    assert_one_line_error(code, out, err, "reading data failed (")
+    assert "the file is corrupt or truncated; copy or download it again" in err
+    assert snapshot(tmp_path) == before
+    good = gzip_h5ad(tmp_path)
+    good_dst = tmp_path / "good.zarr"
+    assert run_cli("convert", good, good_dst, "--quiet")[0] == 0
+    corrupt_first_chunk(good)
+    code, out, err = run_cli("verify", good, good_dst)
+    assert_one_line_error(code, out, err, f"SRC {good}: reading X failed (")
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "2.5", "abc"])
