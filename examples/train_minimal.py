@@ -68,8 +68,7 @@ def train(args: argparse.Namespace) -> dict:
         start_epoch = ckpt["loader"]["epoch"]
     step, loss = 0, torch.tensor(float("nan"))
     for epoch in range(start_epoch, args.epochs):
-        if epoch != start_epoch or not args.resume:
-            ds.set_epoch(epoch)  # a new order each epoch (also in persistent workers)
+        ds.set_epoch(epoch)  # new order each epoch; keeps a loaded resume point of this epoch
         for batch in dl:
             logits = model(torch.log1p(batch["X"]))
             loss = torch.nn.functional.cross_entropy(logits, batch["obs"][args.label])

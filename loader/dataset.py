@@ -293,7 +293,11 @@ class BlockDataset:
         return int(self._shared[_EPOCH])
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch whose order the next iteration yields."""
+        """Select the epoch whose order the next iteration yields.
+
+        A position loaded with :meth:`load_state_dict` for this same epoch is kept, so
+        the usual ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
+        """
         if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
             raise InputError(f"epoch={epoch!r}: must be a non-negative integer")
         self._shared[_EPOCH] = int(epoch)

@@ -112,6 +112,24 @@ def test_exactly_once_in_process(case, drop_last):
             assert np.array_equal(b["X"][:, 0].numpy(), b["index"].numpy().astype(np.float32))
 
 
+@pytest.mark.parametrize("drop_last", [False, True], ids=["keep", "drop_last"])
+@pytest.mark.parametrize("num_workers", [1, 2], ids=lambda w: f"w{w}")
+@pytest.mark.parametrize("case", [ONCE["ragged"], ONCE["batch>n"]], ids=["ragged", "batch>n"])
+def test_dataloader_exactly_once(case, num_workers, drop_last):
+    """Through torch's DataLoader with forked workers (a worker may get no batch)."""
+    n, block, batch, ff = case
+    ds = BlockDataset(
+        memory_reader(n, block_size=block, seed=5),
+        batch_size=batch,
+        fetch_factor=ff,
+        drop_last=drop_last,
+    )
+    dl = BlockDataLoader(ds, num_workers=num_workers, multiprocessing_context="fork")
+    batches = list(dl)
+    check_epoch(batches, n_obs=n, batch_size=batch, drop_last=drop_last)
+    assert len(batches) == len(ds) == len(dl)
+
+
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
 @pytest.mark.parametrize("num_workers", [0, 1, 2], ids=lambda w: f"w{w}")
 def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persistent):
