@@ -416,6 +416,11 @@ def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifes
     for col in manifest.order.columns:
         if col not in info["obs_columns"]:
             out.add([f"manifest: order column {col!r} is not an obs column of SRC"])
+    unlisted = sorted(set(_row_matrices(dst_root)) - set(manifest.matrices))
+    if unlisted:
+        out.add(
+            [f"manifest: lists no layout for {', '.join(unlisted)} (the loader cannot read it)"]
+        )
     for mname, m in manifest.matrices.items():
         if mname not in dst_root:
             out.add([f"manifest: matrix {mname} is not in DST"])
@@ -436,6 +441,15 @@ def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifes
                 ]
             )
     return manifest, si
+
+
+def _row_matrices(root: Any) -> list[str]:
+    """Paths of the row-aligned matrices of an AnnData store: X, layers/*, raw/X."""
+    found = ["X"] if "X" in root else []
+    found += [f"layers/{k}" for k in _children(root, "layers")]
+    if "raw" in root and "X" in root["raw"]:
+        found.append("raw/X")
+    return found
 
 
 def _check_array(mname: str, part: str, a: Any, dst_root: Any) -> list[str]:
