@@ -169,4 +169,11 @@ def test_calibrate_writes_a_profile(data, tmp_path):
 
 def test_calibrate_bad_target(tmp_path):
     r = run_cli("calibrate", tmp_path / "nothing", "--out", tmp_path / "p.json")
-    assert_one_line_error(r, "not a directory or http(s) URL")
+    assert_one_line_error(r, "not a file, directory or http(s) URL")
+
+
+def test_recommend_without_profile_calibrates_the_data_location_quickly(data):
+    src, _ = data
+    r = run_cli("recommend", src, "--label", "plate", *SMALL_SPACE, "--quiet")
+    assert r.exit_code == 0, r.stderr
+    assert f"profile: quick calibration of {src}" in r.stdout

@@ -68,10 +68,19 @@ class CalibrationPlan:
     bandwidth: float = 5.0
     per_codec: float = 1.5
     assembly: float = 3.0
+    sample_elems: int = 4 * 2**20
+    """Stored values (data + indices each) the codec and assembly timings run on."""
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
-        return cls(latency=0.5, per_in_flight=0.3, bandwidth=0.8, per_codec=0.3, assembly=0.5)
+        return cls(
+            latency=0.5,
+            per_in_flight=0.3,
+            bandwidth=0.8,
+            per_codec=0.3,
+            assembly=0.5,
+            sample_elems=2**18,
+        )
 
 
 # ---------------------------------------------------------------- target files
@@ -133,12 +142,17 @@ def _target(target: str) -> tuple[dict[str, Any], list[tuple[str, int]], str | N
         files = _http_files(base)
         kv = {"driver": "http", "base_url": base}
         local = None
+    elif Path(target).is_file():  # one file (an .h5ad): read it alone
+        f = Path(target).resolve()
+        files = [(f.name, f.stat().st_size)] if f.stat().st_size >= SMALL_BYTES else []
+        kv = {"driver": "file", "path": str(f.parent) + "/"}
+        local = str(f)
     else:
         root = Path(target)
         if not root.is_dir():
             raise InputError(
-                f"calibrate target {target!r}: not a directory or http(s) URL; pass a layout "
-                "store (or any directory on the storage to profile)"
+                f"calibrate target {target!r}: not a file, directory or http(s) URL; pass a "
+                "layout store (or any file or directory on the storage to profile)"
             )
         files = _local_files(root)
         kv = {"driver": "file", "path": str(root.resolve()) + "/"}
@@ -504,10 +518,12 @@ def calibrate(
         if evictor is not None:
             evictor.stop()
     # 4. codecs, on the store's own values when we can read them
-    sample = _store_sample(target)
+    sample = _store_sample(target, plan.sample_elems)
     if sample is None:
-        data, indices, indptr = _count_data(4096, n_vars=20000, nnz_per_row=1000, seed=seed)
-        n_vars, data_source = 20000, "synthetic counts (4,096 rows × 20,000 genes, ~1,000 nnz/row)"
+        n_rows = max(16, plan.sample_elems // 1000)
+        data, indices, indptr = _count_data(n_rows, n_vars=20000, nnz_per_row=1000, seed=seed)
+        n_vars = 20000
+        data_source = f"synthetic counts ({n_rows:,} rows × 20,000 genes, ~1,000 nnz/row)"
     else:
         data, indices, indptr, n_vars = sample
         data_source = f"{len(indptr) - 1:,} rows of {target}"

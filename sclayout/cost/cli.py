@@ -97,11 +97,7 @@ def _resolve_profile(profile: str | None, location: str, *, quiet: bool) -> tupl
         return p, f"profile: {p.name} ({src} {profile})"
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
 
-    target = (
-        location
-        if _is_url(location) or os.path.isdir(location)
-        else (os.path.dirname(os.path.abspath(location)))
-    )
+    target = location
     t0 = time.perf_counter()
     p = calibrate(target, name=f"quick:{target}", plan=CalibrationPlan.quick(), progress=not quiet)
     return p, (
