@@ -5,6 +5,7 @@ byte-identical, no temporary sibling is left behind)."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,14 @@ def good_h5ad(tmp_path_factory) -> Path:
     return write_h5ad(small_adata(), tmp_path_factory.mktemp("src") / "good.h5ad")
 
 
+@pytest.fixture(scope="module")
+def good_store(good_h5ad: Path) -> Path:
+    dst = good_h5ad.with_name("good.zarr")
+    code, _, err = run_cli("convert", good_h5ad, dst, "--block-size", "16", "--quiet")
+    assert code == 0, err
+    return dst
+
+
 @pytest.mark.parametrize(("make", "fragment"), BAD_SOURCES)
 def test_bad_source_refused_dst_absent(tmp_path: Path, make, fragment: str) -> None:
     src = make(tmp_path)
@@ -94,11 +103,10 @@ def test_bad_source_refused_dst_absent(tmp_path: Path, make, fragment: str) -> N
     [p for p in BAD_SOURCES if p.id in ("missing", "truncated", "encoding", "empty-cells")],
 )
 def test_bad_source_keeps_existing_store_even_with_overwrite(
-    tmp_path: Path, good_h5ad: Path, make, fragment: str
+    tmp_path: Path, good_store: Path, make, fragment: str
 ) -> None:
     dst = tmp_path / "out.zarr"
-    code, _, err = run_cli("convert", good_h5ad, dst, "--block-size", "16")
-    assert code == 0, err
+    shutil.copytree(good_store, dst)
     src = make(tmp_path)
     before = snapshot(tmp_path)
     assert before[dst.name] == (0, 0, "dir")
