@@ -219,7 +219,7 @@ class SamplerConfig:
 
     @property
     def n_obs(self) -> int:
-        return int(self.block_lengths.sum())
+        return int(self.block_starts[-1])
 
     @property
     def block_starts(self) -> np.ndarray:
@@ -472,7 +472,8 @@ class WorkerPlan:
         rng = np.random.default_rng(
             np.random.SeedSequence(cfg.seed, spawn_key=(*self.key, _TAG_FETCH, k))
         )
-        blocks = np.unique(seg.block)
+        blocks = np.sort(seg.block)  # sorted unique (np.unique hashes: slow on small arrays)
+        blocks = blocks[np.concatenate([[True], blocks[1:] != blocks[:-1]])]
         offsets = np.cumsum(cfg.block_lengths[blocks]) - cfg.block_lengths[blocks]
         run_offset = offsets[np.searchsorted(blocks, seg.block)]
         starts = cfg.block_starts[seg.block]
