@@ -7,11 +7,14 @@ Benchmarks are scripts, not tests (STYLE.md §11): they measure with a cold page
 
 from __future__ import annotations
 
+import collections
 import datetime as _dt
 import json
 import os
 import platform
+import re
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Mapping, Sequence
@@ -28,6 +31,8 @@ __all__ = [
     "environment",
     "fmt_bytes",
     "markdown_table",
+    "profile_summary",
+    "pyspy_cmd",
     "sclayout_cmd",
     "write_results",
 ]
@@ -110,3 +115,58 @@ def write_results(
     js.write_text(json.dumps(payload, indent=2, default=str) + "\n")
     md.write_text(markdown.rstrip() + "\n")
     return js, md
+
+
+def pyspy_cmd(out: Path, *, rate: int = 50) -> list[str] | None:
+    """``py-spy record`` prefix writing collapsed stacks to ``out`` (None without py-spy).
+
+    ``--idle`` keeps waiting threads, so shares are of wall time, not CPU time.
+    """
+    exe = Path(sys.executable).with_name("py-spy")
+    exe = str(exe) if exe.exists() else shutil.which("py-spy")
+    if exe is None:
+        return None
+    return [
+        exe,
+        "record",
+        "-r",
+        str(rate),
+        "--idle",
+        "--threads",
+        "-f",
+        "raw",
+        "-o",
+        str(out),
+        "--",
+    ]
+
+
+def profile_summary(raw: Path, *, top: int = 15) -> str:
+    """Summarise py-spy collapsed stacks: per thread, top self and inclusive functions."""
+
+    def clean(frame: str) -> str:
+        return re.sub(r":\d+\)", ")", frame)
+
+    threads: collections.Counter[str] = collections.Counter()
+    self_: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    incl: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        frames = stack.split(";")
+        thread = re.sub(r"\d+", "N", re.sub(r"\(?0x[0-9a-f]+\)?", "", frames[0])).strip()
+        threads[thread] += int(n)
+        self_[thread][clean(frames[-1])] += int(n)
+        for f in {clean(f) for f in frames[1:]}:
+            incl[thread][f] += int(n)
+    idle = ("_worker (", "Condition.wait (", "EpollSelector.select (")
+    out = []
+    for thread, n in threads.most_common():
+        waiting = sum(m for f, m in self_[thread].items() if f.startswith(idle))
+        if n < 0.05 * sum(threads.values()) or waiting > 0.9 * n:
+            continue  # small or idle pool threads
+        out.append(f"== {thread}: {n} samples")
+        out += [f"  self {m / n:6.1%}  {f}" for f, m in self_[thread].most_common(top)]
+        out += [f"  incl {m / n:6.1%}  {f}" for f, m in incl[thread].most_common(top)]
+    return "\n".join(out)

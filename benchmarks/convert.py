@@ -47,6 +47,8 @@ from _common import (  # noqa: E402
     environment,
     fmt_bytes,
     markdown_table,
+    profile_summary,
+    pyspy_cmd,
     sclayout_cmd,
     write_results,
 )
@@ -94,6 +96,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=None, help="folder for the output stores")
     p.add_argument("--keep", action="store_true", help="keep the output stores")
     p.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="run each conversion under py-spy; write <order>.txt stacks and summaries here",
+    )
+    p.add_argument(
         "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
     )
     args = p.parse_args(argv)
@@ -108,7 +116,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _one_run(
-    src: Path, order: str, work: Path, *, regime: str, extra: Sequence[str]
+    src: Path,
+    order: str,
+    work: Path,
+    *,
+    regime: str,
+    extra: Sequence[str],
+    profile: Path | None = None,
 ) -> dict[str, Any]:
     out_parent = work / order
     shutil.rmtree(out_parent, ignore_errors=True)
@@ -117,6 +131,12 @@ def _one_run(
     check = check_eviction(src)
     evict(src)
     cmd = [*sclayout_cmd(), "convert", str(src), str(dst), "-q", *ORDERS[order], *extra]
+    if profile is not None:
+        profile.mkdir(parents=True, exist_ok=True)
+        spy = pyspy_cmd(profile / f"{order}.txt")
+        if spy is None:
+            raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
+        cmd = [*spy, sys.executable, *cmd] if cmd[0] != sys.executable else [*spy, *cmd]
     if regime == "larger-than-ram":
         with Evictor([src, out_parent]) as ev:
             run = run_child(cmd)
@@ -125,6 +145,9 @@ def _one_run(
         run = run_child(cmd)
         passes = 0
     run.check()
+    if profile is not None:
+        summary = profile_summary(profile / f"{order}.txt")
+        (profile / f"{order}.summary.txt").write_text(summary + "\n")
     load = os.getloadavg()[0]  # the machine is shared: record how busy it was
     src_bytes = src.stat().st_size
     out_bytes, files = tree_bytes(dst)
@@ -234,7 +257,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for order in args.orders.split(","):
             runs = []
             for i in range(args.repeat):
-                r = _one_run(src, order, work, regime=args.regime, extra=extra)
+                r = _one_run(
+                    src, order, work, regime=args.regime, extra=extra, profile=args.profile
+                )
                 print(
                     f"{order} run {i + 1}/{args.repeat}: {r['seconds']:.1f} s, "
                     f"{r['source_mb_s']:,.0f} MB/s, peak RSS {fmt_bytes(r['peak_rss'])}, "
