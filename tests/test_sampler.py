@@ -57,6 +57,13 @@ def as_batches(rows: list[np.ndarray]) -> list[dict]:
     return [{"index": r} for r in rows]
 
 
+EXACTLY_ONCE = [name for name in S.strategies() if S.get_strategy(name).exactly_once]
+
+
+def test_exactly_once_strategies_registered():
+    assert set(EXACTLY_ONCE) >= {"block_shuffle", "streaming"}
+
+
 CASES = {
     "one-block": (5, 8, 4, 1),
     "exact-fit": (64, 8, 8, 2),
@@ -70,7 +77,7 @@ CASES = {
 @pytest.mark.parametrize("drop_last", [False, True], ids=["keep", "drop_last"])
 @pytest.mark.parametrize("num_workers", [1, 2, 3], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
-@pytest.mark.parametrize("strategy", ["block_shuffle", "streaming"])
+@pytest.mark.parametrize("strategy", EXACTLY_ONCE)
 def test_each_row_exactly_once(case, num_workers, drop_last, strategy):
     n, block, batch, ff = case
     cfg = config(
