@@ -141,6 +141,11 @@ def pyspy_cmd(out: Path, *, rate: int = 50) -> list[str] | None:
     ]
 
 
+_PLUMBING = ("threading.py", "concurrent/futures", "dask/local.py", "dask/core.py", "importlib")
+"""Frames every worker stack holds (thread start-up, the pool, dask's task loop): left out
+of the inclusive listing, which would otherwise show only them."""
+
+
 def profile_summary(raw: Path, *, top: int = 15) -> str:
     """Summarise py-spy collapsed stacks: per thread, top self and inclusive functions."""
 
@@ -159,7 +164,8 @@ def profile_summary(raw: Path, *, top: int = 15) -> str:
         threads[thread] += int(n)
         self_[thread][clean(frames[-1])] += int(n)
         for f in {clean(f) for f in frames[1:]}:
-            incl[thread][f] += int(n)
+            if not any(x in f for x in _PLUMBING):
+                incl[thread][f] += int(n)
     idle = ("_worker (", "Condition.wait (", "EpollSelector.select (")
     out = []
     for thread, n in threads.most_common():
