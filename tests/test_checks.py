@@ -260,8 +260,8 @@ def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path) -> None:
             a.write_zarr(tmp_path / f"a{fmt}.zarr")
     for name in ("a.h5ad", "a2.zarr", "a3.zarr"):
         info = checks.inspect_source(tmp_path / name)
-        assert (info["n_obs"], info["n_vars"]) == (a.n_obs, a.n_vars)
-        assert info["obs_columns"] == list(a.obs.columns)
+        assert (info.n_obs, info.n_vars, info.x_encoding) == (a.n_obs, a.n_vars, "csr_matrix")
+        assert info.obs_columns == tuple(a.obs.columns)
 
 
 def test_check_source_reads_no_rows(tmp_path: Path, monkeypatch) -> None:

@@ -25,6 +25,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +193,17 @@ def _encoding(node: Any) -> tuple[str | None, str | None]:
     return (None if et is None else str(et)), (None if ev is None else str(ev))
 
 
-class SourceInfo(dict):
-    """What :func:`inspect_source` learnt: kind, n_obs, n_vars, X encoding, obs columns."""
+@dataclass(frozen=True)
+class SourceInfo:
+    """What :func:`inspect_source` learnt from SRC's metadata."""
+
+    kind: str
+    """``"hdf5"`` or ``"zarr"``."""
+    n_obs: int
+    n_vars: int
+    x_encoding: str
+    """``csr_matrix``, ``csc_matrix`` or ``array``."""
+    obs_columns: tuple[str, ...]
 
 
 def _legacy(path: Path, what: str) -> InputError:
@@ -400,7 +410,7 @@ def _inspect_root(path: Path, kind: str, root: Any) -> SourceInfo:
         n_obs=n_obs,
         n_vars=n_vars,
         x_encoding=x_enc,
-        obs_columns=[c.decode() if isinstance(c, bytes) else str(c) for c in columns],
+        obs_columns=tuple(c.decode() if isinstance(c, bytes) else str(c) for c in columns),
     )
 
 
@@ -417,7 +427,7 @@ def check_obs_columns(src: str | os.PathLike[str], columns: tuple[str, ...] | li
     """Raise :class:`InputError` if an ``--by`` column is not in SRC's obs (metadata only)."""
     if not columns:
         return
-    available = inspect_source(src)["obs_columns"]
+    available = inspect_source(src).obs_columns
     missing = [c for c in columns if c not in available]
     if missing:
         listed = ", ".join(available) if available else "(obs has no columns)"

@@ -40,7 +40,7 @@ from sclayout.convert._compare import (
     fmt,
     sparse_row_mismatch,
 )
-from sclayout.convert.checks import explain_read_errors, inspect_source
+from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
 
 __all__ = ["VerifyReport", "codec_name", "parse_bytes", "verify"]
 
@@ -365,7 +365,9 @@ def _windows(targets: np.ndarray, size: int, n: int) -> Iterator[tuple[int, int]
 # ------------------------------------------------------------------------- manifest
 
 
-def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifest, np.ndarray]:
+def _check_manifest(
+    dst_root: Any, info: SourceInfo, out: _Collector
+) -> tuple[Manifest, np.ndarray]:
     raw = dst_root.attrs.get(MANIFEST_KEY)
     if raw is None:
         raise NotALayoutStoreError(
@@ -374,11 +376,11 @@ def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifes
         )
     manifest = Manifest.from_dict(raw)
     out.n_checked += 1
-    if (manifest.n_obs, manifest.n_vars) != (info["n_obs"], info["n_vars"]):
+    if (manifest.n_obs, manifest.n_vars) != (info.n_obs, info.n_vars):
         out.add(
             [
                 f"manifest: n_obs x n_vars = {manifest.n_obs} x {manifest.n_vars}, "
-                f"SRC has {info['n_obs']} x {info['n_vars']}"
+                f"SRC has {info.n_obs} x {info.n_vars}"
             ]
         )
     try:
@@ -414,7 +416,7 @@ def _check_manifest(dst_root: Any, info: dict, out: _Collector) -> tuple[Manifes
     if manifest.order.kind == "original" and not np.array_equal(si, np.arange(n)):
         out.add(["manifest: order 'original' but source_index is not the identity"])
     for col in manifest.order.columns:
-        if col not in info["obs_columns"]:
+        if col not in info.obs_columns:
             out.add([f"manifest: order column {col!r} is not an obs column of SRC"])
     unlisted = sorted(set(_row_matrices(dst_root)) - set(manifest.matrices))
     if unlisted:
@@ -583,7 +585,7 @@ def verify(
     inv[si] = np.arange(len(si), dtype=si.dtype)
     src_root = (
         h5py.File(src_path, "r")
-        if info["kind"] == "hdf5"
+        if info.kind == "hdf5"
         else zarr.open_group(str(src_path), mode="r")
     )
 
@@ -652,7 +654,7 @@ def verify(
         }
         out.add(_key_diffs("root", top_d - empty, top_s - empty))
     finally:
-        if info["kind"] == "hdf5":
+        if info.kind == "hdf5":
             src_root.close()
     return VerifyReport(
         equal=out.count == 0,
