@@ -14,8 +14,9 @@ can SIGKILL it exactly there:
   one not yet in place).
 
 The freeze is a monkeypatch inside the forked child only; the product code carries
-no test hook. Forking is safe here because importing starts no threads (checked at
-start-up) and every thread the conversion uses is created in the child.
+no test hook. Forking is safe here as it is for any fork-based worker pool: importing
+starts no Python threads (checked at start-up; only the BLAS pools, which re-create
+themselves after fork), and every thread the conversion uses is created in the child.
 """
 
 from __future__ import annotations
