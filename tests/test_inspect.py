@@ -57,6 +57,12 @@ def test_inspect_matches_store(store: Path) -> None:
             assert a["uncompressed_bytes"] == raw
             assert a["ratio"] == round(raw / a["stored_bytes"], 3)
     assert info["source"]["n_obs"] == 130
+    arrays = [a for m in info["matrices"].values() for a in m["arrays"].values()]
+    assert info["other"]["files"] + sum(a["files"] for a in arrays) == len(files)
+    assert info["other"]["stored_bytes"] + sum(a["stored_bytes"] for a in arrays) == sum(
+        f.stat().st_size for f in files
+    )
+    assert info["other"]["files"] > 0
 
 
 def test_inspect_cli_json_and_text(store: Path) -> None:

@@ -58,7 +58,8 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         ``block_size``, ``n_blocks``, ``order``, ``n_obs``, ``n_vars``, ``matrices``
         (per matrix: encoding, nnz and, per array, shape, dtype, chunks, shards, codec,
         stored and uncompressed bytes, compression ratio, files), ``files``,
-        ``total_bytes``, ``bytes_per_cell``, ``source`` (the fingerprint) and the
+        ``total_bytes``, ``other`` (files and bytes of everything else: obs, var, obsm,
+        uns, metadata), ``bytes_per_cell``, ``source`` (the fingerprint) and the
         manifest's ``format``/``version``/``tool_version``/``created``.
 
     Raises
@@ -106,6 +107,11 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
             "arrays": arrays,
         }
     files, total = _tree_bytes(path)
+    in_matrices = [a for m in matrices.values() for a in m["arrays"].values()]
+    other = {
+        "files": files - sum(a.get("files", 0) for a in in_matrices),
+        "stored_bytes": total - sum(a.get("stored_bytes", 0) for a in in_matrices),
+    }
     return {
         "path": str(path),
         "format": manifest.format,
@@ -120,6 +126,7 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "matrices": matrices,
         "files": files,
         "total_bytes": total,
+        "other": other,
         "bytes_per_cell": round(total / manifest.n_obs, 1) if manifest.n_obs else None,
         "source": dict(manifest.source),
     }
@@ -171,6 +178,11 @@ def render_inspect(info: dict[str, Any]) -> str:
                 f"{_size(a.get('stored_bytes')):>10} {_size(a.get('uncompressed_bytes')):>10} "
                 f"{a.get('ratio') or '-':>6} {a.get('files', '-'):>6}"
             )
+    other = info["other"]
+    lines.append(
+        f"  {'other elements (obs, var, obsm, uns, metadata)':<47} "
+        f"{_size(other['stored_bytes']):>60} {'':>17} {other['files']:>6}"
+    )
     if info["source"]:
         lines += ["", "  source fingerprint"]
         lines += [f"    {k}: {v}" for k, v in sorted(info["source"].items())]
