@@ -687,6 +687,11 @@ def _dataloader_class() -> type:
                         "BlockDataLoader: batch_size is the dataset's; pass it to BlockDataset"
                     )
                 kwargs["batch_size"] = None
+                if kwargs.get("in_order") is False:
+                    raise InputError(
+                        "BlockDataLoader: in_order=False makes the order depend on timing; "
+                        "drop it (state_dict needs the round-robin order)"
+                    )
                 if kwargs.get("num_workers", 0) > 0:
                     kwargs.setdefault("multiprocessing_context", "spawn")
                 super().__init__(dataset, **kwargs)

@@ -269,6 +269,18 @@ def test_weighted_without_replacement_each_row_at_most_once():
         ).epoch_rows
 
 
+def test_weighted_without_replacement_draws_blocks_by_weight():
+    """Successive sampling: the first block of an epoch is drawn with probability
+    exactly ∝ its weight (Efraimidis & Spirakis). 10 blocks of weight 4 against 40 of
+    weight 1: P(heavy first) = 40 / 80. Hoeffding over 2000 epochs, delta 1e-6."""
+    w = np.repeat([4.0, 1.0], [100, 400])  # blocks of 10 rows: 10 heavy, 40 light
+    cfg = config(500, 10, strategy="weighted", row_weights=w, replacement=False, num_samples=50)
+    epochs = 2000
+    heavy = sum(int(S.epoch_stream(cfg, e).block[0] < 10) for e in range(epochs))
+    tol = math.sqrt(epochs * math.log(2 / HOEFFDING_DELTA) / 2)
+    assert abs(heavy - epochs / 2) <= tol, (heavy, tol)
+
+
 # ---------------------------------------------------------------- bad input
 
 BAD = {
