@@ -186,20 +186,14 @@ class _Rows:
     def gather(self, rows: np.ndarray) -> Any:
         """Rows ``rows`` (sorted, unique) of a CSR or dense matrix; each run of
         consecutive rows is one contiguous read."""
+        if len(rows) == 0:
+            return self.read(0, 0)
         runs = np.flatnonzero(np.diff(rows) != 1) + 1
-        starts = rows[np.r_[0, runs]] if len(rows) else rows
-        stops = rows[np.r_[runs - 1, len(rows) - 1]] + 1 if len(rows) else rows
+        starts = rows[np.r_[0, runs]]
+        stops = rows[np.r_[runs - 1, len(rows) - 1]] + 1
         if not self.sparse:
-            return (
-                np.concatenate(
-                    [
-                        np.asarray(self._node[int(a) : int(b)])
-                        for a, b in zip(starts, stops, strict=True)
-                    ]
-                )
-                if len(rows)
-                else np.asarray(self._node[0:0])
-            )
+            ranges = zip(starts, stops, strict=True)
+            return np.concatenate([np.asarray(self._node[int(a) : int(b)]) for a, b in ranges])
         if self._indptr is None:
             self._indptr = np.asarray(self._node["indptr"][...], dtype=np.int64)
         ptr = self._indptr
@@ -213,11 +207,7 @@ class _Rows:
         out_ptr = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=out_ptr[1:])
         return sp.csr_matrix(
-            (
-                np.concatenate(d_parts) if d_parts else np.empty(0, self.dtype),
-                np.concatenate(i_parts) if i_parts else np.empty(0, np.int32),
-                out_ptr,
-            ),
+            (np.concatenate(d_parts), np.concatenate(i_parts), out_ptr),
             shape=(len(rows), self.shape[1]),
         )
 
