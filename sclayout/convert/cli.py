@@ -64,6 +64,7 @@ def convert_command(
     quiet: bool,
 ) -> None:
     """Convert SRC (.h5ad or AnnData zarr) into the layout store DST."""
+    from loader.errors import InputError
     from loader.layout import RowOrder, parse_block_size
     from loader.spec import LayoutSpec
     from sclayout.convert import convert
@@ -74,10 +75,16 @@ def convert_command(
     if spec is not None:  # explicit options override the spec: fold them into it
         layout_spec = LayoutSpec.load(spec)
         st = layout_spec.store
+        kind = order or st.order.kind
+        if by and kind != "stratified":
+            raise InputError(
+                f"--by {by[0]!r}: columns are only used with --order stratified "
+                f"(order is {kind!r}); drop --by or pass --order stratified"
+            )
         merged_order = RowOrder(
-            kind=order or st.order.kind,
+            kind=kind,
             seed=seed if seed is not None else st.order.seed,
-            columns=by or st.order.columns,
+            columns=by or (st.order.columns if kind == "stratified" else ()),
         )
         layout_spec = layout_spec.with_store(
             block_size=size or st.block_size, order=merged_order, codec=codec or st.codec

@@ -113,6 +113,7 @@ def resolve_options(
     memory_budget: str | int,
 ) -> ConvertOptions:
     """Merge a spec with explicit arguments; arguments at their defaults take the spec's."""
+    by = (by,) if isinstance(by, str) else tuple(by)
     if spec is not None and not isinstance(spec, LayoutSpec):
         spec = LayoutSpec.load(spec)
     store = spec.store if spec is not None else None
@@ -122,9 +123,16 @@ def resolve_options(
         block_size = store.block_size
     if store is not None:
         order = order if order != "original" else store.order.kind
-        by = tuple(by) or store.order.columns
-        seed = seed if seed != 0 or store.order.seed is None else store.order.seed
+        if not by and order == "stratified":
+            by = store.order.columns
+        if seed == 0 and store.order.seed is not None:
+            seed = store.order.seed
         codec = codec if codec != "blosc-lz4" else store.codec
+    if by and order != "stratified":
+        raise InputError(
+            f"--by {by[0]!r}: columns are only used with --order stratified "
+            f"(order is {order!r}); drop --by or pass --order stratified"
+        )
     get_order(order)
     get_codec(codec)
     if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or seed < 0:

@@ -1,0 +1,431 @@
+"""The converter: manifest and chunk layout, orders, out-of-core path, codecs, safety, CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import anndata as ad
+import numpy as np
+import pandas as pd
+import pytest
+import zarr
+from _synth import assert_adata_equal, make_adata, restore_source_order, write_source
+from click.testing import CliRunner
+
+from loader.errors import InputError, SpecError
+from loader.layout import MANIFEST_KEY, Manifest, RowOrder
+from loader.spec import LayoutSpec, StoreSpec
+from sclayout.cli import main
+from sclayout.convert import CODECS, convert, get_order, parse_memory_budget
+from sclayout.convert import external as ext
+
+GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
+
+
+def _manifest(store: Path) -> Manifest:
+    return Manifest.from_dict(dict(zarr.open_group(store, mode="r").attrs)[MANIFEST_KEY])
+
+
+# -- manifest and layout -------------------------------------------------------------------
+
+
+def test_manifest_describes_the_arrays_on_disk(synth_store):
+    m = _manifest(synth_store)
+    root = zarr.open_group(synth_store, mode="r")
+    assert m.n_obs == 600 and m.n_vars == 80 and m.block_size == 16 and m.n_blocks == 38
+    assert m.order.kind == "stratified" and m.order.columns == ("plate",) and m.order.seed == 1
+    assert set(m.matrices) == {"X", "layers/counts", "layers/dense", "raw/X"}
+    for name, mat in m.matrices.items():
+        for role, a in mat.arrays.items():
+            arr = root[a.path]
+            assert (arr.shape, str(arr.dtype)) == (a.shape, a.dtype), f"{name}/{role}"
+            assert (arr.chunks, arr.shards) == (a.chunks, a.shards), f"{name}/{role}"
+            assert all(s % c == 0 for s, c in zip(a.shards, a.chunks, strict=True))
+        if mat.encoding == "dense":
+            assert mat.arrays["values"].chunks[0] % m.block_size == 0  # whole blocks
+        else:
+            data, indices = mat.arrays["data"], mat.arrays["indices"]
+            assert data.chunks == indices.chunks and data.shards == indices.shards
+            assert mat.arrays["indptr"].chunks[0] % m.block_size == 0
+            indptr = root[mat.arrays["indptr"].path][:]
+            assert indptr.dtype == np.int64 and indptr[-1] == mat.nnz == data.shape[0]
+            pointer = root[mat.block_pointer][:]
+            expected = indptr[np.r_[np.arange(0, m.n_obs, m.block_size), m.n_obs]]
+            assert pointer.dtype == np.int64 and np.array_equal(pointer, expected)
+    assert m.source["n_obs"] == 600 and len(m.source["sha256_first_mib"]) == 64
+
+
+@pytest.mark.parametrize("density", [0.3, 0.01])
+def test_csr_chunks_follow_block_nnz(tmp_path, density):
+    from sclayout.convert.plan import CSR_CHUNK_NNZ_MIN
+
+    a = make_adata(2000, 300, density=density, layers=False, obsm=False, seed=2)
+    write_source(a, tmp_path / "a.h5ad", "h5ad")
+    m = convert(tmp_path / "a.h5ad", tmp_path / "o.zarr", block_size=64)
+    per_block = a.X.nnz / a.n_obs * 64  # a typical block's nnz
+    chunk = m.X.arrays["data"].chunks[0]
+    if per_block >= CSR_CHUNK_NNZ_MIN:
+        assert per_block <= chunk < per_block + 1  # a block touches at most two chunks
+    else:
+        assert chunk == CSR_CHUNK_NNZ_MIN
+    assert m.X.arrays["data"].shards[0] % chunk == 0
+
+
+def test_manifest_json_round_trip(synth_store):
+    m = _manifest(synth_store)
+    assert Manifest.from_json(m.to_json()) == m
+    assert json.loads(m.to_json()) == m.to_dict()
+
+
+def _normalised(m: Manifest) -> dict:
+    d = json.loads(m.to_json())
+    d["created"] = "<created>"
+    d["tool_version"] = "<version>"
+    d["source"] = {k: d["source"][k] for k in ("n_obs", "n_vars", "nnz")}
+    return d
+
+
+def test_golden_manifest(tmp_path):
+    """Format drift: a fixed dataset and options must give exactly the stored manifest."""
+    a = make_adata(120, 20, density=0.2, raw=True, seed=11)
+    write_source(a, tmp_path / "g.h5ad", "h5ad")
+    m = convert(
+        tmp_path / "g.h5ad", tmp_path / "g.zarr", block_size=16, order="stratified", by=["plate"]
+    )
+    got = _normalised(m)
+    if os.environ.get("SCLAYOUT_UPDATE_GOLDEN"):
+        GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    assert got == json.loads(GOLDEN.read_text())
+
+
+# -- orders --------------------------------------------------------------------------------
+
+
+def _obs(n: int, seed: int = 0) -> pd.DataFrame:
+    return make_adata(n, 2, density=0, layers=False, obsm=False, uns=False, seed=seed).obs
+
+
+@pytest.mark.parametrize("order", ["shuffled", "stratified"])
+def test_permutations_reproducible_by_seed(order):
+    obs = _obs(500)
+    fn = get_order(order)
+    by = ["plate", "cell_line"]
+    p1, p2 = fn(500, obs=obs, by=by, seed=3), fn(500, obs=obs, by=by, seed=3)
+    p3 = fn(500, obs=obs, by=by, seed=4)
+    assert np.array_equal(np.sort(p1), np.arange(500))
+    assert np.array_equal(p1, p2) and not np.array_equal(p1, p3)
+
+
+def _max_block_deviation(labels: np.ndarray, block: int) -> float:
+    """Largest |count in a block - block × global share| over blocks and labels."""
+    values, codes = np.unique(labels, return_inverse=True)
+    share = np.bincount(codes) / codes.size
+    worst = 0.0
+    for start in range(0, codes.size - block + 1, block):  # whole blocks only
+        counts = np.bincount(codes[start : start + block], minlength=values.size)
+        worst = max(worst, float(np.abs(counts - block * share).max()))
+    return worst
+
+
+def test_stratified_blocks_are_balanced():
+    obs = _obs(2000, seed=5)  # 4 plates, rows sorted by plate like real data
+    labels = obs["plate"].to_numpy()
+    strat = get_order("stratified")(2000, obs=obs, by=["plate"], seed=0)
+    shuf = get_order("shuffled")(2000, obs=obs, seed=0)
+    assert _max_block_deviation(labels, 32) > 15  # source order: blocks of one plate
+    assert _max_block_deviation(labels[shuf], 32) > 3  # random: binomial noise
+    assert _max_block_deviation(labels[strat], 32) < 2  # stratified: within a row
+
+
+def test_stratified_by_two_columns_balances_their_combination():
+    obs = _obs(3000, seed=6)
+    combo = (obs["plate"].astype(str) + "/" + obs["cell_line"].astype(str)).to_numpy()
+    perm = get_order("stratified")(3000, obs=obs, by=["plate", "cell_line"], seed=1)
+    assert _max_block_deviation(combo[perm], 64) < 2.5
+
+
+def test_unknown_order_lists_known():
+    with pytest.raises(SpecError, match=r"order='zigzag': unknown; known: original, shuffled"):
+        get_order("zigzag")
+
+
+# -- out of core ---------------------------------------------------------------------------
+
+
+def test_small_budget_uses_many_buckets_and_gives_identical_store(tmp_path, monkeypatch):
+    a = make_adata(700, 40, density=0.2, x_format="csr", raw=True, seed=9)
+    write_source(a, tmp_path / "a.h5ad", "h5ad")
+    buckets = []
+    real = ext.assemble
+    monkeypatch.setattr(ext, "assemble", lambda job: buckets.append(job.bucket) or real(job))
+    convert(tmp_path / "a.h5ad", tmp_path / "big.zarr", order="shuffled", seed=2)
+    n_big = len(buckets)
+    buckets.clear()
+    spec = LayoutSpec(store=StoreSpec(block_size=64, csr_chunk_nnz=64, shard_chunks=2))
+    convert(
+        tmp_path / "a.h5ad",
+        tmp_path / "small.zarr",
+        spec=spec,
+        order="shuffled",
+        seed=2,
+        memory_budget="20KB",
+    )
+    assert n_big == 4  # X, layers/counts, layers/dense, raw/X: one bucket each
+    assert len(buckets) > 50
+    big, small = ad.read_zarr(tmp_path / "big.zarr"), ad.read_zarr(tmp_path / "small.zarr")
+    assert_adata_equal(big, small)
+    assert_adata_equal(a, restore_source_order(small))
+    assert not any(p.name.startswith("_sclayout") for p in (tmp_path / "small.zarr").iterdir())
+
+
+# -- codecs --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", sorted(CODECS))
+def test_every_codec_reads_back_with_zarr_and_tensorstore(tmp_path, codec):
+    import tensorstore as ts
+
+    a = make_adata(90, 15, density=0.3, layers=False, obsm=False, seed=1)
+    write_source(a, tmp_path / "a.h5ad", "h5ad")
+    m = convert(tmp_path / "a.h5ad", tmp_path / "o.zarr", block_size=8, codec=codec)
+    assert m.X.arrays["data"].codec == codec
+    for role, arr in (("data", a.X.data), ("indices", a.X.indices)):
+        spec = {
+            "driver": "zarr3",
+            "kvstore": {"driver": "file", "path": str(tmp_path / f"o.zarr/X/{role}")},
+        }
+        got = ts.open(spec, open=True, read=True).result().read().result()
+        assert np.array_equal(got, arr)
+        assert np.array_equal(zarr.open_array(tmp_path / f"o.zarr/X/{role}", mode="r")[:], arr)
+
+
+def test_unknown_codec_lists_known(tmp_path, synth_h5ad):
+    with pytest.raises(SpecError, match=r"codec='lzma': unknown; known: blosc-lz4, "):
+        convert(synth_h5ad, tmp_path / "o.zarr", codec="lzma")
+    assert not (tmp_path / "o.zarr").exists()
+
+
+# -- options -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("2GB", 2 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5G", 1_500_000_000),
+        (4096, 4096),
+        ("100 kb", 100_000),
+        ("3GiB", 3 * 2**30),
+    ],
+    ids=str,
+)
+def test_parse_memory_budget(text, expected):
+    assert parse_memory_budget(text) == expected
+
+
+@pytest.mark.parametrize("bad", ["abc", "2XB", "-1GB", "", True, 1.5])
+def test_bad_memory_budget(bad):
+    with pytest.raises(
+        InputError, match=re.escape(f"memory_budget={bad!r}: not a size; use e.g. 2GB")
+    ):
+        parse_memory_budget(bad)
+
+
+def test_zero_memory_budget():
+    with pytest.raises(InputError, match=r"memory_budget=0: must be positive"):
+        parse_memory_budget(0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size=0: must be a positive integer"),
+        ({"block_size": 2.5}, "block_size=2.5: must be a positive integer"),
+        ({"order": "stratified"}, "order='stratified' needs at least one obs column (--by COL)"),
+        (
+            {"order": "shuffled", "by": ["plate"]},
+            "--by 'plate': columns are only used with --order stratified",
+        ),
+        ({"seed": -1, "order": "shuffled"}, "seed=-1: must be an integer >= 0"),
+        ({"jobs": 0}, "jobs=0: must be a positive integer"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_bad_options_leave_no_dst(tmp_path, synth_h5ad, kwargs, message):
+    with pytest.raises(InputError, match=re.escape(message)):
+        convert(synth_h5ad, tmp_path / "o.zarr", **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_by_names_missing_column_and_lists_available(tmp_path, synth_h5ad):
+    with pytest.raises(
+        InputError, match=r"--by 'donor': no such obs column .*available: plate, cell_line"
+    ):
+        convert(synth_h5ad, tmp_path / "o.zarr", order="stratified", by=["donor"])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_spec_values_apply_and_explicit_arguments_override(tmp_path, synth_h5ad):
+    spec = LayoutSpec(store=StoreSpec(block_size=24, codec="zstd"))
+    spec = spec.with_store(order=RowOrder("shuffled", 9))
+    spec.save(tmp_path / "spec.json")
+    m = convert(synth_h5ad, tmp_path / "a.zarr", spec=tmp_path / "spec.json")
+    assert (m.block_size, m.order.kind, m.order.seed, m.X.arrays["data"].codec) == (
+        24,
+        "shuffled",
+        9,
+        "zstd",
+    )
+    m = convert(synth_h5ad, tmp_path / "b.zarr", spec=spec, block_size=8, seed=3)
+    assert (m.block_size, m.order.seed) == (8, 3)
+
+
+def test_bad_spec_file(tmp_path, synth_h5ad):
+    (tmp_path / "spec.json").write_text(
+        '{"format": "sclayout-spec", "version": 1, "store": {"block_size": -4}}'
+    )
+    with pytest.raises(SpecError, match=r"block_size=-4: must be a positive integer"):
+        convert(synth_h5ad, tmp_path / "o.zarr", spec=tmp_path / "spec.json")
+    assert not (tmp_path / "o.zarr").exists()
+
+
+# -- destination safety ----------------------------------------------------------------------
+
+
+def test_existing_dst_needs_overwrite_then_is_replaced(tmp_path, synth_h5ad):
+    dst = tmp_path / "o.zarr"
+    convert(synth_h5ad, dst, block_size=10)
+    with pytest.raises(
+        InputError, match=re.escape(f"DST {dst} exists: pass --overwrite to replace it")
+    ):
+        convert(synth_h5ad, dst, block_size=20)
+    assert _manifest(dst).block_size == 10
+    convert(synth_h5ad, dst, block_size=20, overwrite=True)
+    assert _manifest(dst).block_size == 20
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]  # no temp or aside dirs
+
+
+def test_stale_temp_siblings_of_dead_runs_are_removed(tmp_path, synth_h5ad):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    stale = tmp_path / f".o.zarr.sclayout-tmp-{dead}"
+    (stale / "X").mkdir(parents=True)
+    convert(synth_h5ad, tmp_path / "o.zarr")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
+
+
+def test_failure_midway_leaves_nothing(tmp_path, synth_h5ad, monkeypatch):
+    import sys
+
+    convert_module = sys.modules["sclayout.convert.convert"]
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(convert_module, "_write_uns_sclayout", boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        convert(synth_h5ad, tmp_path / "o.zarr")
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- progress and CLI ------------------------------------------------------------------------
+
+
+def test_library_is_quiet_unless_asked(tmp_path, synth_h5ad, capfd):
+    convert(synth_h5ad, tmp_path / "a.zarr", order="shuffled")
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""
+    convert(synth_h5ad, tmp_path / "b.zarr", order="shuffled", progress=True)
+    assert "route X" in capfd.readouterr().err
+
+
+def test_cli_convert_prints_summary(tmp_path, synth_h5ad):
+    r = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(synth_h5ad),
+            str(tmp_path / "o.zarr"),
+            "--block-size",
+            "32",
+            "--order",
+            "stratified",
+            "--by",
+            "plate",
+            "--by",
+            "cell_line",
+            "--seed",
+            "4",
+            "--codec",
+            "zstd",
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    assert re.search(r"600 rows x 80 vars, 19 blocks of 32, order stratified, 4 matrices", r.output)
+    assert re.search(r"MB/s of source", r.output)
+    m = _manifest(tmp_path / "o.zarr")
+    assert m.order.columns == ("plate", "cell_line") and m.order.seed == 4
+
+
+def test_cli_quiet_and_spec_override(tmp_path, synth_h5ad):
+    spec = LayoutSpec(store=StoreSpec(block_size=24)).with_store(
+        order=RowOrder("stratified", 2, ("plate",))
+    )
+    spec.save(tmp_path / "spec.json")
+    r = CliRunner().invoke(
+        main,
+        [
+            "convert",
+            str(synth_h5ad),
+            str(tmp_path / "o.zarr"),
+            "--spec",
+            str(tmp_path / "spec.json"),
+            "--order",
+            "shuffled",
+            "-q",
+        ],
+    )
+    assert r.exit_code == 0 and r.output == ""
+    m = _manifest(tmp_path / "o.zarr")
+    assert (m.block_size, m.order.kind, m.order.seed, m.order.columns) == (24, "shuffled", 2, ())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "x"], "error: --block-size='x': must be a positive integer"),
+        (["--block-size", "-3"], "error: --block-size='-3': must be a positive integer"),
+        (["--order", "stratified", "--by", "donor"], "error: --by 'donor': no such obs column"),
+        (["--memory-budget", "lots"], "error: memory_budget='lots': not a size"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_cli_errors_are_one_line(tmp_path, synth_h5ad, args, message):
+    r = CliRunner().invoke(main, ["convert", str(synth_h5ad), str(tmp_path / "o.zarr"), *args])
+    assert r.exit_code == 2
+    assert r.output.startswith(message) and r.output.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- real data -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", REAL, ids=lambda p: p.name.split("_")[0])
+def test_real_datasets_round_trip(tmp_path, path):
+    src = ad.read_h5ad(path)
+    m = convert(path, tmp_path / "o.zarr", order="shuffled", seed=1)
+    assert (m.n_obs, m.n_vars, m.X.nnz) == (src.n_obs, src.n_vars, src.X.nnz)
+    assert_adata_equal(src, restore_source_order(ad.read_zarr(tmp_path / "o.zarr")))
