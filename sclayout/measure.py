@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import mmap
 import os
 import statistics
@@ -495,18 +496,60 @@ def random_batch_entropy(all_labels: np.ndarray, batch_size: int) -> float:
     minibatches): the entropy is a sum over classes of ``-(x/b) log2(x/b)``, and each
     class count ``x`` is hypergeometric, so the expectation is a finite sum.
     """
-    from scipy.stats import hypergeom
-
     labels = np.asarray(all_labels)
     n = len(labels)
     b = int(batch_size)
     if b <= 0 or b > n:
         raise InputError(f"batch_size={batch_size}: must be in [1, {n}] (the number of labels)")
-    sizes = np.unique(labels, return_counts=True)[1]
+    return _random_entropy(_class_sizes(labels), b)
+
+
+def _class_sizes(labels: np.ndarray) -> tuple[int, ...]:
+    """Population count of each label (``bincount`` for codes: O(n), no sort)."""
+    if labels.dtype.kind in "iub" and labels.size and labels.min() >= 0:
+        counts = np.bincount(labels.ravel().astype(np.int64, copy=False))
+        return tuple(int(c) for c in counts[counts > 0])
+    return tuple(int(c) for c in np.unique(labels, return_counts=True)[1])
+
+
+@functools.lru_cache(maxsize=256)
+def _random_entropy(sizes: tuple[int, ...], b: int) -> float:
+    from scipy.stats import hypergeom
+
+    counts = np.asarray(sizes)
     x = np.arange(1, b + 1)
     term = -(x / b) * np.log2(x / b)
-    pmf = hypergeom.pmf(x[None, :], n, sizes[:, None], b)
+    pmf = hypergeom.pmf(x[None, :], int(counts.sum()), counts[:, None], b)
     return float((pmf * term[None, :]).sum())
+
+
+def _batch_entropies(flat: np.ndarray, lengths: np.ndarray, population: np.ndarray) -> np.ndarray:
+    """Entropy (bits) of each minibatch; ``flat`` holds the minibatches back to back.
+
+    Vectorised: one ``bincount`` over (minibatch, class) pairs, not a loop of ``unique``.
+    """
+    if flat.dtype.kind in "iub" and population.dtype.kind in "iub" and flat.min() >= 0:
+        codes = flat.astype(np.int64, copy=False)
+        n_classes = int(codes.max()) + 1
+    else:
+        classes = np.unique(population)
+        codes = np.searchsorted(classes, flat)
+        bad = (codes >= classes.size) | (classes[np.minimum(codes, classes.size - 1)] != flat)
+        if bad.any():
+            raise InputError(
+                f"batch_labels: label {flat[bad][0].item()!r} is not in all_labels; "
+                "pass labels of the same column"
+            )
+        n_classes = classes.size
+    n = lengths.size
+    if n * n_classes > 1 << 27:  # sparse labels (e.g. huge codes): compact them first
+        uniq, codes = np.unique(codes, return_inverse=True)
+        n_classes = uniq.size
+    batch = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    counts = np.bincount(batch * n_classes + codes, minlength=n * n_classes)
+    p = counts.reshape(n, n_classes) / lengths[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
 
 
 def _sampled_batch_entropy(labels: np.ndarray, size: int, *, n_random: int, seed: int) -> float:
@@ -560,27 +603,27 @@ def diversity_ratio(
     The ratio; ``nan`` when random minibatches have zero entropy (one label only).
     """
     population = np.asarray(all_labels)
-    total, reference = 0.0, 0.0
-    refs: dict[int, float] = {}
-    n_batches = 0
-    for labels in batch_labels:
-        labels = np.asarray(labels)
-        size = len(labels)
-        if size == 0:
-            continue
-        if batch_size is not None and size > batch_size:
-            raise InputError(
-                f"batch_labels: a minibatch of {size} rows exceeds batch_size={batch_size}"
-            )
-        if size not in refs:
-            refs[size] = (
-                random_batch_entropy(population, size)
-                if n_random is None
-                else _sampled_batch_entropy(population, size, n_random=n_random, seed=seed)
-            )
-        total += batch_entropy(labels)
-        reference += refs[size]
-        n_batches += 1
-    if n_batches == 0:
+    batches = [b for b in map(np.asarray, batch_labels) if b.size]
+    if not batches:
         raise InputError("batch_labels: no non-empty minibatch; pass at least one")
+    lengths = np.array([b.size for b in batches], dtype=np.int64)
+    biggest = int(lengths.max())
+    if batch_size is not None and biggest > batch_size:
+        raise InputError(
+            f"batch_labels: a minibatch of {biggest} rows exceeds batch_size={batch_size}"
+        )
+    if biggest > population.size:
+        raise InputError(
+            f"batch_size={biggest}: must be in [1, {population.size}] (the number of labels)"
+        )
+    total = float(_batch_entropies(np.concatenate(batches), lengths, population).sum())
+    sizes = _class_sizes(population) if n_random is None else ()
+    reference = 0.0
+    for size, count in zip(*np.unique(lengths, return_counts=True), strict=True):
+        ref = (
+            _random_entropy(sizes, int(size))
+            if n_random is None
+            else _sampled_batch_entropy(population, int(size), n_random=n_random, seed=seed)
+        )
+        reference += int(count) * ref
     return total / reference if reference > 0 else float("nan")

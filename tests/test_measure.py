@@ -90,6 +90,11 @@ def test_diversity_ratio_short_last_batch_uses_its_own_reference():
     assert diversity_ratio(batches, labels) == pytest.approx(expected)
 
 
+def test_diversity_ratio_unknown_label():
+    with pytest.raises(InputError, match="label 'z' is not in all_labels"):
+        diversity_ratio([np.array(["x", "z"])], np.array(["x", "y"] * 5))
+
+
 def test_diversity_ratio_strings_and_single_label():
     labels = np.array(["x", "y"] * 10)
     assert diversity_ratio([labels[:4]], labels) > 0
