@@ -10,9 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
+@pytest.mark.slow  # three conversions in child processes: ~30 s
 def test_convert_benchmark_quick(tmp_path):
     out = subprocess.run(
         [
