@@ -348,7 +348,6 @@ class LayoutReader:
                 "use backend='tensorstore' or 'zarr' for layout stores"
             )
         self.backend = backend
-        self._factory = factory
         self._obs: dict[str, tuple[np.ndarray, list]] = {}
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
