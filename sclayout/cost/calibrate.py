@@ -42,7 +42,6 @@ __all__ = [
     "calibrate",
     "measure_assembly",
     "measure_codecs",
-    "measure_parallelism",
 ]
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
@@ -211,6 +210,16 @@ def _timed_loop(
     return time.perf_counter() - t0, it, nbytes
 
 
+def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> float:
+    """Units per second of ``step`` (which returns the units it did), over ``seconds``.
+
+    Wall-clock means, on purpose: on a machine shared with other jobs they include
+    the CPU share this process gets at the moment, which is also what the loader will
+    get when it runs; calibrate right before predicting."""
+    dt, _, units = _timed_loop(step, seconds, min_iter=min_iter)
+    return units / dt
+
+
 # ---------------------------------------------------------------- CPU measurements
 
 
@@ -284,11 +293,11 @@ def measure_codecs(
             threads = numcodecs.blosc.get_nthreads()
             numcodecs.blosc.set_nthreads(1)
         try:
-            dt, _, nbytes = _timed_loop(step, seconds)
+            rate = _rate(step, seconds)
         finally:
             if threads is not None:
                 numcodecs.blosc.set_nthreads(threads)
-        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=nbytes / dt)
+        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=rate)
     return out
 
 
@@ -326,43 +335,22 @@ def measure_assembly(
 
         return step
 
-    gather, dense = run(csr_out), run(dense_out)
-    dt, it, _ = _timed_loop(gather, seconds / 2)
-    t_gather = dt / it
-    dt, it, _ = _timed_loop(dense, seconds / 2)
-    t_dense = dt / it
+    rows = fetch_rows(
+        data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges, n_vars=n_vars
+    ).permute(order)
+
+    def densify() -> int:
+        for p in positions:
+            dense_out(rows, p)
+        return 1
+
+    t_gather = 1.0 / _rate(run(csr_out), seconds / 2)
+    t_dense = 1.0 / _rate(densify, seconds / 2)
     nnz = int(indptr[-1])
     cells = n_batches * batch_size
     per_nnz = t_gather / nnz
-    per_value = max(t_dense - t_gather, 1e-12) / (cells * n_vars)
+    per_value = t_dense / (cells * n_vars)
     return per_nnz, per_value
-
-
-def measure_parallelism(seconds: float = 1.0) -> float:
-    """Usable CPU parallelism: throughput of GIL-free numpy work (sorting a copy of 1M
-    floats) on ``os.cpu_count()`` threads over one thread. On a shared machine it is
-    below the core count, and so is what the loader's threads get."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    n = os.cpu_count() or 1
-    src = np.random.default_rng(0).random(2**20).astype(np.float32)
-
-    def work() -> int:
-        a = src.copy()
-        a.sort()
-        return 1
-
-    dt1, it1, _ = _timed_loop(work, seconds / 2)
-    if n == 1:
-        return 1.0
-    with ThreadPoolExecutor(n) as pool:
-
-        def step() -> int:
-            return sum(pool.map(lambda _: work(), range(n)))
-
-        dtn, _, done = _timed_loop(step, seconds / 2)
-    ratio = (done / dtn) / (it1 / dt1)
-    return float(min(max(ratio, 0.5), n))
 
 
 def _copy_bandwidth(seconds: float = 0.5) -> float:
@@ -373,8 +361,7 @@ def _copy_bandwidth(seconds: float = 0.5) -> float:
         np.copyto(dst, src)
         return src.nbytes
 
-    dt, _, nbytes = _timed_loop(step, seconds)
-    return nbytes / dt
+    return _rate(step, seconds)
 
 
 def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
@@ -544,7 +531,6 @@ def calibrate(
     dt, it, _ = _timed_loop(lambda: reader.read_all(warm), plan.assembly * 0.3)
     request_cpu = (time.process_time() - cpu0) / (it * len(warm))
     fetch_overhead = _fetch_overhead()
-    cores = measure_parallelism(seconds=plan.assembly * 0.3)
     bar.update()
     bar.close()
     kind = "http" if _is_url(target) else "local"
@@ -562,7 +548,7 @@ def calibrate(
         copy_Bps=copy_bps,
         fetch_overhead_s=fetch_overhead,
         request_cpu_s=request_cpu,
-        cores=cores,
+        cores=os.cpu_count() or 1,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "
