@@ -84,7 +84,9 @@ def make_mlp(n_in: int, n_out: int, *, seed: int, hidden: int = 256):
     from torch import nn
 
     g = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
-    model = nn.Sequential(nn.Linear(n_in, hidden), nn.ReLU(), nn.Linear(hidden, n_out))
+    # skip_init: nn.Linear's own initialisation would draw from the global generator
+    layers = [nn.utils.skip_init(nn.Linear, a, b) for a, b in ((n_in, hidden), (hidden, n_out))]
+    model = nn.Sequential(layers[0], nn.ReLU(), layers[1])
     with torch.no_grad():
         for layer in (model[0], model[2]):
             nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=g)
@@ -208,7 +210,21 @@ def _load(train: Path, test: Path, name: str, label: str, split: str) -> Prepare
     te = ad.read_h5ad(test)
     test_cats = [str(c) for c in te.obs[label].cat.categories]
     test_y = remap(test_cats, classes)[te.obs[label].cat.codes.to_numpy()]
-    return Prepared(name, train, label, classes, train_y, sp.csr_matrix(te.X), test_y, split)
+    return Prepared(name, train, label, classes, train_y, as_csr32(te.X), test_y, split)
+
+
+def as_csr32(x: Any) -> sp.csr_matrix:
+    """float32 CSR with int32 indices and indptr (when they fit).
+
+    An h5ad may store ``indptr`` as int64 and ``indices`` as int32; scipy then casts
+    the whole ``indices`` array to a common dtype on *every* row selection (measured:
+    1.2 s per minibatch on 100,000 × 2,000), so the dtypes are unified once here.
+    """
+    x = sp.csr_matrix(x, dtype=np.float32)
+    if x.nnz < np.iinfo(np.int32).max:
+        x.indices = x.indices.astype(np.int32, copy=False)
+        x.indptr = x.indptr.astype(np.int32, copy=False)
+    return x
 
 
 def remap(categories: list[str], classes: tuple[str, ...]) -> np.ndarray:
@@ -314,7 +330,7 @@ def _random_rows(prep: Prepared, *, seed: int, batch_size: int, **_: Any) -> Sch
     import anndata as ad
     import torch
 
-    X = sp.csr_matrix(ad.read_h5ad(prep.train_path).X, dtype=np.float32)
+    X = as_csr32(ad.read_h5ad(prep.train_path).X)
 
     def epoch(e: int) -> Batches:
         perm = np.random.default_rng(np.random.SeedSequence([seed, e])).permutation(X.shape[0])
@@ -441,7 +457,6 @@ def train_one(
         "data_cells_per_s": steps * batch_size / data_s,
         "data_s": data_s,
         "wall_s": wall,
-        "epochs_started": epoch + 1,
     }
 
 
