@@ -43,15 +43,14 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
-from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from loader import sampler as S
-from loader.errors import InputError, LayoutError
+from loader._pipeline import run_plan
+from loader.errors import InputError
 from loader.layout import parse_block_size
 
 __all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
@@ -451,48 +450,17 @@ class BlockDataset:
         yield from self._execute(plan, int(skip[logical]))
 
     def _execute(self, plan: S.WorkerPlan, skip: int):
-        """Run ``plan`` from minibatch ``skip``: read-ahead, take, concatenate, convert."""
-        reader = self._get_reader()
-        lengths = self.config.block_lengths
-        in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order
-        ready: dict[int, tuple[S.Fetch, Any]] = {}
-        next_k = None
-
-        def submit_more(k_from: int, *, at_least_one: bool = False) -> None:
-            nonlocal next_k
-            if next_k is None:
-                next_k = k_from
-            while next_k < plan.n_fetches and (
-                len(ready) + len(in_flight) < self.prefetch + 1 or at_least_one
-            ):
-                f = plan.fetch(next_k)
-                in_flight.append((f, reader.submit(f.blocks)))
-                next_k += 1
-                at_least_one = False
-
-        for parts in plan.batch_parts(skip):
-            first = parts[0][0]
-            for k in [k for k in ready if k < first]:
-                del ready[k]
-            submit_more(first)
-            for k, _, _ in parts:
-                while k not in ready:
-                    if not in_flight:
-                        submit_more(k, at_least_one=True)
-                    f, pending = in_flight.popleft()
-                    got = pending.result()
-                    if got.n_rows != int(lengths[f.blocks].sum()):
-                        raise LayoutError(
-                            f"reader returned {got.n_rows} rows for blocks with "
-                            f"{int(lengths[f.blocks].sum())}; the store is inconsistent"
-                        )
-                    ready[f.index] = (f, got)
-            submit_more(first)  # keep the read-ahead full before taking rows
-            pieces = [
-                ready[k][1].take(ready[k][0].order[a:b], output=self.output, obs=self.obs)
-                for k, a, b in parts
-            ]
-            yield self._convert(_concat(pieces))
+        """Run ``plan`` from minibatch ``skip`` with read-ahead; convert each batch."""
+        batches = run_plan(
+            plan,
+            self._get_reader(),
+            skip=skip,
+            output=self.output,
+            obs=self.obs,
+            prefetch=self.prefetch,
+        )
+        for batch in batches:
+            yield self._convert(batch)
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
         X = batch["X"]
@@ -512,23 +480,6 @@ class BlockDataset:
         cls = _dataloader_class()
         kwargs.setdefault("num_workers", self._spec_num_workers)
         return cls(self, **kwargs)
-
-
-def _concat(pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    if len(pieces) == 1:
-        return pieces[0]
-    Xs = [p["X"] for p in pieces]
-    if isinstance(Xs[0], np.ndarray):
-        X = np.concatenate(Xs)
-    else:
-        import scipy.sparse as sp
-
-        X = sp.vstack(Xs, format="csr")
-    return {
-        "X": X,
-        "index": np.concatenate([p["index"] for p in pieces]),
-        "obs": {c: np.concatenate([p["obs"][c] for p in pieces]) for c in pieces[0]["obs"]},
-    }
 
 
 def _check_path(path: Any) -> str:
@@ -619,101 +570,22 @@ def _shared_state() -> Any:
     return state
 
 
-# --------------------------------------------------------------------------- torch glue
-
-
-def _to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    import torch
-
-    X = batch["X"]
-    if isinstance(X, np.ndarray):
-        tX = torch.from_numpy(X)
-    else:
-        with warnings.catch_warnings():
-            # torch warns once that it skips CSR invariant checks; take_csr built it valid.
-            warnings.filterwarnings("ignore", message="Sparse invariant checks")
-            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-            tX = torch.sparse_csr_tensor(
-                torch.from_numpy(X.indptr.astype(np.int64)),
-                torch.from_numpy(X.indices.astype(np.int64)),
-                torch.from_numpy(X.data),
-                size=X.shape,
-            )
-    return {
-        "X": tX,
-        "obs": {c: torch.from_numpy(v) for c, v in batch["obs"].items()},
-        "index": torch.from_numpy(batch["index"]),
-    }
-
-
-_LAZY: dict[str, Any] = {}
-
-
 def _torch_dataset_class() -> type:
-    if "TorchBlockDataset" not in _LAZY:
-        from torch.utils.data import IterableDataset
+    from loader._torch import torch_dataset_class
 
-        class TorchBlockDataset(BlockDataset, IterableDataset):
-            """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
-
-            def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
-                return _to_torch(super()._convert(batch))
-
-        TorchBlockDataset.__module__ = __name__
-        TorchBlockDataset.__qualname__ = "TorchBlockDataset"
-        _LAZY["TorchBlockDataset"] = TorchBlockDataset
-    return _LAZY["TorchBlockDataset"]
+    return torch_dataset_class()
 
 
 def _dataloader_class() -> type:
-    torch = _require_torch("BlockDataLoader")
-    if "BlockDataLoader" not in _LAZY:
+    _require_torch("BlockDataLoader")
+    from loader._torch import dataloader_class
 
-        class BlockDataLoader(torch.utils.data.DataLoader):
-            """A ``DataLoader`` for a :class:`BlockDataset` that counts delivered batches.
-
-            It passes ``batch_size=None`` (the dataset batches), starts workers with
-            ``multiprocessing_context="spawn"`` unless told otherwise (fork after the
-            parent read data can deadlock the readers' threads), and reports every
-            delivered minibatch to the dataset so that ``ds.state_dict()`` is exact with
-            ``num_workers > 0``.
-            """
-
-            def __init__(self, dataset: BlockDataset, **kwargs: Any) -> None:
-                if not isinstance(dataset, BlockDataset):
-                    raise InputError("BlockDataLoader: dataset must be a loader.BlockDataset")
-                if kwargs.get("batch_size") is not None:
-                    raise InputError(
-                        "BlockDataLoader: batch_size is the dataset's; pass it to BlockDataset"
-                    )
-                kwargs["batch_size"] = None
-                if kwargs.get("in_order") is False:
-                    raise InputError(
-                        "BlockDataLoader: in_order=False makes the order depend on timing; "
-                        "drop it (state_dict needs the round-robin order)"
-                    )
-                if kwargs.get("num_workers", 0) > 0:
-                    kwargs.setdefault("multiprocessing_context", "spawn")
-                super().__init__(dataset, **kwargs)
-
-            def __iter__(self):
-                ds = self.dataset
-                if self.num_workers == 0:
-                    yield from super().__iter__()  # the dataset counts in this process
-                    return
-                ds._begin_pass(self.num_workers)
-                for batch in super().__iter__():
-                    ds._consumed += 1
-                    yield batch
-                ds._end_pass()
-
-        BlockDataLoader.__module__ = __name__
-        BlockDataLoader.__qualname__ = "BlockDataLoader"
-        _LAZY["BlockDataLoader"] = BlockDataLoader
-    return _LAZY["BlockDataLoader"]
+    return dataloader_class()
 
 
 def __getattr__(name: str) -> Any:
+    # The torch subclasses are made on first use (importing this module loads no torch);
+    # pickle finds them here by name.
     if name == "TorchBlockDataset":
         return _torch_dataset_class()
     if name == "BlockDataLoader":

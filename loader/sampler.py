@@ -7,10 +7,11 @@ DataLoader worker skip to its position without reading the skipped data).
 
 The pipeline for one epoch (see DESIGN.md §3):
 
-1. **Epoch stream.** The strategy turns the blocks into one ordered stream of rows,
-   held as *runs*: run ``i`` is local rows ``lo[i]:hi[i]`` of block ``block[i]``
-   (:class:`Segments`). ``block_shuffle`` permutes the blocks, ``streaming`` keeps
-   them in order, ``weighted`` / ``class_balanced`` draw blocks by weight.
+1. **Epoch stream.** The strategy (:mod:`loader.strategies`) turns the blocks into
+   one ordered stream of rows, held as *runs*: run ``i`` is local rows
+   ``lo[i]:hi[i]`` of block ``block[i]`` (:class:`Segments`). ``block_shuffle``
+   permutes the blocks, ``streaming`` keeps them in order, ``weighted`` /
+   ``class_balanced`` draw blocks by weight.
 2. **Ranks.** The stream is cut into ``world_size`` equal, contiguous, disjoint row
    ranges (a block on a boundary is shared, its rows are not). When the stream length
    ``T`` is not a multiple of ``world_size``: ``drop_last=False`` pads by repeating the
@@ -38,13 +39,14 @@ their spawn key (``SeedSequence(seed, spawn_key=k)`` equals spawning down the pa
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from loader.errors import InputError
 from loader.layout import parse_block_size
+from loader.strategies import Segments, Strategy, get_strategy, register_strategy, strategies
 
 __all__ = [
     "Fetch",
@@ -78,58 +80,6 @@ def _arange_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(
         total, dtype=np.int64
     )
-
-
-@dataclass(frozen=True)
-class Segments:
-    """A stream of rows held as runs inside blocks.
-
-    Run ``i`` is local rows ``lo[i]:hi[i]`` of block ``block[i]``. With ``sampled``
-    true a run instead stands for ``hi[i] - lo[i]`` rows drawn from that block with
-    replacement, by row weight, when its fetch is realised.
-    """
-
-    block: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    sampled: bool = False
-
-    def __post_init__(self) -> None:
-        for name in ("block", "lo", "hi"):
-            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
-
-    @property
-    def lengths(self) -> np.ndarray:
-        return self.hi - self.lo
-
-    @property
-    def n_rows(self) -> int:
-        return int(self.lengths.sum())
-
-    def boundaries(self) -> np.ndarray:
-        """Stream position of each run start, plus the total (``len + 1`` values)."""
-        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
-
-    def slice(self, start: int, stop: int) -> Segments:
-        """The runs covering stream positions ``[start, stop)``."""
-        cum = self.boundaries()
-        stop = min(stop, int(cum[-1]))
-        if stop <= start:
-            return Segments(self.block[:0], self.lo[:0], self.hi[:0], self.sampled)
-        i0 = int(np.searchsorted(cum, start, side="right")) - 1
-        i1 = int(np.searchsorted(cum, stop, side="left"))
-        block, lo, hi = self.block[i0:i1].copy(), self.lo[i0:i1].copy(), self.hi[i0:i1].copy()
-        lo[0] += start - cum[i0]
-        hi[-1] = self.lo[i1 - 1] + (stop - cum[i1 - 1])
-        return Segments(block, lo, hi, self.sampled)
-
-    def concat(self, other: Segments) -> Segments:
-        return Segments(
-            np.concatenate([self.block, other.block]),
-            np.concatenate([self.lo, other.lo]),
-            np.concatenate([self.hi, other.hi]),
-            self.sampled,
-        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -253,127 +203,6 @@ class SamplerConfig:
     @property
     def fetch_rows(self) -> int:
         return self.batch_size * self.fetch_factor
-
-
-# --------------------------------------------------------------------------- strategies
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """A registered way of turning blocks into an epoch's stream of rows.
-
-    ``draw(config, rng)`` returns the epoch's :class:`Segments`; ``epoch_rows(config)``
-    its length without drawing; ``shuffle_rows`` whether rows are permuted within a
-    fetch; ``exactly_once`` whether every row appears exactly once per epoch.
-    """
-
-    name: str
-    draw: Callable[[SamplerConfig, np.random.Generator], Segments]
-    epoch_rows: Callable[[SamplerConfig], int]
-    shuffle_rows: bool = True
-    needs_weights: bool = False
-    exactly_once: bool = True
-    doc: str = ""
-
-
-_STRATEGIES: dict[str, Strategy] = {}
-
-
-def register_strategy(strategy: Strategy) -> Strategy:
-    """Add a strategy to the registry (replacing one of the same name)."""
-    _STRATEGIES[strategy.name] = strategy
-    return strategy
-
-
-def get_strategy(name: str) -> Strategy:
-    """The registered strategy called ``name``; an error naming the known ones otherwise."""
-    try:
-        return _STRATEGIES[name]
-    except (KeyError, TypeError):
-        raise InputError(
-            f"strategy={name!r}: unknown; known: {', '.join(sorted(_STRATEGIES))}"
-        ) from None
-
-
-def strategies() -> tuple[str, ...]:
-    """Names of the registered strategies."""
-    return tuple(sorted(_STRATEGIES))
-
-
-def _whole_blocks(cfg: SamplerConfig, order: np.ndarray) -> Segments:
-    lengths = cfg.block_lengths[order]
-    return Segments(order, np.zeros_like(lengths), lengths)
-
-
-def _draw_block_shuffle(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
-    return _whole_blocks(cfg, rng.permutation(cfg.n_blocks))
-
-
-def _draw_streaming(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
-    return _whole_blocks(cfg, np.arange(cfg.n_blocks, dtype=np.int64))
-
-
-def _weighted_rows(cfg: SamplerConfig) -> int:
-    n = cfg.n_obs if cfg.num_samples is None else cfg.num_samples
-    if not cfg.replacement:
-        positive = int(cfg.block_lengths[cfg.block_weights > 0].sum())
-        if n > positive:
-            raise InputError(
-                f"num_samples={n}: more than the {positive} rows in blocks of positive "
-                "weight; without replacement lower num_samples or pass replacement=True"
-            )
-    return n
-
-
-def _draw_weighted(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
-    n = _weighted_rows(cfg)
-    bw = cfg.block_weights
-    if cfg.replacement:
-        # Each draw picks a block with probability ∝ its weight, then k rows of it
-        # with probability ∝ row weight (at realisation). k is the same for every draw,
-        # so a row's expected count is ∝ its weight exactly.
-        k = int(cfg.block_lengths.max())
-        n_draws = -(-n // k)
-        blocks = rng.choice(cfg.n_blocks, size=n_draws, replace=True, p=bw / bw.sum())
-        hi = np.full(n_draws, k, dtype=np.int64)
-        hi[-1] = n - k * (n_draws - 1)
-        return Segments(blocks, np.zeros(n_draws, dtype=np.int64), hi, sampled=True)
-    # Without replacement: successive sampling ∝ block weight (Efraimidis & Spirakis
-    # 2006, keys u^(1/w)), whole blocks, until n rows.
-    positive = np.flatnonzero(bw > 0)
-    keys = np.log(rng.random(positive.size)) / bw[positive]
-    order = positive[np.argsort(-keys, kind="stable")]
-    return _whole_blocks(cfg, order).slice(0, n)
-
-
-register_strategy(
-    Strategy(
-        "block_shuffle",
-        _draw_block_shuffle,
-        lambda cfg: cfg.n_obs,
-        doc="blocks in a new random order each epoch, rows shuffled within each fetch",
-    )
-)
-register_strategy(
-    Strategy(
-        "streaming",
-        _draw_streaming,
-        lambda cfg: cfg.n_obs,
-        shuffle_rows=False,
-        doc="blocks and rows in store order (no shuffling)",
-    )
-)
-for _name in ("weighted", "class_balanced"):
-    register_strategy(
-        Strategy(
-            _name,
-            _draw_weighted,
-            _weighted_rows,
-            needs_weights=True,
-            exactly_once=False,
-            doc="blocks drawn by weight (row weights summed per block)",
-        )
-    )
 
 
 # --------------------------------------------------------------------------- epoch plan

@@ -1,0 +1,92 @@
+"""Run a worker's sampling plan against a reader: read-ahead, take, assemble.
+
+The only I/O loop of the dataset. ``prefetch`` fetches are in flight while the current
+one is consumed, so at most ``prefetch + 1`` fetches are held (a minibatch that takes
+its last rows from the next fetch holds both, and then one fewer is in flight).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from loader.errors import LayoutError
+from loader.sampler import Fetch, WorkerPlan
+
+__all__ = ["run_plan"]
+
+
+def run_plan(
+    plan: WorkerPlan,
+    reader: Any,
+    *,
+    skip: int = 0,
+    output: str = "dense",
+    obs: Sequence[str] = (),
+    prefetch: int = 1,
+) -> Iterator[dict[str, Any]]:
+    """Minibatches of ``plan`` from number ``skip`` on, as the reader's ``take`` gives them.
+
+    Fetches before the one holding minibatch ``skip`` are never submitted.
+    """
+    lengths = plan.cfg.block_lengths
+    in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order
+    ready: dict[int, tuple[Fetch, Any]] = {}
+    next_k: int | None = None
+
+    def submit_more(k_from: int, *, at_least_one: bool = False) -> None:
+        nonlocal next_k
+        if next_k is None:
+            next_k = k_from
+        while next_k < plan.n_fetches and (
+            len(ready) + len(in_flight) < prefetch + 1 or at_least_one
+        ):
+            f = plan.fetch(next_k)
+            in_flight.append((f, reader.submit(f.blocks)))
+            next_k += 1
+            at_least_one = False
+
+    for parts in plan.batch_parts(skip):
+        first = parts[0][0]
+        for k in [k for k in ready if k < first]:
+            del ready[k]
+        submit_more(first)
+        for k, _, _ in parts:
+            while k not in ready:
+                if not in_flight:
+                    submit_more(k, at_least_one=True)
+                f, pending = in_flight.popleft()
+                got = pending.result()
+                want = int(lengths[f.blocks].sum())
+                if got.n_rows != want:
+                    raise LayoutError(
+                        f"reader returned {got.n_rows} rows for blocks holding {want}; "
+                        "the store is inconsistent: reconvert it"
+                    )
+                ready[f.index] = (f, got)
+        submit_more(first)  # keep the read-ahead full before taking rows
+        pieces = [
+            ready[k][1].take(ready[k][0].order[a:b], output=output, obs=obs) for k, a, b in parts
+        ]
+        yield concat_batches(pieces)
+
+
+def concat_batches(pieces: list[dict[str, Any]]) -> dict[str, Any]:
+    """One minibatch from the parts ``take`` returned (dense or scipy CSR ``X``)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    Xs = [p["X"] for p in pieces]
+    if isinstance(Xs[0], np.ndarray):
+        X = np.concatenate(Xs)
+    else:
+        import scipy.sparse as sp
+
+        X = sp.vstack(Xs, format="csr")
+    return {
+        "X": X,
+        "index": np.concatenate([p["index"] for p in pieces]),
+        "obs": {c: np.concatenate([p["obs"][c] for p in pieces]) for c in pieces[0]["obs"]},
+    }
