@@ -21,7 +21,9 @@ Workers and fork safety
     *after* the parent has read data can deadlock inside them. :class:`BlockDataLoader`
     therefore starts workers with ``multiprocessing_context="spawn"`` by default; with a
     plain ``torch.utils.data.DataLoader`` pass ``multiprocessing_context="spawn"``
-    (or ``"forkserver"``) yourself unless the main process never reads batches.
+    (or ``"forkserver"``) yourself unless the main process never reads batches (a
+    forked worker of a process that has read with tensorstore raises an
+    :class:`~loader.errors.InputError` saying so).
 
 Memory
     ``prefetch`` fetches are in flight while one is consumed: peak ≈ ``(prefetch + 1)``
@@ -238,6 +240,7 @@ class BlockDataset:
         self._reader_args = {"block_size": block_size, "backend": backend, "matrix": matrix}
         self._reader: Any = reader
         self._reader_pid = os.getpid()
+        self._read_pid: int | None = None  # the process that has read data, if any
 
         self.obs = tuple(obs)
         self.output = output
@@ -321,6 +324,18 @@ class BlockDataset:
 
     def _get_reader(self) -> Any:
         if self._reader is None or self._reader_pid != os.getpid():
+            if (
+                self._reader is not None
+                and self._read_pid not in (None, os.getpid())
+                and getattr(self._reader, "backend", None) == "tensorstore"
+            ):
+                # A forked copy of a process that has read with tensorstore: using it
+                # here would abort this process ("fork() use detected").
+                raise InputError(
+                    "this process was forked after its parent read data with tensorstore, "
+                    "which cannot run after fork: use loader.BlockDataLoader (spawns its "
+                    "workers) or DataLoader(..., multiprocessing_context='spawn')"
+                )
             if self._path is not None:
                 from loader.store import open_layout
 
@@ -451,9 +466,11 @@ class BlockDataset:
 
     def _execute(self, plan: S.WorkerPlan, skip: int):
         """Run ``plan`` from minibatch ``skip`` with read-ahead; convert each batch."""
+        reader = self._get_reader()
+        self._read_pid = os.getpid()
         batches = run_plan(
             plan,
-            self._get_reader(),
+            reader,
             skip=skip,
             output=self.output,
             obs=self.obs,

@@ -171,6 +171,18 @@ def test_real_store_spawned_persistent_workers(stores):
     assert not np.array_equal(*epochs)
 
 
+def test_fork_after_reading_with_tensorstore_is_a_clear_error(stores):
+    """tensorstore aborts a process forked after its parent read with it; a forked
+    worker must say so (and how to fix it) instead of dying with SIGABRT."""
+    ds = BlockDataset(stores["shuffled"], batch_size=50)
+    assert len(list(ds)) == len(ds)  # this process has now read with tensorstore
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
+    with pytest.raises(InputError, match=r"forked after its parent read data with tensorstore"):
+        list(dl)
+
+
 # ---------------------------------------------------------------- read-ahead, resume
 
 
