@@ -266,7 +266,8 @@ class BlockDataset:
         )
         _ = self.config.epoch_rows  # validate num_samples against the weights now
         self._shared = _shared_state()
-        self._consumed = 0
+        self._consumed = 0  # minibatches of epoch _consumed_epoch delivered so far
+        self._consumed_epoch = -1
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
 
     # -- settings -------------------------------------------------------------------
@@ -377,7 +378,7 @@ class BlockDataset:
             "format": STATE_FORMAT,
             "version": 1,
             "epoch": self.epoch,
-            "consumed": int(self._consumed),
+            "consumed": self._position(),
             "num_workers": max(1, self._tracked_workers),
             **self._settings_for_state(),
         }
@@ -406,7 +407,13 @@ class BlockDataset:
         self._shared[_START_EPOCH] = epoch
         self._shared[_START] = consumed
         self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
-        self._consumed = consumed
+        self._consumed, self._consumed_epoch = consumed, epoch
+
+    def _position(self) -> int:
+        """Minibatches of the current epoch delivered (or to skip, after a load)."""
+        if self._consumed_epoch == self.epoch:
+            return int(self._consumed)
+        return self._start()[1]
 
     def _start(self) -> tuple[int, int]:
         """``(epoch, minibatches to skip)`` for an iteration starting now."""
@@ -423,7 +430,7 @@ class BlockDataset:
                 f"num_workers={num_workers}: the state was saved with "
                 f"num_workers={int(self._shared[_START_WORKERS])}; resume with the same number"
             )
-        self._consumed = start
+        self._consumed, self._consumed_epoch = start, self.epoch
         self._tracked_workers = num_workers
         if num_workers:
             self._shared[_UNTRACKED] = 0

@@ -248,6 +248,17 @@ def test_resume_in_process_reads_no_skipped_fetch(consumed):
     assert len(indices(fresh)) == len(full)  # a completed pass: the next starts over
 
 
+def test_state_follows_set_epoch():
+    ds = BlockDataset(memory_reader(50, block_size=4), batch_size=5)
+    assert len(list(ds)) == 10 and ds.state_dict()["consumed"] == 10  # epoch 0 done
+    ds.set_epoch(1)
+    state = ds.state_dict()
+    assert (state["epoch"], state["consumed"]) == (1, 0)  # nothing of epoch 1 yet
+    it = iter(ds)
+    next(it), next(it)
+    assert (ds.state_dict()["epoch"], ds.state_dict()["consumed"]) == (1, 2)
+
+
 def test_state_refuses_other_settings_and_untracked_workers():
     state = BlockDataset(memory_reader(50, block_size=4), batch_size=5).state_dict()
     other = BlockDataset(memory_reader(50, block_size=4), batch_size=6)
