@@ -96,6 +96,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--work", type=Path, default=None, help="folder for the output stores")
     p.add_argument("--keep", action="store_true", help="keep the output stores")
     p.add_argument(
+        "--render", action="store_true", help="only rewrite convert.md from convert.json"
+    )
+    p.add_argument(
         "--profile",
         type=Path,
         default=None,
@@ -194,6 +197,9 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "mb_s": f"{s['source_mb_s']:,.0f} (≥ {s['mb_s_target']:.0f}) "
                 + ("✓" if s["meets_mb_s"] else "✗"),
                 "seconds": f"{s['seconds']:.1f}",
+                "cpu": f"{s['cpu_seconds']:.1f}" if "cpu_seconds" in s else "",
+                "per_cpu": f"{s['source_mb_per_cpu_s']:,.0f}" if "cpu_seconds" in s else "",
+                "load": f"{s['load_avg_1min']:.1f}" if "load_avg_1min" in s else "",
                 "rss": f"{fmt_bytes(s['peak_rss'])} " + ("✓" if s["meets_rss"] else "✗"),
                 "out": fmt_bytes(s["output_bytes"]),
                 "ratio": f"{s['source_bytes'] / s['output_bytes']:.2f}",
@@ -207,6 +213,9 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             "order": "order",
             "mb_s": "source MB/s (target)",
             "seconds": "wall s",
+            "cpu": "CPU s",
+            "per_cpu": "MB per CPU-s",
+            "load": "load avg",
             "rss": "peak RSS (≤ 2 GiB)",
             "out": "output",
             "ratio": "h5ad / store bytes",
@@ -218,7 +227,7 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     src = meta["source"]
     return (
         f"### `sclayout convert` ({meta['regime']} regime)\n\n"
-        f"Source: `{src['name']}` ({fmt_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
+        f"Source: `{src['name']}` ({src['bytes'] / 1e9:.2f} GB, {src['n_obs']:,} cells × "
         f"{src['n_vars']:,} genes). Medians of {meta['repeat']} run(s) per order "
         f"(peak RSS: worst run); cold page cache before every run "
         f"(eviction check: cold {meta['cold_check_mb_s']:,.0f} MB/s vs warm "
@@ -230,6 +239,9 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         )
         + ".\n\n"
         f"{table}\n\n"
+        "CPU s: user + system time of the conversion process; MB per CPU-s does not depend "
+        "much on how busy the machine is, wall time does (load avg: 1-minute load average "
+        "after the run; 2 = both cores busy).\n\n"
         f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
         f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
     )
@@ -237,6 +249,13 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.render:
+        results = args.results or RESULTS
+        payload = json.loads((results / "convert.json").read_text())
+        md = _markdown(payload["summary"], payload["meta"])
+        (results / "convert.md").write_text(md)
+        print(md)
+        return 0
     tmp = None
     if args.quick:
         tmp = Path(tempfile.mkdtemp(prefix="sclayout-bench-convert-"))

@@ -320,7 +320,7 @@ class ChildRun:
     shared machine wall time depends on the load; CPU time much less."""
     peak_tree_rss: int | None
     """Peak of the *summed* RSS of the child and all its descendants, sampled every
-    50 ms with psutil (``None`` without psutil); catches multi-process schedulers."""
+    100 ms with psutil (``None`` without psutil); catches multi-process schedulers."""
     stdout: str
     stderr: str
 
@@ -370,7 +370,7 @@ def _sample_tree_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
             peak = max(peak, rss)
         except psutil.Error:
             break
-        stop.wait(0.05)
+        stop.wait(0.1)
     out.append(peak)
 
 
