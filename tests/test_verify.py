@@ -300,3 +300,31 @@ def test_real_datasets_convert_shuffled_and_verify(tmp_path: Path, src: Path) ->
     report = verify(src, dst)
     assert report.differences == []
     assert report.equal and report.n_values >= manifest.X.nnz
+
+
+def test_memory_stays_within_budget(tmp_path: Path) -> None:
+    """tracemalloc peak (numpy buffers included) <= budget + ~200 bytes per cell (the
+    permutation, its inverse and the obs table) + 1 MB (zarr's decode buffers for a
+    shard), far below the matrix itself."""
+    import tracemalloc
+
+    import scipy.sparse as sp
+
+    n = 4000
+    rng = np.random.default_rng(0)
+    x = sp.random(n, 1000, density=0.25, format="csr", dtype=np.float32, rng=rng)
+    src, dst = tmp_path / "m.h5ad", tmp_path / "m.zarr"
+    ad.AnnData(x).write_h5ad(src)
+    convert(src, dst, block_size=32, order="shuffled", seed=0)
+    budget = 2_000_000
+    matrix_bytes = x.data.nbytes + x.indices.nbytes
+    bound = budget + 200 * n + 2**20
+    assert matrix_bytes > 2 * bound
+    tracemalloc.start()
+    try:
+        report = verify(src, dst, memory_budget=budget)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert report.equal
+    assert peak <= bound, peak
