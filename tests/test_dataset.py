@@ -130,11 +130,12 @@ def test_dataloader_exactly_once(case, num_workers, drop_last):
     assert len(batches) == len(ds) == len(dl)
 
 
-@pytest.mark.parametrize("persistent", [False, True], ids=["fresh-workers", "persistent"])
-@pytest.mark.parametrize("num_workers", [0, 1, 2], ids=lambda w: f"w{w}")
+WORKERS = {"w0": (0, False), "w1": (1, False), "w1-persistent": (1, True), "w2": (2, False)}
+WORKERS["w2-persistent"] = (2, True)
+
+
+@pytest.mark.parametrize(("num_workers", "persistent"), WORKERS.values(), ids=WORKERS.keys())
 def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persistent):
-    if persistent and num_workers == 0:
-        pytest.skip("persistent workers need num_workers > 0")
     n, batch = 203, 10
     ds = BlockDataset(memory_reader(n, block_size=7, seed=3), batch_size=batch, fetch_factor=3)
     kw = {"multiprocessing_context": "fork"} if num_workers else {}  # memory reader: fork-safe
