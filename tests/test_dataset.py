@@ -8,6 +8,7 @@ import json
 import math
 import pickle
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -391,3 +392,21 @@ def test_without_torch_numpy_batches(monkeypatch):
         InputError, match=r"^BlockDataLoader needs torch: pip install sclayout\[torch\]$"
     ):
         ds.dataloader()
+
+
+SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+REAL = SHARED_DATA / "sctransform_pbmc3k_402x12572_counts.h5ad"
+
+
+@pytest.mark.skipif(not REAL.exists(), reason="../shared/data is absent")
+def test_real_h5ad_values_equal_source():
+    """A real 402-cell PBMC count matrix read raw (no conversion), CSR output."""
+    import anndata as ad
+
+    truth = ad.read_h5ad(REAL)
+    ds = BlockDataset(REAL, batch_size=50, fetch_factor=2, output="csr", seed=9)
+    batches = list(ds)
+    check_epoch(batches, n_obs=truth.n_obs, batch_size=50)
+    for b in batches:
+        idx = b["index"].numpy()
+        assert np.array_equal(as_numpy(b["X"]), truth.X[idx].toarray().astype(np.float32))
