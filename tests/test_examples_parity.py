@@ -13,7 +13,7 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-SCHEMES = ("random", "streaming", "block_h5ad", "block_store")
+SCHEMES = ("random", "streaming", "block_h5ad", "block_h5ad_small", "block_store")
 
 
 def _module():
