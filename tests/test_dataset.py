@@ -21,6 +21,8 @@ from _dataset_util import (
     indices,
     memory_reader,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loader import sampler as S
 from loader.dataset import BlockDataLoader, BlockDataset
@@ -129,6 +131,32 @@ def test_dataloader_exactly_once(case, num_workers, drop_last):
     batches = list(dl)
     check_epoch(batches, n_obs=n, batch_size=batch, drop_last=drop_last)
     assert len(batches) == len(ds) == len(dl)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 150),
+    block=st.integers(1, 20),
+    batch=st.integers(1, 40),
+    ff=st.integers(1, 4),
+    prefetch=st.integers(0, 2),
+    drop_last=st.booleans(),
+    output=st.sampled_from(["dense", "csr"]),
+)
+def test_pipeline_exactly_once_and_values(n, block, batch, ff, prefetch, drop_last, output):
+    """Through the read-ahead pipeline (minibatches spanning fetches, any prefetch)."""
+    ds = BlockDataset(
+        memory_reader(n, block_size=block, seed=n),
+        batch_size=batch,
+        fetch_factor=ff,
+        prefetch=prefetch,
+        drop_last=drop_last,
+        output=output,
+    )
+    batches = list(ds)
+    check_epoch(batches, n_obs=n, batch_size=batch, drop_last=drop_last)
+    for b in batches:
+        assert np.array_equal(as_numpy(b["X"])[:, 0], b["index"].numpy().astype(np.float32))
 
 
 WORKERS = {"w0": (0, False), "w1": (1, False), "w1-persistent": (1, True), "w2": (2, False)}
