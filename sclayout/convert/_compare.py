@@ -74,11 +74,23 @@ def equal_mask(a: Any, b: Any) -> np.ndarray:
     out = a_na & b_na
     both = ~a_na & ~b_na
     if both.any():
-        av = np.array([_norm(x) for x in a_obj[both].ravel()], dtype=object)
-        bv = np.array([_norm(x) for x in b_obj[both].ravel()], dtype=object)
-        eq = np.fromiter((x == y for x, y in zip(av, bv, strict=True)), bool, len(av))
+        av, bv = a_obj[both], b_obj[both]
+        try:  # numpy's element-wise object comparison: a C loop over Python __eq__
+            eq = np.asarray(av == bv, dtype=bool)
+        except (TypeError, ValueError):  # elements that do not compare to one bool
+            eq = np.zeros(av.shape, dtype=bool)
+        for i in np.flatnonzero(~eq):  # rare: bytes vs str, nested values
+            eq[i] = _scalar_equal(av[i], bv[i])
         out[both] = eq
     return out
+
+
+def _scalar_equal(x: Any, y: Any) -> bool:
+    x, y = _norm(x), _norm(y)
+    try:
+        return bool(x == y)
+    except (TypeError, ValueError):  # arrays inside object arrays
+        return bool(np.array_equal(np.asarray(x), np.asarray(y)))
 
 
 def _norm(x: Any) -> Any:
