@@ -23,8 +23,9 @@ import pandas as pd
 import pytest
 import scipy.sparse as sp
 
-from loader.errors import InputError
+from loader.errors import InputError, NotALayoutStoreError
 from sclayout.convert import convert
+from sclayout.convert.inspect import inspect_store
 from sclayout.convert.verify import verify
 
 CHILD = Path(__file__).with_name("_kill_child.py")
@@ -152,6 +153,12 @@ def test_kill_at_stage(tmp_path: Path, source: Path, forker, stage: str) -> None
     _wait_for(marker, f"paused {stage}", pid)
     _kill(pid)
     assert _absent_or_valid(source, dst) == "absent"
+    (leftover,) = [p for p in tmp_path.iterdir() if p.name.startswith(f".{dst.name}.")]
+    if stage == "manifest":  # everything but the manifest: not a layout store
+        with pytest.raises(NotALayoutStoreError, match="no sclayout manifest"):
+            inspect_store(leftover)
+    else:  # complete, just not renamed yet
+        assert verify(source, leftover).equal
     # the same command again, in a new process
     pid = _start(forker, source, dst, marker, "none")
     _wait_for(marker, "done", pid)
