@@ -265,17 +265,29 @@ def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path) -> None:
 
 
 def test_check_source_reads_no_rows(tmp_path: Path, monkeypatch) -> None:
-    """Metadata only: reading any dataset's values would go through Dataset.__getitem__."""
+    """Metadata only: reading any array's values goes through __getitem__ (h5py, zarr)."""
+    import anndata as ad
     import h5py
+    import zarr
 
-    src = write_h5ad(small_adata(), tmp_path / "a.h5ad")
+    a = small_adata()
+    paths = [write_h5ad(a, tmp_path / "a.h5ad")]
+    for fmt in (2, 3):
+        with ad.settings.override(zarr_write_format=fmt):
+            a.write_zarr(tmp_path / f"a{fmt}.zarr")
+        paths.append(tmp_path / f"a{fmt}.zarr")
 
     def forbidden(self, *args, **kwargs):
         raise AssertionError(f"check_source read values of {self.name}")
 
-    monkeypatch.setattr(h5py.Dataset, "__getitem__", forbidden)
-    monkeypatch.setattr(h5py.Dataset, "read_direct", forbidden)
-    check_source(src)
+    for cls, names in (
+        (h5py.Dataset, ("__getitem__", "read_direct")),
+        (zarr.Array, ("__getitem__", "get_basic_selection", "get_orthogonal_selection")),
+    ):
+        for name in names:
+            monkeypatch.setattr(cls, name, forbidden)
+    for p in paths:
+        check_source(p)
 
 
 def test_check_destination_overwrite_replaces_only_stores(tmp_path: Path) -> None:
