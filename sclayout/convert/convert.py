@@ -84,6 +84,11 @@ index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
 ASSEMBLE_INDEX_BYTES = 16
 """Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
 and its sorted copy."""
+DRIVER_BYTES_PER_ROW = 48
+"""Driver-side arrays per row: permutation, its inverse, source and output indptr,
+block pointer, stratum keys (int64 each)."""
+WORK_MARGIN = 64 * 2**20
+"""Head-room kept for the interpreter's transient allocations and library buffers."""
 TMP_TAG = "sclayout-tmp"
 OLD_TAG = "sclayout-old"
 WORK_DIR = "_sclayout_work"
@@ -256,6 +261,25 @@ def convert(
     return manifest
 
 
+def _rss() -> int:
+    """Resident memory of this process now (Linux /proc; else the peak so far)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def working_memory(budget: int, *, n_obs: int) -> int:
+    """Bytes the conversion tasks may use: the budget minus the process's current
+    resident memory, the driver's per-row arrays and a margin; at least a quarter of
+    the budget (tiny budgets in tests are below any interpreter's footprint)."""
+    spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN
+    return max(spare, budget // 4)
+
+
 # -- destination safety ------------------------------------------------------------------
 
 
@@ -315,7 +339,8 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
     _write_small(source, root, obs, perm)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
-    ctx = _Ctx(source, str(tmp), opts, block_size, runner, perm, inv, identity)
+    work = working_memory(opts.memory_budget, n_obs=n_obs)
+    ctx = _Ctx(source, str(tmp), opts, block_size, runner, perm, inv, identity, work)
     for info in source.row_matrices():
         layout, pointer = _convert_matrix(ctx, info)
         matrices[info.path] = layout
@@ -348,6 +373,8 @@ class _Ctx:
     perm: np.ndarray
     inv: np.ndarray
     identity: bool
+    work: int
+    """Bytes the tasks may use together: the budget minus what the process already holds."""
 
     @property
     def jobs(self) -> int:
@@ -497,7 +524,7 @@ def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, src_ptr, nnz: int) 
 def _csc_row_counts(ctx: _Ctx, info: MatrixInfo, col_ptr: np.ndarray) -> np.ndarray:
     """nnz of every row of a CSC matrix, from its indices read in slices."""
     counts = np.zeros(info.shape[0], dtype=np.int64)
-    step = max(1, ctx.opts.memory_budget // (4 * 8))
+    step = max(1, ctx.work // (4 * 8))
     for a, b in shard_ranges(int(col_ptr[-1]) - int(col_ptr[0]), step):
         off = int(col_ptr[0])
         rows = read_slice(ctx.source.path, f"{info.path}/indices", a + off, b + off)
@@ -509,10 +536,11 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
     """Bucketed two-pass reorder of a CSR or CSC source into CSR output."""
     elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
     shard = plan.elements_per_shard
-    bucket = ctx.opts.memory_budget // (ctx.jobs * (3 * elem_bytes + ASSEMBLE_INDEX_BYTES))
+    per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES
+    bucket = ctx.work // (ctx.jobs * per_elem)
     bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
-    read_elems = max(1, ctx.opts.memory_budget // (ctx.jobs * ROUTE_COPIES * elem_bytes))
+    read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     cuts = _cuts(src_ptr, read_elems)
     src = ctx.source.path
     if info.encoding == "csr":
@@ -551,7 +579,13 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
         )
         for b in range(len(bounds) - 1)
     ]
-    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}")
+    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
+    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)
+
+
+def _parallel(ctx: _Ctx, task_bytes: int) -> int:
+    """How many tasks of ``task_bytes`` may run at once within the working memory."""
+    return max(1, min(ctx.jobs, ctx.work // max(1, task_bytes)))
 
 
 def _cuts(ptr: np.ndarray, step: int) -> list[int]:
@@ -575,10 +609,10 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
         ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")
         return
     row_bytes = max(1, n_vars * info.itemsize)
-    bucket_rows = ctx.opts.memory_budget // (ctx.jobs * 3 * row_bytes)
+    bucket_rows = ctx.work // (ctx.jobs * 3 * row_bytes)
     bounds = ext.bucket_bounds(n_obs, shard=shard_rows, bucket=bucket_rows)
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
-    read_rows = max(1, ctx.opts.memory_budget // (ctx.jobs * ROUTE_COPIES * row_bytes))
+    read_rows = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * row_bytes))
     jobs = [
         ext.RouteDenseJob(ctx.source.path, info.path, a, b, ctx.inv, bounds, workdir)
         for a, b in shard_ranges(n_obs, read_rows)
@@ -601,4 +635,5 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
         )
         for b in range(len(bounds) - 1)
     ]
-    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}")
+    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * 3 * row_bytes)
+    ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)

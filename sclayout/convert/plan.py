@@ -48,9 +48,11 @@ SHARD_BYTES_MAX = 128 * 2**20
 ``data`` is ~6,000 shards: thousands of files, not millions (DESIGN §1), while a shard
 written whole stays a small fraction of a 2 GB memory budget."""
 
-SHARD_BUDGET_FRACTION = 16
-"""A shard is at most ``memory_budget / 16``: the converter holds, per worker, a
-shard of data and one of indices plus their compressed copies and source buffers."""
+SHARD_BUDGET_FRACTION = 32
+"""A shard is at most ``memory_budget / 32``: a reorder task holds about five times a
+shard (its bucket of data + indices, the sorted copy, the writer's buffers), two
+tasks run at once, and the process itself needs a few hundred MB (peak RSS measured
+at 1.86 GiB for a 2 GB budget with 1/16: benchmarks/results/convert_profile.md)."""
 
 INDPTR_CHUNK_ROWS = 8192
 """``indptr`` chunk length (rounded to whole blocks): 64 KiB of int64. Readers use the

@@ -244,8 +244,13 @@ class Runner:
                 ) from None
             self.jobs = max(1, sum(self.client.nthreads().values()))
 
-    def run(self, fn: Callable[[Any], Any], jobs: list[Any], *, desc: str) -> list[Any]:
-        """``[fn(job) for job in jobs]``, in parallel; results in job order."""
+    def run(
+        self, fn: Callable[[Any], Any], jobs: list[Any], *, desc: str, width: int | None = None
+    ) -> list[Any]:
+        """``[fn(job) for job in jobs]``, in parallel; results in job order.
+
+        ``width`` caps the tasks running at once locally (memory-heavy tasks).
+        """
         if not jobs:
             return []
         keys = [f"sclayout-{desc}-{i}" for i in range(len(jobs))]
@@ -263,7 +268,8 @@ class Runner:
             from dask.callbacks import Callback
 
             with Callback(posttask=lambda *a: bar.update()):
-                return list(dask.threaded.get(dsk, keys, num_workers=self.jobs))
+                workers = min(self.jobs, width or self.jobs)
+                return list(dask.threaded.get(dsk, keys, num_workers=workers))
         finally:
             bar.close()
 
