@@ -546,8 +546,9 @@ class LayoutReader:
         blocks
             Block ids (any order; the fetch holds their rows in sorted-block order).
         order
-            Optional permutation of the fetch's rows (length: the blocks' total rows).
-            Applied by the assembly thread as soon as the reads land, so that
+            Optional positions into the fetch's rows (a permutation, or any index
+            array, repeats allowed): the fetch is delivered as those rows, in that
+            order. Applied by the assembly thread as soon as the reads land, so that
             :meth:`Fetched.take` of consecutive positions needs no gather: the
             cheapest way to serve shuffled minibatches.
         """
@@ -556,10 +557,10 @@ class LayoutReader:
         bounds = np.asarray(plan["row_ranges"], dtype=np.int64).reshape(-1, 2)
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            if order.shape != (plan["n_rows"],):
+            n = plan["n_rows"]
+            if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= n)):
                 raise InputError(
-                    f"order of shape {order.shape}: must be a permutation of the fetch's "
-                    f"{plan['n_rows']} rows"
+                    f"order: must be a 1-d array of positions in [0, {n}), the fetch's {n} rows"
                 )
         request = {key: (layout.arrays[key].path, ranges) for key, ranges in plan["needed"].items()}
         if self.kind == "store":
@@ -640,17 +641,17 @@ class Fetched:
         return v.to_scipy() if isinstance(v, CSRRows) else v.values
 
     def permute(self, order: np.ndarray) -> Fetched:
-        """This fetch with its rows in ``order`` (a permutation of ``range(n_rows)``).
+        """This fetch as the rows at positions ``order`` (a permutation of
+        ``range(n_rows)``, or any 1-d index array, repeats allowed).
 
         One gather for the whole fetch; afterwards a minibatch of consecutive
         positions (``take(np.arange(a, b))``) needs no gather at all, the fastest
         way to cut shuffled minibatches.
         """
         order = np.asarray(order, dtype=np.int64)
-        if order.shape != (self.n_rows,):
+        if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= self.n_rows)):
             raise InputError(
-                f"order of length {order.shape}: must be a permutation of the fetch's "
-                f"{self.n_rows} rows"
+                f"order: must be a 1-d array of positions in [0, {self.n_rows}) of this fetch"
             )
         return Fetched(self.reader, self.rows[order], self.index[order], self.values.permute(order))
 

@@ -160,8 +160,11 @@ class ReaderContract:
         np.testing.assert_array_equal(shuffled.rows, plain.rows[order])
         np.testing.assert_array_equal(shuffled.index, plain.index[order])
         check_batch(shuffled.take(np.arange(n)), adata, output="dense")
-        with pytest.raises(InputError, match=f"must be a permutation of the fetch's {n} rows"):
-            reader.submit(blocks, order=order[:-1])
+        repeated = reader.submit(blocks, order=np.r_[order[:5], order[:3]]).result()
+        np.testing.assert_array_equal(repeated.index, plain.index[np.r_[order[:5], order[:3]]])
+        check_batch(repeated.take(np.arange(8), output="csr"), adata, output="csr")
+        with pytest.raises(InputError, match=rf"order: .* positions in \[0, {n}\)"):
+            reader.submit(blocks, order=np.r_[order, n])
 
     def test_two_fetches_in_flight(self, reader, adata):
         a = reader.submit(np.array([0, 2]))
