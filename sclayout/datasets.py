@@ -282,6 +282,13 @@ def make_tahoe_like(
     Returns
     -------
     The path written. obs: ``plate``, ``cell_line`` (categoricals); var_names: gene ids.
+
+    Notes
+    -----
+    ``X/data`` and ``X/indices`` are chunked (4 MB chunks), uncompressed, resizable HDF5
+    datasets, as anndata writes sparse X; because both grow together their chunks
+    alternate in the file (anndata writes one after the other), so a reader of the same
+    row range in both arrays reads one region of the file.
     """
     path = Path(path)
     for name, value in (("n_obs", n_obs), ("n_vars", n_vars), ("nnz_per_cell", nnz_per_cell)):
