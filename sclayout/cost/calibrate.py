@@ -237,25 +237,17 @@ def _count_data(n_rows: int, *, n_vars: int, nnz_per_row: int, seed: int) -> tup
     return data, indices, indptr
 
 
-def _numcodec(name: str, itemsize: int) -> Any:
-    import numcodecs
+def _ts_codecs(name: str, dtype: np.dtype) -> list[dict[str, Any]]:
+    """zarr v3 codec JSON of the converter's codec ``name`` (what tensorstore reads)."""
+    from sclayout.convert.codecs import get_codec
 
-    from sclayout.convert.codecs import BLOSC_CLEVEL, GZIP_LEVEL, ZSTD_LEVEL
-
-    base = name.removesuffix("-bitshuffle")
-    shuffle = (
-        numcodecs.Blosc.BITSHUFFLE if name.endswith("-bitshuffle") else numcodecs.Blosc.SHUFFLE
-    )
-    factories = {
-        "blosc-lz4": lambda: numcodecs.Blosc("lz4", BLOSC_CLEVEL, shuffle, typesize=itemsize),
-        "blosc-zstd": lambda: numcodecs.Blosc("zstd", BLOSC_CLEVEL, shuffle, typesize=itemsize),
-        "zstd": lambda: numcodecs.Zstd(level=ZSTD_LEVEL),
-        "gzip": lambda: numcodecs.GZip(level=GZIP_LEVEL),
-        "none": lambda: None,
-    }
-    if base not in factories:
-        raise InputError(f"codec={name!r}: unknown; known: {', '.join(factories)}")
-    return factories[base]()
+    out: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
+    for c in get_codec(name):
+        j = c.to_dict()
+        if j["name"] == "blosc":
+            j["configuration"]["typesize"] = int(np.dtype(dtype).itemsize)
+        out.append(j)
+    return out
 
 
 def measure_codecs(
@@ -266,38 +258,55 @@ def measure_codecs(
     chunk_elems: int = 64 * 1024,
     seconds: float = 1.5,
 ) -> dict[str, CodecSpeed]:
-    """Ratio and single-core decode speed of each codec on ``data`` + ``indices``,
-    compressed in inner chunks of ``chunk_elems`` as the converter writes them."""
+    """Ratio and single-thread decode speed of each codec on ``data`` + ``indices``.
+
+    The values are written in inner chunks of ``chunk_elems`` to an in-memory zarr v3
+    array with the converter's codec, and read back by tensorstore (no cache, one
+    decode thread): the loader's own decode path, overheads included.
+    """
+    import tensorstore as ts
+
+    ctx = ts.Context(
+        {"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": 1}}
+    )
     out = {}
     arrays = [np.ascontiguousarray(data), np.ascontiguousarray(indices)]
     for name in codecs:
-        chunks = [a[i : i + chunk_elems] for a in arrays for i in range(0, a.size, chunk_elems)]
-        raw = sum(c.nbytes for c in chunks)
-        codec = _numcodec(name, 4)
-        if codec is None:
-            enc = [c.tobytes() for c in chunks]
+        handles, raw, comp = [], 0, 0
+        for k, a in enumerate(arrays):
+            kv = {"driver": "memory", "path": f"{name}/{k}/"}
+            spec = {
+                "driver": "zarr3",
+                "kvstore": kv,
+                "metadata": {
+                    "shape": [a.size],
+                    "chunk_grid": {
+                        "name": "regular",
+                        "configuration": {"chunk_shape": [chunk_elems]},
+                    },
+                    "chunk_key_encoding": {"name": "default"},
+                    "data_type": str(a.dtype),
+                    "codecs": _ts_codecs(name, a.dtype),
+                },
+                "create": True,
+            }
+            arr = ts.open(spec, context=ctx).result()
+            arr.write(a).result()
+            handles.append(arr)
+            raw += a.nbytes
+            store = ts.KvStore.open(kv, context=ctx).result()
+            comp += sum(
+                len(store.read(key).result().value)
+                for key in store.list().result()
+                if not key.endswith(b"zarr.json")
+            )
 
-            def step(enc: list[bytes] = enc) -> int:
-                return sum(np.frombuffer(e, dtype=np.uint8).copy().nbytes for e in enc)
-        else:
-            enc = [codec.encode(c) for c in chunks]
+        def step(handles: list[Any] = handles, raw: int = raw) -> int:
+            for h in handles:
+                h.read().result()
+            return raw
 
-            def step(enc: list[bytes] = enc, codec: Any = codec) -> int:
-                return sum(len(codec.decode(e)) for e in enc)
-
-        comp = sum(len(e) for e in enc)
-        import numcodecs
-
-        threads = None
-        if name.startswith("blosc"):
-            threads = numcodecs.blosc.get_nthreads()
-            numcodecs.blosc.set_nthreads(1)
-        try:
-            rate = _rate(step, seconds)
-        finally:
-            if threads is not None:
-                numcodecs.blosc.set_nthreads(threads)
-        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=rate)
+        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=_rate(step, seconds))
     return out
 
 

@@ -47,7 +47,9 @@ SEARCH_FETCHES = 8
 fetches is ~1–2 %, well under the model's error; halves the search time)."""
 NEAR_BEST = 0.03
 """Candidates within 3 % of the fastest are a tie (below the model's error); the tie
-goes to the least memory, then the fewest bytes on disk."""
+goes to the fewest storage requests per cell (requests carry the most uncertain cost:
+latency variance, per-read client work; benchmarks/costmodel.py measured a 1-block
+fetch at 0.6× the best when ties went to the least memory), then to the least memory."""
 
 
 @dataclass(frozen=True)
@@ -394,7 +396,14 @@ def _rank(
     ranked = sorted(ok, key=lambda c: -c.cells_per_s)
     top = ranked[0].cells_per_s
     near = [c for c in ranked if c.cells_per_s >= top * (1 - NEAR_BEST)]
-    pick = min(near, key=lambda c: (c.prediction.peak_memory, c.disk_bytes))
+    pick = min(
+        near,
+        key=lambda c: (
+            round(c.prediction.requests_per_fetch / max(c.prediction.rows_per_fetch, 1), 4),
+            c.prediction.peak_memory,
+            c.disk_bytes,
+        ),
+    )
     ranked.remove(pick)
     ranked.insert(0, pick)
     p = pick.prediction
@@ -406,7 +415,10 @@ def _rank(
         f"{min_diversity} and memory <= {_fmt_bytes(memory_budget)}"
     )
     if len(near) > 1:
-        reason += f"; least memory among the {len(near)} within {NEAR_BEST:.0%} of the fastest"
+        reason += (
+            f"; fewest requests per cell among the {len(near)} within {NEAR_BEST:.0%} of "
+            "the fastest"
+        )
     if fastest_any.cells_per_s > p.cells_per_s * 1.05:
         reason += (
             f"; the diversity target costs {1 - p.cells_per_s / fastest_any.cells_per_s:.0%} "
