@@ -35,7 +35,6 @@ queued between workers and the training loop.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -451,14 +450,3 @@ def store_bytes(manifest: Manifest, profile: Profile) -> float:
             n = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
             total += n / profile.codec(a.codec).ratio
     return total
-
-
-def describe(p: Prediction) -> Mapping[str, str]:
-    """Human-readable parts of a prediction (for tables)."""
-    return {
-        "cells/s": f"{p.cells_per_s:,.0f}",
-        "bound": p.bound,
-        "io ms": f"{p.t_io * 1e3:.1f}",
-        "decode ms": f"{p.t_decode * 1e3:.1f}",
-        "assembly ms": f"{p.t_assembly * 1e3:.1f}",
-    }

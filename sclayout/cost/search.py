@@ -22,7 +22,6 @@ from loader.layout import RowOrder
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
 from sclayout.cost.diversity import (
     blocks_per_fetch,
-    expected_distinct_blocks,
     predict_diversity,
     simulate_diversity,
     store_permutation,
@@ -445,8 +444,3 @@ def pareto_front(candidates: Sequence[Candidate]) -> list[Candidate]:
             front.append(c)
             best = c.cells_per_s
     return front
-
-
-def distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
-    """Re-export for tables: expected distinct blocks per minibatch."""
-    return expected_distinct_blocks(batch_size, fetch_factor, block_size)
