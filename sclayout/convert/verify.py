@@ -426,10 +426,12 @@ def _check_manifest(
         if mname not in dst_root:
             out.add([f"manifest: matrix {mname} is not in DST"])
             continue
-        if m.shape != (n, manifest.n_vars):
-            out.add(
-                [f"manifest: matrix {mname} shape {m.shape}, expected ({n}, {manifest.n_vars})"]
-            )
+        n_cols = manifest.n_vars
+        if mname == "raw/X" and "raw/var" in dst_root:  # raw keeps its own genes
+            raw_var = dst_root["raw/var"]
+            n_cols = raw_var[raw_var.attrs.get("_index", "_index")].shape[0]
+        if m.shape != (n, n_cols):
+            out.add([f"manifest: matrix {mname} shape {m.shape}, expected ({n}, {n_cols})"])
         for part, a in m.arrays.items():
             out.add(_check_array(mname, part, a, dst_root))
         if m.is_csr:
