@@ -65,6 +65,12 @@ def environment() -> dict[str, Any]:
             versions[pkg] = version(pkg)
         except PackageNotFoundError:
             pass
+    import sclayout
+
+    code = Path(sclayout.__file__).resolve().parents[1]
+    if code != REPO:  # measuring a snapshot (PYTHONPATH=...): say which code ran
+        rev_file = code / "REV"
+        rev = f"{rev_file.read_text().strip() if rev_file.exists() else '?'} (snapshot {code})"
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
