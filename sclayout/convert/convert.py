@@ -39,6 +39,7 @@ from loader.layout import (
 )
 from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
+from sclayout.convert._buffers import release_scratch
 from sclayout.convert.checks import (
     check_destination,
     check_obs_columns,
@@ -258,6 +259,7 @@ def convert(
         runner.close()
         close_handles()
         close_dst()
+        release_scratch()
     return manifest
 
 

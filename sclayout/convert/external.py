@@ -30,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sclayout.convert._buffers import scratch
 from sclayout.convert.source import read_slice
 from sclayout.convert.write import write_region
 
@@ -66,12 +67,24 @@ def _append(workdir: str, bucket: int, parts: dict[str, np.ndarray]) -> None:
 
 
 def _load(workdir: str, bucket: int, dtypes: dict[str, np.dtype]) -> dict[str, np.ndarray]:
+    """A bucket's parts, every writer's file read in turn into one scratch buffer."""
     d = Path(workdir) / f"b{bucket:06d}"
     writers = sorted({p.name.rsplit(".", 1)[0] for p in d.iterdir()}) if d.exists() else []
     out = {}
     for name, dt in dtypes.items():
-        pieces = [np.fromfile(d / f"{w}.{name}", dtype=dt) for w in writers]
-        out[name] = np.concatenate(pieces) if pieces else np.empty(0, dtype=dt)
+        files = [d / f"{w}.{name}" for w in writers]
+        sizes = [f.stat().st_size for f in files]
+        buf = scratch(f"bucket-{name}", sum(sizes) // dt.itemsize, dt)
+        view, pos = memoryview(buf.view(np.uint8)), 0
+        for f, size in zip(files, sizes, strict=True):
+            end = pos + size
+            with open(f, "rb", buffering=0) as fh:
+                while pos < end:
+                    n = fh.readinto(view[pos:end])
+                    if not n:
+                        raise OSError(f"short read of {f}")
+                    pos += n
+        out[name] = buf
     return out
 
 
@@ -180,8 +193,8 @@ def route_rows(job: RouteRowsJob) -> int:
     """Run a :class:`RouteRowsJob`; returns bytes read."""
     s = job.indptr
     e0, e1 = int(s[job.r0]), int(s[job.r1])
-    data = read_slice(job.src, f"{job.path}/data", e0, e1)
-    indices = read_slice(job.src, f"{job.path}/indices", e0, e1)
+    data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
+    indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
     nnz = np.diff(s[job.r0 : job.r1 + 1])
     out_start = job.out_ptr[job.inv[job.r0 : job.r1]]
     keep = np.flatnonzero(nnz > 0)
@@ -193,8 +206,8 @@ def route_rows(job: RouteRowsJob) -> int:
     if first.size and first.min() == first.max() and keep.size == job.r1 - job.r0:
         g_data, g_idx = data, indices  # one bucket, no empty row: already in file order
     else:
-        g_data = np.empty(int(nnz.sum()), dtype=data.dtype)
-        g_idx = np.empty(g_data.size, dtype=indices.dtype)
+        g_data = scratch("route-gdata", int(nnz.sum()), data.dtype)
+        g_idx = scratch("route-gindices", g_data.size, indices.dtype)
         ptr = s[job.r0 : job.r1 + 1] - e0
         gather_rows(ptr, keep[order], data, indices, g_data, g_idx)
     cuts_rows = np.searchsorted(first[order], np.arange(len(job.bounds)))
@@ -344,7 +357,7 @@ def assemble(job: AssembleJob) -> int:
                 r1 = int(np.searchsorted(ends, b - base - 1, side="right")) + 1
                 first = int(ends[r0] - nnz[r0]) + base
                 size = int(ends[r1 - 1]) + base - first
-                outs = [np.empty(size, dtype=x.dtype) for x in src]
+                outs = [scratch(f"shard-{i}", size, x.dtype) for i, x in enumerate(src)]
                 gather_rows(ptr, order[r0:r1], *src, *outs)
                 for name, buf in zip(("data", "indices"), outs, strict=True):
                     write_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])

@@ -24,6 +24,7 @@ import numpy as np
 import zarr
 
 from loader.errors import InputError
+from sclayout.convert._buffers import scratch
 
 __all__ = ["DirectH5Reader", "MatrixInfo", "Source", "fingerprint", "open_group", "read_slice"]
 
@@ -127,10 +128,15 @@ class DirectH5Reader:
             offsets[info.chunk_offset[0] // chunk] = info.byte_offset
         return cls(fd, dtype, ds.shape, chunk, offsets)
 
-    def read(self, start: int, stop: int) -> np.ndarray:
+    def read(self, start: int, stop: int, *, buffer: str | None = None) -> np.ndarray:
+        """Rows ``[start, stop)``; into this thread's scratch buffer ``buffer`` if given."""
         stop = min(stop, self.shape[0])
         start = min(start, stop)
-        out = np.empty((stop - start, *self.shape[1:]), dtype=self.dtype)
+        shape = (stop - start, *self.shape[1:])
+        if buffer is None:
+            out = np.empty(shape, dtype=self.dtype)
+        else:
+            out = scratch(buffer, int(np.prod(shape, dtype=np.int64)), self.dtype).reshape(shape)
         buf = memoryview(out.reshape(-1).view(np.uint8))
         if self.chunk is None:
             self._pread(buf, int(self.offsets[0]) + start * self.row_bytes)
@@ -182,11 +188,17 @@ def _open_array(src: str, array: str) -> Any:
         return _arrays[key]
 
 
-def read_slice(src: str, array: str, start: int, stop: int) -> np.ndarray:
-    """``src[array][start:stop]`` along the first axis, from a cached reader."""
+def read_slice(
+    src: str, array: str, start: int, stop: int, *, buffer: str | None = None
+) -> np.ndarray:
+    """``src[array][start:stop]`` along the first axis, from a cached reader.
+
+    ``buffer`` names a per-thread scratch buffer to read into (direct HDF5 reads
+    only); the result is then valid until this thread reuses that name.
+    """
     reader = _open_array(src, array)
     if isinstance(reader, DirectH5Reader):
-        return reader.read(start, stop)
+        return reader.read(start, stop, buffer=buffer)
     return np.asarray(reader[start:stop])
 
 

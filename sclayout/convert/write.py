@@ -182,7 +182,8 @@ def copy_sparse(job: CopySparseJob) -> int:
     """Run a :class:`CopySparseJob`; returns bytes read."""
     n = 0
     for part in ("data", "indices"):
-        values = read_slice(job.src, f"{job.src_path}/{part}", job.start, job.stop)
+        path = f"{job.src_path}/{part}"
+        values = read_slice(job.src, path, job.start, job.stop, buffer="copy")
         write_region(job.dst, f"{job.dst_path}/{part}", job.start, values)
         n += values.nbytes
     return n

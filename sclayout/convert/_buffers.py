@@ -1,0 +1,45 @@
+"""Per-thread scratch buffers reused from task to task.
+
+Every reorder task needs a few buffers of hundreds of MB. Fresh ones cost a page
+fault per page, which was most of the conversion's system time (1.37 s sys of 2.6 s
+CPU for a 320 MB shuffle, 85k minor faults); reusing one buffer per thread and role
+faults its pages once. A buffer is valid until the same thread asks for the same
+role again, so tasks use each role for one purpose only.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+__all__ = ["release_scratch", "scratch"]
+
+GROWTH = 1.125
+"""A buffer grows to 1.125x the request so slightly larger later tasks reuse it."""
+
+_lock = threading.Lock()
+_pool: dict[tuple[int, str], np.ndarray] = {}
+
+
+def scratch(role: str, n: int, dtype: np.dtype) -> np.ndarray:
+    """A 1-D array of ``n`` items of ``dtype`` owned by (this thread, ``role``)."""
+    dtype = np.dtype(dtype)
+    nbytes = n * dtype.itemsize
+    key = (threading.get_ident(), role)
+    with _lock:
+        buf = _pool.get(key)
+    if buf is None or buf.nbytes < nbytes:
+        with _lock:  # let the old one go before allocating the new one
+            _pool.pop(key, None)
+        buf = None
+        buf = np.empty(int(nbytes * GROWTH) + 64, dtype=np.uint8)
+        with _lock:
+            _pool[key] = buf
+    return buf[:nbytes].view(dtype)
+
+
+def release_scratch() -> None:
+    """Drop every scratch buffer (end of a conversion)."""
+    with _lock:
+        _pool.clear()
