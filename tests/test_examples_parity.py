@@ -77,7 +77,7 @@ def test_mlp_init_is_seeded_without_global_state():
 
 
 def test_train_parity_smoke(tmp_path):
-    _run("train_parity.py", "--smoke", "--quiet", "--out", str(tmp_path), timeout=240)
+    _run("train_parity.py", "--smoke", "--quiet", "--out", str(tmp_path), timeout=600)
     results = json.loads((tmp_path / "parity.json").read_text())
     expected = ["pbmc", "tahoe"] if SHARED_DATA.is_dir() else ["tahoe"]
     assert list(results["datasets"]) == expected
@@ -99,7 +99,7 @@ def test_train_parity_smoke(tmp_path):
 
 
 def test_demo_smoke(tmp_path):
-    res = _run("demo.py", "--smoke", "--out", str(tmp_path), timeout=240)
+    res = _run("demo.py", "--smoke", "--out", str(tmp_path), timeout=600)
     for command in ("recommend", "convert", "verify", "inspect"):
         assert f"$ sclayout {command} " in res.stdout
     train = json.loads((tmp_path / "train.json").read_text())
