@@ -461,3 +461,15 @@ def test_direct_hdf5_reads_equal_h5py(tmp_path):
                 assert np.array_equal(read_slice(str(path), name, int(a), b), full[a:b])
     finally:
         close_handles()
+
+
+def test_scheduler_needs_distributed_or_a_reachable_address(tmp_path, synth_h5ad):
+    try:
+        import distributed  # noqa: F401
+    except ImportError:
+        message = "scheduler='tcp://127.0.0.1:9': dask.distributed is not installed; install"
+    else:
+        message = "scheduler='tcp://127.0.0.1:9': cannot connect"
+    with pytest.raises(InputError, match=re.escape(message)):
+        convert(synth_h5ad, tmp_path / "o.zarr", scheduler="tcp://127.0.0.1:9")
+    assert list(tmp_path.iterdir()) == []
