@@ -374,7 +374,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         f"{head['label']} — {head['cells_per_s']:,.0f} cells/s "
         f"(target {TARGET_CELLS_S:,}), {head['vs_random']:.1f}× true random "
         f"(target {TARGET_VS_RANDOM:.0f}×), diversity {head['diversity']:.3f}.\n\n"
-        f"{table}\n\n![throughput vs diversity](loader.png)\n\n"
+        f"{table}\n\n![throughput vs diversity]({meta['name']}.png)\n\n"
         f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
         f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
     )
@@ -449,6 +449,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seconds", type=float, default=None, help="time cap per run")
     p.add_argument("--source", type=Path, default=None, help="benchmark this h5ad instead")
     p.add_argument("--results", type=Path, default=None, help="where to write loader.*")
+    p.add_argument("--name", default="loader", help="results file stem [loader]")
     p.add_argument("--work", type=Path, default=None, help="folder of the converted stores")
     args = p.parse_args(argv)
     d = QUICK if args.quick else FULL
@@ -550,6 +551,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store_bytes = {o: tree_bytes(p)[0] for o, p in stores.items()}
         meta = {
             "command": command_line(),
+            "name": args.name,
             "quick": args.quick,
             "repeat": args.repeat,
             "cells_per_run": args.cells,
@@ -575,8 +577,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         md = _markdown(rows, meta)
         for r in rows:
             r["path"] = None
-        write_results("loader", {"meta": meta, "rows": rows}, md, results=results)
-        _plot(rows, results / "loader.png")
+        write_results(args.name, {"meta": meta, "rows": rows}, md, results=results)
+        _plot(rows, results / f"{args.name}.png")
         print(md)
     finally:
         if tmp is not None and args.results is None:
