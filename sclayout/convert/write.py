@@ -19,6 +19,7 @@ import numpy as np
 import zarr
 
 from loader.errors import InputError
+from sclayout.convert._buffers import release_scratch
 from sclayout.convert.plan import ArrayPlan, MatrixPlan
 from sclayout.convert.source import MatrixInfo, read_slice
 
@@ -273,6 +274,7 @@ class Runner:
                 return list(dask.threaded.get(dsk, keys, num_workers=workers))
         finally:
             bar.close()
+            release_scratch()  # one phase's buffers must not outlive it (peak memory)
 
     def close(self) -> None:
         if self.client is not None:
