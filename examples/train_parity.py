@@ -78,17 +78,24 @@ def log1p_normalise(x):
     return torch.log1p(x * (TARGET_SUM / x.sum(dim=1, keepdim=True).clamp_min(1.0)))
 
 
-def make_mlp(n_in: int, n_out: int, *, seed: int, hidden: int = 256):
-    """A two-layer MLP, initialised from its own generator (no global RNG state)."""
+def make_mlp(n_in: int, n_out: int, *, seed: int, hidden: int = 256, layernorm: bool = False):
+    """A two-layer MLP, initialised from its own generator (no global RNG state).
+
+    ``layernorm`` puts a LayerNorm before the ReLU (a robustness check: it keeps hidden
+    units from dying). The last layer is always ``model[-1]``.
+    """
     import torch
     from torch import nn
 
     g = torch.Generator().manual_seed(int(np.random.SeedSequence(seed).generate_state(1)[0]))
     # skip_init: nn.Linear's own initialisation would draw from the global generator
-    layers = [nn.utils.skip_init(nn.Linear, a, b) for a, b in ((n_in, hidden), (hidden, n_out))]
-    model = nn.Sequential(layers[0], nn.ReLU(), layers[1])
+    first, last = (
+        nn.utils.skip_init(nn.Linear, a, b) for a, b in ((n_in, hidden), (hidden, n_out))
+    )
+    norm = [nn.LayerNorm(hidden)] if layernorm else []
+    model = nn.Sequential(first, *norm, nn.ReLU(), last)
     with torch.no_grad():
-        for layer in (model[0], model[2]):
+        for layer in (first, last):
             nn.init.kaiming_uniform_(layer.weight, a=math.sqrt(5), generator=g)
             bound = 1.0 / math.sqrt(layer.weight.shape[1])
             nn.init.uniform_(layer.bias, -bound, bound, generator=g)
@@ -439,6 +446,7 @@ def train_one(
     batch_size: int,
     lr: float,
     hidden: int,
+    layernorm: bool = False,
     progress: bool,
     desc: str,
 ) -> dict[str, Any]:
@@ -448,7 +456,7 @@ def train_one(
 
     from sclayout.measure import diversity_ratio
 
-    model = make_mlp(prep.n_vars, len(prep.classes), seed=seed, hidden=hidden)
+    model = make_mlp(prep.n_vars, len(prep.classes), seed=seed, hidden=hidden, layernorm=layernorm)
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     seen: list[np.ndarray] = []
     bar = tqdm(total=steps, desc=desc, unit="step", disable=not progress, leave=False)
@@ -494,7 +502,7 @@ def dead_units(model, X: sp.csr_matrix, n: int = 4096) -> float:
 
     with torch.no_grad():
         x = torch.from_numpy(X[:n].toarray().astype(np.float32))
-        h = model[0](log1p_normalise(x))
+        h = model[:-1](log1p_normalise(x))  # after the ReLU
     return float((h.max(dim=0).values <= 0).float().mean())
 
 
@@ -541,7 +549,8 @@ def markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     lines = [
         f"Command: `{cfg['command']}`  ",
-        f"{cfg['seeds']} seeds, batch {cfg['batch_size']}, MLP {cfg['hidden']} hidden, "
+        f"{cfg['seeds']} seeds, batch {cfg['batch_size']}, MLP {cfg['hidden']} hidden"
+        f"{' with LayerNorm' if cfg.get('layernorm') else ''}, "
         f"Adam lr {cfg['lr']}, {cfg['threads']} torch threads; mean ± sd over seeds.",
         "",
         "| dataset | scheme | block / fetch | macro-F1 | accuracy | diversity | labels seen "
@@ -631,6 +640,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layernorm", action="store_true", help="LayerNorm before the ReLU")
     p.add_argument(
         "--threads",
         type=int,
@@ -667,6 +677,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "batch_size": args.batch_size,
             "lr": args.lr,
             "hidden": args.hidden,
+            "layernorm": args.layernorm,
             "threads": torch.get_num_threads(),
             "min_diversity": args.min_diversity,
             "profile": args.profile,
@@ -720,6 +731,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     batch_size=args.batch_size,
                     lr=args.lr,
                     hidden=args.hidden,
+                    layernorm=args.layernorm,
                     progress=not args.quiet,
                     desc=f"{name} {scheme} s{seed}",
                 )
