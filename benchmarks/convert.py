@@ -162,7 +162,9 @@ def _one_run(
         "source_mb_s": src_bytes / 1e6 / run.seconds,
         "cpu_seconds": run.cpu_seconds,
         "source_mb_per_cpu_s": src_bytes / 1e6 / run.cpu_seconds,
-        "peak_rss": run.peak_rss,
+        # under --profile the child is py-spy: take the sampled RSS of its process tree
+        "peak_rss": run.peak_rss if profile is None else (run.peak_tree_rss or 0),
+        "profiled": profile is not None,
         "peak_tree_rss": run.peak_tree_rss,
         "output_bytes": out_bytes,
         "files": files,
@@ -242,7 +244,13 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "CPU s: user + system time of the conversion process; MB per CPU-s does not depend "
         "much on how busy the machine is, wall time does (load avg: 1-minute load average "
         "after the run; 2 = both cores busy).\n\n"
-        f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
+        + (
+            "Profiled runs (`--profile`): times include py-spy's overhead, CPU s is py-spy's "
+            "own, peak RSS is the sampled RSS of the process tree.\n\n"
+            if any(s.get("profiled") for s in summaries)
+            else ""
+        )
+        + f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
         f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
     )
 
