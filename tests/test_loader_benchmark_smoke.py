@@ -1,0 +1,42 @@
+"""benchmarks/loader.py in its tiny smoke mode: runs end to end and writes sane results.
+
+Speed targets live in the benchmark script, never here (STYLE.md §11).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).parents[1] / "benchmarks" / "loader.py"
+
+
+def test_loader_benchmark_quick(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--results", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "loader.json").read_text())
+    rows = payload["rows"]
+    kinds = {(r["kind"], r["source"], r.get("output", "dense")) for r in rows}
+    assert ("random", "h5ad", "dense") in kinds and ("h5ad", "h5ad", "dense") in kinds
+    for order in ("original", "shuffled", "stratified"):
+        for output in ("dense", "csr"):
+            assert ("store", order, output) in kinds
+    assert {r["regime"] for r in rows} == {"cold", "evicting"}
+    for r in rows:
+        assert r["cells_per_s"] > 0 and r["cells"] > 0
+        assert 0 <= r["diversity"] <= 1.2
+    # a shuffled store mixes plates like random sampling; the sorted h5ad does not
+    shuffled = [r["diversity"] for r in rows if r["source"] == "shuffled"]
+    assert min(shuffled) > 0.9
+    assert payload["meta"]["quick"] is True
+    md = (tmp_path / "loader.md").read_text()
+    assert "benchmarks/loader.py --quick" in md and "| true random (h5ad) |" in md
+    png = tmp_path / "loader.png"
+    assert png.stat().st_size < 300_000
