@@ -142,11 +142,15 @@ def test_stratified_blocks_are_balanced():
     assert _max_block_deviation(labels[strat], 32) < 2  # stratified: within a row
 
 
-def test_stratified_by_two_columns_balances_their_combination():
+def test_stratified_by_two_columns_nests_them():
     obs = _obs(3000, seed=6)
+    plate, line = obs["plate"].to_numpy(), obs["cell_line"].to_numpy()
     combo = (obs["plate"].astype(str) + "/" + obs["cell_line"].astype(str)).to_numpy()
     perm = get_order("stratified")(3000, obs=obs, by=["plate", "cell_line"], seed=1)
+    assert _max_block_deviation(plate[perm], 64) < 2  # first column: within about a row
     assert _max_block_deviation(combo[perm], 64) < 2.5
+    shuf = get_order("shuffled")(3000, obs=obs, seed=1)
+    assert _max_block_deviation(line[perm], 64) < _max_block_deviation(line[shuf], 64)
 
 
 def test_unknown_order_lists_known():

@@ -69,47 +69,71 @@ def shuffled(n_obs: int, *, obs: pd.DataFrame | None = None, by=(), seed: int = 
     return _rng(seed, 1).permutation(n_obs).astype(np.int64)
 
 
-def stratum_codes(obs: pd.DataFrame, by: Sequence[str]) -> np.ndarray:
-    """One integer per row naming its combination of ``by`` values (NaN is a value)."""
+def _column_codes(obs: pd.DataFrame, by: Sequence[str]) -> list[np.ndarray]:
     missing = [c for c in by if c not in obs.columns]
     if missing:
         raise InputError(
             f"--by {missing[0]!r}: no such obs column; available: "
             f"{', '.join(map(str, obs.columns)) or '(none)'}"
         )
-    if not by:
+    return [pd.factorize(obs[c], use_na_sentinel=False)[0].astype(np.int64) for c in by]
+
+
+def stratum_codes(obs: pd.DataFrame, by: Sequence[str]) -> np.ndarray:
+    """One integer per row naming its combination of ``by`` values (NaN is a value)."""
+    codes = _column_codes(obs, by)
+    if not codes:
         return np.zeros(len(obs), dtype=np.int64)
-    codes = [pd.factorize(obs[c], use_na_sentinel=False)[0] for c in by]
     if len(codes) == 1:
-        return codes[0].astype(np.int64)
+        return codes[0]
     return pd.factorize(pd.MultiIndex.from_arrays(codes), use_na_sentinel=False)[0].astype(np.int64)
+
+
+def _rank_in_groups(groups: np.ndarray, order: np.ndarray) -> np.ndarray:
+    """Rank of each row within its group when rows are taken in ``order``."""
+    ordered = order[np.argsort(groups[order], kind="stable")]
+    sizes = np.bincount(groups)
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    rank = np.empty(groups.size, dtype=np.int64)
+    rank[ordered] = np.arange(groups.size) - starts[groups[ordered]]
+    return rank
 
 
 def stratified(
     n_obs: int, *, obs: pd.DataFrame | None = None, by: Sequence[str] = (), seed: int = 0
 ) -> np.ndarray:
-    """Rows interleaved by the combination of ``by`` columns.
+    """Rows interleaved by the ``by`` columns, the first column balanced most tightly.
 
-    Each stratum (of size n_s) is shuffled; its j-th row gets the key
-    ``(j + u_s) / n_s`` with ``u_s`` a random offset in [0, 1) per stratum; rows are
-    sorted by key. Every window of consecutive stored rows then holds each stratum in
-    proportion to its size, within one row per stratum.
+    One column: each stratum (of size n_s) is shuffled; its j-th row gets the key
+    ``(j + u_s) / n_s`` with ``u_s`` a random offset in [0, 1); rows are sorted by key.
+    Every window of consecutive stored rows then holds each stratum in proportion to
+    its size, within about one row.
+
+    Several columns, nested: rows of each combination of all columns are shuffled,
+    then interleaved that way within each combination of the first k-1 columns, ...,
+    up to the first column over all rows. So blocks balance the first column within
+    about a row, the second within each value of the first, and so on (balancing the
+    full combination instead, with its many small strata, would leave each single
+    column only as balanced as random sampling).
     """
     if obs is None:
         raise SpecError("order='stratified' needs the obs table")
     if not by:
         raise SpecError("order='stratified' needs at least one obs column (--by COL)")
-    codes = stratum_codes(obs, by)
+    columns = _column_codes(obs, by)
     rng = _rng(seed, 2)
-    shuffle = rng.permutation(n_obs)
-    grouped = shuffle[np.argsort(codes[shuffle], kind="stable")]
-    sizes = np.bincount(codes, minlength=int(codes.max(initial=-1)) + 1)
-    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    offsets = rng.random(sizes.size)
-    g_codes = codes[grouped]
-    rank = np.arange(n_obs) - starts[g_codes]
-    key = (rank + offsets[g_codes]) / np.maximum(sizes[g_codes], 1)
-    return grouped[np.argsort(key, kind="stable")].astype(np.int64)
+    levels = [np.zeros(n_obs, dtype=np.int64), columns[0]] + [
+        pd.factorize(pd.MultiIndex.from_arrays(columns[:k]))[0].astype(np.int64)
+        for k in range(2, len(columns) + 1)
+    ]  # levels[k]: combination of the first k columns (levels[0]: one group)
+    order = rng.permutation(n_obs)  # random order within the finest groups
+    for k in range(len(columns), 0, -1):
+        groups = levels[k]
+        rank = _rank_in_groups(groups, order)
+        sizes = np.bincount(groups)
+        key = (rank + rng.random(sizes.size)[groups]) / sizes[groups]
+        order = np.lexsort((key, levels[k - 1]))  # interleaved within coarser groups
+    return order.astype(np.int64)
 
 
 register_order("original", original)
