@@ -306,7 +306,7 @@ def check_pick(
     if s.csr_chunk_nnz is not None:
         chunk_factor = s.csr_chunk_nnz / (stats.nnz / stats.n_obs * s.block_size)
     sd = StoreDef(
-        f"pick_{kind}_{s.order.kind}_b{s.block_size}_{s.codec}"
+        f"pick_{s.order.kind}_b{s.block_size}_{s.codec}"
         + (f"_chunk{chunk_factor:.2g}x" if chunk_factor else ""),
         s.block_size,
         s.order.kind,
@@ -462,6 +462,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--profiles", default="local,http")
     ap.add_argument("--no-pick", action="store_true", help="skip measuring recommend's pick")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other profiles' rows of an existing results file (re-measure some only)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="results folder [benchmarks/results]")
     args = ap.parse_args(argv)
     global RESULTS
@@ -500,6 +505,13 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             if server:
                 server.close()
+    tag = "-smoke" if args.smoke else ""
+    old_path = RESULTS / f"costmodel{tag}.json"
+    if args.merge and old_path.exists():
+        old = json.loads(old_path.read_text())
+        done = set(args.profiles.split(","))
+        rows = [r for r in old["rows"] if r["profile"] not in done] + rows
+        picks = [p for p in old.get("picks", []) if p["profile"] not in done] + picks
     summary = summarize(rows)
     doc = {
         "dataset": str(src.name),
@@ -513,7 +525,6 @@ def main(argv: list[str] | None = None) -> None:
         "summary": summary,
         "picks": picks,
     }
-    tag = "-smoke" if args.smoke else ""
     (RESULTS / f"costmodel{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
     (RESULTS / f"costmodel{tag}.md").write_text(markdown(rows, summary, picks))
     plot(rows, picks, RESULTS / f"costmodel{tag}.png")

@@ -61,7 +61,12 @@ class SearchSpace:
     codecs: tuple[str, ...] = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
     chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     """CSR inner chunk in units of a typical block's nnz (1.0: the converter's default)."""
-    workers: tuple[int, ...] = (0, 2)
+    workers: tuple[int, ...] = (0,)
+    """DataLoader workers. Only in-process loading by default: on the 2-core machine
+    benchmarks/costmodel.py measured 2 workers at 2–6k cells/s where in-process
+    loading gave 6–27k, and the model does not yet account for what makes them slow
+    (inter-process transfer of dense minibatches, worker start-up); ask for workers
+    with ``recommend --workers 0,2``."""
 
 
 @dataclass(frozen=True)
