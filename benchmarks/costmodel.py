@@ -392,6 +392,10 @@ def plot(rows: list[dict[str, Any]], picks: list[dict[str, Any]], path: Path) ->
     ax.fill_between(xs, xs * 0.85, xs * 1.15, color="0.85", label="±15 %")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    from matplotlib.ticker import NullFormatter
+
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlim(lo, hi)
     ax.set_ylim(lo, hi)
     ax.set_xlabel("measured cells/s")
@@ -462,6 +466,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--profiles", default="local,http")
     ap.add_argument("--no-pick", action="store_true", help="skip measuring recommend's pick")
+    ap.add_argument("--replot", action="store_true", help="redraw .md/.png from the .json")
     ap.add_argument(
         "--merge",
         action="store_true",
@@ -472,6 +477,14 @@ def main(argv: list[str] | None = None) -> None:
     global RESULTS
     RESULTS = args.out or RESULTS
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        tag = "-smoke" if args.smoke else ""
+        doc = json.loads((RESULTS / f"costmodel{tag}.json").read_text())
+        (RESULTS / f"costmodel{tag}.md").write_text(
+            markdown(doc["rows"], doc["summary"], doc["picks"])
+        )
+        plot(doc["rows"], doc["picks"], RESULTS / f"costmodel{tag}.png")
+        return
     runs, seconds = (1, 0.3) if args.smoke else (args.runs, args.seconds)
     src = _source(args.smoke)
     root = _cache()
