@@ -45,7 +45,9 @@ def run_plan(
             len(ready) + len(in_flight) < prefetch + 1 or at_least_one
         ):
             f = plan.fetch(next_k)
-            in_flight.append((f, reader.submit(f.blocks)))
+            # the reader permutes the fetch off this thread, so minibatches are
+            # contiguous slices of it (no per-minibatch gather here)
+            in_flight.append((f, reader.submit(f.blocks, order=f.order)))
             next_k += 1
             at_least_one = False
 
@@ -60,16 +62,16 @@ def run_plan(
                     submit_more(k, at_least_one=True)
                 f, pending = in_flight.popleft()
                 got = pending.result()
-                want = int(lengths[f.blocks].sum())
-                if got.n_rows != want:
+                if got.n_rows != f.order.size:
                     raise LayoutError(
-                        f"reader returned {got.n_rows} rows for blocks holding {want}; "
+                        f"reader returned {got.n_rows} rows for a fetch of {f.order.size} "
+                        f"from blocks holding {int(lengths[f.blocks].sum())}; "
                         "the store is inconsistent: reconvert it"
                     )
                 ready[f.index] = (f, got)
         submit_more(first)  # keep the read-ahead full before taking rows
         pieces = [
-            ready[k][1].take(ready[k][0].order[a:b], output=output, obs=obs) for k, a, b in parts
+            ready[k][1].take(np.arange(a, b), output=output, obs=obs) for k, a, b in parts
         ]
         yield concat_batches(pieces)
 

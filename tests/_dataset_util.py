@@ -80,13 +80,15 @@ class MemoryReader:
             raise InputError(f"obs column {column!r}: not in obs; available: {list(self._obs)}")
         return self._obs[column]
 
-    def submit(self, blocks) -> MemoryPending:
+    def submit(self, blocks, *, order=None) -> MemoryPending:
         blocks = np.asarray(blocks, dtype=np.int64)
         assert np.all(np.diff(blocks) > 0), "blocks must be sorted and unique"
         self.submitted.append(blocks)
         starts = blocks * self.block_size
         stops = np.minimum(starts + self.block_size, self.n_obs)
         rows = np.concatenate([np.arange(a, b) for a, b in zip(starts, stops, strict=True)])
+        if order is not None:  # as LayoutReader.submit: the fetch's rows, permuted
+            rows = rows[np.asarray(order, dtype=np.int64)]
         return MemoryPending(MemoryFetched(self, rows.astype(np.int64)))
 
 

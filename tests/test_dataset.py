@@ -226,10 +226,10 @@ class CountingReader:
         self.block_lengths, self.source_index = inner.block_lengths, inner.source_index
         self.obs_codes = inner.obs_codes
 
-    def submit(self, blocks):
+    def submit(self, blocks, *, order=None):
         k = sum(e[0] == "submit" for e in self.events)
         self.events.append(("submit", k, int(self.block_lengths()[blocks].sum())))
-        pending, events = self.inner.submit(blocks), self.events
+        pending, events = self.inner.submit(blocks, order=order), self.events
 
         class Pending:
             def result(self):
