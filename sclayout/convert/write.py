@@ -16,6 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+# imported here, not lazily in a worker: the first import holds the import lock for
+# seconds on a loaded machine (benchmarks/results/convert_profile.md, finding 8)
+import tensorstore as ts
 import zarr
 
 from loader.errors import InputError
@@ -45,8 +49,6 @@ def _write_zarr(arr: Any, start: int, values: np.ndarray) -> None:
 
 
 def _open_tensorstore(path: str) -> Any:
-    import tensorstore as ts
-
     spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
     return ts.open(spec, open=True).result()
 
