@@ -44,6 +44,18 @@ def test_tahoe_like_is_anndata_sorted_and_as_requested(tahoe):
     assert a.obs_names.is_unique and a.var_names.is_unique
 
 
+def test_tahoe_like_chunks_like_anndata(tmp_path):
+    # anndata writes sparse X with h5py's guessed chunks; the generator must match them,
+    # or random row access (the true-random baseline) is unrealistically slow.
+    path = make_tahoe_like(tmp_path / "c.h5ad", seed=0, **SMALL)
+    x = ad.read_h5ad(path).X
+    ad.AnnData(X=x).write_h5ad(tmp_path / "ref.h5ad")
+    with h5py.File(path) as f, h5py.File(tmp_path / "ref.h5ad") as g:
+        for key in ("data", "indices"):
+            ours, theirs = f["X"][key].chunks[0], g["X"][key].chunks[0]
+            assert 0.5 * theirs <= ours <= 2 * theirs
+
+
 def test_tahoe_like_is_deterministic_and_seed_dependent(tahoe, tmp_path):
     again = make_tahoe_like(tmp_path / "a.h5ad", seed=7, **SMALL)
     other = make_tahoe_like(tmp_path / "b.h5ad", seed=8, **SMALL)
