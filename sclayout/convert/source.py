@@ -120,9 +120,9 @@ class DirectH5Reader:
         n = -(-ds.shape[0] // chunk)
         if ds.id.get_num_chunks() != n:
             return None
+        infos = _chunk_infos(ds, n)
         offsets = np.empty(n, dtype=np.int64)
-        for i in range(n):
-            info = ds.id.get_chunk_info(i)
+        for info in infos:
             if info.filter_mask or info.byte_offset is None:
                 return None
             offsets[info.chunk_offset[0] // chunk] = info.byte_offset
@@ -162,6 +162,22 @@ class DirectH5Reader:
             if n <= 0:
                 raise OSError(f"unexpected end of file reading {len(buf)} bytes at {offset}")
             done += n
+
+
+def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
+    """Every chunk's storage info, in one pass over the chunk index.
+
+    ``get_chunk_info(i)`` walks the index from the start on every call (quadratic): for
+    an h5ad chunked as anndata chunks it (8,247 chunks of 48,829 values per array on the
+    200k-cell benchmark file) that took 2.5 s per array, against 0.012 s for one
+    ``chunk_iter`` pass (HDF5 >= 1.14 / h5py >= 3.8; older ones fall back).
+    """
+    infos: list = []
+    try:
+        ds.id.chunk_iter(infos.append)
+    except (AttributeError, NotImplementedError):
+        infos = [ds.id.get_chunk_info(i) for i in range(n)]
+    return infos
 
 
 def _open_array(src: str, array: str) -> Any:
