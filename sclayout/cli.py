@@ -33,17 +33,11 @@ def main() -> None:
 
 
 def _register() -> None:
-    import importlib
+    from sclayout.convert.cli import COMMANDS as convert_commands
+    from sclayout.cost.cli import COMMANDS as cost_commands
 
-    for module in ("sclayout.convert.cli", "sclayout.cost.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            continue
-        for command in mod.COMMANDS:
-            main.add_command(command)
+    for command in (*convert_commands, *cost_commands):
+        main.add_command(command)
 
 
 _register()
