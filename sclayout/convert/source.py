@@ -169,8 +169,9 @@ def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
 
     ``get_chunk_info(i)`` walks the index from the start on every call (quadratic): for
     an h5ad chunked as anndata chunks it (8,247 chunks of 48,829 values per array on the
-    200k-cell benchmark file) that took 2.5 s per array, against 0.012 s for one
-    ``chunk_iter`` pass (HDF5 >= 1.14 / h5py >= 3.8; older ones fall back).
+    200k-cell benchmark file) that took 2.9-3.5 s per array, against 0.012-0.018 s for one
+    ``chunk_iter`` pass (benchmarks/h5_chunk_index.py; HDF5 >= 1.14 / h5py >= 3.8;
+    older ones fall back).
     """
     infos: list = []
     try:
