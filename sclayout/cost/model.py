@@ -217,31 +217,21 @@ def virtual_layout(
         shard_chunks=spec.shard_chunks,
     )
     idx_dtype = "int32" if n_vars < 2**31 else "int64"
+    shapes_dtypes = {
+        "data": ((nnz,), data_dtype),
+        "indices": ((nnz,), idx_dtype),
+        "indptr": ((n_obs + 1,), "int64"),
+    }
     arrays = {
-        "data": ArrayLayout(
-            "X/data",
-            (nnz,),
-            data_dtype,
-            plan.arrays["data"].chunks,
-            plan.arrays["data"].shards,
+        name: ArrayLayout(
+            f"X/{name}",
+            shape,
+            dtype,
+            plan.arrays[name].chunks,
+            plan.arrays[name].shards,
             spec.codec,
-        ),
-        "indices": ArrayLayout(
-            "X/indices",
-            (nnz,),
-            idx_dtype,
-            plan.arrays["indices"].chunks,
-            plan.arrays["indices"].shards,
-            spec.codec,
-        ),
-        "indptr": ArrayLayout(
-            "X/indptr",
-            (n_obs + 1,),
-            "int64",
-            plan.arrays["indptr"].chunks,
-            plan.arrays["indptr"].shards,
-            spec.codec,
-        ),
+        )
+        for name, (shape, dtype) in shapes_dtypes.items()
     }
     matrix = MatrixLayout(
         "csr", (n_obs, n_vars), data_dtype, nnz, arrays, block_pointer="uns/sclayout/block_indptr/X"

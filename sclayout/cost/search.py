@@ -117,6 +117,27 @@ class SearchResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def _predict(
+    fs,
+    stats: DatasetStats,
+    codec: str,
+    batch_size: int,
+    fetch_factor: int,
+    workers: int,
+    backend: str,
+    profile: Profile,
+    options: ModelOptions,
+) -> tuple[LoaderSettings, Prediction]:
+    """Loader settings for one grid point and the model's prediction for them."""
+    settings = LoaderSettings(
+        batch_size=batch_size, fetch_factor=fetch_factor, num_workers=workers, backend=backend
+    )
+    pred = predict_from_stats(
+        fs, n_vars=stats.n_vars, codec=codec, settings=settings, profile=profile, options=options
+    )
+    return settings, pred
+
+
 def _check_targets(min_diversity: float, memory_budget: int) -> None:
     if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
         raise InputError(
@@ -257,16 +278,8 @@ def search(
                 stored_labels=stored[order],
             )
             for codec, w in itertools.product(space.codecs, space.workers):
-                settings = LoaderSettings(
-                    batch_size=batch_size, fetch_factor=f, num_workers=w, backend=backend
-                )
-                pred = predict_from_stats(
-                    fs,
-                    n_vars=stats.n_vars,
-                    codec=codec,
-                    settings=settings,
-                    profile=profile,
-                    options=options,
+                settings, pred = _predict(
+                    fs, stats, codec, batch_size, f, w, backend, profile, options
                 )
                 spec = LayoutSpec(store=replace(base, codec=codec), loader=settings)
                 m = replace(
@@ -349,16 +362,8 @@ def search_loader(
                 )
                 div, method = est.ratio, est.method
             for w in workers:
-                settings = LoaderSettings(
-                    batch_size=batch_size, fetch_factor=f, num_workers=w, backend=backend
-                )
-                pred = predict_from_stats(
-                    fs,
-                    n_vars=stats.n_vars,
-                    codec=codec,
-                    settings=settings,
-                    profile=profile,
-                    options=options,
+                settings, pred = _predict(
+                    fs, stats, codec, batch_size, f, w, backend, profile, options
                 )
                 store = StoreSpec(block_size=b, order=man0.order, codec=codec)
                 candidates.append(
