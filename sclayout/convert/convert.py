@@ -350,15 +350,13 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
             pointers[info.path] = pointer
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
     _write_uns_sclayout(root, perm, pointers)
-    x = source.matrix_info("X")
-    nnz = matrices["X"].nnz
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
         block_size=block_size,
         order=opts.order,
         matrices=matrices,
-        source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=nnz if x else 0),
+        source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=matrices["X"].nnz),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
@@ -469,11 +467,10 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
             arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
         )
         return layout, None
+    src_ptr = ctx.source.indptr(info)  # row pointer (csr) or column pointer (csc)
     if info.encoding == "csr":
-        src_ptr = ctx.source.indptr(info)
         row_nnz = np.diff(src_ptr)
     else:
-        src_ptr = ctx.source.indptr(info)  # column pointer
         row_nnz = _csc_row_counts(ctx, info, src_ptr)
     out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
     np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
@@ -527,8 +524,8 @@ def _csc_row_counts(ctx: _Ctx, info: MatrixInfo, col_ptr: np.ndarray) -> np.ndar
     """nnz of every row of a CSC matrix, from its indices read in slices."""
     counts = np.zeros(info.shape[0], dtype=np.int64)
     step = max(1, ctx.work // (4 * 8))
-    for a, b in shard_ranges(int(col_ptr[-1]) - int(col_ptr[0]), step):
-        off = int(col_ptr[0])
+    off = int(col_ptr[0])
+    for a, b in shard_ranges(int(col_ptr[-1]) - off, step):
         rows = read_slice(ctx.source.path, f"{info.path}/indices", a + off, b + off)
         counts += np.bincount(rows, minlength=info.shape[0])
     return counts
