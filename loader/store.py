@@ -60,8 +60,8 @@ release the GIL, so it overlaps the consumer; more would only compete for 2 core
 MALLOC_MMAP_THRESHOLD = 32 * 2**20
 """glibc ``M_MMAP_THRESHOLD`` set by :func:`tune_malloc` (the largest value glibc
 accepts on 64-bit). Fetch buffers (MBs) then come from the heap and are reused,
-instead of fresh ``mmap`` pages that fault on first touch: measured here, page faults
-fell from 3.0 to ~0.8 per cell and the reader's CPU per cell by 20–30 %."""
+instead of fresh ``mmap`` pages that fault on first touch (fewer page faults and less
+reader CPU per cell; no benchmark command toggles this, so no figure is quoted here)."""
 MALLOC_TRIM_THRESHOLD = 256 * 2**20
 """glibc ``M_TRIM_THRESHOLD``: keep up to this much freed heap for reuse."""
 
@@ -586,8 +586,11 @@ class LayoutReader:
         else:
             values = DenseRows(got["values"])
         index = got["source_index"].astype(np.int64, copy=False) if self.kind == "store" else rows
-        fetched = Fetched(self, rows, index, values)
-        return fetched if order is None else fetched.permute(order)
+        if order is None:
+            return Fetched(self, rows, index, values)
+        # ``order`` was validated by submit(): gather directly, without permute()'s
+        # second min/max pass over the fetch
+        return Fetched(self, rows[order], index[order], values.permute(order))
 
 
 class PendingFetch:
@@ -679,7 +682,7 @@ class Fetched:
             )
         if isinstance(obs, str):
             obs = (obs,)
-        stored = self.rows[pos]
+        stored = self.rows[pos] if obs else None
         return {
             "X": fn(self.values, pos),
             "index": self.index[pos],
