@@ -97,14 +97,6 @@ def _nonempty(ranges: np.ndarray) -> np.ndarray:
     return ranges[ranges[:, 1] > ranges[:, 0]]
 
 
-class _Done:
-    def __init__(self, value: dict[str, np.ndarray]) -> None:
-        self._value = value
-
-    def result(self) -> dict[str, np.ndarray]:
-        return self._value
-
-
 # --------------------------------------------------------------------------- tensorstore
 
 
@@ -124,12 +116,13 @@ class TensorstoreSettings:
     """Decode/copy threads: one per core of this machine."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
-    keeps shard indexes and chunks shared by neighbouring blocks; measured ~15 % less
-    CPU per cell than no cache for 32-row blocks of the 200k × 20k store."""
+    keeps shard indexes and chunks shared by neighbouring blocks (less CPU per cell than
+    no cache for small blocks; ``benchmarks/loader.py`` has no switch for the cache, so
+    no figure is quoted here)."""
     LARGE_READ_CHUNKS = 4
     """When a block spans at least this many inner chunks, the reader turns the cache
     off (``cache_bytes=0``): every chunk is read once, and caching it only adds an
-    allocation and a copy — measured 20–35 % less CPU per cell for 1024-row blocks."""
+    allocation and a copy (no benchmark command toggles the cache; no figure quoted)."""
 
 
 def _ts_kvstore(location: str, path: str) -> dict[str, Any]:
