@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from loader.errors import NotALayoutStoreError
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert.verify import codec_name
+from sclayout.convert.verify import codec_name, open_store_root
 
 __all__ = ["inspect_store", "render_inspect"]
 
@@ -33,19 +32,7 @@ def _tree_bytes(path: Path) -> tuple[int, int]:
 
 
 def _open(dst: Path) -> tuple[Any, Manifest]:
-    import zarr
-
-    if not dst.is_dir():
-        raise NotALayoutStoreError(
-            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
-        )
-    try:
-        root = zarr.open_group(str(dst), mode="r", use_consolidated=False)
-    except Exception as e:
-        raise NotALayoutStoreError(
-            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): "
-            "convert one with `sclayout convert SRC DST`"
-        ) from None
+    root = open_store_root(dst, hint="convert one with `sclayout convert SRC DST`")
     return root, Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
 
 

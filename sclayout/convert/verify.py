@@ -523,6 +523,25 @@ def _key_diffs(name: str, dst: set, src: set) -> list[str]:
     return out
 
 
+def open_store_root(dst: Path, *, hint: str) -> Any:
+    """Open the zarr group at ``dst`` read-only, or raise :class:`NotALayoutStoreError`.
+
+    ``hint`` ends the message when ``dst`` is a directory zarr cannot open.
+    """
+    import zarr
+
+    if not dst.is_dir():
+        raise NotALayoutStoreError(
+            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
+        )
+    try:
+        return zarr.open_group(str(dst), mode="r", use_consolidated=False)
+    except Exception as e:
+        raise NotALayoutStoreError(
+            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): {hint}"
+        ) from None
+
+
 def verify(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -564,18 +583,7 @@ def verify(
     budget = parse_bytes(memory_budget)
     src_path, dst_path = Path(src), Path(dst)
     info = inspect_source(src_path)
-    if not dst_path.is_dir():
-        raise NotALayoutStoreError(
-            f"DST {dst_path} is not a zarr store directory: "
-            "convert one with `sclayout convert SRC DST`"
-        )
-    try:
-        dst_root = zarr.open_group(str(dst_path), mode="r", use_consolidated=False)
-    except Exception as e:
-        raise NotALayoutStoreError(
-            f"DST {dst_path} cannot be opened as a zarr store ({type(e).__name__}): "
-            "reconvert with `sclayout convert --overwrite`"
-        ) from None
+    dst_root = open_store_root(dst_path, hint="reconvert with `sclayout convert --overwrite`")
     out = _Collector()
     try:
         _, si = _check_manifest(dst_root, info, out)
