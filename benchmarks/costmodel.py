@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -198,7 +197,7 @@ def run_profile(
 ) -> tuple[list[dict[str, Any]], Any]:
     from loader.spec import LoaderSettings
     from loader.store import open_layout
-    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.bench import measure_runs
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
@@ -227,22 +226,17 @@ def run_profile(
             )
             labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
             pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
-            ms = [
-                measure_loader(
-                    loc(path),
-                    batch_size=BATCH,
-                    fetch_factor=f,
-                    block_size=b,
-                    workers=w,
-                    label=LABEL if kind == "local" else None,
-                    seconds=seconds,
-                    cold=(kind == "local"),
-                    seed=i,
-                )
-                for i in range(runs)
-            ]
-            meas = statistics.median(m.cells_per_s for m in ms)
-            div = [m.diversity for m in ms if m.diversity is not None]
+            ms, meas, div = measure_runs(
+                loc(path),
+                runs=runs,
+                batch_size=BATCH,
+                fetch_factor=f,
+                block_size=b,
+                workers=w,
+                label=LABEL if kind == "local" else None,
+                seconds=seconds,
+                cold=(kind == "local"),
+            )
             row = {
                 "profile": kind,
                 "store": store,
@@ -258,7 +252,7 @@ def run_profile(
                 "rel_error": pred.cells_per_s / meas - 1,
                 "bound": pred.bound,
                 "predicted_diversity": pred_div,
-                "measured_diversity": statistics.median(div) if div else None,
+                "measured_diversity": div,
                 "peak_memory_predicted": pred.peak_memory,
             }
             rows.append(row)
@@ -288,7 +282,7 @@ def check_pick(
     smoke: bool,
 ) -> dict[str, Any]:
     """Run recommend's search for this profile and measure its pick."""
-    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.bench import measure_runs
     from sclayout.cost.search import search
     from sclayout.cost.stats import read_dataset_stats
 
@@ -316,21 +310,16 @@ def check_pick(
     root = next(iter(stores.values())).parent
     path = build_store(src, _store_path(root, sd, smoke), sd)
     loc = server.url + path.name if server else str(path)
-    ms = [
-        measure_loader(
-            loc,
-            batch_size=BATCH,
-            fetch_factor=ld.fetch_factor,
-            workers=ld.num_workers,
-            label=LABEL if kind == "local" else None,
-            seconds=seconds,
-            cold=(kind == "local"),
-            seed=i,
-        )
-        for i in range(runs)
-    ]
-    meas = statistics.median(m.cells_per_s for m in ms)
-    div = [m.diversity for m in ms if m.diversity is not None]
+    _, meas, div = measure_runs(
+        loc,
+        runs=runs,
+        batch_size=BATCH,
+        fetch_factor=ld.fetch_factor,
+        workers=ld.num_workers,
+        label=LABEL if kind == "local" else None,
+        seconds=seconds,
+        cold=(kind == "local"),
+    )
     ok = [r for r in rows if r["predicted_diversity"] >= MIN_DIVERSITY]
     best = max(ok, key=lambda r: r["measured"]) if ok else None
     return {
@@ -338,7 +327,7 @@ def check_pick(
         "pick": pick.row(),
         "reason": res.reason,
         "measured": meas,
-        "measured_diversity": statistics.median(div) if div else None,
+        "measured_diversity": div,
         "best_measured_meeting_target": best,
         "within_10pct": bool(best is None or meas >= 0.9 * best["measured"]),
         "ratio_to_best": meas / best["measured"] if best else None,

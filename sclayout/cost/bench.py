@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Measurement", "measure_loader"]
+__all__ = ["Measurement", "measure_loader", "measure_runs"]
 
 WARMUP_BATCHES = 3
 """Minibatches delivered before the clock starts (opening the store, first fetch,
@@ -126,4 +127,19 @@ def measure_loader(
         cells=cells,
         seconds=dt,
         diversity=div,
+    )
+
+
+def measure_runs(
+    path: str | os.PathLike[str], *, runs: int, **kw: Any
+) -> tuple[list[Measurement], float, float | None]:
+    """``runs`` calls of :func:`measure_loader` (seeds ``0..runs-1``, other keywords
+    passed on): the runs, their median cells/s and median diversity (None without
+    a label)."""
+    ms = [measure_loader(path, seed=i, **kw) for i in range(runs)]
+    divs = [m.diversity for m in ms if m.diversity is not None]
+    return (
+        ms,
+        statistics.median(m.cells_per_s for m in ms),
+        statistics.median(divs) if divs else None,
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -434,7 +433,7 @@ def bench_command(
     settings on SOURCE, beside the cost model's prediction."""
     from loader.spec import LoaderSettings
     from loader.store import open_layout
-    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.bench import measure_runs
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
 
@@ -462,29 +461,24 @@ def bench_command(
             fetch_factor=fetch_factor,
             block_size=reader.block_size,
         )
-    ms = [
-        measure_loader(
-            source,
-            batch_size=batch_size,
-            fetch_factor=fetch_factor,
-            block_size=block_size,
-            workers=workers,
-            label=label,
-            seconds=seconds,
-            cold=not warm,
-            seed=i,
-        )
-        for i in range(runs)
-    ]
-    cps = statistics.median(m.cells_per_s for m in ms)
-    divs = [m.diversity for m in ms if m.diversity is not None]
+    ms, cps, div = measure_runs(
+        source,
+        runs=runs,
+        batch_size=batch_size,
+        fetch_factor=fetch_factor,
+        block_size=block_size,
+        workers=workers,
+        label=label,
+        seconds=seconds,
+        cold=not warm,
+    )
     out = {
         "source": source,
         "settings": settings.to_dict(),
         "block_size": reader.block_size,
         "measured_cells_per_s": cps,
         "runs": [m.to_dict() for m in ms],
-        "measured_diversity": statistics.median(divs) if divs else None,
+        "measured_diversity": div,
         "predicted": pred.to_dict(),
         "predicted_diversity": pred_div,
         "profile": prof.name,
@@ -503,7 +497,7 @@ def bench_command(
         f"  cells/s   measured {cps:10,.0f}   predicted {pred.cells_per_s:10,.0f}   "
         f"({out['relative_error']:+.0%}, {pred.bound}-bound)"
     )
-    if divs:
+    if div is not None:
         click.echo(
             f"  diversity measured {out['measured_diversity']:10.3f}   predicted "
             f"{pred_div:10.3f}   ({label})"
