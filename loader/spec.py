@@ -16,12 +16,12 @@ from typing import Any
 
 from loader.errors import FormatVersionError, SpecError
 from loader.layout import RowOrder, parse_block_size
+from loader.strategies import strategies
 
 __all__ = ["SPEC_FORMAT", "SPEC_VERSION", "LayoutSpec", "LoaderSettings", "StoreSpec"]
 
 SPEC_FORMAT = "sclayout-spec"
 SPEC_VERSION = 1
-STRATEGIES = ("block_shuffle", "streaming", "weighted", "class_balanced")
 
 
 def _positive_or_none(value: Any, name: str) -> int | None:
@@ -114,8 +114,9 @@ class LoaderSettings:
             or self.num_workers < 0
         ):
             raise SpecError(f"num_workers={self.num_workers!r}: must be an integer >= 0")
-        if self.strategy not in STRATEGIES:
-            raise SpecError(f"strategy={self.strategy!r}: unknown; known: {', '.join(STRATEGIES)}")
+        known = strategies()  # the registry BlockDataset samples with, not a copy of it
+        if self.strategy not in known:
+            raise SpecError(f"strategy={self.strategy!r}: unknown; known: {', '.join(known)}")
 
     def to_dict(self) -> dict[str, Any]:
         return {
