@@ -117,7 +117,7 @@ def _source_kind(path: Path) -> str:
             raise _fail(f"SRC {path} is a broken symlink: point it at an .h5ad file or zarr store")
         raise _fail(f"SRC {path} does not exist: check the path")
     if path.is_dir():
-        if (path / "zarr.json").is_file() or (path / ".zgroup").is_file():
+        if _is_zarr_dir(path):
             return "zarr"
         raise _fail(
             f"SRC {path} is a directory but not a zarr store (no zarr.json or .zgroup): "
@@ -174,16 +174,12 @@ def _one_line(e: BaseException) -> str:
     return text[:200] + ("..." if len(text) > 200 else "")
 
 
-def _attrs(node: Any) -> Mapping[str, Any]:
-    return node.attrs
-
-
 def _is_group(node: Any) -> bool:
     return hasattr(node, "keys") and not hasattr(node, "dtype")
 
 
 def _encoding(node: Any) -> tuple[str | None, str | None]:
-    a = _attrs(node)
+    a = node.attrs
     et = a.get("encoding-type")
     ev = a.get("encoding-version")
     if isinstance(et, bytes):
@@ -255,7 +251,7 @@ _LEAF_GROUPS = frozenset(
 
 def _n_rows(node: Any, *, name: str, path: Path) -> int:
     """Row count of a dataframe group (from its index array's shape: metadata only)."""
-    a = _attrs(node)
+    a = node.attrs
     index_key = a.get("_index")
     if isinstance(index_key, bytes):
         index_key = index_key.decode()
@@ -270,7 +266,7 @@ def _n_rows(node: Any, *, name: str, path: Path) -> int:
 def _matrix_shape(node: Any, *, name: str, path: Path) -> tuple[int, int]:
     et, _ = _encoding(node)
     if _is_group(node):
-        if et is None and "h5sparse_format" in _attrs(node):
+        if et is None and "h5sparse_format" in node.attrs:
             raise _legacy(path, f"{name} tagged h5sparse_format")
         if et not in MATRIX_ENCODINGS:
             raise _fail(
@@ -278,7 +274,7 @@ def _matrix_shape(node: Any, *, name: str, path: Path) -> tuple[int, int]:
                 f"(supported: {', '.join(MATRIX_ENCODINGS)}); store it as a CSR, CSC or dense "
                 "matrix with anndata"
             )
-        shape = _attrs(node).get("shape")
+        shape = node.attrs.get("shape")
         if shape is None or len(shape) != 2:
             raise _fail(
                 f"SRC {path}: {name} ({et}) has no 2-d shape attribute: the file is damaged; "
@@ -404,7 +400,7 @@ def _inspect_root(path: Path, kind: str, root: Any) -> SourceInfo:
                 "inconsistent; rewrite it with anndata"
             )
     x_enc = _encoding(root["X"])[0] or "array"
-    columns = _attrs(obs).get("column-order", [])
+    columns = obs.attrs.get("column-order", [])
     return SourceInfo(
         kind=kind,
         n_obs=n_obs,
