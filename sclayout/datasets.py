@@ -45,7 +45,7 @@ __all__ = [
 DENSE_CHUNK_ENTRIES = 1 << 24
 """Cells × genes generated at once (16 Mi entries ≈ 64 MB per float32 array, a few arrays
 alive): bounds the generator's memory while keeping each numpy call large enough to be
-fast (≈0.3 s per chunk here)."""
+fast."""
 
 
 def _h5_chunk(expected_nnz: int, itemsize: int = 4) -> int:
@@ -53,8 +53,8 @@ def _h5_chunk(expected_nnz: int, itemsize: int = 4) -> int:
 
     anndata writes sparse X resizable, with h5py's guessed chunks (48,829 elements,
     ~190 KB, for 4·10^8 non-zeros). Much larger chunks (4 MB were used at first) make
-    random row access to the h5ad — the true-random baseline — tens of times slower
-    than on a real file, and every "× random" ratio unfairly large.
+    random row access to the h5ad — the true-random baseline — far slower than
+    on a real file, and every "× random" ratio unfairly large.
     """
     try:
         from h5py._hl.filters import guess_chunk

@@ -346,7 +346,7 @@ with open(out, "w") as f:
 """
 """A small process between us and the command. Linux carries a process's peak RSS
 across ``fork``/``exec``, so a command forked from a large benchmark process would
-report at least the benchmark's RSS; forked from this launcher (≈10 MB) it reports
+report at least the benchmark's RSS; forked from this small launcher it reports
 its own. The launcher also times the command without our start-up overhead."""
 
 

@@ -75,7 +75,7 @@ CONVERT_BUDGET = 2 * 10**9
 virtual layout assumes the store is converted with it."""
 SAMPLE_FETCHES = 16
 """Fetches planned per prediction: the figures vary by a few % between fetches
-(block nnz varies), 16 keeps the mean's error ~1 % and a prediction ~10 ms."""
+(block nnz varies), 16 keeps the mean's error ~1 %."""
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,8 @@ SEARCH_MINIBATCHES = 2048
 """Minibatches per diversity simulation during a search (±0.3 % on 14 plates)."""
 SEARCH_FETCHES = 8
 """Fetches planned per candidate layout during a search (the mean's spread over
-fetches is ~1–2 %, well under the model's error; halves the search time)."""
+fetches is ~1–2 %, well under the model's error; half of ``SAMPLE_FETCHES``, so half the
+planning work per candidate)."""
 NEAR_BEST = 0.03
 """Candidates within 3 % of the fastest are a tie (below the model's error); the tie
 goes to the fewest storage requests per cell (requests carry the most uncertain cost:
