@@ -259,6 +259,25 @@ def search(
             perm=perms[order],
             data_dtype=stats.data_dtype,
         )
+        # Disk bytes depend on the layout and codec only: once per layout, not per fetch
+        # factor and worker count.
+        disk = {
+            codec: store_bytes(
+                replace(
+                    manifest,
+                    matrices={
+                        "X": replace(
+                            manifest.X,
+                            arrays={
+                                k: replace(a, codec=codec) for k, a in manifest.X.arrays.items()
+                            },
+                        )
+                    },
+                ),
+                profile,
+            )
+            for codec in space.codecs
+        }
         for f in space.fetch_factors:
             if not _feasible_fetch(stats, batch_size, f, b):
                 continue
@@ -283,18 +302,7 @@ def search(
                     fs, stats, codec, batch_size, f, w, backend, profile, options
                 )
                 spec = LayoutSpec(store=replace(base, codec=codec), loader=settings)
-                m = replace(
-                    manifest,
-                    matrices={
-                        "X": replace(
-                            manifest.X,
-                            arrays={
-                                k: replace(a, codec=codec) for k, a in manifest.X.arrays.items()
-                            },
-                        )
-                    },
-                )
-                candidates.append(Candidate(spec, pred, div, method, store_bytes(m, profile)))
+                candidates.append(Candidate(spec, pred, div, method, disk[codec]))
     return _rank(
         candidates,
         min_diversity=min_diversity,
