@@ -227,8 +227,7 @@ class BlockDataset:
             d_rank, d_world = _default_rank_world()
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
-        if world_size < 1 or not 0 <= rank < world_size:
-            raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
+        S.check_position(rank, world_size)
 
         if _is_reader(path):
             reader, self._path = path, None
@@ -301,8 +300,7 @@ class BlockDataset:
         A position loaded with :meth:`load_state_dict` for this same epoch is kept, so
         the usual ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
         """
-        if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-            raise InputError(f"epoch={epoch!r}: must be a non-negative integer")
+        S.check_nonnegative_int(epoch, "epoch")
         self._shared[_EPOCH] = int(epoch)
 
     def __len__(self) -> int:

@@ -127,10 +127,7 @@ class SamplerConfig:
         object.__setattr__(self, "block_lengths", lengths)
         for name in ("batch_size", "fetch_factor"):
             object.__setattr__(self, name, parse_block_size(getattr(self, name), name=name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int | np.integer):
-            raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
-        if self.seed < 0:
-            raise InputError(f"seed={self.seed!r}: must be a non-negative integer")
+        check_nonnegative_int(self.seed, "seed")
         strategy = get_strategy(self.strategy)
         if self.num_samples is not None:
             object.__setattr__(
@@ -239,7 +236,14 @@ def worker_batches(cfg: SamplerConfig, *, world_size: int = 1, num_workers: int 
     return np.diff(bounds)
 
 
-def _check_position(rank: int, world_size: int, worker: int, num_workers: int) -> None:
+def check_nonnegative_int(value: object, name: str) -> None:
+    """Raise :class:`InputError` unless ``value`` is an integer >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise InputError(f"{name}={value!r}: must be a non-negative integer")
+
+
+def check_position(rank: int, world_size: int, worker: int = 0, num_workers: int = 1) -> None:
+    """Raise :class:`InputError` unless ``rank`` / ``worker`` are in range."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
     if num_workers < 1 or not 0 <= worker < num_workers:
@@ -381,9 +385,8 @@ def worker_plan(
     num_workers: int = 1,
 ) -> WorkerPlan:
     """The plan of one worker (``worker`` of ``num_workers``) of one rank in ``epoch``."""
-    _check_position(rank, world_size, worker, num_workers)
-    if isinstance(epoch, bool) or not isinstance(epoch, int | np.integer) or epoch < 0:
-        raise InputError(f"epoch={epoch!r}: must be a non-negative integer")
+    check_position(rank, world_size, worker, num_workers)
+    check_nonnegative_int(epoch, "epoch")
     _, used = _rank_rows(cfg, world_size)
     nb = -(-used // cfg.batch_size)
     b0, b1 = _worker_batch_range(nb, worker, num_workers)
