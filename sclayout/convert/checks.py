@@ -419,11 +419,19 @@ def check_source(src: str | os.PathLike[str]) -> None:
     inspect_source(src)
 
 
-def check_obs_columns(src: str | os.PathLike[str], columns: tuple[str, ...] | list[str]) -> None:
-    """Raise :class:`InputError` if an ``--by`` column is not in SRC's obs (metadata only)."""
+def check_obs_columns(
+    src: str | os.PathLike[str],
+    columns: tuple[str, ...] | list[str],
+    *,
+    info: SourceInfo | None = None,
+) -> None:
+    """Raise :class:`InputError` if an ``--by`` column is not in SRC's obs (metadata only).
+
+    ``info``: SRC's :func:`inspect_source` result if the caller has it (not read again).
+    """
     if not columns:
         return
-    available = inspect_source(src).obs_columns
+    available = (info or inspect_source(src)).obs_columns
     missing = [c for c in columns if c not in available]
     if missing:
         listed = ", ".join(available) if available else "(obs has no columns)"

@@ -43,9 +43,9 @@ from sclayout.convert._buffers import release_scratch
 from sclayout.convert.checks import (
     check_destination,
     check_obs_columns,
-    check_source,
     estimate_store_bytes,
     explain_read_errors,
+    inspect_source,
 )
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.order import get_order, inverse_permutation
@@ -216,7 +216,7 @@ def convert(
     InputError
         Bad source, bad option, DST exists without ``overwrite``, DST not writable.
     """
-    check_source(src)
+    src_info = inspect_source(src)  # the metadata checks of check_source
     opts = resolve_options(
         spec=spec,
         block_size=block_size,
@@ -229,7 +229,7 @@ def convert(
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
     src_p, dst_p = Path(src), Path(os.path.abspath(dst))
-    check_obs_columns(src_p, opts.order.columns)
+    check_obs_columns(src_p, opts.order.columns, info=src_info)
     check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
     _clean_stale(dst_p)
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
