@@ -19,13 +19,6 @@ from loader.errors import InputError
 __all__ = ["COMMANDS", "bench_command", "calibrate_command", "recommend_command"]
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _is_url(s: str) -> bool:
     return s.startswith(("http://", "https://"))
 
@@ -124,6 +117,8 @@ _COLUMNS = (
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
+    from sclayout.cost.search import _fmt_bytes
+
     def cell(key: str, v: Any) -> str:
         if key == "cells_per_s":
             return f"{v:,.0f}"
