@@ -26,7 +26,7 @@ def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
         tX = torch.from_numpy(X)
     else:
         with warnings.catch_warnings():
-            # torch warns once that it skips CSR invariant checks; take_csr built it valid.
+            # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
             warnings.filterwarnings("ignore", message="Sparse invariant checks")
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
             tX = torch.sparse_csr_tensor(

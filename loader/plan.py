@@ -208,9 +208,11 @@ def plan_fetch(
     -------
     FetchPlan
     """
-    if isinstance(max_gap_chunks, bool) or not isinstance(max_gap_chunks, int | np.integer):
-        raise InputError(f"max_gap_chunks={max_gap_chunks!r}: must be an integer >= 0")
-    if max_gap_chunks < 0:
+    if (
+        isinstance(max_gap_chunks, bool)
+        or not isinstance(max_gap_chunks, int | np.integer)
+        or max_gap_chunks < 0
+    ):
         raise InputError(f"max_gap_chunks={max_gap_chunks!r}: must be an integer >= 0")
     if matrix not in manifest.matrices:
         raise InputError(
