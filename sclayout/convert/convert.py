@@ -66,8 +66,7 @@ from sclayout.convert.source import (
     read_slice,
 )
 from sclayout.convert.write import (
-    CopyDenseJob,
-    CopySparseJob,
+    CopyJob,
     Runner,
     close_dst,
     copy_dense,
@@ -514,7 +513,7 @@ def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, src_ptr, nnz: int) 
         _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
         return
     jobs = [
-        CopySparseJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+        CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
     ]
     ctx.runner.run(copy_sparse, jobs, desc=f"copy {info.path}")
@@ -602,7 +601,7 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
     shard_rows = plan.elements_per_shard
     if ctx.identity:
         jobs = [
-            CopyDenseJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+            CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
             for a, b in shard_ranges(n_obs, shard_rows)
         ]
         ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")

@@ -28,8 +28,7 @@ from sclayout.convert.plan import ArrayPlan, MatrixPlan
 from sclayout.convert.source import MatrixInfo, read_slice
 
 __all__ = [
-    "CopyDenseJob",
-    "CopySparseJob",
+    "CopyJob",
     "Runner",
     "create_matrix",
     "open_dst",
@@ -170,8 +169,9 @@ def _index_dtype(n_vars: int) -> np.dtype:
 
 
 @dataclass(frozen=True)
-class CopySparseJob:
-    """Copy elements ``[start, stop)`` of a CSR source's data/indices unchanged."""
+class CopyJob:
+    """Copy ``[start, stop)`` along the first axis unchanged: elements of a CSR source's
+    data/indices (:func:`copy_sparse`) or rows of a dense matrix (:func:`copy_dense`)."""
 
     src: str
     src_path: str
@@ -181,8 +181,8 @@ class CopySparseJob:
     stop: int
 
 
-def copy_sparse(job: CopySparseJob) -> int:
-    """Run a :class:`CopySparseJob`; returns bytes read."""
+def copy_sparse(job: CopyJob) -> int:
+    """Copy ``data`` and ``indices`` of a CSR source; returns bytes read."""
     n = 0
     for part in ("data", "indices"):
         path = f"{job.src_path}/{part}"
@@ -192,20 +192,8 @@ def copy_sparse(job: CopySparseJob) -> int:
     return n
 
 
-@dataclass(frozen=True)
-class CopyDenseJob:
-    """Copy rows ``[start, stop)`` of a dense source matrix unchanged."""
-
-    src: str
-    src_path: str
-    dst: str
-    dst_path: str
-    start: int
-    stop: int
-
-
-def copy_dense(job: CopyDenseJob) -> int:
-    """Run a :class:`CopyDenseJob`; returns bytes read."""
+def copy_dense(job: CopyJob) -> int:
+    """Copy rows of a dense matrix; returns bytes read."""
     values = read_slice(job.src, job.src_path, job.start, job.stop)
     write_region(job.dst, job.dst_path, job.start, values)
     return values.nbytes
