@@ -91,19 +91,22 @@ class CSRRows:
     def dense(self, pos: np.ndarray) -> np.ndarray:
         """Rows ``pos`` as a C-contiguous float32 ``(len(pos), n_vars)`` array."""
         n = pos.shape[0]
-        src = self
-        ptr = self.indptr
         if _contiguous(pos):
-            ptr = self.indptr[int(pos[0]) : int(pos[0]) + n + 1]
+            # views of just these rows, so a cast below touches the minibatch's
+            # values, not the whole fetch's
+            a = int(pos[0])
+            ptr = self.indptr[a : a + n + 1]
+            s, e = int(ptr[0]), int(ptr[-1])
+            ptr, indices, data = ptr - s, self.indices[s:e], self.data[s:e]
         else:
             src = self._gather(pos)
-            ptr = src.indptr
-        data = src.data if src.data.dtype == np.float32 else src.data.astype(np.float32)
+            ptr, indices, data = src.indptr, src.indices, src.data
+        data = data if data.dtype == np.float32 else data.astype(np.float32)
         out = np.zeros((n, self.n_vars), dtype=np.float32)
         if n and csr_todense is not None:
-            csr_todense(n, self.n_vars, ptr, src.indices, data, out)
+            csr_todense(n, self.n_vars, ptr, indices, data, out)
         elif n:  # pragma: no cover
-            out[...] = sp.csr_matrix((data, src.indices, ptr - ptr[0]), shape=out.shape).toarray()
+            out[...] = sp.csr_matrix((data, indices, ptr), shape=out.shape).toarray()
         return out
 
     def csr(self, pos: np.ndarray) -> sp.csr_matrix:
