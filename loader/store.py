@@ -255,6 +255,12 @@ def _decode_strings(values: Any) -> list:
     return out
 
 
+def _column_order(obs: Any) -> list[str]:
+    """Names of an AnnData obs group's columns, from its ``column-order`` attribute."""
+    order = obs.attrs.get("column-order", [])
+    return [c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order).tolist()]
+
+
 def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
     """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py)."""
     import pandas as pd
@@ -262,10 +268,7 @@ def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
     if "obs" not in root:
         raise InputError(f"obs column {column!r}: {where} has no obs")
     obs = root["obs"]
-    order = obs.attrs.get("column-order", [])
-    available = [
-        c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order).tolist()
-    ]
+    available = _column_order(obs)
     if column not in available or column not in obs:
         raise InputError(
             f"obs column {column!r}: not in {where}; available: "
@@ -481,11 +484,7 @@ class LayoutReader:
         """Names of the obs columns (in the stored column order)."""
         root = self._obs_root()
         try:
-            order = root["obs"].attrs.get("column-order", [])
-            return [
-                c.decode() if isinstance(c, bytes) else str(c)
-                for c in np.atleast_1d(order).tolist()
-            ]
+            return _column_order(root["obs"])
         finally:
             if self.kind == "h5ad":
                 root.close()
