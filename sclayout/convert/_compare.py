@@ -16,6 +16,7 @@ import scipy.sparse as sp
 
 __all__ = [
     "MAX_ROWS_SPELT_OUT",
+    "as_canonical_csr",
     "compare_any",
     "compare_frames",
     "dtype_label",
@@ -159,16 +160,20 @@ def sparse_row_mismatch(a: sp.csr_matrix, b: sp.csr_matrix) -> np.ndarray:
     return np.flatnonzero(bad)
 
 
-def _as_canonical_csr(m: Any) -> sp.csr_matrix:
+def as_canonical_csr(m: Any) -> sp.csr_matrix:
+    """``m`` as CSR with sorted indices; sorts in place, so pass values read for the
+    comparison only (a CSR ``m`` shares its arrays with the result)."""
     m = sp.csr_matrix(m)
     if not m.has_sorted_indices:
-        m = m.copy()
         m.sort_indices()
     return m
 
 
 def compare_any(name: str, dst: Any, src: Any) -> list[str]:
-    """Recursive comparison of two in-memory AnnData element values (uns, var, varm, ...)."""
+    """Recursive comparison of two in-memory AnnData element values (uns, var, varm, ...).
+
+    Sparse values are put in canonical CSR form in place (see :func:`as_canonical_csr`).
+    """
     if isinstance(src, Mapping) or isinstance(dst, Mapping):
         if not (isinstance(src, Mapping) and isinstance(dst, Mapping)):
             return [f"{name}: {type(dst).__name__} in DST, {type(src).__name__} in SRC"]
@@ -192,7 +197,7 @@ def compare_any(name: str, dst: Any, src: Any) -> list[str]:
             return [f"{name}: shape {dst.shape} in DST, {src.shape} in SRC"]
         if dst.dtype != src.dtype:
             return [f"{name}: dtype {dst.dtype} in DST, {src.dtype} in SRC"]
-        bad = sparse_row_mismatch(_as_canonical_csr(dst), _as_canonical_csr(src))
+        bad = sparse_row_mismatch(as_canonical_csr(dst), as_canonical_csr(src))
         return _rows_text(name, bad, None, lambda p: "stored entries differ")
     if isinstance(src, pd.Categorical | pd.api.extensions.ExtensionArray):
         src = pd.Series(src)

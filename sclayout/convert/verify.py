@@ -37,6 +37,7 @@ from loader.errors import LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
     MAX_ROWS_SPELT_OUT,
+    as_canonical_csr,
     compare_any,
     compare_frames,
     dtype_label,
@@ -228,11 +229,7 @@ def _window(rows: _Rows, budget: int) -> int:
 def _as_same_kind(d: Any, s: Any) -> tuple[Any, Any]:
     """Sparse vs sparse (sorted CSR) or dense vs dense."""
     if sp.issparse(d) and sp.issparse(s):
-        d, s = sp.csr_matrix(d), sp.csr_matrix(s)
-        for m in (d, s):
-            if not m.has_sorted_indices:
-                m.sort_indices()
-        return d, s
+        return as_canonical_csr(d), as_canonical_csr(s)
     return (d.toarray() if sp.issparse(d) else d), (s.toarray() if sp.issparse(s) else s)
 
 
