@@ -70,9 +70,7 @@ def run_plan(
                     )
                 ready[f.index] = (f, got)
         submit_more(first)  # keep the read-ahead full before taking rows
-        pieces = [
-            ready[k][1].take(np.arange(a, b), output=output, obs=obs) for k, a, b in parts
-        ]
+        pieces = [ready[k][1].take(np.arange(a, b), output=output, obs=obs) for k, a, b in parts]
         yield concat_batches(pieces)
 
 
