@@ -175,3 +175,19 @@ def test_larger_blocks_need_fewer_requests_per_row(store):
         s = sample_fetch_stats(m, bp, settings=LoaderSettings(batch_size=32, fetch_factor=4))
         per_row.append(s.chunks / s.rows)
     assert per_row[0] > per_row[1] > per_row[2]
+
+
+def test_the_cpu_of_reading_counts_against_the_cores():
+    # 10 requests x 1 ms + 4 MB read x 10 ns/B = 50 ms of read CPU per fetch; with
+    # 8 decode + 11 assembly + 1 overhead that is 70 ms of CPU on 1 core: CPU-bound
+    # (the storage alone would take 40 ms + 4 ms decode)
+    busy = flat_profile(cores=1.0, request_cpu_s=1e-3, read_cpu_s_per_byte=1e-8)
+    p = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=busy,
+    )
+    assert p.t_overhead == pytest.approx(0.001 + 0.010 + 0.040)
+    assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.070)

@@ -149,7 +149,12 @@ def test_calibrate_over_http(server):
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
 
     tiny = CalibrationPlan(
-        latency=0.05, per_in_flight=0.02, bandwidth=0.05, per_codec=0.02, assembly=0.05
+        latency=0.05,
+        per_in_flight=0.02,
+        bandwidth=0.05,
+        per_codec=0.02,
+        assembly=0.05,
+        pipeline=0.05,
     )
     p = calibrate(server.url, plan=tiny, codecs=("blosc-lz4", "none"))
     assert p.kind == "http"

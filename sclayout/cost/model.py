@@ -20,13 +20,15 @@ not exist yet — and turns each plan into time with a storage profile:
     nnz gathered × ``gather_s_per_nnz`` (+ cells × genes × ``densify_s_per_value``
     for dense output).
 ``t_overhead``
-    per fetch + per request client CPU.
+    per fetch CPU + the CPU of reading (per request and per byte read: client,
+    kernel and, for a loopback server, the server's).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(t_io + t_decode_wall, t_assembly +
-t_overhead)`` per fetch; ``W`` worker processes run ``W`` pipelines that share the
-CPU cores (total CPU per fetch / cores) and the storage (all their requests in
-flight together). cells/s = rows per fetch × fetches/s.
+fetch overhead)`` per fetch; ``W`` worker processes run ``W`` pipelines that share
+the CPU (all of a fetch's CPU time / the profile's ``cores``, the parallelism the
+loader reaches when it never waits: calibrate measures it) and the storage (all
+their requests in flight together). cells/s = rows per fetch × fetches/s.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks + assembled output, plus the backend's chunk cache, plus the minibatches
@@ -340,12 +342,13 @@ def predict_from_stats(
     out_bytes = _output_bytes(stats.rows, stats.nnz, n_vars, options.output)
     if options.output == "dense":
         t_assembly += stats.rows * n_vars * profile.densify_s_per_value
-    t_overhead = profile.fetch_overhead_s + R * profile.request_cpu_s
+    t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
+    t_overhead = profile.fetch_overhead_s + t_read_cpu
     t_ipc = 2 * out_bytes / profile.copy_Bps if settings.num_workers > 0 else 0.0
     cpu_total = t_decode + t_assembly + t_overhead + t_ipc
     # ---- one pipeline
     front = t_io + t_decode / dec_threads
-    back = t_assembly + t_overhead + t_ipc
+    back = t_assembly + profile.fetch_overhead_s + t_ipc
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     # ---- shared resources: the storage serves every pipeline's requests at once
     # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU

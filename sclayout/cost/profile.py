@@ -12,7 +12,8 @@ Profile format version 1 (JSON)::
      "concurrency": [[in_flight, requests_per_s], ...],
      "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ...}, ...},
      "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
-     "fetch_overhead_s": ..., "request_cpu_s": ..., "cores": ...,
+     "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
+     "cores": ...,
      "source": "where the figures come from", "created": ISO-8601}
 """
 
@@ -78,7 +79,7 @@ _POSITIVE = (
     "densify_s_per_value",
     "copy_Bps",
 )
-_NON_NEGATIVE = ("fetch_overhead_s", "request_cpu_s")
+_NON_NEGATIVE = ("fetch_overhead_s", "request_cpu_s", "read_cpu_s_per_byte")
 
 
 @dataclass(frozen=True)
@@ -112,10 +113,15 @@ class Profile:
     fetch_overhead_s
         Fixed CPU time per fetch (planning, futures, Python).
     request_cpu_s
-        Client CPU time per read request.
+        CPU time per read request (calibrate: machine-wide, so the kernel's and a
+        loopback server's share count).
+    read_cpu_s_per_byte
+        CPU time per byte read from storage (kernel copies and page-cache work of a
+        cold local read; a loopback server's and the HTTP client's work).
     cores
-        Usable CPU parallelism: aggregate / single-thread speed of GIL-free work on
-        every core, as measured (below the core count on a shared machine).
+        Cores the loader keeps busy when it never waits for storage (calibrate
+        measures it: :func:`sclayout.cost.calibrate.measure_parallelism`); a fetch's
+        CPU time divided by it is the fastest that fetch can go.
     source
         Where the figures come from (machine and command, or a citation).
     """
@@ -132,6 +138,7 @@ class Profile:
     copy_Bps: float
     fetch_overhead_s: float = 0.0
     request_cpu_s: float = 0.0
+    read_cpu_s_per_byte: float = 0.0
     cores: float = 1.0
     source: str = ""
     created: str = ""
@@ -238,6 +245,7 @@ class Profile:
             "copy_Bps": self.copy_Bps,
             "fetch_overhead_s": self.fetch_overhead_s,
             "request_cpu_s": self.request_cpu_s,
+            "read_cpu_s_per_byte": self.read_cpu_s_per_byte,
             "cores": self.cores,
             "source": self.source,
             "created": self.created,

@@ -1,0 +1,56 @@
+"""Pieces of ``sclayout calibrate``: the concurrency curve, the CPU cost of reading,
+and the loader's parallelism."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from sclayout.cost.calibrate import fit_read_cpu, measure_parallelism, monotone_curve
+
+
+def test_monotone_curve_removes_a_dip_and_keeps_the_rest():
+    measured = [(4, 2639.0), (1, 1737.0), (8, 262.0), (2, 1839.0), (16, 3365.0)]
+    assert monotone_curve(measured) == (
+        (1, 1737.0),
+        (2, 1839.0),
+        (4, 2639.0),
+        (8, 2639.0),  # the dip: no fewer requests/s than with 4 in flight
+        (16, 3365.0),
+    )
+
+
+def test_fit_read_cpu_recovers_per_request_and_per_byte_costs():
+    per_req, per_byte = 20e-6, 1e-9
+    samples = [
+        (r, r * size, r * per_req + r * size * per_byte)
+        for r, size in [(1000, 65536), (5000, 65536), (200, 2**20), (40, 8 * 2**20)]
+    ]
+    a, b = fit_read_cpu(samples)
+    assert a == pytest.approx(per_req, rel=1e-6)
+    assert b == pytest.approx(per_byte, rel=1e-6)
+
+
+def test_fit_read_cpu_never_returns_a_negative_cost():
+    # the exact fit has a negative per-request cost (noise): the bytes carry it all
+    samples = [(1000, 1e9, 0.5), (10, 1e8, 0.5)]
+    a, b = fit_read_cpu(samples)
+    assert a == 0.0
+    assert b == pytest.approx(1.0 / 1.1e9)
+    assert fit_read_cpu([]) == (0.0, 0.0)
+
+
+def test_measure_parallelism_is_between_one_and_the_core_count():
+    rng = np.random.default_rng(0)
+    n_rows, n_vars, per_row = 256, 500, 40
+    indptr = np.arange(n_rows + 1, dtype=np.int64) * per_row
+    indices = np.sort(
+        np.stack([rng.choice(n_vars, per_row, replace=False) for _ in range(n_rows)]), axis=1
+    ).ravel()
+    data = rng.integers(1, 9, indptr[-1]).astype(np.float32)
+    p = measure_parallelism(
+        data, indices.astype(np.int32), indptr, n_vars=n_vars, seconds=0.2, block_size=16
+    )
+    assert 1.0 <= p <= (os.cpu_count() or 1)
