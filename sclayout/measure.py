@@ -136,12 +136,16 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def resident_fraction(path: str | os.PathLike) -> float | None:
+def resident_fraction(path: str | os.PathLike, *, max_bytes: int | None = None) -> float | None:
     """Fraction of a file's pages in the page cache (``mincore``); ``None`` if unavailable.
 
     Maps the file without reading it, so the measurement does not change the answer.
+    ``max_bytes`` looks at the file's first ``max_bytes`` only (a cheap sample of a
+    huge file: the answer needs a byte per page).
     """
     size = os.path.getsize(path)
+    if max_bytes is not None:
+        size = min(size, max_bytes)
     if size == 0:
         return 0.0
     libc = _libc()

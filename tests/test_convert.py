@@ -438,10 +438,15 @@ def test_real_datasets_round_trip(tmp_path, path):
 # -- source reading --------------------------------------------------------------------------
 
 
-def test_direct_hdf5_reads_equal_h5py(tmp_path):
+@pytest.mark.parametrize("direct_io", [False, True], ids=["buffered", "o_direct"])
+def test_direct_hdf5_reads_equal_h5py(tmp_path, monkeypatch, direct_io):
     import h5py
 
+    from sclayout.convert import source
     from sclayout.convert.source import DirectH5Reader, close_handles, read_slice
+
+    monkeypatch.setattr(source, "DIRECT_IO", direct_io)
+    monkeypatch.setattr(source, "DIRECT_PIECE", 8192)  # several pieces per request
 
     rng = np.random.default_rng(0)
     path = tmp_path / "d.h5"
@@ -449,6 +454,10 @@ def test_direct_hdf5_reads_equal_h5py(tmp_path):
         f["contig"] = rng.random(10_000).astype(np.float32)
         f["matrix"] = rng.integers(0, 9, size=(300, 7)).astype(np.int64)
         f.create_dataset("chunked", data=rng.integers(0, 99, 10_001).astype(np.int32), chunks=(64,))
+        for k in range(3):  # chunks of two datasets interleaved in the file, as anndata writes
+            for name in ("a", "b"):
+                d = f.require_dataset(name, (3000,), np.float32, chunks=(97,), maxshape=(None,))
+                d[k * 1000 : (k + 1) * 1000] = rng.random(1000)
         f.create_dataset("gzip", data=rng.random(5000), chunks=(100,), compression="gzip")
     expected = {}
     with h5py.File(path, "r") as f:

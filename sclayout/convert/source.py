@@ -31,6 +31,30 @@ __all__ = ["DirectH5Reader", "MatrixInfo", "Source", "fingerprint", "open_group"
 FINGERPRINT_BYTES = 2**20
 """Bytes hashed at each end of a source file for its fingerprint (1 MiB)."""
 
+DIRECT_IO: bool | None = None
+"""Read uncompressed HDF5 sources with ``O_DIRECT``: ``None`` (default) when the file
+is not mostly in the page cache (its first :data:`CACHED_SAMPLE_BYTES` sampled),
+``True`` always (where the file system allows it), ``False`` never. A conversion reads
+its source once, so a cold file gains nothing from the page cache, and filling the
+cache cost this VM much system CPU (cold reads of the 3.2 GB benchmark source:
+0.3-5.5 s sys buffered, 0.1-0.3 s with ``O_DIRECT``;
+benchmarks/results/convert_profile.md, "O_DIRECT")."""
+
+CACHED_SAMPLE_BYTES = 256 * 2**20
+"""Bytes at the start of a source whose page-cache residency decides ``O_DIRECT``."""
+
+DIRECT_ALIGN = 4096
+"""Alignment of ``O_DIRECT`` offsets, lengths and buffers (the page size covers every
+logical block size in use)."""
+
+DIRECT_PIECE = 16 * 2**20
+"""Bytes per ``O_DIRECT`` read: the kernel splits it into device requests issued
+together (queue depth without threads) while a thread's staging buffer stays small."""
+
+DIRECT_GAP = 2**20
+"""Runs of chunks closer than this in the file are read in one request (the gap, e.g.
+a 2 KiB B-tree node, is read and dropped)."""
+
 _ENCODINGS = {"csr_matrix": "csr", "csc_matrix": "csc", "array": "dense"}
 
 
@@ -80,6 +104,7 @@ _lock = threading.Lock()
 _handles: dict[tuple[str, int], Any] = {}
 _arrays: dict[tuple[str, str, int], Any] = {}
 _fds: dict[tuple[str, int], int] = {}
+_direct_fds: dict[tuple[str, int], int | None] = {}
 
 
 class DirectH5Reader:
@@ -90,7 +115,9 @@ class DirectH5Reader:
     the GIL and needs no lock (measured 499 vs 280 MB/s cold on this machine,
     benchmarks/results/convert_profile.md). Only for contiguous datasets and 1-D
     chunked ones without filters, every chunk allocated; :meth:`create` returns None
-    otherwise and the caller uses h5py.
+    otherwise and the caller uses h5py. With ``direct_fd`` (the file opened with
+    ``O_DIRECT``) byte ranges are read page-aligned into a staging buffer and copied
+    out, bypassing the page cache.
     """
 
     def __init__(
@@ -100,12 +127,17 @@ class DirectH5Reader:
         shape: tuple[int, ...],
         chunk: int | None,
         offsets: np.ndarray,
+        *,
+        direct_fd: int | None = None,
     ) -> None:
         self.fd, self.dtype, self.shape, self.chunk, self.offsets = fd, dtype, shape, chunk, offsets
+        self.direct_fd = direct_fd
         self.row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
 
     @classmethod
-    def create(cls, ds: h5py.Dataset, fd: int) -> DirectH5Reader | None:
+    def create(
+        cls, ds: h5py.Dataset, fd: int, *, direct_fd: int | None = None
+    ) -> DirectH5Reader | None:
         dtype = ds.dtype
         if dtype.hasobject or not dtype.isnative or ds.id.get_create_plist().get_nfilters():
             return None
@@ -113,7 +145,8 @@ class DirectH5Reader:
             offset = ds.id.get_offset()
             if offset is None:  # never written: fill values only
                 return None
-            return cls(fd, dtype, ds.shape, None, np.array([offset], dtype=np.int64))
+            offsets = np.array([offset], dtype=np.int64)
+            return cls(fd, dtype, ds.shape, None, offsets, direct_fd=direct_fd)
         if len(ds.shape) != 1:
             return None
         chunk = ds.chunks[0]
@@ -126,7 +159,7 @@ class DirectH5Reader:
             if info.filter_mask or info.byte_offset is None:
                 return None
             offsets[info.chunk_offset[0] // chunk] = info.byte_offset
-        return cls(fd, dtype, ds.shape, chunk, offsets)
+        return cls(fd, dtype, ds.shape, chunk, offsets, direct_fd=direct_fd)
 
     def read(self, start: int, stop: int, *, buffer: str | None = None) -> np.ndarray:
         """Rows ``[start, stop)``; into this thread's scratch buffer ``buffer`` if given."""
@@ -137,13 +170,23 @@ class DirectH5Reader:
             out = np.empty(shape, dtype=self.dtype)
         else:
             out = scratch(buffer, int(np.prod(shape, dtype=np.int64)), self.dtype).reshape(shape)
-        buf = memoryview(out.reshape(-1).view(np.uint8))
+        runs = self._runs(start, stop)
+        dest = out.reshape(-1).view(np.uint8)
+        if self.direct_fd is not None:
+            self._read_direct(dest, runs)
+        else:
+            for pos, off, n in runs:
+                _pread(self.fd, memoryview(dest[pos : pos + n]), off)
+        return out
+
+    def _runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
+        """(position in the output, file offset, bytes) of each run of rows ``[start,
+        stop)`` that lies end to end in the file."""
+        item = self.row_bytes
         if self.chunk is None:
-            self._pread(buf, int(self.offsets[0]) + start * self.row_bytes)
-            return out
-        c, item = self.chunk, self.row_bytes
-        pos = start
-        while pos < stop:  # one pread per run of chunks that lie end to end in the file
+            return [(0, int(self.offsets[0]) + start * item, (stop - start) * item)]
+        c, runs, pos = self.chunk, [], start
+        while pos < stop:
             k = pos // c
             run_end = min(stop, (k + 1) * c)
             while run_end < stop and self.offsets[k + 1] == self.offsets[k] + c * item:
@@ -151,17 +194,36 @@ class DirectH5Reader:
                 run_end = min(stop, (k + 1) * c)
             first = pos // c
             file_off = int(self.offsets[first]) + (pos - first * c) * item
-            self._pread(buf[(pos - start) * item : (run_end - start) * item], file_off)
+            runs.append(((pos - start) * item, file_off, (run_end - pos) * item))
             pos = run_end
-        return out
+        return runs
 
-    def _pread(self, buf: memoryview, offset: int) -> None:
-        done = 0
-        while done < len(buf):
-            n = os.preadv(self.fd, [buf[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"unexpected end of file reading {len(buf)} bytes at {offset}")
-            done += n
+    def _read_direct(self, dest: np.ndarray, runs: list[tuple[int, int, int]]) -> None:
+        """Read ``runs`` into ``dest`` with page-aligned ``O_DIRECT`` reads.
+
+        Runs closer than :data:`DIRECT_GAP` in the file share a request; a request is
+        read in pieces of :data:`DIRECT_PIECE` bytes into an aligned staging buffer.
+        """
+        stage = _aligned_scratch("direct-stage", DIRECT_PIECE)
+        i = 0
+        while i < len(runs):
+            j = i + 1  # runs[i:j] form one span of the file
+            while (
+                j < len(runs) and 0 <= runs[j][1] - (runs[j - 1][1] + runs[j - 1][2]) <= DIRECT_GAP
+            ):
+                j += 1
+            lo = runs[i][1] // DIRECT_ALIGN * DIRECT_ALIGN
+            hi = runs[j - 1][1] + runs[j - 1][2]
+            for p0 in range(lo, hi, DIRECT_PIECE):
+                p1 = min(p0 + DIRECT_PIECE, -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN)
+                got = _pread(
+                    self.direct_fd, memoryview(stage[: p1 - p0]), p0, upto=min(p1, hi) - p0
+                )
+                for pos, off, n in runs[i:j]:  # copy the parts of the runs in this piece
+                    a, b = max(off, p0), min(off + n, p0 + got)
+                    if a < b:
+                        dest[pos + a - off : pos + b - off] = stage[a - p0 : b - p0]
+            i = j
 
 
 def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
@@ -181,6 +243,44 @@ def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
     return infos
 
 
+def _pread(fd: int, buf: memoryview, offset: int, *, upto: int | None = None) -> int:
+    """Fill ``buf`` from ``offset`` (at least ``upto`` bytes: an ``O_DIRECT`` read of the
+    last page may stop at the end of the file); returns the bytes read."""
+    need = len(buf) if upto is None else upto
+    done = 0
+    while done < need:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"unexpected end of file reading {need} bytes at {offset}")
+        done += n
+    return done
+
+
+def _aligned_scratch(role: str, nbytes: int) -> np.ndarray:
+    """This thread's scratch buffer ``role`` of ``nbytes``, starting on a
+    :data:`DIRECT_ALIGN` boundary (as ``O_DIRECT`` needs)."""
+    buf = scratch(role, nbytes + DIRECT_ALIGN, np.uint8)
+    skip = -buf.ctypes.data % DIRECT_ALIGN
+    return buf[skip : skip + nbytes]
+
+
+def _open_direct(path: Path) -> int | None:
+    """``path`` opened with ``O_DIRECT`` when :data:`DIRECT_IO` asks for it, else None."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if DIRECT_IO is False or not flag:
+        return None
+    if DIRECT_IO is None:
+        from sclayout.measure import resident_fraction
+
+        cached = resident_fraction(path, max_bytes=CACHED_SAMPLE_BYTES)
+        if cached is None or cached >= 0.5:
+            return None
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError:  # e.g. tmpfs: no O_DIRECT
+        return None
+
+
 def _open_array(src: str, array: str) -> Any:
     """A cached reader of ``src[array]``: direct pread when possible, else h5py/zarr."""
     pid = os.getpid()
@@ -193,6 +293,7 @@ def _open_array(src: str, array: str) -> Any:
             if p.is_file():
                 _handles[(src, pid)] = h5py.File(p, "r")
                 _fds[(src, pid)] = os.open(p, os.O_RDONLY)
+                _direct_fds[(src, pid)] = _open_direct(p)
             else:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -200,7 +301,9 @@ def _open_array(src: str, array: str) -> Any:
         node = _handles[(src, pid)][array]
         reader = None
         if isinstance(node, h5py.Dataset):
-            reader = DirectH5Reader.create(node, _fds[(src, pid)])
+            reader = DirectH5Reader.create(
+                node, _fds[(src, pid)], direct_fd=_direct_fds[(src, pid)]
+            )
         _arrays[key] = reader if reader is not None else node
         return _arrays[key]
 
@@ -227,9 +330,11 @@ def close_handles() -> None:
             if isinstance(h, h5py.File):
                 h.close()
         _handles.clear()
-        for fd in _fds.values():
-            os.close(fd)
+        for fd in [*_fds.values(), *_direct_fds.values()]:
+            if fd is not None:
+                os.close(fd)
         _fds.clear()
+        _direct_fds.clear()
 
 
 def _attr(node: Any, key: str, default: Any = None) -> Any:
