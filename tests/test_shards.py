@@ -1,0 +1,140 @@
+"""The direct shard reader (:mod:`loader._shards`): equal to zarr-python on every
+range (across inner-chunk and shard borders, the partial last chunk, absent chunks
+and shards), blosc and uncompressed inner chunks, 1-d and 2-d; arrays it cannot read
+are left to tensorstore; a corrupted chunk is a clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loader import _shards
+from loader.errors import LayoutError
+
+BLOSC = zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
+
+
+def _write(path: Path, values: np.ndarray, *, chunk: int, shard_chunks: int, compress: bool):
+    arr = zarr.create_array(
+        path,
+        shape=values.shape,
+        dtype=values.dtype,
+        chunks=(chunk, *values.shape[1:]),
+        shards=(chunk * shard_chunks, *values.shape[1:]),
+        compressors=(BLOSC,) if compress else None,
+        fill_value=0,
+    )
+    arr[...] = values
+    return arr
+
+
+@pytest.fixture(scope="module")
+def arrays(tmp_path_factory):
+    d = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    out = {}
+    v1 = rng.integers(0, 50, 1003).astype(np.float32)  # 1003: partial last chunk/shard
+    out["blosc-1d"] = (_write(d / "b1", v1, chunk=16, shard_chunks=4, compress=True), v1)
+    out["raw-1d"] = (_write(d / "r1", v1, chunk=16, shard_chunks=4, compress=False), v1)
+    v2 = rng.integers(0, 9, (203, 7)).astype(np.int64)
+    out["blosc-2d"] = (_write(d / "b2", v2, chunk=8, shard_chunks=3, compress=True), v2)
+    # zeros are not written by zarr: absent inner chunks and a whole absent shard
+    v3 = np.zeros(600, dtype=np.int32)
+    v3[100:140] = np.arange(40)
+    out["sparse-1d"] = (_write(d / "s1", v3, chunk=10, shard_chunks=5, compress=True), v3)
+    return {k: (Path(a.store.root), v) for k, (a, v) in out.items()}
+
+
+def _direct(folder: Path) -> _shards.DirectArray:
+    got = _shards.open_direct(str(folder.parent), folder.name, whole_array_bytes=0)
+    assert got is not None
+    return got
+
+
+def _read(direct: _shards.DirectArray, ranges: np.ndarray) -> np.ndarray:
+    got = direct.submit(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+    return got if isinstance(got, np.ndarray) else got.result()
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+@pytest.mark.parametrize("name", ["blosc-1d", "raw-1d", "blosc-2d", "sparse-1d"])
+def test_ranges_equal_source(arrays, name, data):
+    folder, values = arrays[name]
+    n = values.shape[0]
+    cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=2, max_size=12, unique=True)))
+    ranges = np.array(list(zip(cuts[:-1:2], cuts[1::2], strict=False)), dtype=np.int64)
+    ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+    if ranges.size == 0:
+        ranges = np.array([[0, n]])
+    want = np.concatenate([values[a:b] for a, b in ranges])
+    direct = _direct(folder)
+    assert np.array_equal(_read(direct, ranges), want)
+    # the same ranges through the whole-array path
+    whole = _shards.open_direct(str(folder.parent), folder.name)
+    assert np.array_equal(_read(whole, ranges), want)
+
+
+def test_unsupported_arrays_are_left_to_tensorstore(tmp_path):
+    v = np.arange(100, dtype=np.float32)
+    zarr.create_array(tmp_path / "unsharded", shape=v.shape, dtype=v.dtype, chunks=(10,))[...] = v
+    assert _shards.open_direct(str(tmp_path), "unsharded") is None
+    zarr.create_array(
+        tmp_path / "zstd",
+        shape=v.shape,
+        dtype=v.dtype,
+        chunks=(10,),
+        shards=(50,),
+        compressors=(zarr.codecs.ZstdCodec(),),
+    )[...] = v
+    assert _shards.open_direct(str(tmp_path), "zstd") is None
+    assert _shards.open_direct("http://example.org/store.zarr", "X/data") is None
+    assert _shards.open_direct(str(tmp_path), "missing") is None
+
+
+def test_corrupted_chunk_is_a_clear_error(tmp_path):
+    v = np.arange(400, dtype=np.float32)
+    arr = _write(tmp_path / "a", v, chunk=20, shard_chunks=4, compress=True)
+    folder = Path(arr.store.root)
+    shard = folder / "c" / "1"
+    raw = bytearray(shard.read_bytes())
+    n = 4
+    index = np.frombuffer(bytes(raw[-(n * 16 + 4) : -4]), dtype="<u8").reshape(n, 2)
+    off = int(index[0, 0])
+    raw[off + 4 : off + 8] = (123).to_bytes(4, "little")  # blosc header: decoded size
+    shard.write_bytes(bytes(raw))
+    direct = _direct(folder)
+    with pytest.raises(LayoutError, match=r"chunk 4 decodes to 123 bytes, expected 80"):
+        _read(direct, [[80, 100]])
+    shard.write_bytes(bytes(raw[: off + 10]) + bytes(raw[-(n * 16 + 4) :]))
+    with pytest.raises(LayoutError, match="shard 1 ends before byte"):
+        _read(_direct(folder), [[80, 100]])
+
+
+def test_metadata_parse_rejects_big_endian(tmp_path):
+    v = np.arange(100, dtype=np.float32)
+    arr = _write(tmp_path / "a", v, chunk=10, shard_chunks=5, compress=True)
+    meta_path = Path(arr.store.root) / "zarr.json"
+    meta = json.loads(meta_path.read_text())
+    meta["codecs"][0]["configuration"]["codecs"][0]["configuration"]["endian"] = "big"
+    meta_path.write_text(json.dumps(meta))
+    assert _shards.open_direct(str(tmp_path), "a") is None
+
+
+def test_reopens_files_after_fork(arrays):
+    folder, values = arrays["blosc-1d"]
+    direct = _direct(folder)
+    assert np.array_equal(_read(direct, [[0, 40]]), values[:40])
+    pid = os.fork()
+    if pid == 0:  # child: fresh descriptors and decode threads, same values
+        ok = np.array_equal(_read(direct, [[30, 900]]), values[30:900])
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
