@@ -109,6 +109,23 @@ class CSRRows:
             out[...] = sp.csr_matrix((data, indices, ptr), shape=out.shape).toarray()
         return out
 
+    def view(self, pos: np.ndarray) -> sp.csr_matrix:
+        """Rows ``pos`` as a ``scipy.sparse.csr_matrix`` in the stored dtype, sharing
+        this fetch's memory when ``pos`` is a contiguous range (no copy)."""
+        n = pos.shape[0]
+        if _contiguous(pos):
+            a = int(pos[0])
+            s, e = int(self.indptr[a]), int(self.indptr[a + n])
+            sub = CSRRows(
+                self.data[s:e],
+                self.indices[s:e],
+                self.indptr[a : a + n + 1] - self.indptr[a],
+                self.n_vars,
+            )
+        else:
+            sub = self._gather(pos)
+        return sub.to_scipy()
+
     def csr(self, pos: np.ndarray) -> sp.csr_matrix:
         """Rows ``pos`` as a float32 ``scipy.sparse.csr_matrix`` (its own memory)."""
         n = pos.shape[0]
@@ -148,6 +165,13 @@ class DenseRows:
 
     def csr(self, pos: np.ndarray) -> sp.csr_matrix:
         return sp.csr_matrix(self.dense(pos))
+
+    def view(self, pos: np.ndarray) -> np.ndarray:
+        """Rows ``pos`` in the stored dtype (a view for a contiguous range)."""
+        if _contiguous(pos):
+            a = int(pos[0])
+            return self.values[a : a + pos.shape[0]]
+        return self.values[pos]
 
 
 def fetch_rows(
@@ -212,3 +236,6 @@ def get_output(name: str) -> Callable[[Rows, np.ndarray], object]:
 
 register_output("dense", lambda rows, pos: rows.dense(pos))
 register_output("csr", lambda rows, pos: rows.csr(pos))
+register_output("view", lambda rows, pos: rows.view(pos))
+"""``view``: scipy CSR (or ndarray) in the stored dtype, sharing the fetch's memory
+where it can; for code that copies the rows on (DataLoader workers packing a group)."""
