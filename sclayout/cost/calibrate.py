@@ -22,6 +22,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -296,76 +297,90 @@ def _count_data(n_rows: int, *, n_vars: int, nnz_per_row: int, seed: int) -> tup
     return data, indices, indptr
 
 
-def _ts_codecs(name: str, dtype: np.dtype) -> list[dict[str, Any]]:
-    """zarr v3 codec JSON of the converter's codec ``name`` (what tensorstore reads)."""
-    from sclayout.convert.codecs import get_codec
+def _sample_store(
+    data: np.ndarray,
+    indices: np.ndarray,
+    indptr: np.ndarray,
+    *,
+    n_vars: int,
+    folder: Path,
+    name: str,
+    codec: str,
+    rows: int = 0,
+    block_size: int = 64,
+) -> Path:
+    """A layout store of the sample rows (tiled to ``rows`` rows if more), written by
+    ``sclayout convert`` with ``codec`` into ``folder`` (so in the page cache)."""
+    import anndata as ad
+    import scipy.sparse as sp
 
-    out: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
-    for c in get_codec(name):
-        j = c.to_dict()
-        if j["name"] == "blosc":
-            j["configuration"]["typesize"] = int(np.dtype(dtype).itemsize)
-        out.append(j)
-    return out
+    from sclayout.convert import convert
+
+    n = len(indptr) - 1
+    src = folder / f"{name}.h5ad"
+    if not src.exists():
+        x = sp.csr_matrix((data, indices, indptr), shape=(n, n_vars))
+        if rows > n:
+            x = sp.vstack([x] * -(-rows // max(n, 1)), format="csr")
+        ad.AnnData(x).write_h5ad(src)
+    dst = folder / f"{name}-{codec}.zarr"
+    convert(src, dst, block_size=block_size, codec=codec)
+    return dst
 
 
 def measure_codecs(
     data: np.ndarray,
     indices: np.ndarray,
+    indptr: np.ndarray,
     *,
+    n_vars: int,
     codecs: Sequence[str] = CODEC_NAMES,
-    chunk_elems: int = 64 * 1024,
     seconds: float = 1.5,
+    backend: str = "tensorstore",
 ) -> dict[str, CodecSpeed]:
-    """Ratio and single-thread decode speed of each codec on ``data`` + ``indices``.
+    """Ratio and decode speed of each codec on the sample, through the loader's own
+    read path.
 
-    The values are written in inner chunks of ``chunk_elems`` to an in-memory zarr v3
-    array with the converter's codec, and read back by tensorstore (no cache, one
-    decode thread): the loader's own decode path, overheads included.
+    The sample is converted by ``sclayout convert`` with each codec into a temporary
+    layout store, and the loader's ``backend`` (:mod:`loader.backends`: for local
+    blosc stores its direct shard reader, tensorstore otherwise) reads all of
+    ``X/data`` and ``X/indices`` over and over from the page cache. Speed is
+    uncompressed bytes per second of *CPU time* (all threads): what one core decodes,
+    overheads included; the ratio is the arrays' raw bytes / their bytes on disk.
     """
-    import tensorstore as ts
+    import tempfile
 
-    ctx = ts.Context(
-        {"cache_pool": {"total_bytes_limit": 0}, "data_copy_concurrency": {"limit": 1}}
-    )
+    from loader.backends import get_backend
+    from loader.store import _read_manifest
+    from sclayout.measure import tree_bytes
+
     out = {}
-    arrays = [np.ascontiguousarray(data), np.ascontiguousarray(indices)]
-    for name in codecs:
-        handles, raw, comp = [], 0, 0
-        for k, a in enumerate(arrays):
-            kv = {"driver": "memory", "path": f"{name}/{k}/"}
-            spec = {
-                "driver": "zarr3",
-                "kvstore": kv,
-                "metadata": {
-                    "shape": [a.size],
-                    "chunk_grid": {
-                        "name": "regular",
-                        "configuration": {"chunk_shape": [chunk_elems]},
-                    },
-                    "chunk_key_encoding": {"name": "default"},
-                    "data_type": str(a.dtype),
-                    "codecs": _ts_codecs(name, a.dtype),
-                },
-                "create": True,
-            }
-            arr = ts.open(spec, context=ctx).result()
-            arr.write(a).result()
-            handles.append(arr)
-            raw += a.nbytes
-            store = ts.KvStore.open(kv, context=ctx).result()
-            comp += sum(
-                len(store.read(key).result().value)
-                for key in store.list().result()
-                if not key.endswith(b"zarr.json")
+    with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
+        for name in codecs:
+            store = _sample_store(
+                data, indices, indptr, n_vars=n_vars, folder=Path(tmp), name="codecs", codec=name
             )
+            x = _read_manifest(str(store)).X
+            arrays = [x.arrays["data"], x.arrays["indices"]]
+            raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
+            on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
+            # no chunk cache, no whole-array shortcut for small arrays: every step
+            # reads and decodes, as a fetch of a large store does
+            reader = get_backend(backend)(str(store), cache_bytes=0, whole_array_bytes=0)
+            request = {
+                a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays
+            }
 
-        def step(handles: list[Any] = handles, raw: int = raw) -> int:
-            for h in handles:
-                h.read().result()
-            return raw
+            def step(reader: Any = reader, request: Any = request, raw: int = raw) -> int:
+                reader.submit(request).result()
+                return raw
 
-        out[name] = CodecSpeed(ratio=raw / comp, decode_Bps=_rate(step, seconds))
+            step()  # open the arrays, read the shard indexes
+            cpu0 = time.process_time()
+            _, _, nbytes = _timed_loop(step, seconds)
+            cpu = max(time.process_time() - cpu0, 1e-9)
+            out[name] = CodecSpeed(ratio=raw / max(on_disk, 1), decode_Bps=nbytes / cpu)
+            shutil.rmtree(store, ignore_errors=True)
     return out
 
 
@@ -447,21 +462,21 @@ def measure_parallelism(
     """
     import tempfile
 
-    import anndata as ad
-    import scipy.sparse as sp
-
     from loader.dataset import BlockDataset
-    from sclayout.convert import convert
 
-    n = len(indptr) - 1
-    reps = -(-PARALLELISM_ROWS // max(n, 1))
-    x = sp.csr_matrix((data, indices, indptr), shape=(n, n_vars))
-    x = sp.vstack([x] * reps, format="csr")
     cores = float(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
-        src, dst = Path(tmp, "sample.h5ad"), Path(tmp, "sample.zarr")
-        ad.AnnData(x).write_h5ad(src)
-        convert(src, dst, block_size=block_size, codec="blosc-lz4")
+        dst = _sample_store(
+            data,
+            indices,
+            indptr,
+            n_vars=n_vars,
+            folder=Path(tmp),
+            name="pipeline",
+            codec="blosc-lz4",
+            rows=PARALLELISM_ROWS,
+            block_size=block_size,
+        )
         ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factor, seed=0)
         epoch = 0
         t0 = c0 = None
@@ -666,7 +681,9 @@ def calibrate(
     speeds: dict[str, CodecSpeed] = {}
     for c in codecs:
         bar.set_postfix_str(f"decode {c}")
-        speeds.update(measure_codecs(data, indices, codecs=[c], seconds=plan.per_codec))
+        speeds.update(
+            measure_codecs(data, indices, indptr, n_vars=n_vars, codecs=[c], seconds=plan.per_codec)
+        )
         bar.update()
     # 5. assembly, copies, per-request CPU (warm reads of tiny ranges, 64 in flight)
     bar.set_postfix_str("assembly")
