@@ -2,8 +2,8 @@
 
 ``sclayout bench`` and ``benchmarks/costmodel.py`` both call
 :func:`measure_loader`: it iterates :class:`loader.BlockDataset` (through its
-DataLoader when ``workers > 0``) for a fixed time after the first minibatch (worker
-start-up is not throughput), cold for a local store (evicted before and every 0.5 s
+DataLoader with persistent workers when ``workers > 0``) epoch after epoch for a
+fixed time after the first minibatches (worker start-up is not throughput), cold for a local store (evicted before and every 0.5 s
 during the run: the regime of a dataset far larger than RAM, DESIGN §5), and
 computes the diversity of a label over the minibatches it delivered.
 """
@@ -89,33 +89,44 @@ def measure_loader(
         backend=backend,
     )
     if workers > 0:
-        it_src: Any = ds.dataloader(num_workers=workers)
+        it_src: Any = ds.dataloader(num_workers=workers, persistent_workers=True)
     else:
         it_src = ds
     labels: list[np.ndarray] = []
     evictor = Evictor([location]) if (cold and is_local) else contextlib.nullcontext()
     n = cells = 0
     t0 = None
+    i = epoch = 0
+    done = False
     with evictor:
-        it = iter(it_src)
-        try:
-            for i, batch in enumerate(it):
-                if i == WARMUP_BATCHES - 1:
-                    t0 = time.perf_counter()
-                    continue
-                if t0 is None:
-                    continue
-                x = batch["X"]
-                cells += int(x.shape[0])
-                n += 1
-                if label:
-                    labels.append(np.asarray(batch["obs"][label]))
-                if time.perf_counter() - t0 >= seconds or (max_batches and n >= max_batches):
-                    break
-        finally:
-            shutdown = getattr(it, "_shutdown_workers", None)
-            if shutdown is not None:
-                shutdown()
+        # epoch after epoch until ``seconds`` have passed: at ~60k cells/s one epoch
+        # of the 200k-cell benchmark set lasts ~3 s, too short for a steady figure
+        while not done:
+            ds.set_epoch(epoch)
+            it = iter(it_src)
+            try:
+                for batch in it:
+                    i += 1
+                    if i == WARMUP_BATCHES:
+                        t0 = time.perf_counter()
+                        continue
+                    if t0 is None:
+                        continue
+                    x = batch["X"]
+                    cells += int(x.shape[0])
+                    n += 1
+                    if label:
+                        labels.append(np.asarray(batch["obs"][label]))
+                    if time.perf_counter() - t0 >= seconds or (max_batches and n >= max_batches):
+                        done = True
+                        break
+                else:
+                    done = i < WARMUP_BATCHES  # an epoch shorter than the warm-up
+            finally:
+                shutdown = getattr(it, "_shutdown_workers", None)
+                if shutdown is not None and done:
+                    shutdown()
+            epoch += 1
     dt = time.perf_counter() - (t0 or time.perf_counter())
     div = None
     if label and labels:
