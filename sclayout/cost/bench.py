@@ -3,9 +3,9 @@
 ``sclayout bench`` and ``benchmarks/costmodel.py`` both call
 :func:`measure_loader`: it iterates :class:`loader.BlockDataset` (through its
 DataLoader with persistent workers when ``workers > 0``) epoch after epoch for a
-fixed time after the first minibatches (worker start-up is not throughput), cold for a local store (evicted before and every 0.5 s
-during the run: the regime of a dataset far larger than RAM, DESIGN §5), and
-computes the diversity of a label over the minibatches it delivered.
+fixed time after the first minibatches (worker start-up is not throughput), cold
+for a local store (evicted before and every 0.5 s during the run: the regime of a
+dataset far larger than RAM, DESIGN §5), and computes the diversity of a label over the minibatches it delivered.
 """
 
 from __future__ import annotations
