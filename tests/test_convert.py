@@ -187,6 +187,28 @@ def test_small_budget_uses_many_buckets_and_gives_identical_store(tmp_path, monk
     assert not any(p.name.startswith("_sclayout") for p in (tmp_path / "small.zarr").iterdir())
 
 
+@pytest.mark.parametrize("order", ["shuffled", "stratified"])
+def test_o_direct_reorder_equals_buffered(tmp_path, monkeypatch, order):
+    """Source reads, route files and bucket reads with O_DIRECT (forced; tests' files are
+    in the page cache, so the default picks buffered I/O) give the same store."""
+    from sclayout.convert import source
+
+    a = make_adata(900, 50, density=0.2, x_format="csr", layers=False, seed=4)
+    write_source(a, tmp_path / "a.h5ad", "h5ad")
+    spec = LayoutSpec(store=StoreSpec(block_size=16, csr_chunk_nnz=64, shard_chunks=2))
+    kw = {"spec": spec, "order": order, "seed": 3, "memory_budget": "40KB"}
+    if order == "stratified":
+        kw["by"] = ["plate"]
+    monkeypatch.setattr(source, "DIRECT_IO", False)
+    convert(tmp_path / "a.h5ad", tmp_path / "buffered.zarr", **kw)
+    monkeypatch.setattr(source, "DIRECT_IO", True)
+    monkeypatch.setattr(source, "DIRECT_PIECE", 8192)  # several pieces per segment
+    convert(tmp_path / "a.h5ad", tmp_path / "direct.zarr", **kw)
+    direct = ad.read_zarr(tmp_path / "direct.zarr")
+    assert_adata_equal(ad.read_zarr(tmp_path / "buffered.zarr"), direct)
+    assert_adata_equal(a, restore_source_order(direct))
+
+
 # -- codecs --------------------------------------------------------------------------------
 
 

@@ -13,7 +13,11 @@ import threading
 
 import numpy as np
 
-__all__ = ["release_scratch", "scratch"]
+__all__ = ["ALIGN", "aligned_scratch", "release_scratch", "scratch"]
+
+ALIGN = 4096
+"""Alignment of ``O_DIRECT`` offsets, lengths and buffers (the page size covers every
+logical block size in use)."""
 
 GROWTH = 1.125
 """A buffer grows to 1.125x the request so slightly larger later tasks reuse it."""
@@ -43,3 +47,11 @@ def release_scratch() -> None:
     """Drop every scratch buffer (end of a conversion)."""
     with _lock:
         _pool.clear()
+
+
+def aligned_scratch(role: str, nbytes: int) -> np.ndarray:
+    """This thread's scratch buffer ``role`` of ``nbytes`` (uint8), starting on an
+    :data:`ALIGN` boundary as ``O_DIRECT`` needs."""
+    buf = scratch(role, nbytes + ALIGN, np.uint8)
+    skip = -buf.ctypes.data % ALIGN
+    return buf[skip : skip + nbytes]

@@ -63,6 +63,7 @@ from sclayout.convert.source import (
     close_handles,
     fingerprint,
     open_group,
+    prefer_direct_io,
     read_slice,
 )
 from sclayout.convert.write import (
@@ -541,11 +542,14 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     cuts = _cuts(src_ptr, read_elems)
     src = ctx.source.path
+    direct = prefer_direct_io(src, nbytes=nnz * elem_bytes)
     if info.encoding == "csr":
         fn = ext.route_rows
         jobs = [
-            ext.RouteRowsJob(src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir)
-            for a, b in itertools.pairwise(cuts)
+            ext.RouteRowsJob(
+                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, task, direct
+            )
+            for task, (a, b) in enumerate(itertools.pairwise(cuts))
         ]
         kind = "rows"
     else:
@@ -557,7 +561,9 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
             for a, b in itertools.pairwise(cuts)
         ]
         kind = "csc"
-    ctx.runner.run(fn, jobs, desc=f"route {info.path}")
+    tables = ctx.runner.run(fn, jobs, desc=f"route {info.path}")
+    n_buckets = len(bounds) - 1
+    segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
     index_dtype = info.index_dtype
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
     assemble = [
@@ -574,8 +580,10 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
             info.dtype,
             index_dtype,
             info.shape[1],
+            segments[b],
+            direct,
         )
-        for b in range(len(bounds) - 1)
+        for b in range(n_buckets)
     ]
     width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
     ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)

@@ -8,11 +8,15 @@ the number of rows:
   ``data``/``indices``, rows of dense arrays), so each bucket fills whole shards and
   buckets are written independently, in parallel, without read-modify-write.
 - **Pass 1 (route)** reads the source sequentially in large slices (row ranges of
-  CSR/dense, column ranges of CSC) and appends every row (or CSC entry) to the temp
-  files of the bucket(s) its output position falls in. A CSR row that straddles a
-  bucket boundary goes to both buckets. Each worker thread appends to its own files.
-- **Pass 2 (assemble)** loads one bucket, sorts it into output order with vectorised
-  gathers, and writes its shards.
+  CSR/dense, column ranges of CSC) and sends every row (or CSC entry) to the
+  bucket(s) its output position falls in. A CSR row that straddles a bucket boundary
+  goes to both buckets. CSR: each task gathers its rows grouped by bucket and writes
+  them as one file per array (one *segment* per bucket, each starting on a page
+  boundary), with ``O_DIRECT`` when the data does not stay in the page cache, and
+  returns its segment table. CSC/dense: each worker thread appends to its own files
+  per bucket.
+- **Pass 2 (assemble)** loads one bucket (CSR: its segment of every route task's
+  files), sorts it into output order with vectorised gathers, and writes its shards.
 
 Temp files live in a work directory inside the store's temporary sibling, so a kill
 leaves nothing behind that the next run does not remove.
@@ -21,6 +25,7 @@ leaves nothing behind that the next run does not remove.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import shutil
 import socket
@@ -30,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from sclayout.convert._buffers import scratch
-from sclayout.convert.source import read_slice
+from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
+from sclayout.convert.source import DIRECT_PIECE, io_map, open_direct, pread_full, read_slice
 from sclayout.convert.write import write_region
 
 __all__ = [
@@ -175,7 +180,8 @@ class RouteRowsJob:
     """Route source rows ``[r0, r1)`` of a CSR matrix to their buckets.
 
     ``indptr`` is the source indptr (int64), ``inv`` the inverse permutation,
-    ``out_ptr`` the output indptr, ``bounds`` the bucket element bounds.
+    ``out_ptr`` the output indptr, ``bounds`` the bucket element bounds; ``task``
+    names the job's files in ``workdir``; ``direct`` asks for ``O_DIRECT`` files.
     """
 
     src: str
@@ -187,47 +193,92 @@ class RouteRowsJob:
     out_ptr: np.ndarray
     bounds: np.ndarray
     workdir: str
+    task: int = 0
+    direct: bool = False
 
 
-def route_rows(job: RouteRowsJob) -> int:
-    """Run a :class:`RouteRowsJob`; returns bytes read."""
+SEGMENT_COLUMNS = ("task", "bucket", "rows", "meta_row", "elems", "elem")
+"""Columns of a route task's segment table (one row per bucket it feeds): the task, the
+bucket, its rows and their first row in the task's ``meta`` file, its elements and
+their first element in the task's ``data``/``idx`` files (a multiple of the pad unit)."""
+
+
+def pad_unit(*dtypes: np.dtype) -> int:
+    """Elements per segment padding unit: segments padded to a multiple of it start on
+    an :data:`~sclayout.convert._buffers.ALIGN` boundary in every array of ``dtypes``."""
+    return math.lcm(*(ALIGN // math.gcd(ALIGN, np.dtype(d).itemsize) for d in dtypes))
+
+
+def _task_file(workdir: str, task: int, name: str) -> str:
+    return os.path.join(workdir, f"t{task:06d}.{name}")
+
+
+def _write_file(path: str, buf: np.ndarray, *, direct: bool) -> None:
+    """Write ``buf`` (uint8; ALIGN-aligned and -sized when ``direct``) as file ``path``."""
+    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct=direct)
+    try:
+        view, done = memoryview(buf), 0
+        while done < len(view):
+            done += os.pwritev(fd, [view[done:]], done)
+    finally:
+        os.close(fd)
+
+
+def route_rows(job: RouteRowsJob) -> np.ndarray:
+    """Run a :class:`RouteRowsJob`; returns its segment table (:data:`SEGMENT_COLUMNS`)."""
     s = job.indptr
     e0, e1 = int(s[job.r0]), int(s[job.r1])
     data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
     indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
     nnz = np.diff(s[job.r0 : job.r1 + 1])
-    out_start = job.out_ptr[job.inv[job.r0 : job.r1]]
     keep = np.flatnonzero(nnz > 0)
-    local = s[job.r0 : job.r1][keep] - e0
-    nnz, out_start = nnz[keep], out_start[keep]
+    out_start = job.out_ptr[job.inv[job.r0 : job.r1][keep]]
+    nnz = nnz[keep]
     first = np.searchsorted(job.bounds, out_start, side="right") - 1
     last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1
-    order = np.argsort(first, kind="stable")
-    if first.size and first.min() == first.max() and keep.size == job.r1 - job.r0:
-        g_data, g_idx = data, indices  # one bucket, no empty row: already in file order
-    else:
-        g_data = scratch("route-gdata", int(nnz.sum()), data.dtype)
-        g_idx = scratch("route-gindices", g_data.size, indices.dtype)
-        ptr = s[job.r0 : job.r1 + 1] - e0
-        gather_rows(ptr, keep[order], data, indices, g_data, g_idx)
-    cuts_rows = np.searchsorted(first[order], np.arange(len(job.bounds)))
-    cuts_elems = np.r_[0, np.cumsum(nnz[order])][cuts_rows]
-    meta = np.stack([out_start[order], nnz[order]], axis=1)
-    for b in np.unique(first):
-        ra, rb = cuts_rows[b], cuts_rows[b + 1]
-        ea, eb = cuts_elems[b], cuts_elems[b + 1]
-        parts = {"meta": meta[ra:rb], "data": g_data[ea:eb], "idx": g_idx[ea:eb]}
-        _append(job.workdir, int(b), parts)
-    for i in np.flatnonzero(last > first):  # rows straddling buckets: rare
-        a, n = int(local[i]), int(nnz[i])
-        row = {
-            "meta": np.array([[out_start[i], n]]),
-            "data": data[a : a + n],
-            "idx": indices[a : a + n],
-        }
-        for b in range(int(first[i]) + 1, int(last[i]) + 1):
-            _append(job.workdir, b, row)
-    return data.nbytes + indices.nbytes
+    # one entry per (row, bucket it touches): a row straddling buckets (rare) goes to each
+    span = last - first + 1
+    row = np.repeat(np.arange(keep.size), span)
+    bucket = np.repeat(first - (np.cumsum(span) - span), span) + np.arange(row.size)
+    order = np.argsort(bucket, kind="stable")
+    row, bucket = row[order], bucket[order]
+    used, at, rows = np.unique(bucket, return_index=True, return_counts=True)
+    row_nnz = nnz[row]
+    elems = np.add.reduceat(row_nnz, at) if row.size else np.zeros(0, np.int64)
+    unit = pad_unit(data.dtype, indices.dtype)
+    padded = -(-elems // unit) * unit
+    elem = np.r_[0, np.cumsum(padded)]
+    total = int(elem[-1])
+    g_data = aligned_scratch("route-gdata", total * data.itemsize).view(data.dtype)
+    g_idx = aligned_scratch("route-gindices", total * indices.itemsize).view(indices.dtype)
+    ptr = s[job.r0 : job.r1 + 1] - e0
+    src_row = keep[row]
+    for k in range(used.size):
+        a, o = int(at[k]), int(elem[k])
+        n = int(elems[k])
+        sel = src_row[a : a + int(rows[k])]
+        gather_rows(ptr, sel, data, indices, g_data[o : o + n], g_idx[o : o + n])
+    os.makedirs(job.workdir, exist_ok=True)
+    meta = np.stack([out_start[row], row_nnz], axis=1).astype(np.int64, copy=False)
+    _write_file(
+        _task_file(job.workdir, job.task, "meta"), meta.view(np.uint8).reshape(-1), direct=False
+    )
+    for name, buf in (("data", g_data), ("idx", g_idx)):
+        _write_file(_task_file(job.workdir, job.task, name), buf.view(np.uint8), direct=job.direct)
+    table = np.stack(
+        [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
+    ).astype(np.int64)
+    return table
+
+
+def segments_by_bucket(tables: list[np.ndarray], n_buckets: int) -> list[np.ndarray]:
+    """The route tasks' segment tables regrouped per bucket (rows in task order)."""
+    if not tables:
+        return [np.zeros((0, len(SEGMENT_COLUMNS)), np.int64) for _ in range(n_buckets)]
+    allseg = np.concatenate(tables)
+    allseg = allseg[np.lexsort((allseg[:, 0], allseg[:, 1]))]
+    cuts = np.searchsorted(allseg[:, 1], np.arange(n_buckets + 1))
+    return [allseg[cuts[b] : cuts[b + 1]] for b in range(n_buckets)]
 
 
 @dataclass(frozen=True)
@@ -323,6 +374,61 @@ class AssembleJob:
     dtype: np.dtype
     index_dtype: np.dtype | None
     n_vars: int
+    segments: np.ndarray | None = None
+    """``rows``: the bucket's segments (:data:`SEGMENT_COLUMNS`), see :func:`segments_by_bucket`."""
+    direct: bool = False
+
+
+def _load_segments(job: AssembleJob) -> tuple[np.ndarray, ...]:
+    """A ``rows`` bucket read from its route tasks' files.
+
+    Returns data and indices (segments at pad-unit positions, padding between them),
+    meta (output start and nnz of every row), the row's index in ``ptr`` and ``ptr``,
+    a CSR pointer over data/indices with one padding row after each segment.
+    """
+    seg = job.segments
+    unit = pad_unit(job.dtype, job.index_dtype)
+    padded = -(-seg[:, 4] // unit) * unit
+    pos = np.r_[0, np.cumsum(padded)]
+    total = int(pos[-1])
+    data = aligned_scratch("bucket-data", total * job.dtype.itemsize).view(job.dtype)
+    idx = aligned_scratch("bucket-idx", total * job.index_dtype.itemsize).view(job.index_dtype)
+    meta = np.empty((int(seg[:, 2].sum()), 2), dtype=np.int64)
+    reads = []  # (file, destination, file offset): pieces read in parallel
+    m = 0
+    for (task, _b, rows, meta_row, _n, elem), p, n in zip(seg, pos[:-1], padded, strict=True):
+        for name, buf in (("data", data), ("idx", idx)):
+            size = buf.itemsize
+            dest = buf[p : p + n].view(np.uint8)
+            for a in range(0, dest.size, DIRECT_PIECE):
+                piece = dest[a : a + DIRECT_PIECE]
+                reads.append((_task_file(job.workdir, int(task), name), piece, elem * size + a))
+        reads.append(
+            (
+                _task_file(job.workdir, int(task), "meta"),
+                meta[m : m + rows].reshape(-1).view(np.uint8),
+                meta_row * 16,
+            )
+        )
+        m += int(rows)
+
+    def read(item: tuple[str, np.ndarray, int]) -> None:
+        path, dest, offset = item
+        direct = job.direct and not path.endswith(".meta")
+        fd = open_direct(path, os.O_RDONLY, direct=direct)
+        try:
+            pread_full(fd, memoryview(dest), int(offset))
+        finally:
+            os.close(fd)
+
+    io_map(read, reads)
+    ext = np.arange(meta.shape[0]) + np.repeat(np.arange(seg.shape[0]), seg[:, 2])
+    ext_nnz = np.empty(meta.shape[0] + seg.shape[0], dtype=np.int64)
+    ext_nnz[ext] = meta[:, 1]
+    ext_nnz[np.cumsum(seg[:, 2]) + np.arange(seg.shape[0])] = padded - seg[:, 4]
+    ptr = np.zeros(ext_nnz.size + 1, dtype=np.int64)
+    np.cumsum(ext_nnz, out=ptr[1:])
+    return data, idx, meta, ext, ptr
 
 
 def assemble(job: AssembleJob) -> int:
@@ -336,34 +442,12 @@ def assemble(job: AssembleJob) -> int:
             raise RuntimeError(f"bucket {job.bucket}: rows missing or repeated (a bug)")
         out = {None: values[order]}
     else:
+        if job.kind == "rows":
+            return _assemble_rows(job)
         meta_dt = np.dtype(np.int64)
         parts = _load(
             job.workdir, job.bucket, {"meta": meta_dt, "data": job.dtype, "idx": job.index_dtype}
         )
-        if job.kind == "rows":
-            meta = parts["meta"].reshape(-1, 2)
-            order = np.argsort(meta[:, 0], kind="stable")
-            starts, nnz = meta[order, 0], meta[order, 1]
-            ptr = np.r_[0, np.cumsum(meta[:, 1])]
-            base = int(starts[0]) if starts.size else job.start
-            ends = np.cumsum(nnz)
-            if starts.size and int(starts[-1] + nnz[-1] - base) != int(ends[-1]):
-                raise RuntimeError(f"bucket {job.bucket}: rows not contiguous (a bug)")
-            n = 0
-            src = [parts["data"], parts["idx"]]
-            for a in range(job.start, job.stop, job.shard):
-                b = min(a + job.shard, job.stop)
-                r0 = int(np.searchsorted(ends, a - base, side="right"))
-                r1 = int(np.searchsorted(ends, b - base - 1, side="right")) + 1
-                first = int(ends[r0] - nnz[r0]) + base
-                size = int(ends[r1 - 1]) + base - first
-                outs = [scratch(f"shard-{i}", size, x.dtype) for i, x in enumerate(src)]
-                gather_rows(ptr, order[r0:r1], *src, *outs)
-                for name, buf in zip(("data", "indices"), outs, strict=True):
-                    write_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])
-                    n += b - a
-            shutil.rmtree(Path(job.workdir) / f"b{job.bucket:06d}", ignore_errors=True)
-            return n
         seg = np.lexsort((parts["idx"], parts["meta"]))
         base = job.base
         lo, hi = job.start - base, job.stop - base
@@ -378,4 +462,30 @@ def assemble(job: AssembleJob) -> int:
             write_region(job.dst, path, job.start + a, values[a : a + job.shard])
         n += values.nbytes
     shutil.rmtree(Path(job.workdir) / f"b{job.bucket:06d}", ignore_errors=True)
+    return n
+
+
+def _assemble_rows(job: AssembleJob) -> int:
+    """Pass 2 of a CSR source: the bucket's rows in output order, written shard by shard."""
+    data, idx, meta, ext, ptr = _load_segments(job)
+    order = np.argsort(meta[:, 0], kind="stable")
+    starts, nnz = meta[order, 0], meta[order, 1]
+    rows = ext[order]
+    base = int(starts[0]) if starts.size else job.start
+    ends = np.cumsum(nnz)
+    if starts.size and int(starts[-1] + nnz[-1] - base) != int(ends[-1]):
+        raise RuntimeError(f"bucket {job.bucket}: rows not contiguous (a bug)")
+    n = 0
+    src = [data, idx]
+    for a in range(job.start, job.stop, job.shard):
+        b = min(a + job.shard, job.stop)
+        r0 = int(np.searchsorted(ends, a - base, side="right"))
+        r1 = int(np.searchsorted(ends, b - base - 1, side="right")) + 1
+        first = int(ends[r0] - nnz[r0]) + base
+        size = int(ends[r1 - 1]) + base - first
+        outs = [scratch(f"shard-{i}", size, x.dtype) for i, x in enumerate(src)]
+        gather_rows(ptr, rows[r0:r1], *src, *outs)
+        for name, buf in zip(("data", "indices"), outs, strict=True):
+            write_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])
+            n += b - a
     return n

@@ -8,11 +8,14 @@ reader. The row-aligned matrices (X, layers, raw/X) are described by
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +27,20 @@ import numpy as np
 import zarr
 
 from loader.errors import InputError
-from sclayout.convert._buffers import scratch
+from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
 
-__all__ = ["DirectH5Reader", "MatrixInfo", "Source", "fingerprint", "open_group", "read_slice"]
+__all__ = [
+    "DirectH5Reader",
+    "MatrixInfo",
+    "Source",
+    "fingerprint",
+    "io_map",
+    "open_direct",
+    "open_group",
+    "pread_full",
+    "prefer_direct_io",
+    "read_slice",
+]
 
 FINGERPRINT_BYTES = 2**20
 """Bytes hashed at each end of a source file for its fingerprint (1 MiB)."""
@@ -42,10 +56,6 @@ benchmarks/results/convert_profile.md, "O_DIRECT")."""
 
 CACHED_SAMPLE_BYTES = 256 * 2**20
 """Bytes at the start of a source whose page-cache residency decides ``O_DIRECT``."""
-
-DIRECT_ALIGN = 4096
-"""Alignment of ``O_DIRECT`` offsets, lengths and buffers (the page size covers every
-logical block size in use)."""
 
 DIRECT_PIECE = 16 * 2**20
 """Bytes per ``O_DIRECT`` read: the kernel splits it into device requests issued
@@ -176,7 +186,7 @@ class DirectH5Reader:
             self._read_direct(dest, runs)
         else:
             for pos, off, n in runs:
-                _pread(self.fd, memoryview(dest[pos : pos + n]), off)
+                pread_full(self.fd, memoryview(dest[pos : pos + n]), off)
         return out
 
     def _runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
@@ -202,9 +212,11 @@ class DirectH5Reader:
         """Read ``runs`` into ``dest`` with page-aligned ``O_DIRECT`` reads.
 
         Runs closer than :data:`DIRECT_GAP` in the file share a request; a request is
-        read in pieces of :data:`DIRECT_PIECE` bytes into an aligned staging buffer.
+        cut into pieces of :data:`DIRECT_PIECE` bytes, read in parallel on the I/O
+        threads (:func:`io_map`), each into its thread's aligned staging buffer and
+        copied out.
         """
-        stage = _aligned_scratch("direct-stage", DIRECT_PIECE)
+        pieces = []
         i = 0
         while i < len(runs):
             j = i + 1  # runs[i:j] form one span of the file
@@ -212,18 +224,23 @@ class DirectH5Reader:
                 j < len(runs) and 0 <= runs[j][1] - (runs[j - 1][1] + runs[j - 1][2]) <= DIRECT_GAP
             ):
                 j += 1
-            lo = runs[i][1] // DIRECT_ALIGN * DIRECT_ALIGN
+            lo = runs[i][1] // ALIGN * ALIGN
             hi = runs[j - 1][1] + runs[j - 1][2]
             for p0 in range(lo, hi, DIRECT_PIECE):
-                p1 = min(p0 + DIRECT_PIECE, -(-hi // DIRECT_ALIGN) * DIRECT_ALIGN)
-                got = _pread(
-                    self.direct_fd, memoryview(stage[: p1 - p0]), p0, upto=min(p1, hi) - p0
-                )
-                for pos, off, n in runs[i:j]:  # copy the parts of the runs in this piece
-                    a, b = max(off, p0), min(off + n, p0 + got)
-                    if a < b:
-                        dest[pos + a - off : pos + b - off] = stage[a - p0 : b - p0]
+                pieces.append((p0, min(p0 + DIRECT_PIECE, hi), runs[i:j]))
             i = j
+
+        def read_piece(piece: tuple[int, int, list]) -> None:
+            p0, end, span = piece
+            p1 = -(-end // ALIGN) * ALIGN
+            stage = aligned_scratch("direct-stage", DIRECT_PIECE)
+            pread_full(self.direct_fd, memoryview(stage[: p1 - p0]), p0, upto=end - p0)
+            for pos, off, n in span:  # copy the parts of the runs in this piece
+                a, b = max(off, p0), min(off + n, end)
+                if a < b:
+                    dest[pos + a - off : pos + b - off] = stage[a - p0 : b - p0]
+
+        io_map(read_piece, pieces)
 
 
 def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
@@ -243,7 +260,28 @@ def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
     return infos
 
 
-def _pread(fd: int, buf: memoryview, offset: int, *, upto: int | None = None) -> int:
+IO_THREADS = 6
+"""Threads issuing ``O_DIRECT`` reads for all tasks of a process. They wait on the disk
+with the GIL released; several requests in flight are what this virtio disk needs
+(cold ``O_DIRECT`` reads of the benchmark source: 772 MB/s with one 4 MiB request at a
+time, 1.1-1.4 GB/s with 4-8 in flight)."""
+
+_io_lock = threading.Lock()
+_io_pool: list[ThreadPoolExecutor] = []
+
+
+def io_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
+    """``[fn(x) for x in items]`` run on the process's :data:`IO_THREADS` I/O threads."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with _io_lock:
+        if not _io_pool:
+            _io_pool.append(ThreadPoolExecutor(IO_THREADS, thread_name_prefix="sclayout-io"))
+        pool = _io_pool[0]
+    return list(pool.map(fn, items))
+
+
+def pread_full(fd: int, buf: memoryview, offset: int, *, upto: int | None = None) -> int:
     """Fill ``buf`` from ``offset`` (at least ``upto`` bytes: an ``O_DIRECT`` read of the
     last page may stop at the end of the file); returns the bytes read."""
     need = len(buf) if upto is None else upto
@@ -256,29 +294,49 @@ def _pread(fd: int, buf: memoryview, offset: int, *, upto: int | None = None) ->
     return done
 
 
-def _aligned_scratch(role: str, nbytes: int) -> np.ndarray:
-    """This thread's scratch buffer ``role`` of ``nbytes``, starting on a
-    :data:`DIRECT_ALIGN` boundary (as ``O_DIRECT`` needs)."""
-    buf = scratch(role, nbytes + DIRECT_ALIGN, np.uint8)
-    skip = -buf.ctypes.data % DIRECT_ALIGN
-    return buf[skip : skip + nbytes]
+def prefer_direct_io(path: str | os.PathLike, *, nbytes: int = 0) -> bool:
+    """Whether to bypass the page cache (``O_DIRECT``) for reading source ``path`` or for
+    ``nbytes`` of temporary files: :data:`DIRECT_IO` if set, else when the source is a
+    file not mostly in the page cache or ``nbytes`` exceeds half the RAM."""
+    if DIRECT_IO is not None or not hasattr(os, "O_DIRECT"):
+        return bool(DIRECT_IO) and hasattr(os, "O_DIRECT")
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = None
+    if ram is not None and nbytes > ram // 2:
+        return True
+    if not Path(path).is_file():
+        return False
+    from sclayout.measure import resident_fraction
+
+    cached = resident_fraction(path, max_bytes=CACHED_SAMPLE_BYTES)
+    return cached is not None and cached < 0.5
+
+
+def open_direct(
+    path: str | os.PathLike, flags: int, *, direct: bool = True, mode: int = 0o644
+) -> int:
+    """``os.open(path, flags)`` with ``O_DIRECT`` added when ``direct`` and the file
+    system allows it (tmpfs does not)."""
+    if direct and hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode)
 
 
 def _open_direct(path: Path) -> int | None:
-    """``path`` opened with ``O_DIRECT`` when :data:`DIRECT_IO` asks for it, else None."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if DIRECT_IO is False or not flag:
+    """Source ``path`` opened with ``O_DIRECT`` when :func:`prefer_direct_io`, else None."""
+    if not prefer_direct_io(path):
         return None
-    if DIRECT_IO is None:
-        from sclayout.measure import resident_fraction
-
-        cached = resident_fraction(path, max_bytes=CACHED_SAMPLE_BYTES)
-        if cached is None or cached >= 0.5:
-            return None
-    try:
-        return os.open(path, os.O_RDONLY | flag)
-    except OSError:  # e.g. tmpfs: no O_DIRECT
-        return None
+    fd = open_direct(path, os.O_RDONLY)
+    if os.O_DIRECT & fcntl.fcntl(fd, fcntl.F_GETFL):
+        return fd
+    os.close(fd)
+    return None
 
 
 def _open_array(src: str, array: str) -> Any:
@@ -335,6 +393,10 @@ def close_handles() -> None:
                 os.close(fd)
         _fds.clear()
         _direct_fds.clear()
+    with _io_lock:
+        for pool in _io_pool:
+            pool.shutdown()
+        _io_pool.clear()
 
 
 def _attr(node: Any, key: str, default: Any = None) -> Any:
