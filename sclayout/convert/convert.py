@@ -58,6 +58,8 @@ from sclayout.convert.plan import (
     shard_bytes_for_budget,
 )
 from sclayout.convert.source import (
+    DIRECT_PIECE,
+    IO_THREADS,
     MatrixInfo,
     Source,
     close_handles,
@@ -276,9 +278,11 @@ def _rss() -> int:
 
 def working_memory(budget: int, *, n_obs: int) -> int:
     """Bytes the conversion tasks may use: the budget minus the process's current
-    resident memory, the driver's per-row arrays and a margin; at least a quarter of
-    the budget (tiny budgets in tests are below any interpreter's footprint)."""
-    spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN
+    resident memory, the driver's per-row arrays, the I/O threads' staging buffers and
+    a margin; at least a quarter of the budget (tiny budgets in tests are below any
+    interpreter's footprint)."""
+    staging = IO_THREADS * DIRECT_PIECE  # the I/O threads' O_DIRECT staging buffers
+    spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN - staging
     return max(spare, budget // 4)
 
 

@@ -35,8 +35,9 @@ from pathlib import Path
 
 import numpy as np
 
+from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
-from sclayout.convert.source import DIRECT_PIECE, io_map, open_direct, pread_full, read_slice
+from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
 from sclayout.convert.write import write_region
 
 __all__ = [
@@ -400,8 +401,8 @@ def _load_segments(job: AssembleJob) -> tuple[np.ndarray, ...]:
         for name, buf in (("data", data), ("idx", idx)):
             size = buf.itemsize
             dest = buf[p : p + n].view(np.uint8)
-            for a in range(0, dest.size, DIRECT_PIECE):
-                piece = dest[a : a + DIRECT_PIECE]
+            for a in range(0, dest.size, source.DIRECT_PIECE):
+                piece = dest[a : a + source.DIRECT_PIECE]
                 reads.append((_task_file(job.workdir, int(task), name), piece, elem * size + a))
         reads.append(
             (

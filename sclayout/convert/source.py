@@ -183,10 +183,15 @@ class DirectH5Reader:
         runs = self._runs(start, stop)
         dest = out.reshape(-1).view(np.uint8)
         if self.direct_fd is not None:
-            self._read_direct(dest, runs)
-        else:
-            for pos, off, n in runs:
-                pread_full(self.fd, memoryview(dest[pos : pos + n]), off)
+            try:
+                self._read_direct(dest, runs)
+                return out
+            except OSError as e:  # alignment the file system refuses: read it buffered
+                if e.errno != errno.EINVAL:
+                    raise
+                self.direct_fd = None
+        for pos, off, n in runs:
+            pread_full(self.fd, memoryview(dest[pos : pos + n]), off)
         return out
 
     def _runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
