@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from sclayout.cost.calibrate import (
-    fit_read_cpu,
+    fit_costs,
     measure_codecs,
     measure_parallelism,
     monotone_curve,
@@ -27,24 +27,24 @@ def test_monotone_curve_removes_a_dip_and_keeps_the_rest():
     )
 
 
-def test_fit_read_cpu_recovers_per_request_and_per_byte_costs():
+def test_fit_costs_recovers_per_request_and_per_byte_costs():
     per_req, per_byte = 20e-6, 1e-9
     samples = [
         (r, r * size, r * per_req + r * size * per_byte)
         for r, size in [(1000, 65536), (5000, 65536), (200, 2**20), (40, 8 * 2**20)]
     ]
-    a, b = fit_read_cpu(samples)
+    a, b = fit_costs(samples)
     assert a == pytest.approx(per_req, rel=1e-6)
     assert b == pytest.approx(per_byte, rel=1e-6)
 
 
-def test_fit_read_cpu_never_returns_a_negative_cost():
+def test_fit_costs_never_returns_a_negative_cost():
     # the exact fit has a negative per-request cost (noise): the bytes carry it all
     samples = [(1000, 1e9, 0.5), (10, 1e8, 0.5)]
-    a, b = fit_read_cpu(samples)
+    a, b = fit_costs(samples)
     assert a == 0.0
     assert b == pytest.approx(1.0 / 1.1e9)
-    assert fit_read_cpu([]) == (0.0, 0.0)
+    assert fit_costs([]) == (0.0, 0.0)
 
 
 def _counts(n_rows: int = 512, n_vars: int = 400, per_row: int = 30):

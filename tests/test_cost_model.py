@@ -191,3 +191,19 @@ def test_the_cpu_of_reading_counts_against_the_cores():
     )
     assert p.t_overhead == pytest.approx(0.001 + 0.010 + 0.040)
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.070)
+
+
+def test_every_inner_chunk_costs_its_decode_overhead():
+    from sclayout.cost.profile import CodecSpeed
+
+    # 10 chunks x 0.4 ms on top of 8 ms of bytes: 12 ms of decode, 6 ms on 2 threads
+    slow_chunks = flat_profile(codecs={"none": CodecSpeed(2.0, 1e9, chunk_s=4e-4)})
+    p = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=slow_chunks,
+    )
+    assert p.t_decode == pytest.approx(0.012)
+    assert p.fetch_s == pytest.approx(0.040 + 0.006)

@@ -5,7 +5,8 @@
 DataLoader with persistent workers when ``workers > 0``) epoch after epoch for a
 fixed time after the first minibatches (worker start-up is not throughput), cold
 for a local store (evicted before and every 0.5 s during the run: the regime of a
-dataset far larger than RAM, DESIGN §5), and computes the diversity of a label over the minibatches it delivered.
+dataset far larger than RAM, DESIGN §5), and computes the diversity of a label over
+the minibatches it delivered.
 """
 
 from __future__ import annotations

@@ -59,6 +59,11 @@ RANDOM_LARGE_BYTES = 2**20
 """Bandwidth is also read as random 1 MiB reads, :data:`RANDOM_LARGE_IN_FLIGHT` in
 flight (the loader reads a fetch's chunks with up to 64 in flight); the larger wins."""
 RANDOM_LARGE_IN_FLIGHT = 32
+CODEC_BLOCK_SIZES = (16, 64)
+"""Block sizes of the sample stores each codec is timed on: two inner-chunk sizes
+(~32k and ~128k values at 2,000 nnz/cell) separate the per-chunk from the per-byte
+CPU cost (32k-value blosc-lz4 chunks decoded at 2.0 GB/s, 128k-value ones at 2.6,
+on the dev VM: ~15 µs per chunk)."""
 CONCURRENCY_ROUNDS = 3
 """Interleaved rounds of the concurrency curve (median per level)."""
 
@@ -265,9 +270,10 @@ def _busy_cpu_s() -> float:
     return busy / os.sysconf("SC_CLK_TCK")
 
 
-def fit_read_cpu(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """CPU seconds per request and per byte read from ``(requests, bytes, cpu_s)``
-    samples (least squares through the origin, each term >= 0)."""
+def fit_costs(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
+    """Seconds per item and per byte from ``(items, bytes, seconds)`` samples (least
+    squares through the origin, each term >= 0): e.g. CPU per request and per byte
+    read, or per inner chunk and per byte decoded."""
     a = np.array([[r, b] for r, b, _ in samples], dtype=np.float64)
     y = np.array([c for _, _, c in samples], dtype=np.float64)
     if len(a) == 0:
@@ -344,9 +350,10 @@ def measure_codecs(
     The sample is converted by ``sclayout convert`` with each codec into a temporary
     layout store, and the loader's ``backend`` (:mod:`loader.backends`: for local
     blosc stores its direct shard reader, tensorstore otherwise) reads all of
-    ``X/data`` and ``X/indices`` over and over from the page cache. Speed is
-    uncompressed bytes per second of *CPU time* (all threads): what one core decodes,
-    overheads included; the ratio is the arrays' raw bytes / their bytes on disk.
+    ``X/data`` and ``X/indices`` over and over from the page cache, measuring CPU
+    time (all threads). Two block sizes (:data:`CODEC_BLOCK_SIZES`) give two inner
+    chunk sizes; CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
+    them. The ratio is the arrays' raw bytes / their bytes on disk.
     """
     import tempfile
 
@@ -357,30 +364,45 @@ def measure_codecs(
     out = {}
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         for name in codecs:
-            store = _sample_store(
-                data, indices, indptr, n_vars=n_vars, folder=Path(tmp), name="codecs", codec=name
-            )
-            x = _read_manifest(str(store)).X
-            arrays = [x.arrays["data"], x.arrays["indices"]]
-            raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
-            on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
-            # no chunk cache, no whole-array shortcut for small arrays: every step
-            # reads and decodes, as a fetch of a large store does
-            reader = get_backend(backend)(str(store), cache_bytes=0, whole_array_bytes=0)
-            request = {
-                a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays
-            }
+            samples, ratio = [], 0.0
+            for block_size in CODEC_BLOCK_SIZES:
+                store = _sample_store(
+                    data,
+                    indices,
+                    indptr,
+                    n_vars=n_vars,
+                    folder=Path(tmp),
+                    name="codecs",
+                    codec=name,
+                    block_size=block_size,
+                )
+                x = _read_manifest(str(store)).X
+                arrays = [x.arrays["data"], x.arrays["indices"]]
+                raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
+                chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
+                on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
+                ratio = raw / max(on_disk, 1)  # the last (largest) block size's
+                # no chunk cache, no whole-array shortcut for small arrays: every step
+                # reads and decodes, as a fetch of a large store does
+                reader = get_backend(backend)(str(store), cache_bytes=0, whole_array_bytes=0)
+                request = {
+                    a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays
+                }
 
-            def step(reader: Any = reader, request: Any = request, raw: int = raw) -> int:
-                reader.submit(request).result()
-                return raw
+                def step(reader: Any = reader, request: Any = request, raw: int = raw) -> int:
+                    reader.submit(request).result()
+                    return raw
 
-            step()  # open the arrays, read the shard indexes
-            cpu0 = time.process_time()
-            _, _, nbytes = _timed_loop(step, seconds)
-            cpu = max(time.process_time() - cpu0, 1e-9)
-            out[name] = CodecSpeed(ratio=raw / max(on_disk, 1), decode_Bps=nbytes / cpu)
-            shutil.rmtree(store, ignore_errors=True)
+                step()  # open the arrays, read the shard indexes
+                cpu0 = time.process_time()
+                _, it, _ = _timed_loop(step, seconds / len(CODEC_BLOCK_SIZES))
+                samples.append((it * chunks, it * raw, time.process_time() - cpu0))
+                del reader
+                shutil.rmtree(store, ignore_errors=True)
+            chunk_s, byte_s = fit_costs(samples)
+            if byte_s <= 0:  # noise put everything on the chunks: bytes alone instead
+                chunk_s, byte_s = 0.0, sum(c for *_, c in samples) / sum(b for _, b, _ in samples)
+            out[name] = CodecSpeed(ratio=ratio, decode_Bps=1.0 / byte_s, chunk_s=chunk_s)
     return out
 
 
@@ -663,7 +685,7 @@ def calibrate(
             plan.bandwidth / 2,
         )
         bandwidth = max(bandwidth, random_bw)
-        read_cpu_request, read_cpu_byte = fit_read_cpu(cpu_samples)
+        read_cpu_request, read_cpu_byte = fit_costs(cpu_samples)
         bar.update()
     finally:
         if evictor is not None:

@@ -15,7 +15,8 @@ not exist yet — and turns each plan into time with a storage profile:
     64-random-block fetch of the 200k-cell store made 176 requests for 131 planned
     reads + the source_index reads, against 277 inner chunks).
 ``t_decode``
-    uncompressed bytes read / codec decode speed, spread over the decode threads.
+    uncompressed bytes read / codec decode speed + inner chunks × the codec's
+    per-chunk CPU, spread over the decode threads.
 ``t_assembly``
     nnz gathered × ``gather_s_per_nnz`` (+ cells × genes × ``densify_s_per_value``
     for dense output).
@@ -336,7 +337,7 @@ def predict_from_stats(
 
     t_io = io_time(c)
     # ---- CPU
-    t_decode = stats.bytes_read / speed.decode_Bps
+    t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
     dec_threads = min(DECODE_THREADS[backend], cores)
     t_assembly = stats.nnz * profile.gather_s_per_nnz
     out_bytes = _output_bytes(stats.rows, stats.nnz, n_vars, options.output)

@@ -10,7 +10,7 @@ Profile format version 1 (JSON)::
     {"format": "sclayout-profile", "version": 1, "name": ..., "kind": "local"|"http",
      "latency_s": ..., "bandwidth_Bps": ..., "request_bytes": ...,
      "concurrency": [[in_flight, requests_per_s], ...],
-     "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ...}, ...},
+     "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ..., "chunk_s": ...}, ...},
      "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
      "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
      "cores": ...,
@@ -54,22 +54,30 @@ class CodecSpeed:
     ratio
         Uncompressed bytes / compressed bytes for CSR ``data`` + ``indices``.
     decode_Bps
-        Uncompressed bytes produced per second by one core.
+        Uncompressed bytes produced per second of CPU time.
+    chunk_s
+        CPU time per inner chunk decoded on top of its bytes (the per-chunk work of
+        the read path: one decoder call, buffers, bookkeeping).
     """
 
     ratio: float
     decode_Bps: float
+    chunk_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("ratio", "decode_Bps"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
                 raise SpecError(f"codec {name}={v!r}: must be a positive number")
-        object.__setattr__(self, "ratio", float(self.ratio))
-        object.__setattr__(self, "decode_Bps", float(self.decode_Bps))
+            object.__setattr__(self, name, float(v))
+        if not (isinstance(self.chunk_s, int | float) and math.isfinite(self.chunk_s)):
+            raise SpecError(f"codec chunk_s={self.chunk_s!r}: must be a number >= 0")
+        if self.chunk_s < 0:
+            raise SpecError(f"codec chunk_s={self.chunk_s!r}: must be a number >= 0")
+        object.__setattr__(self, "chunk_s", float(self.chunk_s))
 
     def to_dict(self) -> dict[str, float]:
-        return {"ratio": self.ratio, "decode_Bps": self.decode_Bps}
+        return {"ratio": self.ratio, "decode_Bps": self.decode_Bps, "chunk_s": self.chunk_s}
 
 
 _POSITIVE = (
