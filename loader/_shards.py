@@ -48,7 +48,9 @@ __all__ = ["DECODE_THREADS", "RUN_BYTES", "SMALL_ARRAY_BYTES", "DirectArray", "o
 
 DECODE_THREADS = 2
 """Threads per process that read and decode inner chunks (one per core of this
-2-core machine; the work is C code that releases the GIL)."""
+2-core machine; the work is C code that releases the GIL). ``SCLAYOUT_DECODE_THREADS``
+in the environment overrides it; DataLoader workers of :class:`loader.BlockDataLoader`
+use ``max(1, DECODE_THREADS // num_workers)`` each."""
 RUN_BYTES = 1 << 20
 """Largest compressed run read and decoded as one task: a 1,024-row fetch of the
 benchmark store (~2.2 MB per array) splits into a few tasks per thread."""
@@ -189,14 +191,16 @@ class _Pool:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = -1
         self._lock = threading.Lock()
+        self.threads: int | None = None  # set before first use to override
 
     def get(self) -> ThreadPoolExecutor:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    self._pool = ThreadPoolExecutor(
-                        DECODE_THREADS, thread_name_prefix="sclayout-decode"
+                    n = self.threads or int(
+                        os.environ.get("SCLAYOUT_DECODE_THREADS", DECODE_THREADS)
                     )
+                    self._pool = ThreadPoolExecutor(max(1, n), thread_name_prefix="sclayout-decode")
                     self._lock = threading.Lock()
                     self._pid = os.getpid()
         assert self._pool is not None
@@ -204,6 +208,13 @@ class _Pool:
 
 
 _POOL = _Pool()
+
+
+def decode_pool() -> _Pool:
+    """This process's decode-thread pool (its ``threads`` may be set before first use)."""
+    return _POOL
+
+
 _local = threading.local()
 
 

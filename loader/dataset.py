@@ -79,6 +79,10 @@ here with 2 spawned workers returning ready-made tensors, 200 items/s at most). 
 one by one, 64-row minibatches capped 2 workers at ~13k cells/s; grouped by 16 (and as
 CSR, 16 KB per cell instead of 80 KB dense), that cost is spread over 1,024 cells."""
 
+MAX_GROUPED_WORKERS = 64
+"""Workers whose group buffers :class:`BlockDataLoader` tracks (shared counters; more
+workers than this run without buffer reuse)."""
+
 # Slots of the shared-state vector (shared memory, so persistent workers see updates).
 _EPOCH, _START_EPOCH, _START, _START_WORKERS, _UNTRACKED = range(5)
 _TORCH_HINT = "pip install sclayout[torch]"
@@ -274,6 +278,7 @@ class BlockDataset:
         )
         _ = self.config.epoch_rows  # validate num_samples against the weights now
         self._shared = _shared_state()
+        self._released = _shared_state(MAX_GROUPED_WORKERS)  # BlockDataLoader's group buffers
         self._consumed = 0  # minibatches of epoch _consumed_epoch delivered so far
         self._consumed_epoch = -1
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
@@ -521,17 +526,22 @@ class BlockDataset:
             for batch in batches:
                 yield self._convert(batch)
             return
-        from loader._torch import pack_group
+        from loader._shards import DECODE_THREADS, decode_pool
+        from loader._torch import GroupBuffers, pack_group
 
         assert info is not None
+        # the workers share the machine's cores: fewer decode threads each
+        decode_pool().threads = max(1, DECODE_THREADS // info[1])
+        buffers = GroupBuffers(self._released, info[0]) if info[0] < MAX_GROUPED_WORKERS else None
         group: list[dict[str, Any]] = []
+        seq = 0
         for batch in batches:
             group.append(batch)
             if len(group) == WORKER_GROUP_BATCHES:
-                yield pack_group(group, worker=info[0], obs=self.obs)
-                group = []
+                yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
+                group, seq = [], seq + 1
         if group:
-            yield pack_group(group, worker=info[0], obs=self.obs)
+            yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
         X = batch["X"]
@@ -628,16 +638,19 @@ def _row_weights(
     return w_source[np.asarray(reader.source_index(), dtype=np.int64)]
 
 
-def _shared_state() -> Any:
-    """Epoch / resume slots, in shared memory when torch is there (seen by workers)."""
+def _shared_state(n: int | None = None) -> Any:
+    """Epoch / resume slots (or ``n`` zeroed counters), in shared memory when torch is
+    there (seen by workers)."""
     if torch_available():
         import torch
 
-        state = torch.zeros(5, dtype=torch.int64)
-        state[_START_EPOCH] = -1
+        state = torch.zeros(5 if n is None else n, dtype=torch.int64)
+        if n is None:
+            state[_START_EPOCH] = -1
         return state.share_memory_()
-    state = np.zeros(5, dtype=np.int64)
-    state[_START_EPOCH] = -1
+    state = np.zeros(5 if n is None else n, dtype=np.int64)
+    if n is None:
+        state[_START_EPOCH] = -1
     return state
 
 
