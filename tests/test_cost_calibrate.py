@@ -11,7 +11,7 @@ import pytest
 from sclayout.cost.calibrate import (
     fit_costs,
     measure_codecs,
-    measure_parallelism,
+    measure_pipeline,
     monotone_curve,
 )
 
@@ -70,7 +70,10 @@ def test_measure_codecs_reads_through_the_loader_backend():
     assert all(s.decode_Bps > 0 for s in speeds.values())
 
 
-def test_measure_parallelism_is_between_one_and_the_core_count():
+def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     data, indices, indptr, n_vars = _counts()
-    p = measure_parallelism(data, indices, indptr, n_vars=n_vars, seconds=0.2, block_size=16)
-    assert 1.0 <= p <= (os.cpu_count() or 1)
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.4, block_size=16)
+    assert 1.0 <= got.parallelism <= (os.cpu_count() or 1)
+    # a fetch costs at least the Python of submitting and splitting it, and less than
+    # a second on any machine this runs on
+    assert 0.0 < got.fetch_cpu_s < 1.0

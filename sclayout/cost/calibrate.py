@@ -7,11 +7,18 @@ the loader's default backend reads with, so the figures include its overheads:
    every 0.5 s during the run for a local target);
 2. concurrency: reads of ``request_bytes`` at random offsets with 1…64 in flight;
 3. bandwidth: large sequential reads, several in flight;
-4. decode speed and compression ratio of every codec on CSR count data (the
-   target's own ``X/data``/``X/indices`` when it is a local store, otherwise
-   synthetic counts);
+4. decode speed (per byte and per inner chunk) and compression ratio of every
+   codec on CSR count data (the target's own first rows when it is a layout store,
+   otherwise synthetic counts), converted into small stores and read back by the
+   loader's own backend (:func:`measure_codecs`);
 5. assembly: gather + densify of fetched rows with the loader's own code
-   (:mod:`loader.assemble`), memory copy bandwidth, and the per-request CPU cost.
+   (:mod:`loader.assemble`), and memory copy bandwidth;
+6. the loader itself on a small in-cache store: how many cores it keeps busy, and
+   its fixed CPU per fetch (:func:`measure_pipeline`).
+
+The CPU that reading costs (per request and per byte) is fitted to the CPU time
+of steps 2–3: the process's for a local target, the machine's for a server on
+this machine.
 
 About a minute in total (``quick=True``: a few seconds, rougher).
 """
@@ -94,8 +101,9 @@ class CalibrationPlan:
     assembly: float = 3.0
     sample_elems: int = 4 * 2**20
     """Stored values (data + indices each) the codec and assembly timings run on."""
-    pipeline: float = 3.0
-    """Timed run of the loader on a small in-cache store (its CPU parallelism)."""
+    pipeline: float = 6.0
+    """Timed runs of the loader on a small in-cache store (its CPU parallelism and
+    per-fetch CPU)."""
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
@@ -126,6 +134,15 @@ def _local_files(root: Path) -> list[tuple[str, int]]:
             if size >= SMALL_BYTES:
                 files.append((str(p.relative_to(root)), size))
     return files
+
+
+def _is_loopback(url: str) -> bool:
+    """Whether the URL's server runs on this machine (its CPU then competes with the
+    loader's)."""
+    import urllib.parse
+
+    host = urllib.parse.urlsplit(url).hostname or ""
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _http_size(url: str) -> int | None:
@@ -251,23 +268,23 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
 # ---------------------------------------------------------------- CPU measurements
 
 
-def _busy_cpu_s() -> float:
-    """CPU seconds spent so far by the whole machine (Linux ``/proc/stat``: user,
-    nice, system, irq, softirq, steal), else by this process.
-
-    Reading costs CPU outside the reading process too: the kernel's I/O completion
-    and page-cache work, and a loopback HTTP server's; on the machine the loader runs
-    on, all of it competes with the loader for the same cores."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-    except OSError:
-        return time.process_time()
-    if not fields or fields[0] != "cpu":
-        return time.process_time()
-    t = [int(v) for v in fields[1:]]
-    busy = t[0] + t[1] + t[2] + sum(t[5:8])  # user nice system (idle iowait) irq softirq steal
-    return busy / os.sysconf("SC_CLK_TCK")
+def _busy_cpu_s(machine: bool) -> float:
+    """CPU seconds spent so far by this process (user + system: a local read's
+    page-cache work runs in the reading thread's system calls), or with ``machine``
+    by the whole machine (Linux ``/proc/stat``: user, nice, system, irq, softirq,
+    steal), so that a loopback HTTP server's work counts too: on the machine the
+    loader runs on, it competes with the loader for the same cores."""
+    if machine:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()
+        except OSError:
+            fields = []
+        if fields and fields[0] == "cpu":
+            t = [int(v) for v in fields[1:]]
+            busy = t[0] + t[1] + t[2] + sum(t[5:8])  # user nice system irq softirq steal
+            return busy / os.sysconf("SC_CLK_TCK")
+    return time.process_time()
 
 
 def fit_costs(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -459,10 +476,20 @@ def measure_assembly(
 
 
 PARALLELISM_ROWS = 16384
-"""Rows of the in-cache store :func:`measure_parallelism` reads (the sample tiled)."""
+"""Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
 
 
-def measure_parallelism(
+@dataclass(frozen=True)
+class PipelineFigures:
+    """What :func:`measure_pipeline` measured."""
+
+    parallelism: float
+    """Process CPU time / wall time with the larger fetches (cores kept busy)."""
+    fetch_cpu_s: float
+    """Fixed CPU time per fetch, whatever its size."""
+
+
+def measure_pipeline(
     data: np.ndarray,
     indices: np.ndarray,
     indptr: np.ndarray,
@@ -470,23 +497,29 @@ def measure_parallelism(
     n_vars: int,
     seconds: float = 3.0,
     block_size: int = 64,
-    fetch_factor: int = 16,
-) -> float:
-    """Cores the loader keeps busy when storage is never the bottleneck.
+    fetch_factors: tuple[int, int] = (16, 4),
+) -> PipelineFigures:
+    """The loader's parallelism and fixed per-fetch CPU when storage never waits.
 
     The sample rows are tiled to :data:`PARALLELISM_ROWS` rows, converted by
     ``sclayout convert`` (blosc-lz4) into a temporary layout store (just written, so
     in the page cache), and :class:`loader.BlockDataset` reads it (dense output, batch
-    64, ``fetch_factor`` × ``block_size``-row blocks) for ``seconds``: process CPU time
-    / wall time. Below the core count because parts of the pipeline (assembly, the
-    dense scatter, the Python between them) hold the GIL or wait for each other; the
-    model divides a fetch's CPU time by this figure, not by the core count.
+    64) for ``seconds`` in all, half with each of two fetch factors.
+
+    - parallelism: process CPU / wall time with the first (larger) fetch factor.
+      Below the core count because parts of the pipeline (assembly, the dense
+      scatter, the Python between them) hold the GIL or wait for each other; the
+      model divides a fetch's CPU time by it, not by the core count.
+    - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
+      (submitting it, futures, the shuffle, the Python around every stage) spread
+      over more rows; the two CPU-per-cell figures give it.
     """
     import tempfile
 
     from loader.dataset import BlockDataset
 
     cores = float(os.cpu_count() or 1)
+    runs = []
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         dst = _sample_store(
             data,
@@ -499,21 +532,34 @@ def measure_parallelism(
             rows=PARALLELISM_ROWS,
             block_size=block_size,
         )
-        ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factor, seed=0)
-        epoch = 0
-        t0 = c0 = None
-        deadline = None
-        while deadline is None or time.perf_counter() < deadline:
-            ds.set_epoch(epoch)
-            for i, _ in enumerate(ds):
-                if t0 is None and i == 2:  # after the first fetch (opening, warm-up)
-                    t0, c0 = time.perf_counter(), time.process_time()
-                    deadline = t0 + seconds
-                elif t0 is not None and time.perf_counter() >= deadline:
+        for f in fetch_factors:
+            ds = BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0)
+            runs.append(_run_epochs(ds, seconds / len(fetch_factors)))
+    (wall, cpu, cells), (_, cpu_small, cells_small) = runs
+    rows = [64 * f for f in fetch_factors]
+    per_fetch = (cpu_small / cells_small - cpu / cells) / (1 / rows[1] - 1 / rows[0])
+    return PipelineFigures(
+        parallelism=float(min(max(cpu / wall, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+    )
+
+
+def _run_epochs(ds: Any, seconds: float) -> tuple[float, float, int]:
+    """Wall time, process CPU time and cells of iterating ``ds`` epoch after epoch
+    for ``seconds`` (after its first minibatches: opening, first fetch)."""
+    epoch = cells = 0
+    t0 = c0 = deadline = None
+    while deadline is None or time.perf_counter() < deadline:
+        ds.set_epoch(epoch)
+        for i, batch in enumerate(ds):
+            if t0 is None and i == 2:
+                t0, c0 = time.perf_counter(), time.process_time()
+                deadline = t0 + seconds
+            elif t0 is not None:
+                cells += batch["X"].shape[0]
+                if time.perf_counter() >= deadline:
                     break
-            epoch += 1
-        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    return float(min(max(cpu / wall, 1.0), cores))
+        epoch += 1
+    return time.perf_counter() - t0, time.process_time() - c0, max(cells, 1)
 
 
 def _copy_bandwidth(seconds: float = 0.5) -> float:
@@ -561,6 +607,19 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
 
 
 # ---------------------------------------------------------------- the calibration
+
+
+def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple[float, float]:
+    """Process CPU per request and per byte of reads served by the page cache (the
+    same ranges read again and again)."""
+    samples = []
+    for n, size in ((64, request_bytes), (RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES)):
+        ranges = reader.random_ranges(n, size)
+        reader.read_all(ranges)  # now cached
+        cpu0 = time.process_time()
+        _, it, nbytes = _timed_loop(lambda r=ranges: reader.read_all(r), seconds / 2)
+        samples.append((it * n, nbytes, time.process_time() - cpu0))
+    return fit_costs(samples)
 
 
 def calibrate(
@@ -631,11 +690,12 @@ def calibrate(
         # the median per level (a burst of other I/O on a shared disk then spoils one
         # sample of a level, not the level)
         cpu_samples: list[tuple[float, float, float]] = []
+        machine_wide = _is_url(target) and _is_loopback(target)
 
         def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
             """Requests/s of reading ``make()``'s ranges over and over; records the
             CPU per request and per byte."""
-            cpu0 = _busy_cpu_s()
+            cpu0 = _busy_cpu_s(machine_wide)
             state = {"n": 0}
 
             def step() -> int:
@@ -644,7 +704,7 @@ def calibrate(
                 return reader.read_all(ranges)
 
             dt, _, nbytes = _timed_loop(step, seconds)
-            cpu_samples.append((state["n"], nbytes, _busy_cpu_s() - cpu0))
+            cpu_samples.append((state["n"], nbytes, _busy_cpu_s(machine_wide) - cpu0))
             return state["n"] / dt, nbytes / dt
 
         rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}
@@ -690,6 +750,12 @@ def calibrate(
     finally:
         if evictor is not None:
             evictor.stop()
+    if local is not None:
+        # a local store is read by the loader's own reader, whose CPU from the page
+        # cache on is in the codec figures (step 4): keep only what a cold read adds
+        warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
+        read_cpu_request = max(read_cpu_request - warm_req, 0.0)
+        read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
     # 4. codecs, on the store's own values when we can read them
     sample = _store_sample(target, plan.sample_elems)
     if sample is None:
@@ -713,11 +779,10 @@ def calibrate(
         data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
     )
     copy_bps = _copy_bandwidth(plan.assembly * 0.1)
-    fetch_overhead = _fetch_overhead()
     bar.update()
     # 6. how many cores the loader's pipeline keeps busy when nothing waits on I/O
     bar.set_postfix_str("loader parallelism")
-    parallelism = measure_parallelism(data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline)
+    pipeline = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline)
     bar.update()
     bar.close()
     kind = "http" if _is_url(target) else "local"
@@ -733,10 +798,10 @@ def calibrate(
         gather_s_per_nnz=gather,
         densify_s_per_value=densify,
         copy_Bps=copy_bps,
-        fetch_overhead_s=fetch_overhead,
+        fetch_overhead_s=pipeline.fetch_cpu_s,
         request_cpu_s=read_cpu_request,
         read_cpu_s_per_byte=read_cpu_byte,
-        cores=parallelism,
+        cores=pipeline.parallelism,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "
@@ -746,38 +811,3 @@ def calibrate(
         created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extra={"target": target, "plan": plan.__dict__},
     )
-
-
-def _fetch_overhead(repeats: int = 50) -> float:
-    """CPU time of planning one 16-block fetch with the loader's planner (the fixed
-    per-fetch work besides I/O, decode and assembly)."""
-    from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
-    from loader.plan import plan_fetch
-
-    n_obs, b = 200_000, 32
-    nnz = n_obs * 2000
-    arrays = {
-        "data": ArrayLayout("X/data", (nnz,), "float32", (64_000,), (64_000 * 64,), "blosc-lz4"),
-        "indices": ArrayLayout(
-            "X/indices", (nnz,), "int32", (64_000,), (64_000 * 64,), "blosc-lz4"
-        ),
-        "indptr": ArrayLayout(
-            "X/indptr", (n_obs + 1,), "int64", (8192,), (8192 * 16,), "blosc-lz4"
-        ),
-    }
-    m = Manifest(
-        n_obs=n_obs,
-        n_vars=20_000,
-        block_size=b,
-        order=RowOrder(),
-        matrices={
-            "X": MatrixLayout("csr", (n_obs, 20_000), "float32", nnz, arrays, block_pointer="bp")
-        },
-    )
-    bp = np.minimum(np.arange(m.n_blocks + 1) * b, n_obs) * 2000
-    rng = np.random.default_rng(0)
-    blocks = [rng.choice(m.n_blocks, 32, replace=False) for _ in range(repeats)]
-    t0 = time.process_time()
-    for bl in blocks:
-        plan_fetch(bl, manifest=m, block_pointer=bp)
-    return (time.process_time() - t0) / repeats

@@ -121,14 +121,14 @@ class Profile:
     fetch_overhead_s
         Fixed CPU time per fetch (planning, futures, Python).
     request_cpu_s
-        CPU time per read request (calibrate: machine-wide, so the kernel's and a
-        loopback server's share count).
+        CPU time per read request (calibrate: the reading process's, user +
+        system; machine-wide for a server on this machine, whose share then counts).
     read_cpu_s_per_byte
         CPU time per byte read from storage (kernel copies and page-cache work of a
         cold local read; a loopback server's and the HTTP client's work).
     cores
         Cores the loader keeps busy when it never waits for storage (calibrate
-        measures it: :func:`sclayout.cost.calibrate.measure_parallelism`); a fetch's
+        measures it: :func:`sclayout.cost.calibrate.measure_pipeline`); a fetch's
         CPU time divided by it is the fastest that fetch can go.
     source
         Where the figures come from (machine and command, or a citation).
