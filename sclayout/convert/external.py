@@ -38,7 +38,7 @@ import numpy as np
 from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
-from sclayout.convert.write import write_region
+from sclayout.convert.write import submit_region, write_region
 
 __all__ = [
     "AssembleJob",
@@ -476,7 +476,7 @@ def _assemble_rows(job: AssembleJob) -> int:
     ends = np.cumsum(nnz)
     if starts.size and int(starts[-1] + nnz[-1] - base) != int(ends[-1]):
         raise RuntimeError(f"bucket {job.bucket}: rows not contiguous (a bug)")
-    n = 0
+    n, pending = 0, []
     src = [data, idx]
     for a in range(job.start, job.stop, job.shard):
         b = min(a + job.shard, job.stop)
@@ -484,9 +484,15 @@ def _assemble_rows(job: AssembleJob) -> int:
         r1 = int(np.searchsorted(ends, b - base - 1, side="right")) + 1
         first = int(ends[r0] - nnz[r0]) + base
         size = int(ends[r1 - 1]) + base - first
+        for p in pending:  # the shard buffers are about to be reused
+            p.result()
         outs = [scratch(f"shard-{i}", size, x.dtype) for i, x in enumerate(src)]
         gather_rows(ptr, rows[r0:r1], *src, *outs)
-        for name, buf in zip(("data", "indices"), outs, strict=True):
-            write_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])
-            n += b - a
+        pending = [
+            submit_region(job.dst, f"{job.dst_path}/{name}", a, buf[a - first : b - first])
+            for name, buf in zip(("data", "indices"), outs, strict=True)
+        ]
+        n += 2 * (b - a)
+    for p in pending:
+        p.result()
     return n
