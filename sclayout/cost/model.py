@@ -29,7 +29,9 @@ assembly, so one pipeline takes ``max(t_io + t_decode_wall, t_assembly +
 fetch overhead)`` per fetch; ``W`` worker processes run ``W`` pipelines that share
 the CPU (all of a fetch's CPU time / the profile's ``cores``, the parallelism the
 loader reaches when it never waits: calibrate measures it) and the storage (all
-their requests in flight together). cells/s = rows per fetch × fetches/s.
+their requests in flight together). With workers, rows cross to the main process
+as CSR (two copies) and the main process densifies them: one thread, a bound of its
+own (``"main process"``). cells/s = rows per fetch × fetches/s.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks + assembled output, plus the backend's chunk cache, plus the minibatches
@@ -339,17 +341,26 @@ def predict_from_stats(
     # ---- CPU
     t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
     dec_threads = min(DECODE_THREADS[backend], cores)
-    t_assembly = stats.nnz * profile.gather_s_per_nnz
-    out_bytes = _output_bytes(stats.rows, stats.nnz, n_vars, options.output)
-    if options.output == "dense":
-        t_assembly += stats.rows * n_vars * profile.densify_s_per_value
+    t_gather = stats.nnz * profile.gather_s_per_nnz
+    t_dense = (
+        stats.rows * n_vars * profile.densify_s_per_value if options.output == "dense" else 0.0
+    )
+    t_assembly = t_gather + t_dense
     t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
     t_overhead = profile.fetch_overhead_s + t_read_cpu
-    t_ipc = 2 * out_bytes / profile.copy_Bps if settings.num_workers > 0 else 0.0
-    cpu_total = t_decode + t_assembly + t_overhead + t_ipc
     # ---- one pipeline
     front = t_io + t_decode / dec_threads
-    back = t_assembly + profile.fetch_overhead_s + t_ipc
+    if settings.num_workers > 0:
+        # workers hand their rows over as CSR through shared memory (a copy in, a
+        # copy out: ``loader._torch``); the main process cuts and densifies them
+        t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
+        back = t_gather + profile.fetch_overhead_s + t_ipc / 2
+        main = t_dense + t_ipc / 2
+    else:
+        t_ipc = 0.0
+        back = t_assembly + profile.fetch_overhead_s
+        main = 0.0
+    cpu_total = t_decode + t_assembly + t_overhead + t_ipc
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     # ---- shared resources: the storage serves every pipeline's requests at once
     # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU
@@ -358,6 +369,7 @@ def predict_from_stats(
         ("io" if front >= back else "assembly"): pipe / workers,
         "cpu": cpu_total / cores,
         "storage": shared_io,
+        "main process": main,
     }
     bound = max(limits, key=lambda k: limits[k])
     if bound == "io" and t_io <= profile.latency_s * 1.01:
