@@ -57,17 +57,22 @@ class SearchSpace:
     """The grid ``recommend`` explores."""
 
     block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)
-    fetch_factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128)
+    fetch_factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    """Up to 64 minibatches per fetch: the range the model was checked on. Beyond it
+    the loader slows down in a way the model does not capture (on the dev VM,
+    fetches of 8,180 rows — fetch factor 128, ~130 MB decoded — measured 62k cells/s
+    against 85k predicted, while 4,084-row fetches of the same store measured 87k
+    against 83k)."""
     orders: tuple[str, ...] = ("original", "shuffled", "stratified")
     codecs: tuple[str, ...] = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
     chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     """CSR inner chunk in units of a typical block's nnz (1.0: the converter's default)."""
     workers: tuple[int, ...] = (0,)
-    """DataLoader workers. Only in-process loading by default: on the 2-core machine
-    benchmarks/costmodel.py measured 2 workers at 2–6k cells/s where in-process
-    loading gave 6–27k, and the model does not yet account for what makes them slow
-    (inter-process transfer of dense minibatches, worker start-up); ask for workers
-    with ``recommend --workers 0,2``."""
+    """DataLoader workers. In-process loading by default: workers add the copies of
+    their rows to the main process and leave it the densify, which on the 2-core dev
+    VM made them a little slower than in-process loading (66k against 78k cells/s,
+    shuffled store, block 128, fetch factor 16); ask for them with
+    ``recommend --workers 0,2`` (the model prices both)."""
 
 
 @dataclass(frozen=True)
