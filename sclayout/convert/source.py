@@ -50,9 +50,9 @@ DIRECT_IO: bool | None = None
 is not mostly in the page cache (its first :data:`CACHED_SAMPLE_BYTES` sampled),
 ``True`` always (where the file system allows it), ``False`` never. A conversion reads
 its source once, so a cold file gains nothing from the page cache, and filling the
-cache cost this VM much system CPU (cold reads of the 3.2 GB benchmark source:
-0.3-5.5 s sys buffered, 0.1-0.3 s with ``O_DIRECT``;
-benchmarks/results/convert_profile.md, "O_DIRECT")."""
+cache can cost this VM much system CPU (``benchmarks/convert_io.py``: a cold buffered
+read of the 3.2 GB benchmark source took 4.9-5.5 s sys one request at a time,
+``O_DIRECT`` 0.1-0.3 s; end to end, benchmarks/results/convert_profile.md, "O_DIRECT")."""
 
 CACHED_SAMPLE_BYTES = 256 * 2**20
 """Bytes at the start of a source whose page-cache residency decides ``O_DIRECT``."""
