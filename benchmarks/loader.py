@@ -15,8 +15,9 @@ repository by :func:`sclayout.datasets.cached_tahoe_like`), batch 64, it measure
    workers on the best store settings.
 
 Reader loop (2, 3), single process, as ``BlockDataset`` reads: blocks permuted with a
-seed, cut into fetches of ``fetch_factor × 64`` rows, the next fetch submitted (all
-its reads in flight) before the current one is consumed, rows permuted within the
+seed, cut into fetches of ``fetch_factor × 64`` rows, the next
+``loader.dataset.DEFAULT_PREFETCH`` fetches submitted (all their reads in flight)
+before the current one is consumed, rows permuted within the
 fetch (:meth:`loader.store.Fetched.permute`), minibatches of 64 cut from it.
 
 Regimes: ``cold`` evicts the files read from the page cache before each run (the
@@ -177,7 +178,11 @@ def _true_random(src: Path, *, seed: int) -> Iterator[np.ndarray]:
 def _reader_loop(
     path: Path, *, block_size: int, fetch_factor: int, output: str, seed: int
 ) -> Iterator[np.ndarray]:
-    """Block sampling with one fetch in flight ahead, as BlockDataset reads."""
+    """Block sampling with ``DEFAULT_PREFETCH`` fetches in flight ahead, as BlockDataset reads."""
+    from collections import deque
+
+    from loader.dataset import DEFAULT_PREFETCH
+
     reader = open_layout(path, block_size=block_size)
     rng = np.random.default_rng(np.random.SeedSequence(seed))
     order = rng.permutation(reader.n_blocks)
@@ -189,11 +194,13 @@ def _reader_loop(
         # the within-fetch shuffle is applied by the reader's assembly thread
         return reader.submit(blocks, order=rng.permutation(int(lengths[blocks].sum())))
 
-    pending = submit(fetches[0])
-    for i in range(len(fetches)):
-        fetched = pending.result()
-        if i + 1 < len(fetches):
-            pending = submit(fetches[i + 1])
+    in_flight = deque(submit(f) for f in fetches[: max(1, DEFAULT_PREFETCH)])
+    following = len(in_flight)
+    while in_flight:
+        fetched = in_flight.popleft().result()
+        if following < len(fetches):
+            in_flight.append(submit(fetches[following]))
+            following += 1
         for a in range(0, fetched.n_rows, BATCH):
             batch = fetched.take(np.arange(a, min(a + BATCH, fetched.n_rows)), output=output)
             yield batch["index"]

@@ -26,7 +26,7 @@ def run_plan(
     skip: int = 0,
     output: str = "dense",
     obs: Sequence[str] = (),
-    prefetch: int = 1,
+    prefetch: int = 2,
 ) -> Iterator[dict[str, Any]]:
     """Minibatches of ``plan`` from number ``skip`` on, as the reader's ``take`` gives them.
 

@@ -54,6 +54,9 @@ use ``max(1, DECODE_THREADS // num_workers)`` each."""
 RUN_BYTES = 1 << 20
 """Largest compressed run read and decoded as one task: a 1,024-row fetch of the
 benchmark store (~2.2 MB per array) splits into a few tasks per thread."""
+ANNOUNCE_READS = True
+"""Tell the kernel about a fetch's runs when it is submitted (``posix_fadvise``
+``WILLNEED``), so their disk reads start before a decode thread asks for them."""
 SMALL_ARRAY_BYTES = 32 * 2**20
 """Arrays up to this many decoded bytes are read whole once and kept in memory."""
 
@@ -370,7 +373,7 @@ class DirectArray:
                 shard, start, end, chunks = t
                 t = (shard, start, end - start, chunks)
                 fd = self._fd(shard)
-                if fd is not None and _FADV_WILLNEED is not None:
+                if fd is not None and _FADV_WILLNEED is not None and ANNOUNCE_READS:
                     os.posix_fadvise(fd, start, end - start, _FADV_WILLNEED)
             out.append(t)
         return out

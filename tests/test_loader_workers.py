@@ -1,0 +1,103 @@
+"""How BlockDataLoader workers hand minibatches to the main process: groups packed in
+one shared buffer (values, ids, obs and the delivery order unchanged), a ring of
+buffers reused only once the main process released them, and real stores read by
+spawned workers through the grouped path (dense and CSR stores, both outputs)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import scipy.sparse as sp
+import torch
+from _dataset_util import N_OBS, as_numpy, build_stores, check_epoch, indices
+
+from loader import _torch as T
+from loader import sampler as S
+from loader.dataset import WORKER_GROUP_BATCHES, BlockDataLoader, BlockDataset
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    return build_stores(tmp_path_factory)
+
+
+def _batches(dense: bool, sizes=(3, 5, 1)) -> list[dict]:
+    rng = np.random.default_rng(0)
+    out, start = [], 0
+    for n in sizes:
+        X = sp.random(n, 11, density=0.4, format="csr", dtype=np.float32, random_state=rng)
+        out.append(
+            {
+                "X": X.toarray() if dense else X,
+                "index": np.arange(start, start + n, dtype=np.int64),
+                "obs": {"c": np.arange(n, dtype=np.int64) * 7},
+            }
+        )
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["csr-store", "dense-store"])
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_pack_unpack_round_trip(dense, output):
+    batches = _batches(dense)
+    item = T.pack_group(batches, worker=1, obs=("c",), seq=3)
+    assert item["seq"] == 3 and item["buf"].dtype == torch.uint8
+    calls = []
+    makers = T.unpack_group(item, output=output, done=lambda: calls.append(1))
+    assert len(makers) == len(batches)
+    for i, (make, want) in enumerate(zip(makers, batches, strict=True)):
+        got = make()
+        assert calls == ([1] if i == len(batches) - 1 else [])  # released after the last
+        X = want["X"] if dense else want["X"].toarray()
+        assert got["X"].dtype == torch.float32
+        assert np.array_equal(as_numpy(got["X"]), X)
+        assert np.array_equal(got["index"].numpy(), want["index"])
+        assert np.array_equal(got["obs"]["c"].numpy(), want["obs"]["c"])
+
+
+def test_group_buffers_reuse_only_released_slots(monkeypatch):
+    monkeypatch.setattr(T, "GROUP_WAIT_S", 0.01)
+    released = torch.zeros(2, dtype=torch.int64)
+    ring = T.GroupBuffers(released, worker=1)
+    first = [ring.get(seq, 100) for seq in range(T.GROUP_SLOTS)]
+    assert len({id(b) for b in first}) == T.GROUP_SLOTS
+    released[1] = 1  # the main process is done with group 0
+    assert ring.get(T.GROUP_SLOTS, 100) is first[0]  # its slot is reused
+    # group 1 not released: after the wait the worker takes a fresh buffer
+    fresh = ring.get(T.GROUP_SLOTS + 1, 100)
+    assert fresh is not first[1]
+    released[1] = T.GROUP_SLOTS + 2
+    bigger = ring.get(2 * T.GROUP_SLOTS, 10_000)  # slot 0 again, too small: replaced
+    assert bigger is not first[0] and bigger.numel() >= 10_000
+
+
+def _expected(ds: BlockDataset, num_workers: int) -> list[np.ndarray]:
+    streams = [indices(ds._batches(w, num_workers)) for w in range(num_workers)]
+    return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("source", "output"),
+    [("shuffled", "dense"), ("dense", "dense"), ("stratified", "csr")],
+)
+def test_spawned_workers_many_groups(stores, source, output):
+    """Enough minibatches that each worker cycles through its whole buffer ring:
+    values equal the source, each row once, the documented round-robin order, and a
+    second epoch from the persistent workers as well."""
+    truth = stores["truth"][source]["X"]
+    ds = BlockDataset(stores[source], batch_size=1, fetch_factor=8, output=output)
+    n_groups = -(-len(ds) // 2 // WORKER_GROUP_BATCHES)
+    assert n_groups > T.GROUP_SLOTS  # every slot of the ring is reused
+    dl = BlockDataLoader(ds, num_workers=2, persistent_workers=True)
+    for epoch in (0, 1):
+        ds.set_epoch(epoch)
+        batches = list(dl)
+        check_epoch(batches, n_obs=N_OBS, batch_size=1)
+        for b in batches:
+            assert np.array_equal(as_numpy(b["X"]), truth[b["index"].numpy()])
+        got = indices(batches)
+        want = _expected(ds, 2)
+        assert len(got) == len(want)
+        assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
