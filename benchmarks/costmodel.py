@@ -218,6 +218,9 @@ def run_profile(
         for store, b, f, w in CONFIGS:
             path = stores[store]
             reader = open_layout(loc(path), block_size=b)
+            if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
+                print(f"[{kind}] {store} b{b} f{f}: fetch larger than the data, skipped")
+                continue
             settings = LoaderSettings(
                 batch_size=BATCH, fetch_factor=f, num_workers=w, backend=reader.backend
             )

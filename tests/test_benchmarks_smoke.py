@@ -45,3 +45,34 @@ def test_convert_benchmark_quick(tmp_path):
     md = (tmp_path / "results" / "convert.md").read_text()
     assert "| stratified |" in md and "benchmarks/convert.py --quick" in md
     assert not (tmp_path / "stores" / "original").exists()  # stores removed unless --keep
+
+
+@pytest.mark.slow  # a small dataset, seven stores, a quick calibration: ~40 s
+def test_costmodel_benchmark_smoke(tmp_path):
+    import os
+
+    env = {**os.environ, "SCLAYOUT_BENCH_DIR": str(tmp_path / "cache")}
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "costmodel.py"),
+            "--smoke",
+            "--profiles",
+            "local",
+            "--no-pick",
+            "--out",
+            str(tmp_path / "results"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads((tmp_path / "results" / "costmodel-smoke.json").read_text())
+    assert len(doc["rows"]) >= 15  # the configurations whose fetch fits 4,000 cells
+    for r in doc["rows"]:
+        assert r["predicted"] > 0 and r["measured"] > 0
+        assert r["rel_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
+    assert doc["summary"]["local"]["n"] == len(doc["rows"])
+    assert (tmp_path / "results" / "costmodel-profile-local.json").exists()
