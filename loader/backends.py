@@ -10,10 +10,16 @@ with 8 in flight against ~150–210 µs one at a time).
 Registered backends (:func:`register_backend`, :func:`get_backend`):
 
 ``tensorstore`` (default)
-    tensorstore's ``zarr3`` driver. Each key is one read of a ``ts.concat`` of the
-    ranges, so tensorstore fetches every inner chunk concurrently, decodes in its
-    C++ threads (off the GIL) and copies the elements straight into one contiguous
-    array. Local paths and ``http(s)://`` URLs.
+    Local arrays sharded with ``bytes`` (+ ``blosc``) inner chunks (what ``sclayout
+    convert`` writes with the blosc codecs or none) are read by :mod:`loader._shards`:
+    one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
+    kernel at submit, decoded by blosc in ``loader._shards.DECODE_THREADS`` (2)
+    threads per process straight into the output array (``direct=False`` turns this
+    off). Everything else (HTTP, other codecs) goes through tensorstore's ``zarr3``
+    driver: each key is one read of a ``ts.concat`` of the ranges, so tensorstore
+    fetches every inner chunk concurrently (``file_io_concurrency`` 64), decodes in
+    its C++ threads (``data_copy_concurrency`` 2, off the GIL) and copies the
+    elements into one contiguous array.
 ``zarr``
     zarr-python's async arrays: every range is one ``getitem`` coroutine, all
     gathered on zarr's event-loop thread; pieces are concatenated in numpy.

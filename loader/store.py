@@ -9,9 +9,12 @@
 
 Memory: a :class:`Fetched` holds one fetch decoded (``rows × nnz/row × (4 + 4)``
 bytes for float32 data and int32 indices, plus 8 bytes per row); a
-:class:`PendingFetch` allocates the same once its reads land. With the dataset's
-one-fetch read-ahead, peak memory is about **2 fetches + one minibatch + the
-tensorstore chunk cache** (64 MiB, :class:`loader.backends.TensorstoreSettings`).
+:class:`PendingFetch` allocates the same once its reads land (and the within-fetch shuffle
+a second copy while it runs). With the dataset's read-ahead of two fetches, peak
+memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
+:class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
+``indptr`` and ``source_index`` arrays when they are at most 32 MiB
+(:data:`loader._shards.SMALL_ARRAY_BYTES`: 1.6 MB each for 200,000 rows).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
