@@ -1,0 +1,128 @@
+"""Refresh the preset profiles shipped in ``sclayout/cost/presets`` from calibrations.
+
+The three presets measured on the project's dev VM come from ``sclayout calibrate``:
+
+- ``local-disk-here``: the local profile ``benchmarks/costmodel.py`` calibrated
+  (``benchmarks/results/costmodel-profile-local.json``);
+- ``http-loopback-2ms``: its HTTP profile (``costmodel-profile-http.json``);
+- ``http-loopback-20ms``: calibrated here, against ``python -m sclayout.httpserver``
+  adding 20 ms per request, serving the same store.
+
+The cited presets (``local-nvme``, ``network-disk``, ``http-object-store``) keep
+their storage figures (taken from data sheets and vendor guides, cited in their
+``source``) and take their CPU figures (codecs, assembly, per-fetch and per-read
+CPU, parallelism) from ``local-disk-here``: the CPU is this machine's wherever the
+data lives.
+
+Usage::
+
+    python benchmarks/costmodel.py     # first: calibrates and validates
+    python benchmarks/presets.py       # then: rewrites the presets
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+# Run as a script, this folder is sys.path[0]; benchmarks/loader.py would then shadow
+# the `loader` package.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+PRESETS = ROOT.parent / "sclayout" / "cost" / "presets"
+RESULTS = ROOT / "results"
+STORE = "full_orig_b16_lz4.zarr"
+CPU_FIELDS = (
+    "codecs",
+    "gather_s_per_nnz",
+    "densify_s_per_value",
+    "copy_Bps",
+    "fetch_overhead_s",
+    "request_cpu_s",
+    "read_cpu_s_per_byte",
+    "cores",
+)
+CITED = ("local-nvme", "network-disk", "http-object-store")
+MEASURED_HERE = (
+    "measured on this project's 2-core x86_64 VM (virtio disk) by `python "
+    "benchmarks/costmodel.py` on {date}, load average {load} during the run"
+)
+
+
+def _calibrate_20ms(store_root: Path) -> object:
+    from sclayout.cost.calibrate import calibrate
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sclayout.httpserver", str(store_root), "--delay", "0.02"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = proc.stdout.readline().strip() + STORE
+        print(f"calibrating {url}", flush=True)
+        return calibrate(url, name="http-loopback-20ms", progress=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def main(argv: list[str] | None = None) -> None:
+    import datetime as dt
+    import os
+
+    from sclayout.cost.profile import load_profile
+    from sclayout.datasets import bench_dir
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--local", type=Path, default=RESULTS / "costmodel-profile-local.json")
+    ap.add_argument("--http", type=Path, default=RESULTS / "costmodel-profile-http.json")
+    ap.add_argument("--skip-20ms", action="store_true", help="keep http-loopback-20ms as it is")
+    args = ap.parse_args(argv)
+    date = dt.date.today().isoformat()
+    load = f"{os.getloadavg()[0]:.1f}"
+    here = MEASURED_HERE.format(date=date, load=load)
+    local = load_profile(args.local)
+    http = load_profile(args.http)
+    out = {
+        "local-disk-here": local.with_(
+            name="local-disk-here",
+            source=f"{here}: its local calibration, {local.source}",
+        ),
+        "http-loopback-2ms": http.with_(
+            name="http-loopback-2ms",
+            source=(
+                f"{here}: its HTTP calibration against `python -m sclayout.httpserver "
+                f"DIR --delay 0.002` (2 ms added per request), {http.source}"
+            ),
+        ),
+    }
+    if not args.skip_20ms:
+        p20 = _calibrate_20ms(bench_dir() / "costmodel")
+        out["http-loopback-20ms"] = p20.with_(
+            source=(
+                f"measured on this project's 2-core x86_64 VM on {date} by `python "
+                "benchmarks/presets.py`: `sclayout calibrate` against `python -m "
+                "sclayout.httpserver DIR --delay 0.02` (20 ms added per request), "
+                f"{p20.source}"
+            )
+        )
+    cpu = {f: getattr(local, f) for f in CPU_FIELDS}
+    for name in CITED:
+        old = load_profile(PRESETS / f"{name}.json")
+        storage = old.source.split(" CPU figures")[0]
+        out[name] = old.with_(
+            **cpu,
+            source=(
+                f"{storage} CPU figures measured on this project's 2-core VM "
+                f"(copied from local-disk-here, {date})."
+            ),
+        )
+    for name, p in sorted(out.items()):
+        p.save(PRESETS / f"{name}.json")
+        print(f"wrote {PRESETS / f'{name}.json'}")
+
+
+if __name__ == "__main__":
+    main()
