@@ -64,7 +64,8 @@ def calibrate_command(
 def _profile_summary(p: Any) -> str:
     curve = ", ".join(f"{n}: {r:,.0f}" for n, r in p.concurrency)
     codecs = ", ".join(
-        f"{k} x{v.ratio:.2f} {v.decode_Bps / 1e6:,.0f} MB/s" for k, v in sorted(p.codecs.items())
+        f"{k} x{v.ratio:.2f} {v.decode_Bps / 1e6:,.0f} MB/s + {v.chunk_s * 1e6:.0f} µs/chunk"
+        for k, v in sorted(p.codecs.items())
     )
     return (
         f"profile {p.name} ({p.kind})\n"
@@ -72,7 +73,10 @@ def _profile_summary(p: Any) -> str:
         f"  requests/s of {p.request_bytes // 1024} KiB by reads in flight: {curve}\n"
         f"  decode (ratio, per core): {codecs}\n"
         f"  assembly {p.gather_s_per_nnz * 1e9:.1f} ns/nnz gather + "
-        f"{p.densify_s_per_value * 1e9:.2f} ns/value densify"
+        f"{p.densify_s_per_value * 1e9:.2f} ns/value densify\n"
+        f"  reading CPU {p.request_cpu_s * 1e6:.0f} µs/request + "
+        f"{p.read_cpu_s_per_byte * 1e9:.2f} ns/byte; per fetch {p.fetch_overhead_s * 1e3:.2f} ms; "
+        f"the loader keeps {p.cores:.2f} cores busy"
     )
 
 
