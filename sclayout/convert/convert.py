@@ -591,6 +591,7 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
     ]
     width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
     ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)
+    shutil.rmtree(workdir, ignore_errors=True)  # route files of every bucket: free the disk now
 
 
 def _parallel(ctx: _Ctx, task_bytes: int) -> int:
