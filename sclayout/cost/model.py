@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.dataset import DEFAULT_PREFETCH
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
 from loader.plan import plan_fetch
@@ -69,8 +70,10 @@ BACKEND_IN_FLIGHT = {"tensorstore": 64, "zarr": 64, "h5py": 1}
 limits set by ``loader.backends.TensorstoreSettings`` (64); zarr-python gathers every
 range of a fetch at once (its own default limit is 64); HDF5 reads one at a time."""
 DECODE_THREADS = {"tensorstore": 2, "zarr": 1, "h5py": 1}
-"""Threads decoding in parallel: tensorstore's ``data_copy_concurrency`` (2 here, see
-``loader.backends``); zarr-python and h5py decode on one thread."""
+"""Threads decoding in parallel per process: the tensorstore backend's direct shard
+reader (``loader._shards.DECODE_THREADS``) and tensorstore's ``data_copy_concurrency``
+both use 2; a DataLoader worker uses ``max(1, 2 // workers)``; zarr-python and h5py
+decode on one thread."""
 CACHE_BYTES = 64 * 2**20
 """tensorstore chunk cache per process (``loader.backends.TensorstoreSettings``)."""
 PREFETCH_BATCHES = 2
@@ -104,7 +107,7 @@ class ModelOptions:
         Passed to the planner.
     """
 
-    read_ahead: int = 1
+    read_ahead: int = DEFAULT_PREFETCH
     output: str = "dense"
     sample_fetches: int = SAMPLE_FETCHES
     seed: int = 0
@@ -340,7 +343,9 @@ def predict_from_stats(
     t_io = io_time(c)
     # ---- CPU
     t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
-    dec_threads = min(DECODE_THREADS[backend], cores)
+    # a DataLoader worker decodes with its share of the threads (loader._torch)
+    per_process = DECODE_THREADS[backend] // workers if settings.num_workers > 0 else None
+    dec_threads = min(max(1, per_process or DECODE_THREADS[backend]), cores)
     t_gather = stats.nnz * profile.gather_s_per_nnz
     t_dense = (
         stats.rows * n_vars * profile.densify_s_per_value if options.output == "dense" else 0.0
