@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from loader.errors import SpecError
 from loader.spec import LoaderSettings, StoreSpec
 from loader.store import open_layout
 from sclayout.cost.model import (
@@ -16,6 +17,7 @@ from sclayout.cost.model import (
     sample_fetch_stats,
     virtual_layout,
 )
+from sclayout.cost.profile import CodecSpeed
 from tests._cost_util import flat_profile, shared_store
 
 STATS = FetchStats(
@@ -195,8 +197,6 @@ def test_the_cpu_of_reading_counts_against_the_cores():
 
 
 def test_every_inner_chunk_costs_its_decode_overhead():
-    from sclayout.cost.profile import CodecSpeed
-
     # 10 chunks x 0.4 ms on top of 8 ms of bytes: 12 ms of decode, 6 ms on 2 threads
     slow_chunks = flat_profile(codecs={"none": CodecSpeed(2.0, 1e9, chunk_s=4e-4)})
     p = predict_from_stats(
@@ -208,3 +208,60 @@ def test_every_inner_chunk_costs_its_decode_overhead():
     )
     assert p.t_decode == pytest.approx(0.012)
     assert p.fetch_s == pytest.approx(0.040 + 0.006)
+
+
+def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads():
+    # the direct shard reader's decode threads issue blocking reads: 2 in flight, so
+    # 200 requests at 100/s per read in flight take 1 s; tensorstore (gzip) keeps 64
+    # in flight and is bytes-bound; over HTTP every codec goes through tensorstore
+    curve = ((1, 100.0), (2, 200.0), (64, 6400.0))
+    many = FetchStats(**{**STATS.__dict__, "requests": 200})
+    codecs = {"blosc-lz4": CodecSpeed(2.0, 1e9), "gzip": CodecSpeed(2.0, 1e9)}
+
+    def t_io(codec: str, kind: str) -> float:
+        return predict_from_stats(
+            many,
+            n_vars=1000,
+            codec=codec,
+            settings=LoaderSettings(batch_size=100, fetch_factor=10),
+            profile=flat_profile(kind=kind, concurrency=curve, codecs=codecs),
+        ).t_io
+
+    assert t_io("blosc-lz4", "local") == pytest.approx(1.0)
+    assert t_io("gzip", "local") == pytest.approx(0.040)  # 4 MB at 100 MB/s > 200/6400 s
+    assert t_io("blosc-lz4", "http") == pytest.approx(0.040)
+
+
+def test_a_loopback_servers_cpu_runs_beside_the_loader():
+    # 50 ms of the fetch's 70 ms of CPU is reading, measured machine-wide (a server on
+    # this machine): the loader's own 20 ms bound at 1 core, all 70 ms on 2 cores
+    busy = flat_profile(
+        cores=1.0,
+        cpu_count=2,
+        request_cpu_s=1e-3,
+        read_cpu_s_per_byte=1e-8,
+        read_cpu_scope="machine",
+        bandwidth_Bps=1e12,
+        concurrency=((1, 1e9),),
+    )
+    p = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=busy,
+    )
+    assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.035)
+    local = predict_from_stats(
+        STATS,
+        n_vars=1000,
+        codec="none",
+        settings=LoaderSettings(batch_size=100, fetch_factor=10),
+        profile=busy.with_(read_cpu_scope="process"),
+    )
+    assert local.fetch_s == pytest.approx(0.070)  # all of it in the loader's process
+
+
+def test_unknown_read_cpu_scope_is_refused():
+    with pytest.raises(SpecError, match="read_cpu_scope='disk': unknown; known: process, machine"):
+        flat_profile(read_cpu_scope="disk")

@@ -801,7 +801,9 @@ def calibrate(
         fetch_overhead_s=pipeline.fetch_cpu_s,
         request_cpu_s=read_cpu_request,
         read_cpu_s_per_byte=read_cpu_byte,
+        read_cpu_scope="machine" if machine_wide else "process",
         cores=pipeline.parallelism,
+        cpu_count=os.cpu_count() or 1,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "

@@ -333,7 +333,7 @@ def predict_from_stats(
     R = stats.requests
     speed = profile.codec(codec)
     compressed = stats.bytes_read / speed.ratio
-    c = max(1.0, min(R, BACKEND_IN_FLIGHT[backend]))
+    c = max(1.0, min(R, _reads_in_flight(backend, codec, profile)))
 
     # ---- storage
     def io_time(in_flight: float) -> float:
@@ -372,7 +372,7 @@ def predict_from_stats(
     shared_io = io_time(workers * c)
     limits = {
         ("io" if front >= back else "assembly"): pipe / workers,
-        "cpu": cpu_total / cores,
+        "cpu": _cpu_limit(cpu_total, t_read_cpu, profile),
         "storage": shared_io,
         "main process": main,
     }
@@ -406,6 +406,35 @@ def predict_from_stats(
         peak_memory=int(peak),
         workers=workers,
     )
+
+
+def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile) -> float:
+    """Shortest time the CPU work of a fetch can take.
+
+    The loader's own work runs at the parallelism it reaches (``profile.cores``). When
+    the reading CPU was measured machine-wide (``read_cpu_scope="machine"``: a server
+    on this machine), that part runs in another process, beside the loader rather than
+    inside its pipeline: the loader's share bounds on its own, and everything together
+    on all of the machine's cores."""
+    if profile.read_cpu_scope != "machine":
+        return cpu_total / profile.cores
+    all_cores = max(profile.cpu_count, profile.cores)
+    return max((cpu_total - t_read_cpu) / profile.cores, cpu_total / all_cores)
+
+
+def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
+    """Reads one process keeps in flight for a fetch.
+
+    The tensorstore backend reads local blosc and uncompressed stores with its direct
+    shard reader (``loader._shards``): each decode thread reads its run of chunks with a
+    blocking ``preadv`` and then decodes it, so about as many reads are in flight as
+    there are decode threads (the kernel's readahead on the fetch's ``WILLNEED`` hints
+    comes on top, and the model leaves it out). Otherwise the backend's own limit.
+    """
+    direct = codec == "none" or codec.startswith("blosc")
+    if backend == "tensorstore" and profile.kind == "local" and direct:
+        return DECODE_THREADS["tensorstore"]
+    return BACKEND_IN_FLIGHT[backend]
 
 
 def _output_bytes(rows: float, nnz: float, n_vars: int, output: str) -> float:

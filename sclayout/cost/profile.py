@@ -13,7 +13,7 @@ Profile format version 1 (JSON)::
      "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ..., "chunk_s": ...}, ...},
      "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
      "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
-     "cores": ...,
+     "read_cpu_scope": "process"|"machine", "cores": ..., "cpu_count": ...,
      "source": "where the figures come from", "created": ISO-8601}
 """
 
@@ -126,10 +126,16 @@ class Profile:
     read_cpu_s_per_byte
         CPU time per byte read from storage (kernel copies and page-cache work of a
         cold local read; a loopback server's and the HTTP client's work).
+    read_cpu_scope
+        ``"process"``: the reading CPU is the loader process's own (a local disk);
+        ``"machine"``: measured machine-wide, mostly another process's (a server on
+        this machine), which runs beside the loader.
     cores
         Cores the loader keeps busy when it never waits for storage (calibrate
         measures it: :func:`sclayout.cost.calibrate.measure_pipeline`); a fetch's
         CPU time divided by it is the fastest that fetch can go.
+    cpu_count
+        Cores of the machine (0: unknown, taken as ``cores``).
     source
         Where the figures come from (machine and command, or a citation).
     """
@@ -147,7 +153,9 @@ class Profile:
     fetch_overhead_s: float = 0.0
     request_cpu_s: float = 0.0
     read_cpu_s_per_byte: float = 0.0
+    read_cpu_scope: str = "process"
     cores: float = 1.0
+    cpu_count: float = 0.0
     source: str = ""
     created: str = ""
     format: str = PROFILE_FORMAT
@@ -184,6 +192,13 @@ class Profile:
                 for k, v in self.codecs.items()
             },
         )
+        if self.read_cpu_scope not in ("process", "machine"):
+            raise SpecError(
+                f"profile read_cpu_scope={self.read_cpu_scope!r}: unknown; known: process, machine"
+            )
+        if not (isinstance(self.cpu_count, int | float) and self.cpu_count >= 0):
+            raise SpecError(f"profile cpu_count={self.cpu_count!r}: must be a number >= 0")
+        object.__setattr__(self, "cpu_count", float(self.cpu_count))
         if not (isinstance(self.cores, int | float) and self.cores >= 0.5):
             raise SpecError(f"profile cores={self.cores!r}: must be a number >= 0.5")
         object.__setattr__(self, "cores", float(self.cores))
@@ -254,7 +269,9 @@ class Profile:
             "fetch_overhead_s": self.fetch_overhead_s,
             "request_cpu_s": self.request_cpu_s,
             "read_cpu_s_per_byte": self.read_cpu_s_per_byte,
+            "read_cpu_scope": self.read_cpu_scope,
             "cores": self.cores,
+            "cpu_count": self.cpu_count,
             "source": self.source,
             "created": self.created,
             "extra": dict(self.extra),
