@@ -77,3 +77,21 @@ def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     # a fetch costs at least the Python of submitting and splitting it, and less than
     # a second on any machine this runs on
     assert 0.0 < got.fetch_cpu_s < 1.0
+
+
+def test_calibrate_cpu_from_measures_the_storage_only(tmp_path):
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from tests._cost_util import flat_profile, make_source, make_store
+
+    store = make_store(make_source(tmp_path / "a.h5ad"), tmp_path / "a.zarr", block_size=16)
+    cpu = flat_profile(cores=1.5, cpu_count=2)
+    tiny = CalibrationPlan(latency=0.05, per_in_flight=0.02, bandwidth=0.05)
+    p = calibrate(store, plan=tiny, cpu_from=cpu)
+    # the CPU figures are the given profile's, untouched
+    for f in ("codecs", "gather_s_per_nnz", "densify_s_per_value", "fetch_overhead_s", "cores"):
+        assert getattr(p, f) == getattr(cpu, f)
+    # the storage ones are measured on the target
+    assert p.kind == "local" and p.read_cpu_scope == "process"
+    assert p.latency_s != cpu.latency_s and p.latency_s > 0
+    assert [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
+    assert "CPU figures from profile 'flat'" in p.source

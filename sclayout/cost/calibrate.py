@@ -632,6 +632,7 @@ def calibrate(
     evict: bool = True,
     seed: int = 0,
     progress: bool = False,
+    cpu_from: Profile | None = None,
 ) -> Profile:
     """Measure a storage profile of ``target`` (a local directory or an http(s) URL
     of a layout store) and of this CPU.
@@ -653,6 +654,10 @@ def calibrate(
         during the I/O measurements (cold cache).
     progress
         Show a progress bar.
+    cpu_from
+        Measure the storage only (steps 1–3) and take the CPU figures (codecs,
+        assembly, the loader's parallelism and per-fetch CPU) from this profile: the
+        storage drifts on a shared machine, the CPU figures much less.
     """
     from tqdm.auto import tqdm
 
@@ -663,9 +668,8 @@ def calibrate(
         "latency",
         *[f"{n} in flight" for n in IN_FLIGHT],
         "bandwidth",
-        *[f"decode {c}" for c in codecs],
-        "assembly",
-        "loader parallelism",
+        *([] if cpu_from else [f"decode {c}" for c in codecs]),
+        *([] if cpu_from else ["assembly", "loader parallelism"]),
     ]
     bar = tqdm(total=len(steps), desc="calibrate", disable=not progress, unit="step")
     reader = _Reader(kv_spec, files, seed)
@@ -756,6 +760,30 @@ def calibrate(
         warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
         read_cpu_request = max(read_cpu_request - warm_req, 0.0)
         read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
+    kind = "http" if _is_url(target) else "local"
+    storage = {
+        "name": name or target,
+        "kind": kind,
+        "latency_s": latency,
+        "bandwidth_Bps": bandwidth,
+        "concurrency": tuple(curve),
+        "request_bytes": request_bytes,
+        "request_cpu_s": read_cpu_request,
+        "read_cpu_s_per_byte": read_cpu_byte,
+        "read_cpu_scope": "machine" if machine_wide else "process",
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+    cache = "cold cache, evicted every 0.5 s" if kind == "local" and evict else "no eviction"
+    if cpu_from is not None:
+        bar.close()
+        return cpu_from.with_(
+            **storage,
+            source=(
+                f"storage measured by `sclayout calibrate {target}` ({cache}); "
+                f"CPU figures from profile {cpu_from.name!r}"
+            ),
+            extra={"target": target, "plan": plan.__dict__, "cpu_from": cpu_from.name},
+        )
     # 4. codecs, on the store's own values when we can read them
     sample = _store_sample(target, plan.sample_elems)
     if sample is None:
@@ -785,31 +813,20 @@ def calibrate(
     pipeline = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline)
     bar.update()
     bar.close()
-    kind = "http" if _is_url(target) else "local"
     host = platform.node() or "this machine"
     return Profile(
-        name=name or target,
-        kind=kind,
-        latency_s=latency,
-        bandwidth_Bps=bandwidth,
-        concurrency=tuple(curve),
-        request_bytes=request_bytes,
+        **storage,
         codecs=speeds,
         gather_s_per_nnz=gather,
         densify_s_per_value=densify,
         copy_Bps=copy_bps,
         fetch_overhead_s=pipeline.fetch_cpu_s,
-        request_cpu_s=read_cpu_request,
-        read_cpu_s_per_byte=read_cpu_byte,
-        read_cpu_scope="machine" if machine_wide else "process",
         cores=pipeline.parallelism,
         cpu_count=os.cpu_count() or 1,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "
-            f"{'cold cache, evicted every 0.5 s' if kind == 'local' and evict else 'no eviction'}; "
-            f"codecs and assembly on {data_source}"
+            f"{cache}; codecs and assembly on {data_source}"
         ),
-        created=_dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         extra={"target": target, "plan": plan.__dict__},
     )
