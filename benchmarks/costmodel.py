@@ -182,6 +182,10 @@ class HttpServer:
         self.url = self.proc.stdout.readline().strip()
 
     def close(self) -> None:
+        # a BlockDataset left mid-epoch still has its read-ahead fetches in flight;
+        # if the server goes first, tensorstore retries them and the reader's
+        # assembly thread keeps the process from exiting: let them land first
+        time.sleep(2.0)
         self.proc.terminate()
         self.proc.wait(timeout=30)
 
