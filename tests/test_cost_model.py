@@ -34,13 +34,21 @@ STATS = FetchStats(
 )
 
 
-def _predict(workers: int = 0, read_ahead: int = 1, output: str = "dense"):
+def _predict(
+    workers: int = 0,
+    read_ahead: int = 1,
+    output: str = "dense",
+    *,
+    profile=None,
+    stats: FetchStats = STATS,
+    codec: str = "none",
+):
     return predict_from_stats(
-        STATS,
+        stats,
         n_vars=1000,
-        codec="none",
+        codec=codec,
         settings=LoaderSettings(batch_size=100, fetch_factor=10, num_workers=workers),
-        profile=flat_profile(),
+        profile=profile or flat_profile(),
         options=ModelOptions(read_ahead=read_ahead, output=output),
     )
 
@@ -105,13 +113,7 @@ def test_cpu_bound_when_storage_is_free():
     fast = flat_profile(
         latency_s=1e-6, bandwidth_Bps=1e12, concurrency=((1, 1e9),), gather_s_per_nnz=1e-7
     )
-    p = predict_from_stats(
-        STATS,
-        n_vars=1000,
-        codec="none",
-        settings=LoaderSettings(batch_size=100, fetch_factor=10),
-        profile=fast,
-    )
+    p = _predict(profile=fast)
     # assembly 1e6 x 100 ns + 1 ms densify + 1 ms overhead = 102 ms dominates
     assert p.bound == "assembly"
     assert p.fetch_s == pytest.approx(0.102, rel=1e-3)
@@ -185,13 +187,7 @@ def test_the_cpu_of_reading_counts_against_the_cores():
     # 8 decode + 11 assembly + 1 overhead that is 70 ms of CPU on 1 core: CPU-bound
     # (the storage alone would take 40 ms + 4 ms decode)
     busy = flat_profile(cores=1.0, request_cpu_s=1e-3, read_cpu_s_per_byte=1e-8)
-    p = predict_from_stats(
-        STATS,
-        n_vars=1000,
-        codec="none",
-        settings=LoaderSettings(batch_size=100, fetch_factor=10),
-        profile=busy,
-    )
+    p = _predict(profile=busy)
     assert p.t_overhead == pytest.approx(0.001 + 0.010 + 0.040)
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.070)
 
@@ -199,13 +195,7 @@ def test_the_cpu_of_reading_counts_against_the_cores():
 def test_every_inner_chunk_costs_its_decode_overhead():
     # 10 chunks x 0.4 ms on top of 8 ms of bytes: 12 ms of decode, 6 ms on 2 threads
     slow_chunks = flat_profile(codecs={"none": CodecSpeed(2.0, 1e9, chunk_s=4e-4)})
-    p = predict_from_stats(
-        STATS,
-        n_vars=1000,
-        codec="none",
-        settings=LoaderSettings(batch_size=100, fetch_factor=10),
-        profile=slow_chunks,
-    )
+    p = _predict(profile=slow_chunks)
     assert p.t_decode == pytest.approx(0.012)
     assert p.fetch_s == pytest.approx(0.040 + 0.006)
 
@@ -219,13 +209,8 @@ def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads():
     codecs = {"blosc-lz4": CodecSpeed(2.0, 1e9), "gzip": CodecSpeed(2.0, 1e9)}
 
     def t_io(codec: str, kind: str) -> float:
-        return predict_from_stats(
-            many,
-            n_vars=1000,
-            codec=codec,
-            settings=LoaderSettings(batch_size=100, fetch_factor=10),
-            profile=flat_profile(kind=kind, concurrency=curve, codecs=codecs),
-        ).t_io
+        profile = flat_profile(kind=kind, concurrency=curve, codecs=codecs)
+        return _predict(profile=profile, stats=many, codec=codec).t_io
 
     assert t_io("blosc-lz4", "local") == pytest.approx(1.0)
     assert t_io("gzip", "local") == pytest.approx(0.040)  # 4 MB at 100 MB/s > 200/6400 s
@@ -244,21 +229,9 @@ def test_a_loopback_servers_cpu_runs_beside_the_loader():
         bandwidth_Bps=1e12,
         concurrency=((1, 1e9),),
     )
-    p = predict_from_stats(
-        STATS,
-        n_vars=1000,
-        codec="none",
-        settings=LoaderSettings(batch_size=100, fetch_factor=10),
-        profile=busy,
-    )
+    p = _predict(profile=busy)
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.035)
-    local = predict_from_stats(
-        STATS,
-        n_vars=1000,
-        codec="none",
-        settings=LoaderSettings(batch_size=100, fetch_factor=10),
-        profile=busy.with_(read_cpu_scope="process"),
-    )
+    local = _predict(profile=busy.with_(read_cpu_scope="process"))
     assert local.fetch_s == pytest.approx(0.070)  # all of it in the loader's process
 
 

@@ -343,9 +343,10 @@ def predict_from_stats(
     t_io = io_time(c)
     # ---- CPU
     t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
-    # a DataLoader worker decodes with its share of the threads (loader._torch)
-    per_process = DECODE_THREADS[backend] // workers if settings.num_workers > 0 else None
-    dec_threads = min(max(1, per_process or DECODE_THREADS[backend]), cores)
+    dec_threads = DECODE_THREADS[backend]
+    if settings.num_workers > 0:  # a DataLoader worker decodes with its share of them
+        dec_threads = max(1, dec_threads // workers)
+    dec_threads = min(dec_threads, cores)
     t_gather = stats.nnz * profile.gather_s_per_nnz
     t_dense = (
         stats.rows * n_vars * profile.densify_s_per_value if options.output == "dense" else 0.0
