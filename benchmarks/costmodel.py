@@ -229,8 +229,9 @@ def run_profile(
                 print(f"[{kind}] {store} b{b} f{f}: fetch larger than the data, skipped")
                 continue
             if store != measured_on:
-                # the storage drifts on a shared VM (the same configuration measured
-                # 66k and 51k cells/s 15 minutes apart): re-measure it right before each
+                # the storage drifts on a shared VM (the same configurations measured up
+                # to 25 % apart in runs A and B, results/costmodel-run[AB].md, 15
+                # minutes apart): re-measure it right before each
                 # store's runs; the CPU figures stay the first calibration's
                 storage = calibrate(
                     loc(path), name=f"costmodel-{kind}-{store}", plan=plan, cpu_from=profile

@@ -59,10 +59,10 @@ class SearchSpace:
     block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)
     fetch_factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Up to 64 minibatches per fetch: the range the model was checked on. Beyond it
-    the loader slows down in a way the model does not capture (on the dev VM,
-    fetches of 8,180 rows — fetch factor 128, ~130 MB decoded — measured 62k cells/s
-    against 85k predicted, while 4,084-row fetches of the same store measured 87k
-    against 83k)."""
+    the loader slows down in a way the model does not capture: on the dev VM,
+    ``sclayout bench STORE --block-size 256 --fetch-factor 128`` (8,180-row fetches,
+    ~130 MB decoded) on a stratified block-256 store measured ~27 % below the model's
+    figure, while fetch factor 64 matched it within 5 %."""
     orders: tuple[str, ...] = ("original", "shuffled", "stratified")
     codecs: tuple[str, ...] = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
     chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
@@ -70,9 +70,10 @@ class SearchSpace:
     workers: tuple[int, ...] = (0,)
     """DataLoader workers. In-process loading by default: workers add the copies of
     their rows to the main process and leave it the densify, which on the 2-core dev
-    VM made them a little slower than in-process loading (66k against 78k cells/s,
-    shuffled store, block 128, fetch factor 16); ask for them with
-    ``recommend --workers 0,2`` (the model prices both)."""
+    VM made them slower than in-process loading (``benchmarks/costmodel.py``, shuffled
+    store, block 64, fetch factor 16: 2 workers at 0.83–0.92× in-process in runs A–C,
+    ``benchmarks/results/costmodel*.md``); ask for them with ``recommend --workers
+    0,2`` (the model prices both)."""
 
 
 @dataclass(frozen=True)
