@@ -69,8 +69,8 @@ RANDOM_LARGE_IN_FLIGHT = 32
 CODEC_BLOCK_SIZES = (16, 64)
 """Block sizes of the sample stores each codec is timed on: two inner-chunk sizes
 (~32k and ~128k values at 2,000 nnz/cell) separate the per-chunk from the per-byte
-CPU cost (32k-value blosc-lz4 chunks decoded at 2.0 GB/s, 128k-value ones at 2.6,
-on the dev VM: ~15 µs per chunk)."""
+CPU cost (``sclayout calibrate`` prints both per codec: "MB/s + µs/chunk"; on the dev
+VM blosc-lz4 costs 13–25 µs per chunk besides its bytes)."""
 CONCURRENCY_ROUNDS = 3
 """Interleaved rounds of the concurrency curve (median per level)."""
 
@@ -79,10 +79,10 @@ def monotone_curve(curve: Sequence[tuple[int, float]]) -> tuple[tuple[int, float
     """The concurrency curve made non-decreasing (running maximum).
 
     More reads in flight never serve fewer requests/s on a disk or an HTTP server
-    below its connection limit; a dip in the measured curve (e.g. 262 req/s at 8 in
-    flight between 2,639 at 4 and 3,366 at 16, seen on the dev VM) is a burst of
-    other I/O during that level's samples, and would make the model predict a
-    collapse at exactly that parallelism."""
+    below its connection limit; a dip in the measured curve (one calibration on the
+    dev VM had 8 in flight ten times slower than 4 and 16) is a burst of other I/O
+    during that level's samples, and would make the model predict a collapse at
+    exactly that parallelism."""
     out, best = [], 0.0
     for n, r in sorted(curve):
         best = max(best, r)
@@ -360,6 +360,7 @@ def measure_codecs(
     codecs: Sequence[str] = CODEC_NAMES,
     seconds: float = 1.5,
     backend: str = "tensorstore",
+    on_codec: Callable[[str], None] | None = None,
 ) -> dict[str, CodecSpeed]:
     """Ratio and decode speed of each codec on the sample, through the loader's own
     read path.
@@ -370,7 +371,8 @@ def measure_codecs(
     ``X/data`` and ``X/indices`` over and over from the page cache, measuring CPU
     time (all threads). Two block sizes (:data:`CODEC_BLOCK_SIZES`) give two inner
     chunk sizes; CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
-    them. The ratio is the arrays' raw bytes / their bytes on disk.
+    them. The ratio is the arrays' raw bytes / their bytes on disk. ``on_codec(name)``
+    is called before each codec is timed (progress).
     """
     import tempfile
 
@@ -381,6 +383,8 @@ def measure_codecs(
     out = {}
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         for name in codecs:
+            if on_codec is not None:
+                on_codec(name)
             samples, ratio = [], 0.0
             for block_size in CODEC_BLOCK_SIZES:
                 store = _sample_store(
@@ -794,13 +798,24 @@ def calibrate(
     else:
         data, indices, indptr, n_vars = sample
         data_source = f"{len(indptr) - 1:,} rows of {target}"
-    speeds: dict[str, CodecSpeed] = {}
-    for c in codecs:
-        bar.set_postfix_str(f"decode {c}")
-        speeds.update(
-            measure_codecs(data, indices, indptr, n_vars=n_vars, codecs=[c], seconds=plan.per_codec)
-        )
-        bar.update()
+    started: list[str] = []
+
+    def on_codec(name: str) -> None:  # one sample h5ad for all codecs, a bar step each
+        if started:
+            bar.update()
+        started.append(name)
+        bar.set_postfix_str(f"decode {name}")
+
+    speeds = measure_codecs(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        codecs=codecs,
+        seconds=plan.per_codec,
+        on_codec=on_codec,
+    )
+    bar.update()
     # 5. assembly, copies, per-request CPU (warm reads of tiny ranges, 64 in flight)
     bar.set_postfix_str("assembly")
     gather, densify = measure_assembly(
