@@ -87,9 +87,11 @@ WORKER_GROUP_BATCHES = 16
 """Minibatches a :class:`BlockDataLoader` worker sends to the main process as one item.
 
 Every item a DataLoader worker returns costs the main process ~1.5–2 ms whatever its
-size (pickling, one shared-memory file and a socket handshake per tensor: measured
-here with 2 spawned workers returning ready-made tensors, 200 items/s at most). Sent
-one by one, 64-row minibatches capped 2 workers at ~13k cells/s; grouped by 16 (and as
+size (pickling, one shared-memory file and a socket handshake per tensor: a one-off
+development timing with 2 spawned workers returning ready-made tensors, not repeated
+by a benchmark command, found 200 items/s at most). Sent one by one, 64-row
+minibatches capped 2 workers at ~10k cells/s (``benchmarks/loader.py``'s headline
+command before this change: 9.9k); grouped by 16 (and as
 CSR, 16 KB per cell instead of 80 KB dense), that cost is spread over 1,024 cells."""
 
 DEFAULT_PREFETCH = 2
