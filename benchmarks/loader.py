@@ -52,7 +52,6 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -178,32 +177,21 @@ def _true_random(src: Path, *, seed: int) -> Iterator[np.ndarray]:
 def _reader_loop(
     path: Path, *, block_size: int, fetch_factor: int, output: str, seed: int
 ) -> Iterator[np.ndarray]:
-    """Block sampling with ``DEFAULT_PREFETCH`` fetches in flight ahead, as BlockDataset reads."""
-    from collections import deque
-
+    """BlockDataset's own read loop (its sampler plan and ``run_plan``, ``DEFAULT_PREFETCH``
+    fetches ahead) without the DataLoader and the torch conversion around it."""
+    from loader import sampler as S
+    from loader._pipeline import run_plan
     from loader.dataset import DEFAULT_PREFETCH
 
     reader = open_layout(path, block_size=block_size)
-    rng = np.random.default_rng(np.random.SeedSequence(seed))
-    order = rng.permutation(reader.n_blocks)
-    k = max(1, fetch_factor * BATCH // reader.block_size)
-    fetches = [order[i : i + k] for i in range(0, order.size, k)]
-    lengths = reader.block_lengths()
-
-    def submit(blocks: np.ndarray) -> Any:
-        # the within-fetch shuffle is applied by the reader's assembly thread
-        return reader.submit(blocks, order=rng.permutation(int(lengths[blocks].sum())))
-
-    in_flight = deque(submit(f) for f in fetches[: max(1, DEFAULT_PREFETCH)])
-    following = len(in_flight)
-    while in_flight:
-        fetched = in_flight.popleft().result()
-        if following < len(fetches):
-            in_flight.append(submit(fetches[following]))
-            following += 1
-        for a in range(0, fetched.n_rows, BATCH):
-            batch = fetched.take(np.arange(a, min(a + BATCH, fetched.n_rows)), output=output)
-            yield batch["index"]
+    cfg = S.SamplerConfig(
+        block_lengths=reader.block_lengths(),
+        batch_size=BATCH,
+        fetch_factor=fetch_factor,
+        seed=seed,
+    )
+    for batch in run_plan(S.worker_plan(cfg, 0), reader, output=output, prefetch=DEFAULT_PREFETCH):
+        yield batch["index"]
 
 
 def _dataset_loop(

@@ -45,8 +45,7 @@ def run_plan(
             len(ready) + len(in_flight) < prefetch + 1 or at_least_one
         ):
             f = plan.fetch(next_k)
-            # the reader permutes the fetch off this thread, so minibatches are
-            # contiguous slices of it (no per-minibatch gather here)
+            # the fetch in delivery order: minibatches are consecutive slices of it
             in_flight.append((f, reader.submit(f.blocks, order=f.order)))
             next_k += 1
             at_least_one = False

@@ -8,11 +8,12 @@ number of rows. A minibatch is then
 
 - a contiguous row range: no gather at all, one C++ scatter (scipy's
   ``csr_todense``) from the fetch's arrays into a zeroed ``float32`` array;
-- arbitrary positions: one C++ row gather (scipy's ``csr_row_index``), then the
-  scatter.
+- positions in decreasing order (how the sampler orders each shuffled minibatch):
+  the same scatter straight from the fetch's arrays, no gather (see
+  :func:`_scatter_decreasing`);
+- other positions: one C++ row gather (scipy's ``csr_row_index``), then the scatter.
 
-:meth:`CSRRows.permute` applies a within-fetch shuffle once per fetch, so every
-minibatch after it is a contiguous range. There is no Python work per row.
+There is no Python work per row.
 """
 
 from __future__ import annotations
@@ -43,6 +44,62 @@ __all__ = [
 def _contiguous(pos: np.ndarray) -> bool:
     n = pos.shape[0]
     return n > 0 and int(pos[-1]) - int(pos[0]) == n - 1 and bool(np.all(np.diff(pos) == 1))
+
+
+def _scatter_interleaved(
+    pos: np.ndarray, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray
+) -> None:
+    """Add rows ``pos`` (non-increasing; even ``n_vars``) of a CSR into ``out``, no gather.
+
+    ``csr_todense(n_row, n_col, Ap, Aj, Ax, Bx)`` adds ``Ax[jj]`` at
+    ``Bx[i * n_col + Aj[jj]]`` for ``jj`` in ``Ap[i]:Ap[i + 1]``. Called with
+    ``Ap = [start(p0), end(p0), start(p1), end(p1), ...]`` and ``n_col = n_vars / 2``,
+    pseudo-row ``2k`` is row ``p_k`` landing at ``out[k]`` (offset ``2k · n_vars/2``),
+    and pseudo-row ``2k + 1`` spans ``end(p_k) .. start(p_{k+1})``, which is empty
+    because ``p_{k+1} <= p_k``.
+    """
+    n, n_vars = out.shape
+    ptr = np.empty(2 * n, dtype=indptr.dtype)
+    ptr[0::2] = indptr[pos]
+    ptr[1::2] = indptr[pos + 1]
+    csr_todense(2 * n - 1, n_vars // 2, ptr, indices, data, out)
+
+
+def _interleaved_works() -> bool:
+    """Whether scipy's ``csr_todense`` still does what :func:`_scatter_interleaved`
+    relies on (checked once at import, on a tiny case against a plain loop)."""
+    if csr_todense is None:  # pragma: no cover
+        return False
+    indptr = np.array([0, 2, 2, 5], dtype=np.int32)
+    indices = np.array([0, 3, 1, 2, 3], dtype=np.int32)
+    data = np.arange(1, 6, dtype=np.float32)
+    pos = np.array([2, 2, 1, 0])
+    want = np.zeros((4, 4), dtype=np.float32)
+    for k, p in enumerate(pos):
+        want[k, indices[indptr[p] : indptr[p + 1]]] = data[indptr[p] : indptr[p + 1]]
+    got = np.zeros((4, 4), dtype=np.float32)
+    try:
+        _scatter_interleaved(pos, indptr, indices, data, got)
+    except Exception:  # pragma: no cover - a changed private signature
+        return False
+    return bool(np.array_equal(got, want))
+
+
+_INTERLEAVED_OK = _interleaved_works()
+
+
+def _scatter_decreasing(
+    pos: np.ndarray, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray
+) -> bool:
+    """:func:`_scatter_interleaved` where it applies; False (nothing written) for an
+    odd number of columns, data not float32, or positions not non-increasing."""
+    n, n_vars = out.shape
+    if not _INTERLEAVED_OK or n_vars % 2 or data.dtype != np.float32:
+        return False
+    if n > 1 and not bool(np.all(pos[1:] <= pos[:-1])):
+        return False
+    _scatter_interleaved(pos, indptr, indices, data, out)
+    return True
 
 
 @dataclass(frozen=True)
@@ -91,6 +148,9 @@ class CSRRows:
     def dense(self, pos: np.ndarray) -> np.ndarray:
         """Rows ``pos`` as a C-contiguous float32 ``(len(pos), n_vars)`` array."""
         n = pos.shape[0]
+        out = np.zeros((n, self.n_vars), dtype=np.float32)
+        if n and _scatter_decreasing(pos, self.indptr, self.indices, self.data, out):
+            return out
         if _contiguous(pos):
             # views of just these rows, so a cast below touches the minibatch's
             # values, not the whole fetch's
@@ -102,7 +162,6 @@ class CSRRows:
             src = self._gather(pos)
             ptr, indices, data = src.indptr, src.indices, src.data
         data = data if data.dtype == np.float32 else data.astype(np.float32)
-        out = np.zeros((n, self.n_vars), dtype=np.float32)
         if n and csr_todense is not None:
             csr_todense(n, self.n_vars, ptr, indices, data, out)
         elif n:  # pragma: no cover

@@ -29,7 +29,11 @@ The pipeline for one epoch (see DESIGN.md §3):
    ``(seed, epoch, world_size, rank, num_workers, worker, fetch)``; minibatches are
    consecutive ``batch_size`` slices of the worker's permuted stream (a minibatch can
    take its last rows from the next fetch, so every minibatch but the very last is
-   full).
+   full). Within each minibatch (each part of one in a fetch) the rows then come in
+   decreasing fetch position: the membership of a minibatch is what the permutation
+   drew, and this order lets the reader scatter them straight from the fetch into the
+   dense output without first copying the fetch in permuted order (see
+   :meth:`loader.assemble.CSRRows.dense`).
 
 Randomness comes only from :class:`numpy.random.SeedSequence` children addressed by
 their spawn key (``SeedSequence(seed, spawn_key=k)`` equals spawning down the path
@@ -328,6 +332,12 @@ class WorkerPlan:
         if get_strategy(cfg.strategy).shuffle_rows:
             perm = rng.permutation(positions.size)
             positions, rows = positions[perm], rows[perm]
+            # then decreasing position within each minibatch slice: one stable sort
+            # by slice * m + (m - 1 - position), m the fetch's row count
+            m = int(offsets[-1] + cfg.block_lengths[blocks[-1]]) if blocks.size else 0
+            slice_of = (int(self.fetch_bounds[k]) + np.arange(positions.size)) // cfg.batch_size
+            by = np.argsort((slice_of - slice_of[0]) * m + (m - 1 - positions), kind="stable")
+            positions, rows = positions[by], rows[by]
         return Fetch(k, blocks, positions, rows)
 
     def batch_parts(self, start: int = 0) -> Iterator[list[tuple[int, int, int]]]:

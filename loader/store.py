@@ -56,9 +56,9 @@ H5_NOMINAL_CHUNK_BYTES = 4096
 smallest unit a read fetches from disk."""
 
 ASSEMBLY_THREADS = 1
-"""Threads that turn landed reads into a fetch's rows (and apply its permutation). One
-suffices: the work is a few vectorised passes per fetch in scipy/numpy kernels that
-release the GIL, so it overlaps the consumer; more would only compete for 2 cores."""
+"""Threads that turn landed reads into a fetch's rows. One suffices: the work is a
+few vectorised passes per fetch in scipy/numpy kernels that release the GIL, so it
+overlaps the consumer; more would only compete for 2 cores."""
 
 MALLOC_MMAP_THRESHOLD = 32 * 2**20
 """glibc ``M_MMAP_THRESHOLD`` set by :func:`tune_malloc` (the largest value glibc
@@ -550,9 +550,7 @@ class LayoutReader:
         order
             Optional positions into the fetch's rows (a permutation, or any index
             array, repeats allowed): the fetch is delivered as those rows, in that
-            order. Applied by the assembly thread as soon as the reads land, so that
-            :meth:`Fetched.take` of consecutive positions needs no gather: the
-            cheapest way to serve shuffled minibatches.
+            order (see :meth:`Fetched.permute`).
         """
         plan = self.plan(blocks)
         layout = self.layout
@@ -590,9 +588,8 @@ class LayoutReader:
         index = got["source_index"].astype(np.int64, copy=False) if self.kind == "store" else rows
         if order is None:
             return Fetched(self, rows, index, values)
-        # ``order`` was validated by submit(): gather directly, without permute()'s
-        # second min/max pass over the fetch
-        return Fetched(self, rows[order], index[order], values.permute(order))
+        # ``order`` was validated by submit(): skip permute()'s second min/max pass
+        return Fetched(self, rows[order], index[order], values, order)
 
 
 class PendingFetch:
@@ -624,6 +621,10 @@ class Fetched:
         Source row ids (int64).
     n_rows
         Number of rows.
+    values
+        The values of the fetch's rows in sorted-block order, whatever the
+        permutation: :meth:`take` reads the permuted rows from there (a permutation
+        costs no copy of the values, see :meth:`permute`).
     """
 
     def __init__(
@@ -632,33 +633,37 @@ class Fetched:
         rows: np.ndarray,
         index: np.ndarray,
         values: CSRRows | DenseRows,
+        order: np.ndarray | None = None,
     ):
         self.reader = reader
         self.rows = rows
         self.index = index
         self.n_rows = int(rows.shape[0])
         self.values = values
+        self._order = order
 
     @property
     def matrix(self) -> Any:
         """The rows as one ``scipy.sparse.csr_matrix`` (CSR) or ndarray (dense)."""
-        v = self.values
+        v = self.values if self._order is None else self.values.permute(self._order)
         return v.to_scipy() if isinstance(v, CSRRows) else v.values
 
     def permute(self, order: np.ndarray) -> Fetched:
         """This fetch as the rows at positions ``order`` (a permutation of
         ``range(n_rows)``, or any 1-d index array, repeats allowed).
 
-        One gather for the whole fetch; afterwards a minibatch of consecutive
-        positions (``take(np.arange(a, b))``) needs no gather at all, the fastest
-        way to cut shuffled minibatches.
+        Costs no copy of the values: :meth:`take` maps its positions through the
+        permutation. Minibatches whose positions map to decreasing rows (how the
+        sampler orders shuffled ones) then need no gather for dense output, and
+        others one gather of their own rows.
         """
         order = np.asarray(order, dtype=np.int64)
         if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= self.n_rows)):
             raise InputError(
                 f"order: must be a 1-d array of positions in [0, {self.n_rows}) of this fetch"
             )
-        return Fetched(self.reader, self.rows[order], self.index[order], self.values.permute(order))
+        inner = order if self._order is None else self._order[order]
+        return Fetched(self.reader, self.rows[order], self.index[order], self.values, inner)
 
     def take(
         self,
@@ -686,7 +691,7 @@ class Fetched:
             obs = (obs,)
         stored = self.rows[pos] if obs else None
         return {
-            "X": fn(self.values, pos),
+            "X": fn(self.values, pos if self._order is None else self._order[pos]),
             "index": self.index[pos],
             "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
         }

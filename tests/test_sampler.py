@@ -163,6 +163,23 @@ def test_within_fetch_permutations_differ_across_workers_ranks_epochs():
     assert len({p.tobytes() for p in perms}) == len(perms)
 
 
+@pytest.mark.parametrize("strategy", ["block_shuffle", "weighted"])
+@pytest.mark.parametrize("workers", [1, 3])
+def test_shuffled_minibatch_parts_come_in_decreasing_fetch_position(strategy, workers):
+    """What lets the reader densify a shuffled minibatch without a gather."""
+    kw = {"row_weights": np.arange(1, 201, dtype=float)} if strategy == "weighted" else {}
+    cfg = config(200, 7, batch_size=10, fetch_factor=3, strategy=strategy, **kw)
+    for w in range(workers):
+        plan = S.worker_plan(cfg, 1, worker=w, num_workers=workers)
+        fetches = [plan.fetch(k) for k in range(plan.n_fetches)]
+        n_parts = 0
+        for parts in plan.batch_parts():
+            for k, a, b in parts:
+                n_parts += 1
+                assert np.all(np.diff(fetches[k].order[a:b]) <= 0), (k, a, b)
+        assert n_parts > plan.n_batches  # some minibatches span two fetches
+
+
 @pytest.mark.parametrize("block", [1, 7, 16, 100], ids=lambda b: f"block{b}")
 def test_fetches_read_whole_blocks_once_and_hold_about_fetch_rows(block):
     cfg = config(2000, block, batch_size=32, fetch_factor=4)

@@ -166,6 +166,29 @@ class ReaderContract:
         with pytest.raises(InputError, match=rf"order: .* positions in \[0, {n}\)"):
             reader.submit(blocks, order=np.r_[order, n])
 
+    def test_permuted_fetch_takes_decreasing_positions_and_composes(self, reader, adata):
+        """A permuted fetch keeps its values in block order; take maps through the
+        permutation (decreasing rows, as the sampler delivers them, need no gather)."""
+        blocks = np.arange(min(4, reader.n_blocks))
+        plain = reader.submit(blocks).result()
+        n = plain.n_rows
+        order = np.random.default_rng(2).permutation(n)
+        g = reader.submit(blocks, order=order).result()
+        # positions of g whose rows decrease (with a repeat)
+        down = np.argsort(order)[::-1][: min(9, n)]
+        down = np.r_[down[:3], down[2:]]
+        for output in ("dense", "csr"):
+            b = g.take(down, output=output)
+            np.testing.assert_array_equal(b["index"], plain.index[order[down]])
+            check_batch(b, adata, output=output)
+        again = g.permute(np.arange(n)[::-1])
+        np.testing.assert_array_equal(again.index, plain.index[order[::-1]])
+        check_batch(again.take(np.arange(n)), adata, output="dense")
+        m = again.matrix
+        want = plain.matrix[order[::-1]]
+        got, want = (x.toarray() if sp.issparse(x) else x for x in (m, want))
+        np.testing.assert_array_equal(got, want)
+
     def test_two_fetches_in_flight(self, reader, adata):
         a = reader.submit(np.array([0, 2]))
         b = reader.submit(np.array([1, reader.n_blocks - 1]))
