@@ -438,40 +438,32 @@ def measure_assembly(
     seed: int = 0,
 ) -> tuple[float, float]:
     """CPU seconds per gathered nnz and per dense output value of the loader's
-    assembly (:func:`loader.assemble.fetch_csr` + the ``csr``/``dense`` outputs)."""
+    assembly (:func:`loader.assemble.fetch_rows` + the ``csr``/``dense`` outputs),
+    on minibatches drawn as the sampler draws them: a permutation of the fetch cut
+    into ``batch_size`` slices, each in decreasing row order."""
     from loader.assemble import fetch_rows, get_output
 
     n_rows = len(indptr) - 1
     rng = np.random.default_rng(np.random.SeedSequence([seed, 17]))
     ranges = np.array([[0, n_rows]])
-    order = rng.permutation(n_rows)
     n_batches = n_rows // batch_size
-    positions = [np.arange(i * batch_size, (i + 1) * batch_size) for i in range(n_batches)]
+    order = rng.permutation(n_rows)[: n_batches * batch_size].reshape(n_batches, batch_size)
+    positions = list(-np.sort(-order, axis=1))
     csr_out, dense_out = get_output("csr"), get_output("dense")
 
-    def run(out: Callable[[Any, np.ndarray], object]) -> Callable[[], int]:
-        def step() -> int:
+    def step(out: Callable[[Any, np.ndarray], object]) -> Callable[[], int]:
+        def run() -> int:
             rows = fetch_rows(
                 data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges, n_vars=n_vars
             )
-            rows = rows.permute(order)  # the loader's within-fetch shuffle
             for p in positions:
                 out(rows, p)
             return 1
 
-        return step
+        return run
 
-    rows = fetch_rows(
-        data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges, n_vars=n_vars
-    ).permute(order)
-
-    def densify() -> int:
-        for p in positions:
-            dense_out(rows, p)
-        return 1
-
-    t_gather = 1.0 / _rate(run(csr_out), seconds / 2)
-    t_dense = 1.0 / _rate(densify, seconds / 2)
+    t_gather = 1.0 / _rate(step(csr_out), seconds / 2)
+    t_dense = 1.0 / _rate(step(dense_out), seconds / 2)
     nnz = int(indptr[-1])
     cells = n_batches * batch_size
     per_nnz = t_gather / nnz

@@ -18,8 +18,9 @@ not exist yet — and turns each plan into time with a storage profile:
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
     per-chunk CPU, spread over the decode threads.
 ``t_assembly``
-    nnz gathered × ``gather_s_per_nnz`` (+ cells × genes × ``densify_s_per_value``
-    for dense output).
+    cells × genes × ``densify_s_per_value`` for dense output in the process that reads
+    (scattered straight from the fetch, no gather); otherwise nnz gathered ×
+    ``gather_s_per_nnz`` (CSR output, or the rows a worker hands over).
 ``t_overhead``
     per fetch CPU + the CPU of reading (per request and per byte read: client,
     kernel and, for a loopback server, the server's).
@@ -34,7 +35,7 @@ as CSR (two copies) and the main process densifies them: one thread, a bound of 
 own (``"main process"``). cells/s = rows per fetch × fetches/s.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
-chunks + assembled output, plus the backend's chunk cache, plus the minibatches
+chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
 queued between workers and the training loop.
 """
 
@@ -347,10 +348,11 @@ def predict_from_stats(
     if settings.num_workers > 0:  # a DataLoader worker decodes with its share of them
         dec_threads = max(1, dec_threads // workers)
     dec_threads = min(dec_threads, cores)
-    t_gather = stats.nnz * profile.gather_s_per_nnz
-    t_dense = (
-        stats.rows * n_vars * profile.densify_s_per_value if options.output == "dense" else 0.0
-    )
+    dense = options.output == "dense"
+    t_dense = stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0
+    # dense output in the reading process scatters from the fetch: nothing to gather
+    gathers = not dense or settings.num_workers > 0
+    t_gather = stats.nnz * profile.gather_s_per_nnz if gathers else 0.0
     t_assembly = t_gather + t_dense
     t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
     t_overhead = profile.fetch_overhead_s + t_read_cpu
@@ -382,15 +384,16 @@ def predict_from_stats(
         bound = "latency"
     fetch_s = limits[bound if bound != "latency" else "io"]
     # ---- memory
+    # a fetch's rows are its decoded arrays (minibatches are cut from them, no copy
+    # of the fetch): compressed + decoded bytes, and the minibatch being cut
     per_fetch = stats.max_bytes_read * (1.0 + 1.0 / speed.ratio)
-    per_fetch += _output_bytes(stats.max_rows, stats.max_nnz, n_vars, options.output)
     batch_bytes = _output_bytes(
         settings.batch_size,
         stats.nnz / max(stats.rows, 1) * settings.batch_size,
         n_vars,
         options.output,
     )
-    peak = workers * ((1 + options.read_ahead) * per_fetch + CACHE_BYTES)
+    peak = workers * ((1 + options.read_ahead) * per_fetch + CACHE_BYTES + batch_bytes)
     peak += workers * PREFETCH_BATCHES * batch_bytes if settings.num_workers > 0 else 0
     return Prediction(
         cells_per_s=stats.rows / fetch_s,

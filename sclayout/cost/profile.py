@@ -112,10 +112,11 @@ class Profile:
     codecs
         Codec name -> :class:`CodecSpeed`.
     gather_s_per_nnz
-        CPU time to gather one stored value (data + index) into a fetch's rows.
+        CPU time to gather one stored value (data + index) into a minibatch's own
+        CSR arrays (``csr`` output, and the rows a DataLoader worker hands over).
     densify_s_per_value
-        CPU time to write one dense output value (zero fill + scatter), per cell ×
-        gene.
+        CPU time to write one dense output value (zero fill + scatter straight from
+        the fetch's rows), per cell × gene.
     copy_Bps
         Memory copy bandwidth (batches handed from worker processes).
     fetch_overhead_s
