@@ -43,6 +43,8 @@ CPU_FIELDS = (
     "request_cpu_s",
     "read_cpu_s_per_byte",
     "cores",
+    "worker_cores",
+    "worker_cpu_s_per_cell",
 )
 CITED = ("local-nvme", "network-disk", "http-object-store")
 MEASURED_HERE = (

@@ -79,6 +79,38 @@ def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     assert 0.0 < got.fetch_cpu_s < 1.0
 
 
+def test_measure_pipeline_with_workers_counts_their_cpu():
+    pytest.importorskip("torch")
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(
+        data, indices, indptr, n_vars=n_vars, seconds=0.4, block_size=16, worker_seconds=1.0
+    )
+    assert 1.0 <= got.worker_cores <= (os.cpu_count() or 1)
+    # the workers' gather, packing and hand-over come on top of one process's work
+    # (0 would mean their CPU went uncounted: it is clamped at 0)
+    assert got.worker_cpu_s_per_cell > 0
+
+
+def test_cpu_with_children_counts_a_live_child():
+    import subprocess
+    import sys
+    import time
+
+    from sclayout.cost.calibrate import _cpu_with_children
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.process_time()\nwhile True: pass"]
+    )
+    try:
+        before = _cpu_with_children()
+        time.sleep(0.6)
+        spent = _cpu_with_children() - before
+    finally:
+        child.kill()
+        child.wait()
+    assert spent > 0.2  # the busy child's CPU, not this (sleeping) process's
+
+
 def test_calibrate_cpu_from_measures_the_storage_only(tmp_path):
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from tests._cost_util import flat_profile, make_source, make_store

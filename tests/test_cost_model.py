@@ -116,6 +116,26 @@ def test_shared_cores_bound_the_workers():
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.076, rel=1e-3)
 
 
+def test_a_backend_decoding_responses_as_they_land_overlaps_io_and_decode():
+    # over HTTP tensorstore decodes each response while the others are in flight:
+    # max(40 ms io, 8 ms decode / 2 threads) + the last of 10 responses' 0.8 ms decode
+    p = _predict(profile=flat_profile(kind="http"))
+    assert p.fetch_s == pytest.approx(0.0408)
+    assert _predict().fetch_s == pytest.approx(0.044)  # local direct reads: in series
+
+
+def test_measured_worker_figures_replace_the_modelled_copies():
+    free_io = dict(bandwidth_Bps=1e12, concurrency=((1, 1e9),))
+    measured = flat_profile(worker_cores=1.0, worker_cpu_s_per_cell=1e-4, **free_io)
+    p = _predict(workers=2, profile=measured)
+    # CPU per fetch: 8 decode + 1 densify + 1 overhead + 1000 cells x 0.1 ms the
+    # worker path adds = 110 ms, on the 1 core the workers were measured to keep busy
+    assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.110)
+    # without the figures: 8 + 10 gather + 1 + 1 + 16 ms of copies on 2 cores
+    unmeasured = _predict(workers=2, profile=flat_profile(**free_io))
+    assert unmeasured.fetch_s < p.fetch_s
+
+
 def test_cpu_bound_when_storage_is_free():
     fast = flat_profile(
         latency_s=1e-6, bandwidth_Bps=1e12, concurrency=((1, 1e9),), gather_s_per_nnz=1e-7

@@ -39,11 +39,20 @@ def test_the_issue_presets_ship():
     assert {"local-nvme", "network-disk", "http-object-store"} <= set(list_presets())
 
 
+def test_version_1_reads_without_the_worker_figures(tmp_path):
+    d = flat_profile().to_dict()
+    d["version"] = 1
+    del d["worker_cores"], d["worker_cpu_s_per_cell"]
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    p = load_profile(tmp_path / "p.json")
+    assert p.version == PROFILE_VERSION and p.worker_cores == p.worker_cpu_s_per_cell == 0.0
+
+
 def test_newer_version_is_refused_with_upgrade_hint(tmp_path):
     d = flat_profile().to_dict()
     d["version"] = PROFILE_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(FormatVersionError, match=r"version 2 is not readable.*pip install -U"):
+    with pytest.raises(FormatVersionError, match=r"version 3 is not readable.*pip install -U"):
         load_profile(tmp_path / "p.json")
 
 

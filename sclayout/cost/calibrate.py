@@ -14,7 +14,8 @@ the loader's default backend reads with, so the figures include its overheads:
 5. assembly: gather + densify of fetched rows with the loader's own code
    (:mod:`loader.assemble`), and memory copy bandwidth;
 6. the loader itself on a small in-cache store: how many cores it keeps busy, and
-   its fixed CPU per fetch (:func:`measure_pipeline`).
+   its fixed CPU per fetch; with torch installed, also through 2 DataLoader workers
+   (:func:`measure_pipeline`).
 
 The CPU that reading costs (per request and per byte) is fitted to the CPU time
 of steps 2–3: the process's for a local target, the machine's for a server on
@@ -34,7 +35,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,9 @@ class CalibrationPlan:
     pipeline: float = 6.0
     """Timed runs of the loader on a small in-cache store (its CPU parallelism and
     per-fetch CPU)."""
+    workers: float = 4.0
+    """Timed run of the same with 2 DataLoader workers (0: skip; the workers' start,
+    ~3 s of spawning and imports, comes on top)."""
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
@@ -115,6 +119,7 @@ class CalibrationPlan:
             assembly=0.5,
             sample_elems=2**18,
             pipeline=0.5,
+            workers=0.0,
         )
 
 
@@ -483,6 +488,11 @@ class PipelineFigures:
     """Process CPU time / wall time with the larger fetches (cores kept busy)."""
     fetch_cpu_s: float
     """Fixed CPU time per fetch, whatever its size."""
+    worker_cores: float = 0.0
+    """CPU time of the main process and 2 DataLoader workers / wall time (0: torch
+    is not installed, not measured)."""
+    worker_cpu_s_per_cell: float = 0.0
+    """CPU per cell with 2 workers minus CPU per cell in one process."""
 
 
 def measure_pipeline(
@@ -494,6 +504,7 @@ def measure_pipeline(
     seconds: float = 3.0,
     block_size: int = 64,
     fetch_factors: tuple[int, int] = (16, 4),
+    worker_seconds: float = 0.0,
 ) -> PipelineFigures:
     """The loader's parallelism and fixed per-fetch CPU when storage never waits.
 
@@ -509,10 +520,15 @@ def measure_pipeline(
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
       over more rows; the two CPU-per-cell figures give it.
+    - with torch installed, the same read through :class:`loader.BlockDataLoader`
+      with 2 workers (``worker_seconds`` timed, after the workers have started):
+      the cores the three processes keep busy together, and the CPU per cell they
+      spend beyond the single process's (the worker path's gather, packing,
+      hand-over and unpacking).
     """
     import tempfile
 
-    from loader.dataset import BlockDataset
+    from loader.dataset import BlockDataset, torch_available
 
     cores = float(os.cpu_count() or 1)
     runs = []
@@ -531,31 +547,68 @@ def measure_pipeline(
         for f in fetch_factors:
             ds = BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0)
             runs.append(_run_epochs(ds, seconds / len(fetch_factors)))
+        workers = None
+        if worker_seconds > 0 and torch_available():
+            ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factors[0], seed=0)
+            workers = _run_epochs(ds, worker_seconds, workers=2)
     (wall, cpu, cells), (_, cpu_small, cells_small) = runs
     rows = [64 * f for f in fetch_factors]
     per_fetch = (cpu_small / cells_small - cpu / cells) / (1 / rows[1] - 1 / rows[0])
-    return PipelineFigures(
+    figures = PipelineFigures(
         parallelism=float(min(max(cpu / wall, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+    )
+    if workers is None:
+        return figures
+    w_wall, w_cpu, w_cells = workers
+    return replace(
+        figures,
+        worker_cores=float(min(max(w_cpu / w_wall, 1.0), cores)),
+        worker_cpu_s_per_cell=max(w_cpu / w_cells - cpu / cells, 0.0),
     )
 
 
-def _run_epochs(ds: Any, seconds: float) -> tuple[float, float, int]:
-    """Wall time, process CPU time and cells of iterating ``ds`` epoch after epoch
-    for ``seconds`` (after its first minibatches: opening, first fetch)."""
+def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, float, int]:
+    """Wall time, CPU time and cells of iterating ``ds`` epoch after epoch for
+    ``seconds`` (after its first minibatches: opening, first fetch, worker start).
+
+    With ``workers``, through :class:`loader.BlockDataLoader` (persistent workers);
+    the CPU time is then the main process's plus its children's (the workers')."""
+    source = ds.dataloader(num_workers=workers, persistent_workers=True) if workers else ds
     epoch = cells = 0
     t0 = c0 = deadline = None
     while deadline is None or time.perf_counter() < deadline:
         ds.set_epoch(epoch)
-        for i, batch in enumerate(ds):
-            if t0 is None and i == 2:
-                t0, c0 = time.perf_counter(), time.process_time()
+        for i, batch in enumerate(source):
+            if t0 is None and i == 2 + 2 * workers:
+                t0, c0 = time.perf_counter(), _cpu_with_children()
                 deadline = t0 + seconds
             elif t0 is not None:
                 cells += batch["X"].shape[0]
                 if time.perf_counter() >= deadline:
                     break
         epoch += 1
-    return time.perf_counter() - t0, time.process_time() - c0, max(cells, 1)
+    return time.perf_counter() - t0, _cpu_with_children() - c0, max(cells, 1)
+
+
+def _cpu_with_children() -> float:
+    """CPU seconds of this process and of its live child processes (from /proc;
+    on a system without it, this process's alone)."""
+    total = time.process_time()
+    me = str(os.getpid())
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return total
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me:  # fields[1] is the parent pid
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
 
 
 def _copy_bandwidth(seconds: float = 0.5) -> float:
@@ -817,7 +870,14 @@ def calibrate(
     bar.update()
     # 6. how many cores the loader's pipeline keeps busy when nothing waits on I/O
     bar.set_postfix_str("loader parallelism")
-    pipeline = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline)
+    pipeline = measure_pipeline(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        seconds=plan.pipeline,
+        worker_seconds=plan.workers,
+    )
     bar.update()
     bar.close()
     host = platform.node() or "this machine"
@@ -830,6 +890,8 @@ def calibrate(
         fetch_overhead_s=pipeline.fetch_cpu_s,
         cores=pipeline.parallelism,
         cpu_count=os.cpu_count() or 1,
+        worker_cores=pipeline.worker_cores,
+        worker_cpu_s_per_cell=pipeline.worker_cpu_s_per_cell,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "

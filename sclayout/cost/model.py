@@ -26,13 +26,18 @@ not exist yet — and turns each plan into time with a storage profile:
     kernel and, for a loopback server, the server's).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
-assembly, so one pipeline takes ``max(t_io + t_decode_wall, t_assembly +
-fetch overhead)`` per fetch; ``W`` worker processes run ``W`` pipelines that share
+assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
+fetch, where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
+(each decode thread reads, then decodes) and ``max(t_io, t_decode_wall)`` plus one
+response's decode for a backend that decodes responses as they land (tensorstore
+over HTTP, or with gzip/zstd). ``W`` worker processes run ``W`` pipelines that share
 the CPU (all of a fetch's CPU time / the profile's ``cores``, the parallelism the
-loader reaches when it never waits: calibrate measures it) and the storage (all
-their requests in flight together). With workers, rows cross to the main process
-as CSR (two copies) and the main process densifies them: one thread, a bound of its
-own (``"main process"``). cells/s = rows per fetch × fetches/s.
+loader reaches when it never waits: calibrate measures it, and separately with 2
+workers, ``worker_cores``) and the storage (all their requests in flight together).
+With workers, rows cross to the main process as CSR and the main process densifies
+them: one thread, a bound of its own (``"main process"``); the CPU the worker path
+adds per cell is calibrate's ``worker_cpu_s_per_cell`` (two memory copies of the
+rows where it was not measured). cells/s = rows per fetch × fetches/s.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
@@ -357,7 +362,14 @@ def predict_from_stats(
     t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
     t_overhead = profile.fetch_overhead_s + t_read_cpu
     # ---- one pipeline
-    front = t_io + t_decode / dec_threads
+    t_dec_wall = t_decode / dec_threads
+    if _direct_reads(backend, codec, profile):
+        # each decode thread reads its run of chunks, then decodes it: in series
+        front = t_io + t_dec_wall
+    else:
+        # the backend decodes each response as it lands, while the other reads are
+        # still in flight: only the last response's decode is left after the I/O
+        front = max(t_io, t_dec_wall) + t_decode / max(R, 1.0)
     if settings.num_workers > 0:
         # workers hand their rows over as CSR through shared memory (a copy in, a
         # copy out: ``loader._torch``); the main process cuts and densifies them
@@ -369,13 +381,20 @@ def predict_from_stats(
         back = t_assembly + profile.fetch_overhead_s
         main = 0.0
     cpu_total = t_decode + t_assembly + t_overhead + t_ipc
+    busy_cores = cores
+    if settings.num_workers > 0 and profile.worker_cores > 0:
+        # measured by calibrate with 2 workers: what the worker path adds per cell to
+        # one process's CPU (the gather, packing, hand-over and unpacking, the copies
+        # above included), and the cores the processes keep busy together
+        cpu_total = t_decode + t_dense + t_overhead + stats.rows * profile.worker_cpu_s_per_cell
+        busy_cores = profile.worker_cores
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     # ---- shared resources: the storage serves every pipeline's requests at once
     # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU
     shared_io = io_time(workers * c)
     limits = {
         ("io" if front >= back else "assembly"): pipe / workers,
-        "cpu": _cpu_limit(cpu_total, t_read_cpu, profile),
+        "cpu": _cpu_limit(cpu_total, t_read_cpu, profile, busy_cores),
         "storage": shared_io,
         "main process": main,
     }
@@ -412,18 +431,19 @@ def predict_from_stats(
     )
 
 
-def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile) -> float:
+def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: float) -> float:
     """Shortest time the CPU work of a fetch can take.
 
-    The loader's own work runs at the parallelism it reaches (``profile.cores``). When
+    The loader's own work runs at the parallelism it reaches (``cores``: the
+    profile's, with or without workers). When
     the reading CPU was measured machine-wide (``read_cpu_scope="machine"``: a server
     on this machine), that part runs in another process, beside the loader rather than
     inside its pipeline: the loader's share bounds on its own, and everything together
     on all of the machine's cores."""
     if profile.read_cpu_scope != "machine":
-        return cpu_total / profile.cores
-    all_cores = max(profile.cpu_count, profile.cores)
-    return max((cpu_total - t_read_cpu) / profile.cores, cpu_total / all_cores)
+        return cpu_total / cores
+    all_cores = max(profile.cpu_count, cores)
+    return max((cpu_total - t_read_cpu) / cores, cpu_total / all_cores)
 
 
 def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
@@ -435,10 +455,16 @@ def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
     there are decode threads (the kernel's readahead on the fetch's ``WILLNEED`` hints
     comes on top, and the model leaves it out). Otherwise the backend's own limit.
     """
-    direct = codec == "none" or codec.startswith("blosc")
-    if backend == "tensorstore" and profile.kind == "local" and direct:
+    if _direct_reads(backend, codec, profile):
         return DECODE_THREADS["tensorstore"]
     return BACKEND_IN_FLIGHT[backend]
+
+
+def _direct_reads(backend: str, codec: str, profile: Profile) -> bool:
+    """Whether the loader reads with its direct shard reader (local blosc or
+    uncompressed stores under the tensorstore backend), not through the backend."""
+    direct = codec == "none" or codec.startswith("blosc")
+    return backend == "tensorstore" and profile.kind == "local" and direct
 
 
 def _output_bytes(rows: float, nnz: float, n_vars: int, output: str) -> float:

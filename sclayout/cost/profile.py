@@ -5,15 +5,17 @@ object store, ...) serves reads, and how fast this CPU decodes and assembles
 them. ``sclayout calibrate`` measures one; a few presets ship with the package
 (``sclayout/cost/presets/*.json``), each citing where its figures come from.
 
-Profile format version 1 (JSON)::
+Profile format version 2 (JSON; version 1 is version 2 without the two ``worker_``
+figures, and still reads)::
 
-    {"format": "sclayout-profile", "version": 1, "name": ..., "kind": "local"|"http",
+    {"format": "sclayout-profile", "version": 2, "name": ..., "kind": "local"|"http",
      "latency_s": ..., "bandwidth_Bps": ..., "request_bytes": ...,
      "concurrency": [[in_flight, requests_per_s], ...],
      "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ..., "chunk_s": ...}, ...},
      "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
      "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
      "read_cpu_scope": "process"|"machine", "cores": ..., "cpu_count": ...,
+     "worker_cores": ..., "worker_cpu_s_per_cell": ...,
      "source": "where the figures come from", "created": ISO-8601}
 """
 
@@ -40,7 +42,7 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "sclayout-profile"
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
 """Version of the profile format this package writes and the newest it reads."""
 KINDS = ("local", "http")
 
@@ -87,7 +89,13 @@ _POSITIVE = (
     "densify_s_per_value",
     "copy_Bps",
 )
-_NON_NEGATIVE = ("fetch_overhead_s", "request_cpu_s", "read_cpu_s_per_byte")
+_NON_NEGATIVE = (
+    "fetch_overhead_s",
+    "request_cpu_s",
+    "read_cpu_s_per_byte",
+    "worker_cores",
+    "worker_cpu_s_per_cell",
+)
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,14 @@ class Profile:
         CPU time divided by it is the fastest that fetch can go.
     cpu_count
         Cores of the machine (0: unknown, taken as ``cores``).
+    worker_cores
+        Cores the loader keeps busy with 2 DataLoader workers (their processes and
+        the main one together) when it never waits for storage; 0: not measured
+        (``cores`` is used).
+    worker_cpu_s_per_cell
+        CPU time per cell the worker path adds to a single process's (each worker's
+        gather and packing, the hand-over, the main process's unpacking); 0: not
+        measured (the model counts two memory copies of the CSR rows instead).
     source
         Where the figures come from (machine and command, or a citation).
     """
@@ -157,6 +173,8 @@ class Profile:
     read_cpu_scope: str = "process"
     cores: float = 1.0
     cpu_count: float = 0.0
+    worker_cores: float = 0.0
+    worker_cpu_s_per_cell: float = 0.0
     source: str = ""
     created: str = ""
     format: str = PROFILE_FORMAT
@@ -256,7 +274,7 @@ class Profile:
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": self.format,
-            "version": self.version,
+            "version": PROFILE_VERSION,
             "name": self.name,
             "kind": self.kind,
             "latency_s": self.latency_s,
@@ -273,6 +291,8 @@ class Profile:
             "read_cpu_scope": self.read_cpu_scope,
             "cores": self.cores,
             "cpu_count": self.cpu_count,
+            "worker_cores": self.worker_cores,
+            "worker_cpu_s_per_cell": self.worker_cpu_s_per_cell,
             "source": self.source,
             "created": self.created,
             "extra": dict(self.extra),
@@ -299,7 +319,7 @@ class Profile:
         unknown = set(d) - known
         if unknown:
             raise SpecError(f"{where}: unknown keys {sorted(unknown)}; known: {sorted(known)}")
-        kw = dict(d)
+        kw = dict(d, version=PROFILE_VERSION)  # read older versions as the current one
         try:
             kw["concurrency"] = tuple(tuple(p) for p in d["concurrency"])
             kw["codecs"] = {k: CodecSpeed(**v) for k, v in d["codecs"].items()}
