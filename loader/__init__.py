@@ -14,6 +14,7 @@ from loader.errors import (
     InputError,
     LayoutError,
     NotALayoutStoreError,
+    ReadError,
     SclayoutError,
     SpecError,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "MatrixLayout",
     "NotALayoutStoreError",
     "PendingFetch",
+    "ReadError",
     "ReadRange",
     "RowOrder",
     "SclayoutError",

@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.backends import is_url
 from loader.errors import LayoutError
 
 __all__ = ["DECODE_THREADS", "RUN_BYTES", "SMALL_ARRAY_BYTES", "DirectArray", "open_direct"]
@@ -172,7 +173,7 @@ def open_direct(
 
     Arrays of at most ``whole_array_bytes`` decoded bytes are read whole on first use.
     """
-    if location.startswith(("http://", "https://")):
+    if is_url(location):
         return None
     try:
         import numcodecs.blosc  # noqa: F401

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from loader.errors import InputError, LayoutError
+from loader.errors import InputError, LayoutError, ReadError
 
 __all__ = [
     "BACKENDS",
@@ -50,6 +50,8 @@ __all__ = [
     "PendingReads",
     "TensorstoreSettings",
     "get_backend",
+    "http_context_spec",
+    "is_url",
     "register_backend",
 ]
 
@@ -118,6 +120,20 @@ class TensorstoreSettings:
     measured 64–256 reads in flight as the range where random-read latency hides."""
     HTTP_CONCURRENCY = 64
     """Concurrent HTTP requests, for the same reason."""
+    HTTP_RETRIES = 6
+    """Retries of a failed HTTP request (server error, connection refused or reset)
+    before the read fails with :class:`loader.errors.ReadError`; back-off from
+    :attr:`HTTP_RETRY_DELAY` doubling up to 8 s: ~24 s in all. tensorstore's own
+    default (32 retries up to 32 s apart) kept a loop over a vanished loopback server
+    waiting more than a minute with no message (it was stopped there)."""
+    HTTP_RETRY_DELAY = 0.5
+    """First back-off, seconds."""
+    HTTP_STALL_SECONDS = 30
+    """A request that receives no byte for this long is abandoned (and retried):
+    without it, a server that accepts connections but never answers hangs a read
+    forever. tensorstore takes it from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
+    (with ``..._LIMIT_BYTES=1``) when its HTTP transport starts, once per process;
+    the backend sets both unless the environment already does."""
     DATA_COPY_CONCURRENCY = 2
     """Decode/copy threads: one per core of this machine."""
     CACHE_BYTES = 64 * 2**20
@@ -131,8 +147,38 @@ class TensorstoreSettings:
     allocation and a copy (no benchmark command toggles the cache; no figure quoted)."""
 
 
+def http_context_spec(
+    retries: int = TensorstoreSettings.HTTP_RETRIES,
+    retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
+) -> dict[str, Any]:
+    """tensorstore context members for HTTP reads: ``retries`` retries from
+    ``retry_delay`` seconds doubling up to 8 s. Also sets the stall watchdog of
+    tensorstore's HTTP transport (:attr:`TensorstoreSettings.HTTP_STALL_SECONDS`)
+    unless the environment already does."""
+    if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+        raise InputError(f"http_retries={retries!r}: pass a whole number of retries >= 0")
+    if not isinstance(retry_delay, int | float) or not retry_delay > 0:
+        raise InputError(f"http_retry_delay={retry_delay!r}: pass a number of seconds > 0")
+    stall = str(TensorstoreSettings.HTTP_STALL_SECONDS)
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", stall)
+    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    delay = float(retry_delay)
+    return {
+        "http_request_retries": {
+            "max_retries": retries,
+            "initial_delay": f"{delay}s",
+            "max_delay": f"{max(delay, 8.0)}s",
+        }
+    }
+
+
+def is_url(location: str) -> bool:
+    """Whether ``location`` is an ``http(s)://`` URL (else a local path)."""
+    return location.startswith(("http://", "https://"))
+
+
 def _ts_kvstore(location: str, path: str) -> dict[str, Any]:
-    if location.startswith(("http://", "https://")):
+    if is_url(location):
         return {"driver": "http", "base_url": location.rstrip("/") + "/", "path": path}
     return {"driver": "file", "path": os.path.join(location, path)}
 
@@ -151,9 +197,13 @@ class TensorstoreBackend:
         cache_bytes: int = TensorstoreSettings.CACHE_BYTES,
         direct: bool = True,
         whole_array_bytes: int | None = None,
+        http_retries: int = TensorstoreSettings.HTTP_RETRIES,
+        http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         **_: Any,
     ) -> None:
         self.location = location
+        # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
+        self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self.options = {
             "file_io_concurrency": file_io_concurrency,
             "data_copy_concurrency": data_copy_concurrency,
@@ -177,6 +227,7 @@ class TensorstoreBackend:
                     "data_copy_concurrency": {"limit": int(o["data_copy_concurrency"])},
                     "file_io_concurrency": {"limit": int(o["file_io_concurrency"])},
                     "http_request_concurrency": {"limit": TensorstoreSettings.HTTP_CONCURRENCY},
+                    **self._http,
                 }
             )
             self._arrays = {}
@@ -241,21 +292,40 @@ class TensorstoreBackend:
             views = [arr[int(a) : int(b)] for a, b in ranges]
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
-        return _TensorstorePending(futures, empty)
+        return _TensorstorePending(futures, empty, self.location, request)
 
     def read_array(self, path: str) -> np.ndarray:
         return np.asarray(self._array(path).read().result())
 
 
 class _TensorstorePending:
-    def __init__(self, futures: dict[str, Any], done: dict[str, np.ndarray]) -> None:
+    def __init__(
+        self,
+        futures: dict[str, Any],
+        done: dict[str, np.ndarray],
+        location: str,
+        request: Request,
+    ) -> None:
         self._futures = futures
         self._done = done
+        self._location = location
+        self._request = request
 
     def result(self) -> dict[str, np.ndarray]:
         out = dict(self._done)
         for key, fut in self._futures.items():
-            out[key] = fut.result()
+            try:
+                out[key] = fut.result()
+            except ValueError as e:  # tensorstore's I/O errors
+                path = self._request[key][0]
+                where = f"{self._location.rstrip('/')}/{path}"
+                fix = (
+                    "check that the server is up and serves this store"
+                    if is_url(self._location)
+                    else "check that the store was not moved, removed or rewritten while loading"
+                )
+                cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+                raise ReadError(f"reading {where} failed: {cause}; {fix}") from e
         return out
 
 
@@ -271,7 +341,7 @@ class ZarrBackend:
     kinds = ("store",)
 
     def __init__(self, location: str, **_: Any) -> None:
-        if location.startswith(("http://", "https://")):
+        if is_url(location):
             raise InputError(
                 f"backend='zarr' reads local stores only; for {location} use backend='tensorstore'"
             )

@@ -12,6 +12,7 @@ __all__ = [
     "InputError",
     "LayoutError",
     "NotALayoutStoreError",
+    "ReadError",
     "SclayoutError",
     "SpecError",
 ]
@@ -37,6 +38,11 @@ class LayoutError(SclayoutError):
 
 class NotALayoutStoreError(LayoutError):
     """The path exists but is not a (complete) sclayout layout store."""
+
+
+class ReadError(SclayoutError):
+    """A read from a store failed while loading (a server that stopped answering, a
+    file removed or truncated under a running loader)."""
 
 
 class FormatVersionError(LayoutError):

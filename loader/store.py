@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from loader.assemble import CSRRows, DenseRows, fetch_rows, get_output
-from loader.backends import TensorstoreSettings, get_backend
-from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
+from loader.backends import TensorstoreSettings, get_backend, http_context_spec, is_url
+from loader.errors import InputError, LayoutError, NotALayoutStoreError, ReadError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.plan import FetchPlan, plan_fetch, ranges_to_rows
 
@@ -100,10 +100,6 @@ _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
 
 
-def _is_url(path: str) -> bool:
-    return path.startswith(("http://", "https://"))
-
-
 def _is_hdf5(path: Path) -> bool:
     try:
         with path.open("rb") as f:
@@ -119,7 +115,7 @@ def _is_hdf5(path: Path) -> bool:
 def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(location, kind)``: kind is ``"store"`` or ``"h5ad"``."""
     s = os.fspath(path_or_url)
-    if _is_url(s):
+    if is_url(s):
         return s.rstrip("/"), "store"
     p = Path(s).expanduser()
     if not p.exists():
@@ -147,12 +143,22 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
 # ------------------------------------------------------------------ reading metadata
 
 
-def _read_store_text(location: str, key: str) -> str:
-    if _is_url(location):
+def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = None) -> str:
+    """Text of ``key`` in the store; over HTTP with the retries of ``http`` (keywords
+    of :func:`loader.backends.http_context_spec`)."""
+    if is_url(location):
         import tensorstore as ts
 
-        kv = ts.KvStore.open({"driver": "http", "base_url": location + "/"}).result()
-        got = kv.read(key).result()
+        context = ts.Context(http_context_spec(**(http or {})))
+        spec = {"driver": "http", "base_url": location + "/"}
+        try:
+            got = ts.KvStore.open(spec, context=context).result().read(key).result()
+        except ValueError as e:
+            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ReadError(
+                f"reading {location}/{key} failed: {cause}; check that the server is up "
+                "and the URL names a layout store"
+            ) from e
         if got.state != "value":
             raise NotALayoutStoreError(
                 f"{location}/{key} not found: this URL is not a layout store; check the URL"
@@ -161,9 +167,9 @@ def _read_store_text(location: str, key: str) -> str:
     return Path(location, key).read_text()
 
 
-def _read_manifest(location: str) -> Manifest:
+def _read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manifest:
     try:
-        meta = json.loads(_read_store_text(location, "zarr.json"))
+        meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
         raise NotALayoutStoreError(
             f"{location}: unreadable zarr.json ({e}); reconvert with `sclayout convert --overwrite`"
@@ -369,7 +375,9 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            stored = _read_manifest(location)
+            opts = dict(settings.backend_options)
+            http = {k[5:]: opts[k] for k in ("http_retries", "http_retry_delay") if k in opts}
+            stored = _read_manifest(location, http)
             if settings.matrix not in stored.matrices:
                 raise InputError(
                     f"matrix={settings.matrix!r}: not in the store; available: "
@@ -432,7 +440,7 @@ class LayoutReader:
 
     # -- small arrays
     def _meta_array(self, path: str) -> np.ndarray:
-        if self.kind == "store" and not _is_url(self.location):
+        if self.kind == "store" and not is_url(self.location):
             import zarr
 
             try:
@@ -497,7 +505,7 @@ class LayoutReader:
             import h5py
 
             return h5py.File(self.location, "r")
-        if _is_url(self.location):
+        if is_url(self.location):
             raise InputError(
                 f"obs columns of a store read over HTTP ({self.location}) are not "
                 "supported yet; read obs from a local copy of the store"

@@ -3,6 +3,8 @@ with and without injected latency: values equal to local reads."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -160,3 +162,45 @@ def test_calibrate_over_http(server):
     assert p.kind == "http"
     assert p.latency_s >= 0.002  # the injected delay
     assert [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def test_a_server_that_goes_away_fails_reads_with_a_clear_error(data):
+    from loader.errors import ReadError
+
+    _, store = data
+    # a server in its own process, killed: its connections close as a real one's do
+    cmd = [sys.executable, "-m", "sclayout.httpserver", str(store), "--max-seconds", "120"]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        reader = open_layout(url, http_retries=1, http_retry_delay=0.05, cache_bytes=0)
+        assert reader.submit(np.array([0, 1])).result().n_rows > 0
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+    t0 = time.perf_counter()
+    with pytest.raises(
+        ReadError,
+        match=r"reading http://127\.0\.0\.1:\d+/X/\S+ failed: .*check that the server is up",
+    ) as e:
+        reader.submit(np.array([reader.n_blocks - 1])).result()
+    assert time.perf_counter() - t0 < 10  # one retry, not tensorstore's 32
+    assert "\n" not in str(e.value)
+
+
+def test_http_retry_options_are_checked_and_a_dead_url_fails_fast():
+    import socket
+
+    from loader.errors import InputError, ReadError
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    t0 = time.perf_counter()
+    with pytest.raises(ReadError, match=rf"reading http://127.0.0.1:{port}/zarr.json failed"):
+        open_layout(f"http://127.0.0.1:{port}/", http_retries=1, http_retry_delay=0.05)
+    assert time.perf_counter() - t0 < 10
+
+    with pytest.raises(InputError, match="http_retries=-1"):
+        open_layout("http://127.0.0.1:9/", http_retries=-1)

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.backends import is_url
 from loader.errors import InputError
 from sclayout.cost.profile import CodecSpeed, Profile
 
@@ -126,10 +127,6 @@ class CalibrationPlan:
 # ---------------------------------------------------------------- target files
 
 
-def _is_url(target: str) -> bool:
-    return target.startswith(("http://", "https://"))
-
-
 def _local_files(root: Path) -> list[tuple[str, int]]:
     files = []
     for dirpath, _, names in os.walk(root):
@@ -186,7 +183,7 @@ def _http_files(base: str) -> list[tuple[str, int]]:
 
 
 def _target(target: str) -> tuple[dict[str, Any], list[tuple[str, int]], str | None]:
-    if _is_url(target):
+    if is_url(target):
         base = target.rstrip("/") + "/"
         files = _http_files(base)
         kv = {"driver": "http", "base_url": base}
@@ -743,7 +740,7 @@ def calibrate(
         # the median per level (a burst of other I/O on a shared disk then spoils one
         # sample of a level, not the level)
         cpu_samples: list[tuple[float, float, float]] = []
-        machine_wide = _is_url(target) and _is_loopback(target)
+        machine_wide = is_url(target) and _is_loopback(target)
 
         def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
             """Requests/s of reading ``make()``'s ranges over and over; records the
@@ -809,7 +806,7 @@ def calibrate(
         warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
         read_cpu_request = max(read_cpu_request - warm_req, 0.0)
         read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
-    kind = "http" if _is_url(target) else "local"
+    kind = "http" if is_url(target) else "local"
     storage = {
         "name": name or target,
         "kind": kind,

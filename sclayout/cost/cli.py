@@ -14,13 +14,10 @@ from typing import Any
 
 import click
 
+from loader.backends import is_url
 from loader.errors import InputError
 
 __all__ = ["COMMANDS", "bench_command", "calibrate_command", "recommend_command"]
-
-
-def _is_url(s: str) -> bool:
-    return s.startswith(("http://", "https://"))
 
 
 # ------------------------------------------------------------------------ calibrate
@@ -493,7 +490,7 @@ def bench_command(
         click.echo(json.dumps(out, indent=1, default=str))
         return
     click.echo(note)
-    regime = "warm" if warm or _is_url(source) else "cold, evicted every 0.5 s"
+    regime = "warm" if warm or is_url(source) else "cold, evicted every 0.5 s"
     click.echo(
         f"{source}: batch {batch_size}, fetch factor {fetch_factor}, block "
         f"{reader.block_size}, workers {workers} ({regime}, median of {runs})"

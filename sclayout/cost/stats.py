@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loader.backends import is_url
 from loader.errors import InputError, NotALayoutStoreError
 from loader.layout import Manifest
 
@@ -159,7 +160,7 @@ def read_dataset_stats(path: str | os.PathLike[str], *, label: str | None = None
         obs column whose diversity is predicted.
     """
     s = os.fspath(path)
-    if s.startswith(("http://", "https://")):
+    if is_url(s):
         return _store_stats(s.rstrip("/"), label)
     p = Path(s)
     if not p.exists():
