@@ -4,14 +4,15 @@ For two storage profiles — local disk, cold (evicted before and every 0.5 s: t
 regime of a dataset far larger than RAM), and HTTP with 2 ms injected per-request
 latency (``sclayout.httpserver`` in a subprocess, loopback) — the script
 
-1. calibrates the profile right before measuring (``sclayout.cost.calibrate``), and
-   re-measures the storage part (``calibrate(..., cpu_from=profile)``) right before
-   each store's runs, since a shared VM's disk drifts within minutes,
-2. measures >= 20 configurations (store layout: block size, row order, codec, CSR
-   chunk size; loader: block multiple, fetch factor, workers) with
-   ``sclayout.cost.bench.measure_loader`` (batch 64, dense output, median of runs),
-3. predicts each with ``sclayout.cost.model.predict`` on the store's real manifest and
-   block pointer, and its diversity (label ``plate``) by simulation,
+1. in each of ``--runs`` rounds, calibrates the profile (``sclayout.cost.calibrate``)
+   and then measures every configuration once (>= 20: store layout — block size, row
+   order, codec, CSR chunk size; loader — block multiple, fetch factor, workers) with
+   ``sclayout.cost.bench.measure_loader`` (batch 64, dense output), predicting it with
+   ``sclayout.cost.model.predict`` from that round's profile on the store's real
+   manifest and block pointer (a shared VM's speed drifts within minutes: rounds
+   spread every configuration over the whole run),
+2. compares the median prediction with the median measurement of each configuration,
+3. predicts its diversity (label ``plate``) by simulation,
 4. runs ``recommend``'s search on the source (diversity >= 0.95, 4 GB) and measures
    its pick (converting it if no store matches),
 
@@ -213,7 +214,7 @@ def run_profile(
 ) -> tuple[list[dict[str, Any]], Any]:
     from loader.spec import LoaderSettings
     from loader.store import open_layout
-    from sclayout.cost.bench import measure_runs
+    from sclayout.cost.bench import measure_loader
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
@@ -232,45 +233,66 @@ def run_profile(
 
         first = stores[CONFIGS[0][0]]
         plan = CalibrationPlan.quick() if smoke else None
-        print(f"[{kind}] calibrating {loc(first)}", flush=True)
-        profile = calibrate(loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke)
-        profile.save(RESULTS / f"costmodel-profile-{kind}.json")
-        rows = []
-        storage, measured_on = profile, None
+        # Rounds: every round calibrates the profile afresh, then measures each
+        # configuration once, predicting it from that round's profile. On this shared
+        # VM the CPU time of the same loader run moved by 1.6x within a minute
+        # (23-40 us/cell, README): one calibration at the start, and all runs of a
+        # store back to back, tie each row's error to whatever the machine was doing
+        # at that moment. Interleaved rounds spread every configuration over the
+        # whole run, and each prediction uses the machine as measured minutes before.
+        configs = []
         for store, b, f, w in CONFIGS:
             path = stores[store]
             reader = open_layout(loc(path), block_size=b)
             if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
                 print(f"[{kind}] {store} b{b} f{f}: fetch larger than the data, skipped")
                 continue
-            if store != measured_on:
-                # the storage drifts on a shared VM (the same configurations measured up
-                # to 25 % apart in runs A and B, results/costmodel-run[AB].md, 15
-                # minutes apart): re-measure it right before each
-                # store's runs; the CPU figures stay the first calibration's
-                storage = calibrate(
-                    loc(path), name=f"costmodel-{kind}-{store}", plan=plan, cpu_from=profile
-                )
-                measured_on = store
+            labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
+            pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
             settings = LoaderSettings(
                 batch_size=BATCH, fetch_factor=f, num_workers=w, backend=reader.backend
             )
-            pred = predict(
-                reader.manifest, reader.block_pointer, settings=settings, profile=storage
-            )
-            labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
-            pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
-            ms, meas, div = measure_runs(
-                loc(path),
-                runs=runs,
-                batch_size=BATCH,
-                fetch_factor=f,
-                block_size=b,
-                workers=w,
-                label=LABEL if kind == "local" else None,
-                seconds=seconds,
-                cold=(kind == "local"),
-            )
+            configs.append((store, b, f, w, path, reader, settings, pred_div))
+        preds: list[list[Any]] = [[] for _ in configs]
+        meas: list[list[Any]] = [[] for _ in configs]
+        profiles = []
+        for r in range(runs):
+            print(f"[{kind}] round {r + 1}/{runs}: calibrating {loc(first)}", flush=True)
+            profile = calibrate(loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke)
+            profiles.append(profile)
+            for k, (store, b, f, w, path, reader, settings, _) in enumerate(configs):
+                pred = predict(
+                    reader.manifest, reader.block_pointer, settings=settings, profile=profile
+                )
+                m = measure_loader(
+                    loc(path),
+                    batch_size=BATCH,
+                    fetch_factor=f,
+                    block_size=b,
+                    workers=w,
+                    label=LABEL if kind == "local" else None,
+                    seconds=seconds,
+                    cold=(kind == "local"),
+                    seed=r,
+                )
+                preds[k].append(pred)
+                meas[k].append(m)
+                print(
+                    f"[{kind}] r{r + 1} {store:24s} b{b:<4d} f{f:<3d} w{w}  "
+                    f"pred {pred.cells_per_s:9,.0f}  meas {m.cells_per_s:9,.0f}"
+                    f"  ({pred.cells_per_s / m.cells_per_s - 1:+.0%}, {pred.bound})",
+                    flush=True,
+                )
+        profile = profiles[0]
+        tag = "-smoke" if smoke else ""  # a smoke run leaves the real profiles alone
+        profile.save(RESULTS / f"costmodel-profile-{kind}{tag}.json")
+        rows = []
+        for k, (store, b, f, w, _, reader, _, pred_div) in enumerate(configs):
+            p_med = float(np.median([p.cells_per_s for p in preds[k]]))
+            m_med = float(np.median([m.cells_per_s for m in meas[k]]))
+            divs = [m.diversity for m in meas[k] if m.diversity is not None]
+            # the bound of the round whose prediction is the median one
+            bound = sorted(preds[k], key=lambda q: q.cells_per_s)[len(preds[k]) // 2].bound
             row = {
                 "profile": kind,
                 "store": store,
@@ -280,24 +302,24 @@ def run_profile(
                 "codec": reader.manifest.X.arrays["data"].codec,
                 "order": reader.manifest.order.kind,
                 "chunk_nnz": reader.manifest.X.arrays["data"].chunks[0],
-                "predicted": pred.cells_per_s,
-                "measured": meas,
-                "runs": [m.cells_per_s for m in ms],
-                "rel_error": pred.cells_per_s / meas - 1,
-                "bound": pred.bound,
+                "predicted": p_med,
+                "measured": m_med,
+                "predicted_runs": [q.cells_per_s for q in preds[k]],
+                "runs": [m.cells_per_s for m in meas[k]],
+                "rel_error": p_med / m_med - 1,
+                "bound": bound,
                 "predicted_diversity": pred_div,
-                "measured_diversity": div,
-                "peak_memory_predicted": pred.peak_memory,
-                "storage_requests_per_s_64": storage.requests_per_s(64),
-                "storage_bandwidth_Bps": storage.bandwidth_Bps,
+                "measured_diversity": float(np.median(divs)) if divs else None,
+                "peak_memory_predicted": preds[k][0].peak_memory,
             }
             rows.append(row)
-            print(
-                f"[{kind}] {store:24s} b{b:<4d} f{f:<3d} w{w}  pred {pred.cells_per_s:9,.0f}"
-                f"  meas {meas:9,.0f}  ({row['rel_error']:+.0%}, {pred.bound})"
-                f"  div pred {pred_div:.3f} meas {row['measured_diversity'] or float('nan'):.3f}",
-                flush=True,
-            )
+        print(
+            f"[{kind}] calibrated CPU per round: blosc-lz4 decode "
+            + ", ".join(f"{q.codec('blosc-lz4').decode_Bps / 1e9:.2f}" for q in profiles)
+            + " GB/s; loader cores "
+            + ", ".join(f"{q.cores:.2f}" for q in profiles),
+            flush=True,
+        )
         return rows, (profile, server)
     except BaseException:
         if server:

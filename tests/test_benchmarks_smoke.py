@@ -75,4 +75,4 @@ def test_costmodel_benchmark_smoke(tmp_path):
         assert r["predicted"] > 0 and r["measured"] > 0
         assert r["rel_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
     assert doc["summary"]["local"]["n"] == len(doc["rows"])
-    assert (tmp_path / "results" / "costmodel-profile-local.json").exists()
+    assert (tmp_path / "results" / "costmodel-profile-local-smoke.json").exists()
