@@ -236,7 +236,7 @@ def run_profile(
         # Rounds: every round calibrates the profile afresh, then measures each
         # configuration once, predicting it from that round's profile. On this shared
         # VM the CPU time of the same loader run moved by 1.6x within a minute
-        # (23-40 us/cell, README): one calibration at the start, and all runs of a
+        # (user CPU 23-38 us/cell, README): one calibration at the start, and all runs of a
         # store back to back, tie each row's error to whatever the machine was doing
         # at that moment. Interleaved rounds spread every configuration over the
         # whole run, and each prediction uses the machine as measured minutes before.
