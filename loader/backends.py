@@ -295,7 +295,21 @@ class TensorstoreBackend:
         return _TensorstorePending(futures, empty, self.location, request)
 
     def read_array(self, path: str) -> np.ndarray:
-        return np.asarray(self._array(path).read().result())
+        try:
+            return np.asarray(self._array(path).read().result())
+        except ValueError as e:  # tensorstore's I/O errors
+            raise _read_error(self.location, path, e) from e
+
+
+def _read_error(location: str, path: str, e: Exception) -> ReadError:
+    """A one-line :class:`ReadError` for a failed tensorstore read of ``path``."""
+    fix = (
+        "check that the server is up and serves this store"
+        if is_url(location)
+        else "check that the store was not moved, removed or rewritten while loading"
+    )
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return ReadError(f"reading {location.rstrip('/')}/{path} failed: {cause}; {fix}")
 
 
 class _TensorstorePending:
@@ -317,15 +331,7 @@ class _TensorstorePending:
             try:
                 out[key] = fut.result()
             except ValueError as e:  # tensorstore's I/O errors
-                path = self._request[key][0]
-                where = f"{self._location.rstrip('/')}/{path}"
-                fix = (
-                    "check that the server is up and serves this store"
-                    if is_url(self._location)
-                    else "check that the store was not moved, removed or rewritten while loading"
-                )
-                cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-                raise ReadError(f"reading {where} failed: {cause}; {fix}") from e
+                raise _read_error(self._location, self._request[key][0], e) from e
         return out
 
 
