@@ -27,7 +27,7 @@ reads any multiple of its block size).
 
 Usage::
 
-    python benchmarks/costmodel.py            # full run (~30–40 min on 2 cores)
+    python benchmarks/costmodel.py            # full run (~20 min on 2 cores)
     python benchmarks/costmodel.py --build    # only convert the stores
     python benchmarks/costmodel.py --smoke    # tiny dataset, seconds (for tests)
 """

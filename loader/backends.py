@@ -52,6 +52,7 @@ __all__ = [
     "get_backend",
     "http_context_spec",
     "is_url",
+    "read_error",
     "register_backend",
 ]
 
@@ -298,16 +299,18 @@ class TensorstoreBackend:
         try:
             return np.asarray(self._array(path).read().result())
         except ValueError as e:  # tensorstore's I/O errors
-            raise _read_error(self.location, path, e) from e
+            raise read_error(self.location, path, e) from e
 
 
-def _read_error(location: str, path: str, e: Exception) -> ReadError:
-    """A one-line :class:`ReadError` for a failed tensorstore read of ``path``."""
-    fix = (
-        "check that the server is up and serves this store"
-        if is_url(location)
-        else "check that the store was not moved, removed or rewritten while loading"
-    )
+def read_error(location: str, path: str, e: Exception, *, fix: str | None = None) -> ReadError:
+    """A one-line :class:`ReadError` for a failed tensorstore read of ``path`` in the
+    store at ``location`` (``fix``: what to do; by default, per kind of location)."""
+    if fix is None:
+        fix = (
+            "check that the server is up and serves this store"
+            if is_url(location)
+            else "check that the store was not moved, removed or rewritten while loading"
+        )
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     return ReadError(f"reading {location.rstrip('/')}/{path} failed: {cause}; {fix}")
 
@@ -331,7 +334,7 @@ class _TensorstorePending:
             try:
                 out[key] = fut.result()
             except ValueError as e:  # tensorstore's I/O errors
-                raise _read_error(self._location, self._request[key][0], e) from e
+                raise read_error(self._location, self._request[key][0], e) from e
         return out
 
 

@@ -33,8 +33,14 @@ from typing import Any
 import numpy as np
 
 from loader.assemble import CSRRows, DenseRows, fetch_rows, get_output
-from loader.backends import TensorstoreSettings, get_backend, http_context_spec, is_url
-from loader.errors import InputError, LayoutError, NotALayoutStoreError, ReadError, SpecError
+from loader.backends import (
+    TensorstoreSettings,
+    get_backend,
+    http_context_spec,
+    is_url,
+    read_error,
+)
+from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.plan import FetchPlan, plan_fetch, ranges_to_rows
 
@@ -154,11 +160,8 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
         try:
             got = ts.KvStore.open(spec, context=context).result().read(key).result()
         except ValueError as e:
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ReadError(
-                f"reading {location}/{key} failed: {cause}; check that the server is up "
-                "and the URL names a layout store"
-            ) from e
+            fix = "check that the server is up and the URL names a layout store"
+            raise read_error(location, key, e, fix=fix) from e
         if got.state != "value":
             raise NotALayoutStoreError(
                 f"{location}/{key} not found: this URL is not a layout store; check the URL"
@@ -376,7 +379,11 @@ class LayoutReader:
             self._bp_loaded = True
         else:
             opts = dict(settings.backend_options)
-            http = {k[5:]: opts[k] for k in ("http_retries", "http_retry_delay") if k in opts}
+            http = {
+                name: opts[f"http_{name}"]
+                for name in ("retries", "retry_delay")
+                if f"http_{name}" in opts
+            }
             stored = _read_manifest(location, http)
             if settings.matrix not in stored.matrices:
                 raise InputError(
