@@ -167,6 +167,24 @@ def test_calibrate_writes_a_profile(data, tmp_path):
     assert "wrote" in r.stdout
 
 
+def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(data, tmp_path):
+    from sclayout.cost.profile import get_preset, load_profile
+
+    _, store = data
+    out = tmp_path / "p.json"
+    r = run_cli(
+        "calibrate", store, "--out", out, "--quick", "--quiet", "--cpu-from", "local-disk-here"
+    )
+    assert r.exit_code == 0, r.stderr
+    p, preset = load_profile(out), get_preset("local-disk-here")
+    assert p.codecs == preset.codecs and p.cores == preset.cores
+    assert p.densify_s_per_value == preset.densify_s_per_value
+    assert p.latency_s != preset.latency_s  # the storage is this store's, measured now
+    r = run_cli("calibrate", store, "--out", tmp_path / "q.json", "--cpu-from", "no-such-preset")
+    assert_one_line_error(r, "no-such-preset")
+    assert not (tmp_path / "q.json").exists()
+
+
 def test_calibrate_bad_target(tmp_path):
     r = run_cli("calibrate", tmp_path / "nothing", "--out", tmp_path / "p.json")
     assert_one_line_error(r, "not a file, directory or http(s) URL")

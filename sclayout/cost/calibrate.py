@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from loader.backends import is_url
+from loader.backends import http_context_spec, is_url
 from loader.errors import InputError
 from sclayout.cost.profile import CodecSpeed, Profile
 
@@ -222,6 +222,8 @@ class _Reader:
             {
                 "file_io_concurrency": {"limit": max(IN_FLIGHT)},
                 "http_request_concurrency": {"limit": max(IN_FLIGHT)},
+                # the loader's bounded retries: a vanished server fails, not hangs
+                **(http_context_spec() if kv_spec["driver"] == "http" else {}),
             }
         )
         self.kv = ts.KvStore.open(kv_spec, context=ctx).result()
@@ -636,9 +638,11 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     if not x.is_csr:
         return None
 
+    context = ts.Context(http_context_spec() if is_url(location) else {})
+
     def read(path: str, stop: int) -> np.ndarray:
         spec = {"driver": "zarr3", "kvstore": _ts_kvstore(location, path)}
-        arr = ts.open(spec, read=True).result()
+        arr = ts.open(spec, read=True, context=context).result()
         return np.asarray(arr[:stop].read().result())
 
     n = min(x.shape[0], 4096)

@@ -38,13 +38,28 @@ was ~20 % optimistic), and rewriting a whole dataset is not free."""
 @click.option("--quick", is_flag=True, help="A few seconds instead of about a minute (rougher).")
 @click.option("--no-evict", is_flag=True, help="Local target: keep the page cache (warm).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--cpu-from",
+    "cpu_from",
+    default=None,
+    metavar="PROFILE",
+    help="Measure the storage only (~20 s) and take the CPU figures from this profile "
+    "(JSON or preset) measured on this machine.",
+)
 def calibrate_command(
-    target: str, out: Path, name: str | None, quick: bool, no_evict: bool, quiet: bool
+    target: str,
+    out: Path,
+    name: str | None,
+    quick: bool,
+    no_evict: bool,
+    quiet: bool,
+    cpu_from: str | None,
 ) -> None:
     """Measure a storage profile of TARGET (a local directory, cold cache, or the
     http(s) URL of a layout store): latency, bandwidth, throughput vs requests in
     flight, codec decode speeds and assembly cost on this CPU."""
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from sclayout.cost.profile import resolve_profile
 
     t0 = time.perf_counter()
     profile = calibrate(
@@ -53,6 +68,7 @@ def calibrate_command(
         plan=CalibrationPlan.quick() if quick else None,
         evict=not no_evict,
         progress=not quiet,
+        cpu_from=resolve_profile(cpu_from) if cpu_from else None,
     )
     try:
         profile.save(out)
