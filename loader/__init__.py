@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from loader._torch import worker_context
 from loader.backends import get_backend, register_backend
 from loader.dataset import BlockDataset
 from loader.errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "register_backend",
     "register_strategy",
     "strategies",
+    "worker_context",
 ]
 __version__ = "0.1.0"
 

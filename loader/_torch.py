@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import multiprocessing.context
+import os
 import warnings
 from collections import deque
 from typing import Any
@@ -19,7 +21,13 @@ from loader.assemble import CSRRows, DenseRows
 from loader.dataset import BlockDataset
 from loader.errors import InputError, LayoutError
 
-__all__ = ["dataloader_class", "pack_group", "to_torch", "torch_dataset_class"]
+__all__ = [
+    "dataloader_class",
+    "pack_group",
+    "to_torch",
+    "torch_dataset_class",
+    "worker_context",
+]
 
 _GROUP = "_sclayout_group"
 
@@ -46,6 +54,41 @@ def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
         "obs": {c: torch.from_numpy(v) for c, v in batch["obs"].items()},
         "index": torch.from_numpy(batch["index"]),
     }
+
+
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned DataLoader worker that ends the way a forked one does.
+
+    ``multiprocessing`` ends a forked child with ``os._exit`` once its target has
+    returned and its own clean-up (thread joins, finalizers, stream flushes) has run;
+    a spawned child instead goes on to finalize the interpreter. There, a thread still
+    inside C++ (torch's or tensorstore's) that asks for the GIL is stopped by
+    ``pthread_exit``, which aborts the process when it unwinds a ``noexcept`` frame
+    ("terminate called without an active exception"): the main process then sees
+    "DataLoader worker ... killed by signal: Aborted" while shutting its workers down
+    (once in CI, in a calibration run that stops its loader mid-epoch). Ending here
+    keeps the exit code and skips only that finalization, as fork does; ``atexit``
+    handlers registered inside a worker do not run (nor do they after fork).
+    """
+
+    def _bootstrap(self, parent_sentinel: Any = None) -> int:
+        code = super()._bootstrap(parent_sentinel)  # runs the worker, then cleans up
+        os._exit(code)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _WorkerProcess
+
+
+_WORKER_CONTEXT = _WorkerContext()
+
+
+def worker_context() -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing_context`` :class:`BlockDataLoader` starts workers with:
+    ``spawn`` (tensorstore cannot run in a process forked after its parent read data),
+    with workers that skip interpreter finalization at exit (see
+    :class:`_WorkerProcess`). Pass it to a plain ``torch.utils.data.DataLoader`` too."""
+    return _WORKER_CONTEXT
 
 
 def _shared_bytes(nbytes: int) -> Any:
@@ -236,8 +279,8 @@ def dataloader_class() -> type:
             """A ``DataLoader`` for a :class:`BlockDataset` that counts delivered batches.
 
             It passes ``batch_size=None`` (the dataset batches), starts workers with
-            ``multiprocessing_context="spawn"`` unless told otherwise (tensorstore aborts
-            a worker forked after the parent read data), and reports every
+            :func:`worker_context` (spawn) unless given another context (tensorstore
+            aborts a worker forked after the parent read data), and reports every
             delivered minibatch to the dataset so that ``ds.state_dict()`` is exact with
             ``num_workers > 0``.
             """
@@ -255,8 +298,11 @@ def dataloader_class() -> type:
                         "BlockDataLoader: in_order=False makes the order depend on timing; "
                         "drop it (state_dict needs the round-robin order)"
                     )
-                if kwargs.get("num_workers", 0) > 0:
-                    kwargs.setdefault("multiprocessing_context", "spawn")
+                if kwargs.get("num_workers", 0) > 0 and kwargs.get("multiprocessing_context") in (
+                    None,
+                    "spawn",
+                ):
+                    kwargs["multiprocessing_context"] = worker_context()
                 super().__init__(dataset, **kwargs)
 
             def __iter__(self):

@@ -19,11 +19,12 @@ Workers and fork safety
     own reader lazily, on first use, and reopens it when it finds itself in a new
     process. The readers run thread pools (tensorstore, h5py locks): a process forked
     *after* the parent has read data can deadlock inside them. :class:`BlockDataLoader`
-    therefore starts workers with ``multiprocessing_context="spawn"`` by default; with a
-    plain ``torch.utils.data.DataLoader`` pass ``multiprocessing_context="spawn"``
-    (or ``"forkserver"``) yourself unless the main process never reads batches (a
-    forked worker of a process that has read with tensorstore raises an
-    :class:`~loader.errors.InputError` saying so).
+    therefore spawns its workers by default (:func:`loader.worker_context`: spawned
+    workers that skip interpreter finalization at exit, where a torch or tensorstore
+    thread can abort them); with a plain ``torch.utils.data.DataLoader`` pass
+    ``multiprocessing_context=loader.worker_context()`` (or ``"spawn"``) yourself unless
+    the main process never reads batches (a forked worker of a process that has read
+    with tensorstore raises an :class:`~loader.errors.InputError` saying so).
 
 Memory
     ``prefetch`` fetches (default 2) are in flight while one is consumed: peak ≈

@@ -101,3 +101,45 @@ def test_spawned_workers_many_groups(stores, source, output):
         want = _expected(ds, 2)
         assert len(got) == len(want)
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
+
+
+def _exit_with(code, marker):
+    import atexit
+
+    # a finalization-time handler: a worker of worker_context() never reaches it
+    atexit.register(lambda: open(marker, "w").close())
+    if code == "raise":
+        raise RuntimeError("worker failed")
+    raise SystemExit(code)
+
+
+@pytest.mark.parametrize(("code", "want"), [(0, 0), (3, 3), ("raise", 1)])
+def test_worker_context_keeps_the_exit_code_and_skips_finalization(tmp_path, code, want):
+    import multiprocessing
+
+    import loader
+
+    marker = tmp_path / "finalized"
+    p = loader.worker_context().Process(target=_exit_with, args=(code, str(marker)))
+    p.start()
+    p.join(60)
+    assert p.exitcode == want
+    assert not marker.exists()
+    # the same target in a plain spawned process does finalize (the check can fail)
+    q = multiprocessing.get_context("spawn").Process(target=_exit_with, args=(0, str(marker)))
+    q.start()
+    q.join(60)
+    assert q.exitcode == 0 and marker.exists()
+
+
+def test_block_dataloader_spawns_with_the_worker_context(stores):
+    import loader
+
+    ds = BlockDataset(stores["shuffled"], batch_size=8, fetch_factor=2, seed=0)
+    for ctx in (None, "spawn"):
+        kw = {} if ctx is None else {"multiprocessing_context": ctx}
+        assert BlockDataLoader(ds, num_workers=2, **kw).multiprocessing_context is (
+            loader.worker_context()
+        )
+    fork = BlockDataLoader(ds, num_workers=2, multiprocessing_context="forkserver")
+    assert fork.multiprocessing_context is not loader.worker_context()
