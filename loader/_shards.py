@@ -24,7 +24,8 @@ decoded) are read and decoded whole on first use and served from memory.
 
 Anything else (other codecs, HTTP, index at an unknown place, chunks that do not
 span the trailing dimensions) is left to tensorstore: :func:`open_direct` returns
-``None`` for it. Shard-index checksums (``crc32c``) are not verified.
+``None`` for it. A shard index's ``crc32c`` checksum (sclayout's stores have one) is
+verified when the index is first read, as zarr-python and tensorstore do.
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), all announced to the kernel at submit; decode threads =
@@ -296,6 +297,8 @@ class DirectArray:
                     raw = os.pread(fd, size, end - size)
                 else:
                     raw = os.pread(fd, size, 0)
+                if self.meta.index_crc:
+                    _check_crc32c(raw, f"{self.folder}: shard {shard}'s index")
                 index = np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
             self._index[shard] = index
             return index
@@ -433,6 +436,19 @@ class DirectArray:
                 "reconvert the store"
             )
         blosc.decompress(src, target)
+
+
+def _check_crc32c(raw: bytes, what: str) -> None:
+    """Raise :class:`LayoutError` unless the last 4 bytes of ``raw`` are the
+    little-endian crc32c of the rest (zarr v3's ``crc32c`` codec)."""
+    import google_crc32c  # zarr-python's own dependency for this codec
+
+    stored = int.from_bytes(raw[-4:], "little")
+    if len(raw) < 4 or google_crc32c.value(raw[:-4]) != stored:
+        raise LayoutError(
+            f"{what} fails its crc32c checksum: the file is corrupt or was changed "
+            "while read; restore it or reconvert the store"
+        )
 
 
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)

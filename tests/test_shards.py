@@ -118,6 +118,22 @@ def test_corrupted_chunk_is_a_clear_error(tmp_path):
         _read(_direct(folder), [[80, 100]])
 
 
+def test_corrupted_shard_index_fails_its_checksum(tmp_path):
+    v = np.arange(400, dtype=np.float32)
+    arr = _write(tmp_path / "a", v, chunk=20, shard_chunks=4, compress=True)
+    folder = Path(arr.store.root)
+    shard = folder / "c" / "2"
+    raw = bytearray(shard.read_bytes())
+    # the second chunk's offset, one byte later: still inside the file, so without the
+    # checksum the read would decode from the wrong place
+    raw[-(4 * 16 + 4) + 16] += 1
+    shard.write_bytes(bytes(raw))
+    direct = _direct(folder)
+    assert np.array_equal(_read(direct, [[0, 80]]), v[:80])  # other shards still read
+    with pytest.raises(LayoutError, match=r"shard 2's index fails its crc32c checksum.*reconvert"):
+        _read(direct, [[170, 190]])
+
+
 def test_metadata_parse_rejects_big_endian(tmp_path):
     v = np.arange(100, dtype=np.float32)
     arr = _write(tmp_path / "a", v, chunk=10, shard_chunks=5, compress=True)
