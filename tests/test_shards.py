@@ -99,34 +99,40 @@ def test_unsupported_arrays_are_left_to_tensorstore(tmp_path):
     assert _shards.open_direct(str(tmp_path), "missing") is None
 
 
-def test_corrupted_chunk_is_a_clear_error(tmp_path):
+INDEX_BYTES = 4 * 16 + 4
+"""Shard index of :func:`_shard_to_damage`'s array: 4 chunks × (offset, nbytes) + crc32c."""
+
+
+def _shard_to_damage(tmp_path: Path, shard_no: int) -> tuple[np.ndarray, Path, Path, bytearray]:
+    """400 float32 values in blosc shards of 4 chunks of 20: the values, the array
+    folder, shard ``shard_no``'s file and its bytes."""
     v = np.arange(400, dtype=np.float32)
     arr = _write(tmp_path / "a", v, chunk=20, shard_chunks=4, compress=True)
     folder = Path(arr.store.root)
-    shard = folder / "c" / "1"
-    raw = bytearray(shard.read_bytes())
+    shard = folder / "c" / str(shard_no)
+    return v, folder, shard, bytearray(shard.read_bytes())
+
+
+def test_corrupted_chunk_is_a_clear_error(tmp_path):
+    _, folder, shard, raw = _shard_to_damage(tmp_path, 1)
     n = 4
-    index = np.frombuffer(bytes(raw[-(n * 16 + 4) : -4]), dtype="<u8").reshape(n, 2)
+    index = np.frombuffer(bytes(raw[-INDEX_BYTES:-4]), dtype="<u8").reshape(n, 2)
     off = int(index[0, 0])
     raw[off + 4 : off + 8] = (123).to_bytes(4, "little")  # blosc header: decoded size
     shard.write_bytes(bytes(raw))
     direct = _direct(folder)
     with pytest.raises(LayoutError, match=r"chunk 4 decodes to 123 bytes, expected 80"):
         _read(direct, [[80, 100]])
-    shard.write_bytes(bytes(raw[: off + 10]) + bytes(raw[-(n * 16 + 4) :]))
+    shard.write_bytes(bytes(raw[: off + 10]) + bytes(raw[-INDEX_BYTES:]))
     with pytest.raises(LayoutError, match="shard 1 ends before byte"):
         _read(_direct(folder), [[80, 100]])
 
 
 def test_corrupted_shard_index_fails_its_checksum(tmp_path):
-    v = np.arange(400, dtype=np.float32)
-    arr = _write(tmp_path / "a", v, chunk=20, shard_chunks=4, compress=True)
-    folder = Path(arr.store.root)
-    shard = folder / "c" / "2"
-    raw = bytearray(shard.read_bytes())
+    v, folder, shard, raw = _shard_to_damage(tmp_path, 2)
     # the second chunk's offset, one byte later: still inside the file, so without the
     # checksum the read would decode from the wrong place
-    raw[-(4 * 16 + 4) + 16] += 1
+    raw[-INDEX_BYTES + 16] += 1
     shard.write_bytes(bytes(raw))
     direct = _direct(folder)
     assert np.array_equal(_read(direct, [[0, 80]]), v[:80])  # other shards still read
