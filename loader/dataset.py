@@ -57,6 +57,8 @@ Resuming
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
@@ -66,7 +68,7 @@ import numpy as np
 
 from loader import sampler as S
 from loader._pipeline import run_plan
-from loader.errors import InputError
+from loader.errors import InputError, SpecError
 from loader.layout import parse_block_size
 
 __all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
@@ -83,7 +85,14 @@ _STATE_KEYS = (
     "rank",
     "n_obs",
     "n_blocks",
+    "block_size",
+    "replacement",
+    "epoch_rows",
+    "weights",
+    "rows",
 )
+"""Settings a state must match to resume (version 1 states hold the first nine)."""
+STATE_VERSION = 2
 WORKER_GROUP_BATCHES = 16
 """Minibatches a :class:`BlockDataLoader` worker sends to the main process as one item.
 
@@ -241,6 +250,9 @@ class BlockDataset:
         prefetch: int = DEFAULT_PREFETCH,
         matrix: str = "X",
     ) -> None:
+        # what the caller chose (a reader passed as path must agree; "X" is the default)
+        asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
+        asked["matrix"] = None if matrix == "X" else matrix
         settings = _spec_settings(spec)
         self._spec_num_workers = int(settings.get("num_workers", 0))
         batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
@@ -264,14 +276,42 @@ class BlockDataset:
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
         S.check_position(rank, world_size)
+        for name, flag in (("drop_last", drop_last), ("replacement", replacement)):
+            if not isinstance(flag, bool | np.bool_):
+                raise InputError(f"{name}={flag!r}: must be True or False")
 
         if _is_reader(path):
+            own = {k: getattr(path, k, None) for k in asked}
+            if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
+                asked["backend"] = None
+            clash = [
+                f"{k}={v!r}"
+                for k, v in asked.items()
+                if v is not None and own[k] is not None and v != own[k]
+            ]
+            if clash:
+                raise InputError(
+                    f"{', '.join(clash)}: the reader passed as path was opened with "
+                    f"{', '.join(f'{k}={own[k]!r}' for k in own)}; pass them to open_layout"
+                )
             reader, self._path = path, None
         else:
             self._path = _check_path(path)
             from loader.store import open_layout
 
-            reader = open_layout(self._path, block_size=block_size, backend=backend, matrix=matrix)
+            try:
+                reader = open_layout(
+                    self._path, block_size=block_size, backend=backend, matrix=matrix
+                )
+            except SpecError:
+                if asked["block_size"] is not None or block_size is None:
+                    raise
+                own_size = open_layout(self._path, backend=backend, matrix=matrix).block_size
+                raise SpecError(
+                    f"block_size={block_size} from the spec does not fit this store (its "
+                    f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
+                    "or convert the store with this spec"
+                ) from None
         self._reader_args = {"block_size": block_size, "backend": backend, "matrix": matrix}
         self._reader: Any = reader
         self._reader_pid = os.getpid()
@@ -397,13 +437,26 @@ class BlockDataset:
             "rank": self.rank,
             "n_obs": c.n_obs,
             "n_blocks": c.n_blocks,
+            "block_size": self.block_size,
+            "replacement": c.replacement,
+            "epoch_rows": c.epoch_rows,
+            "weights": _digest(None if c.row_weights is None else c.row_weights.tobytes()),
+            "rows": self._rows_digest(),
         }
+
+    def _rows_digest(self) -> str:
+        """Digest of which source row sits where (the store's row order and shape):
+        a state resumes the same rows only on a store with the same order."""
+        m = getattr(self._get_reader(), "manifest", None)  # one's own reader may have none
+        order = m.order.to_dict() if m is not None else None
+        return _digest(json.dumps([self.n_obs, self.n_vars, order], sort_keys=True).encode())
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the sampled sequence: epoch and minibatches delivered in it.
 
-        JSON-serialisable. Resuming needs the same data, settings, rank and number
-        of DataLoader workers.
+        JSON-serialisable (version 2: version 1 states still load). Resuming needs the
+        same data, settings, rank and number of DataLoader workers;
+        :meth:`load_state_dict` names whatever differs.
         """
         if int(self._shared[_UNTRACKED]):
             raise InputError(
@@ -412,7 +465,7 @@ class BlockDataset:
             )
         return {
             "format": STATE_FORMAT,
-            "version": 1,
+            "version": STATE_VERSION,
             "epoch": self.epoch,
             "consumed": self._position(),
             "num_workers": max(1, self._tracked_workers),
@@ -423,19 +476,27 @@ class BlockDataset:
         """Resume: the next iteration yields the minibatches after ``state``'s position."""
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise InputError("load_state_dict: not a BlockDataset state (from ds.state_dict())")
+        version = state.get("version")
+        if version not in (1, STATE_VERSION):
+            raise InputError(
+                f"load_state_dict: state version {version!r} is not readable by this "
+                f"loader (reads 1 and {STATE_VERSION}); upgrade sclayout"
+            )
         mine = self._settings_for_state()
-        diff = [
-            f"{k}={state.get(k)!r} (now {mine[k]!r})"
-            for k in _STATE_KEYS
-            if state.get(k) != mine[k]
-        ]
+        keys = _STATE_KEYS[:9] if version == 1 else _STATE_KEYS
+        diff = [f"{k}={state.get(k)!r} (now {mine[k]!r})" for k in keys if state.get(k) != mine[k]]
         if diff:
             raise InputError(
                 "load_state_dict: the state was saved with other settings: "
                 + ", ".join(diff)
                 + "; create the dataset with the saved settings"
             )
-        epoch, consumed = int(state["epoch"]), int(state["consumed"])
+        for k in ("epoch", "consumed", "num_workers"):
+            v = state.get(k, 1 if k == "num_workers" else None)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (k == "num_workers"):
+                low = "a positive" if k == "num_workers" else "a non-negative"
+                raise InputError(f"load_state_dict: {k}={v!r} must be {low} integer")
+        epoch, consumed = state["epoch"], state["consumed"]
         total = len(self)
         if not 0 <= consumed <= total:
             raise InputError(f"load_state_dict: consumed={consumed} outside 0..{total}")
@@ -608,6 +669,10 @@ def _spec_settings(spec: Any) -> dict[str, Any]:
     return out
 
 
+def _digest(data: bytes | None) -> str | None:
+    return None if data is None else hashlib.sha1(data).hexdigest()[:16]
+
+
 def _obs_codes(reader: Any, column: str) -> tuple[np.ndarray, list]:
     try:
         codes, cats = reader.obs_codes(column)
@@ -654,8 +719,9 @@ def _row_weights(
         return per_class[codes[class_column]]  # code -1 (missing) -> the trailing 0
     w_source = np.asarray(weights, dtype=np.float64)
     if w_source.shape != (reader.n_obs,):
+        got = f"{w_source.size} values" if w_source.ndim == 1 else f"shape {w_source.shape}"
         raise InputError(
-            f"weights: {w_source.size} values for {reader.n_obs} rows; give one weight "
+            f"weights: {got} for {reader.n_obs} rows; give a 1-D array of one weight "
             "per row (source order) or a {category: weight} mapping with class_column="
         )
     return w_source[np.asarray(reader.source_index(), dtype=np.int64)]

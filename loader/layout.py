@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -68,10 +69,18 @@ ENCODINGS = ("csr", "dense")
 _TOOL_VERSION = "0.1.0"
 
 
+MAX_COUNT = 2**40
+"""Largest block size, batch size, fetch factor or sample count accepted (rows are
+counted in int64; 2**40 rows is far beyond any dataset)."""
+
+
 def parse_block_size(value: Any, *, name: str = "block_size") -> int:
     """Validate a block size (or any positive integer knob) and return it as ``int``."""
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
+    # numbers.Integral: int and numpy's integers (bool is one too: refused)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral | float | str):
         raise SpecError(f"{name}={value!r}: must be a positive integer")
+    if isinstance(value, numbers.Integral):
+        value = int(value)
     try:
         as_float = float(value)
     except ValueError:
@@ -80,6 +89,8 @@ def parse_block_size(value: Any, *, name: str = "block_size") -> int:
         raise SpecError(f"{name}={value!r}: must be a positive integer")
     if int(as_float) <= 0:
         raise SpecError(f"{name}={value!r}: must be a positive integer")
+    if int(as_float) > MAX_COUNT:
+        raise SpecError(f"{name}={value!r}: must be at most 2**40")
     return int(as_float)
 
 

@@ -247,7 +247,10 @@ def check_nonnegative_int(value: object, name: str) -> None:
 
 
 def check_position(rank: int, world_size: int, worker: int = 0, num_workers: int = 1) -> None:
-    """Raise :class:`InputError` unless ``rank`` / ``worker`` are in range."""
+    """Raise :class:`InputError` unless ``rank`` / ``worker`` are integers in range."""
+    for name, v in (("rank", rank), ("world_size", world_size), ("worker", worker)):
+        if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+            raise InputError(f"{name}={v!r}: must be an integer")
     if world_size < 1 or not 0 <= rank < world_size:
         raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
     if num_workers < 1 or not 0 <= worker < num_workers:

@@ -305,6 +305,65 @@ def test_state_refuses_other_settings_and_untracked_workers():
         ds.state_dict()
 
 
+STATE_CLASHES = {
+    "block_size": (dict(block=160), dict(block=176)),  # both 2 blocks of 300 rows
+    "replacement": (
+        dict(strategy="weighted", weights=np.ones(300), replacement=True),
+        dict(strategy="weighted", weights=np.ones(300), replacement=False),
+    ),
+    "epoch_rows": (
+        dict(strategy="weighted", weights=np.ones(300), num_samples=200),
+        dict(strategy="weighted", weights=np.ones(300), num_samples=250),
+    ),
+    "weights": (
+        dict(strategy="weighted", weights=np.arange(300.0)),
+        dict(strategy="weighted", weights=np.arange(300.0)[::-1].copy()),
+    ),
+}
+
+
+@pytest.mark.parametrize("key", STATE_CLASHES)
+def test_state_refuses_other_sampling(key):
+    """Each pair yields other minibatches after the same position: a state of one
+    must not load into the other."""
+    a, b = ({**kw} for kw in STATE_CLASHES[key])
+    first = BlockDataset(memory_reader(300, block_size=a.pop("block", 16)), batch_size=10, **a)
+    other = BlockDataset(memory_reader(300, block_size=b.pop("block", 16)), batch_size=10, **b)
+    assert not same(indices(first)[3:], indices(other)[3:])
+    state = {**first.state_dict(), "consumed": 3}
+    with pytest.raises(InputError, match=rf"^load_state_dict: .*{key}=") as e:
+        other.load_state_dict(state)
+    assert "\n" not in str(e.value)
+
+
+def test_state_refuses_a_store_of_another_order(stores):
+    shuffled = BlockDataset(stores["shuffled"], batch_size=10)
+    original = BlockDataset(stores["original"], batch_size=10)
+    assert shuffled.n_obs == original.n_obs and shuffled.block_size == original.block_size
+    with pytest.raises(InputError, match=r"^load_state_dict: .*rows="):
+        original.load_state_dict(shuffled.state_dict())
+
+
+def test_state_of_version_1_still_loads_and_bad_positions_are_refused():
+    ds = BlockDataset(memory_reader(50, block_size=4), batch_size=5)
+    v1 = {k: v for k, v in ds.state_dict().items() if k not in ("block_size", "replacement")}
+    v1 = {k: v for k, v in v1.items() if k not in ("epoch_rows", "weights", "rows")}
+    ds.load_state_dict({**v1, "version": 1, "epoch": 2, "consumed": 4})
+    assert (ds.state_dict()["epoch"], ds.state_dict()["consumed"]) == (2, 4)
+    good = ds.state_dict()
+    for change, msg in [
+        ({"version": 99}, r"state version 99 is not readable"),
+        ({"epoch": -1}, r"epoch=-1 must be a non-negative integer"),
+        ({"epoch": "x"}, r"epoch='x' must be a non-negative integer"),
+        ({"consumed": 1.7}, r"consumed=1.7 must be a non-negative integer"),
+        ({"consumed": True}, r"consumed=True must be a non-negative integer"),
+        ({"consumed": 11}, r"consumed=11 outside 0..10"),
+        ({"num_workers": 0}, r"num_workers=0 must be a positive integer"),
+    ]:
+        with pytest.raises(InputError, match=rf"^load_state_dict: .*{msg}"):
+            ds.load_state_dict({**good, **change})
+
+
 # ---------------------------------------------------------------- weighted, end to end
 
 
@@ -375,6 +434,16 @@ BAD = {
     "balanced": (dict(strategy="class_balanced"), r"needs class_column="),
     "weights-len": (dict(strategy="weighted", weights=[1.0, 2.0]), r"^weights: 2 values for 203"),
     "rank": (dict(rank=2, world_size=2), r"^rank=2, world_size=2: need 0 <= rank"),
+    "rank-float": (dict(rank=0.5, world_size=2), r"^rank=0.5: must be an integer$"),
+    "world-float": (dict(rank=1, world_size=2.5), r"^world_size=2.5: must be an integer$"),
+    "drop-last-str": (dict(drop_last="False"), r"^drop_last='False': must be True or False$"),
+    "replacement-str": (dict(replacement="no"), r"^replacement='no': must be True or False$"),
+    "batch-huge": (dict(batch_size=10**20), r"^batch_size=\d+: must be at most 2\*\*40$"),
+    "block-huge": (dict(block_size=1e30), r"^block_size=1e\+30: must be at most 2\*\*40$"),
+    "weights-2d": (
+        dict(strategy="weighted", weights=np.ones((203, 1))),
+        r"^weights: shape \(203, 1\) for 203 rows; give a 1-D array",
+    ),
 }
 
 
@@ -383,6 +452,32 @@ def test_bad_input_one_line_error(stores, kw, msg):
     with pytest.raises(SclayoutError, match=msg) as e:
         BlockDataset(stores["shuffled"], **kw)
     assert "\n" not in str(e.value)
+
+
+def test_numpy_integers_are_integers(stores):
+    ds = BlockDataset(
+        stores["shuffled"], batch_size=np.int64(24), fetch_factor=np.int32(2), rank=np.int64(0)
+    )
+    assert (ds.batch_size, ds.fetch_factor, ds.rank) == (24, 2, 0)
+    assert type(ds.batch_size) is int
+
+
+def test_a_reader_as_path_refuses_other_reader_settings(stores):
+    from loader.store import open_layout
+
+    reader = open_layout(stores["shuffled"])
+    assert BlockDataset(reader, block_size=reader.block_size).block_size == reader.block_size
+    msg = r"^block_size=\d+: the reader passed as path .*open_layout"
+    with pytest.raises(InputError, match=msg):
+        BlockDataset(reader, block_size=2 * reader.block_size)
+
+
+def test_spec_block_size_that_does_not_fit_names_the_spec(stores, tmp_path):
+    own = BlockDataset(stores["shuffled"]).block_size
+    spec = LayoutSpec(store=StoreSpec(block_size=own + 1), loader=LoaderSettings(batch_size=8))
+    with pytest.raises(SclayoutError, match=rf"^block_size={own + 1} from the spec .* {own}\)"):
+        BlockDataset(stores["shuffled"], spec=spec)
+    assert BlockDataset(stores["shuffled"], spec=spec, block_size=own).batch_size == 8
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty-dir", "text-file", "future-version"])
