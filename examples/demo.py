@@ -218,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
         str(spec),
         "--plot",
         str(out / "recommend.png"),
+        "--overwrite",  # a re-run of the demo replaces its own outputs
     )
     step("3/6 convert with the recommended spec")
     sclayout("convert", str(data), str(store), "--spec", str(spec), "--overwrite")

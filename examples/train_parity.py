@@ -299,6 +299,7 @@ def recommended_store(
         profile,
         "--spec-out",
         str(spec),
+        "--overwrite",  # a re-run replaces its own spec
         check=False,
     )
     if res.returncode == 0 and spec.exists():

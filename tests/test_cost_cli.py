@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -94,9 +95,17 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         ),
         (("--label", "nope"), ("--label 'nope': no such obs column", "plate")),
         (("--block-sizes", "0,8"), ("--block-sizes='0,8'",)),
+        (("--memory-budget", "10XB"), ("--memory-budget '10XB': not a size",)),
+        (("--plot", "front.xyz"), ("--plot front.xyz: unknown image type '.xyz'",)),
+        (("--spec-out", "no/such/dir/s.json"), ("--spec-out no/such/dir/s.json: folder",)),
+        (
+            ("--orders", "original", "--min-diversity", "1"),
+            ("reaches it (best", "widen the search"),
+        ),
     ],
-    ids=["div-0", "div-1.5", "budget", "preset", "label", "block-sizes"],
-)
+    ids=["div-0", "div-1.5", "budget", "preset", "label", "block-sizes", "budget-unit",
+         "plot-type", "spec-dir", "diversity-unreachable"],
+)  # fmt: skip
 def test_recommend_bad_input(data, args, parts):
     src, _ = data
     r = run_cli(
@@ -121,6 +130,60 @@ def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data):
     err = run_cli(*args, "--memory-budget", "1KB").stderr
     budget = re.search(r"smallest feasible budget is (\d+MB)", err).group(1)
     assert run_cli(*args, "--memory-budget", budget).exit_code == 0
+
+
+def test_recommend_never_replaces_a_file_unasked(data, tmp_path):
+    src, _ = data
+    args = ("recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate")
+    keep = tmp_path / "mine.json"
+    keep.write_text("my notes")
+    r = run_cli(*args, "--spec-out", keep, "--min-diversity", "0.5")
+    assert_one_line_error(r, f"--spec-out {keep}: exists; pass --overwrite")
+    assert keep.read_text() == "my notes"
+    # the source itself, even with --overwrite
+    r = run_cli(*args, "--spec-out", src, "--overwrite")
+    assert_one_line_error(r, "is (inside) the input")
+    assert Path(src).stat().st_size > 10_000
+    # a plot that cannot be written: refused before the spec is written
+    spec = tmp_path / "spec.json"
+    r = run_cli(*args, "--spec-out", spec, "--plot", tmp_path / "nodir" / "f.png")
+    assert_one_line_error(r, "--plot", "does not exist; create it first")
+    assert not spec.exists()
+    r = run_cli(*args, "--spec-out", keep, "--min-diversity", "0.5", "--overwrite")
+    assert r.exit_code == 0, r.stderr
+    assert json.loads(keep.read_text())["format"] == "sclayout-spec"
+    assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temp left
+
+
+def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(data, tmp_path):
+    src, _ = data
+    r = run_cli("recommend", src, "--profile", "local-disk-here", "--orders", "stratified")
+    assert_one_line_error(r, "--orders stratified: needs --label COLUMN")
+    (tmp_path / "notes.txt").write_text("hello")
+    r = run_cli("recommend", tmp_path / "notes.txt", "--profile", "local-disk-here")
+    assert_one_line_error(r, "is neither HDF5 (.h5ad) nor a zarr store")
+
+
+@pytest.mark.parametrize(
+    ("change", "part"),
+    [
+        ({"concurrency": [[1, "x"]]}, "concurrency="),
+        ({"concurrency": [[1]]}, "concurrency="),
+        ({"concurrency": [[1, float("nan")]]}, "concurrency="),
+        ({"request_bytes": "abc"}, "request_bytes='abc'"),
+        ({"codecs": []}, "incomplete or malformed"),
+        ({"cores": float("inf")}, "cores=inf"),
+    ],
+    ids=["curve-str", "curve-short", "curve-nan", "request-bytes", "codecs-list", "cores-inf"],
+)
+def test_malformed_profile_is_a_one_line_error(data, tmp_path, change, part):
+    from sclayout.cost.profile import get_preset
+
+    src, _ = data
+    d = {**get_preset("local-disk-here").to_dict(), **change}
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    r = run_cli("recommend", src, "--profile", tmp_path / "p.json", *SMALL_SPACE)
+    assert_one_line_error(r, part)
 
 
 def test_unreadable_profile_file(data, tmp_path):
@@ -183,6 +246,28 @@ def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(data, tmp_path):
     r = run_cli("calibrate", store, "--out", tmp_path / "q.json", "--cpu-from", "no-such-preset")
     assert_one_line_error(r, "no-such-preset")
     assert not (tmp_path / "q.json").exists()
+
+
+def test_bench_times_a_dataset_of_one_minibatch_over_several_epochs(data):
+    _, store = data
+    r = run_cli(
+        "bench", store, "--batch-size", "100000", "--runs", "1", "--seconds", "0.3",
+        "--profile", "local-disk-here", "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)  # strict JSON: no NaN
+    assert out["measured_cells_per_s"] > 0 and out["runs"][0]["batches"] >= 1
+
+
+def test_calibrate_refuses_to_replace_a_file_before_measuring(data, tmp_path):
+    _, store = data
+    keep = tmp_path / "p.json"
+    keep.write_text("{}")
+    r = run_cli("calibrate", store, "--out", keep, "--quick", "--quiet")
+    assert_one_line_error(r, "exists; pass --overwrite")
+    r = run_cli("calibrate", store, "--out", Path(store) / "zarr.json", "--overwrite")
+    assert_one_line_error(r, "is (inside) the input")
+    assert keep.read_text() == "{}"
 
 
 def test_calibrate_bad_target(tmp_path):

@@ -74,8 +74,11 @@ def measure_loader(
         Local paths: evict before and continuously during the run.
     """
     from loader.dataset import BlockDataset
+    from loader.errors import InputError
     from sclayout.measure import Evictor, diversity_ratio
 
+    if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
+        raise InputError(f"seconds={seconds!r}: must be a positive number")
     location = os.fspath(path)
     is_local = not location.startswith(("http://", "https://"))
     obs = (label,) if label else ()
@@ -122,19 +125,21 @@ def measure_loader(
                         done = True
                         break
                 else:
-                    done = i < WARMUP_BATCHES  # an epoch shorter than the warm-up
+                    done = i == 0  # no minibatch at all (short epochs: time over several)
             finally:
                 shutdown = getattr(it, "_shutdown_workers", None)
                 if shutdown is not None and done:
                     shutdown()
             epoch += 1
-    dt = time.perf_counter() - (t0 or time.perf_counter())
+    if t0 is None or n == 0:
+        raise InputError(f"{location}: the loader delivered no minibatch to time")
+    dt = time.perf_counter() - t0
     div = None
     if label and labels:
         all_codes = ds._get_reader().obs_codes(label)[0]
         div = diversity_ratio(labels, all_codes, batch_size=batch_size)
     return Measurement(
-        cells_per_s=cells / dt if dt > 0 else float("nan"),
+        cells_per_s=cells / dt,
         batches=n,
         cells=cells,
         seconds=dt,

@@ -26,6 +26,67 @@ absolutely (``benchmarks/costmodel.py`` run G: Spearman 0.94 locally, while the 
 was ~20 % optimistic), and rewriting a whole dataset is not free."""
 
 
+# ------------------------------------------------------------------------ outputs
+
+PLOT_SUFFIXES = (".png", ".pdf", ".svg", ".jpg", ".jpeg")
+
+
+def _check_output(
+    path: Path | None,
+    option: str,
+    *,
+    overwrite: bool,
+    inputs: tuple[str, ...] = (),
+    suffixes: tuple[str, ...] = (),
+) -> None:
+    """Refuse, before any work, an output file that cannot be written or that would
+    replace something: an existing file without ``--overwrite``, a folder, a path
+    equal to or inside one of ``inputs`` (the dataset, the calibrated store)."""
+    if path is None:
+        return
+    where = path.resolve()
+    for src in inputs:
+        if is_url(src):
+            continue
+        s = Path(src).resolve()
+        if where == s or s in where.parents:
+            raise InputError(f"{option} {path}: is (inside) the input {src}; write it elsewhere")
+    if suffixes and path.suffix.lower() not in suffixes:
+        raise InputError(
+            f"{option} {path}: unknown image type {path.suffix or '(none)'!r}; "
+            f"name it with one of {', '.join(suffixes)}"
+        )
+    if path.is_dir():
+        raise InputError(f"{option} {path}: is a folder; give a file path")
+    if path.exists() and not overwrite:
+        raise InputError(
+            f"{option} {path}: exists; pass --overwrite to replace it, or choose another path"
+        )
+    parent = where.parent
+    if not parent.is_dir():
+        raise InputError(f"{option} {path}: folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise InputError(f"{option} {path}: folder {parent} is not writable; choose another path")
+
+
+def _write_atomic(path: Path, option: str, write: Any) -> None:
+    """``write(tmp)`` into a temporary file beside ``path``, then rename it over
+    ``path``: a failed write leaves no half-written file and the old one intact."""
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise InputError(
+            f"{option} {path}: cannot write ({e.strerror or e}); choose a writable path"
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+_OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace output files that exist.")
+
+
 # ------------------------------------------------------------------------ calibrate
 
 
@@ -46,6 +107,7 @@ was ~20 % optimistic), and rewriting a whole dataset is not free."""
     help="Measure the storage only (~20 s) and take the CPU figures from this profile "
     "(JSON or preset) measured on this machine.",
 )
+@_OVERWRITE
 def calibrate_command(
     target: str,
     out: Path,
@@ -54,6 +116,7 @@ def calibrate_command(
     no_evict: bool,
     quiet: bool,
     cpu_from: str | None,
+    overwrite: bool,
 ) -> None:
     """Measure a storage profile of TARGET (a local directory, cold cache, or the
     http(s) URL of a layout store): latency, bandwidth, throughput vs requests in
@@ -61,6 +124,8 @@ def calibrate_command(
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from sclayout.cost.profile import resolve_profile
 
+    _check_output(out, "--out", overwrite=overwrite, inputs=(target,))
+    cpu = resolve_profile(cpu_from) if cpu_from else None
     t0 = time.perf_counter()
     profile = calibrate(
         target,
@@ -68,14 +133,9 @@ def calibrate_command(
         plan=CalibrationPlan.quick() if quick else None,
         evict=not no_evict,
         progress=not quiet,
-        cpu_from=resolve_profile(cpu_from) if cpu_from else None,
+        cpu_from=cpu,
     )
-    try:
-        profile.save(out)
-    except OSError as e:
-        raise InputError(
-            f"--out {out}: cannot write ({e.strerror}); choose a writable path"
-        ) from None
+    _write_atomic(out, "--out", profile.save)
     click.echo(_profile_summary(profile))
     click.echo(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
@@ -247,7 +307,9 @@ def _plot(result: Any, path: Path, title: str) -> None:
     default=None,
     help="Profile JSON or preset name [quick calibration of the data's location].",
 )
-@click.option("--top", type=int, default=10, show_default=True, help="Rows of the table.")
+@click.option(
+    "--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows of the table."
+)
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @click.option(
     "--plot",
@@ -268,8 +330,9 @@ def _plot(result: Any, path: Path, title: str) -> None:
     "--codecs", default=None, help="Codecs to search [blosc-lz4,blosc-zstd,zstd,gzip,none]."
 )
 @click.option("--workers", default=None, help="DataLoader worker counts to search [0,2].")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@_OVERWRITE
 def recommend_command(
     source: str,
     batch_size: int,
@@ -288,6 +351,7 @@ def recommend_command(
     workers: str | None,
     seed: int,
     quiet: bool,
+    overwrite: bool,
 ) -> None:
     """Recommend a layout (block size, fetch factor, chunk size, codec, row order) and
     loader settings for SOURCE (.h5ad, AnnData zarr or layout store): the fastest
@@ -299,12 +363,20 @@ def recommend_command(
     from sclayout.cost.stats import read_dataset_stats
 
     space = _space(block_sizes, fetch_factors, orders, codecs, workers)
-    budget = parse_memory_budget(memory_budget)
+    if "stratified" in (orders or "") and label is None:
+        raise InputError("--orders stratified: needs --label COLUMN (the column to stratify by)")
+    try:
+        budget = parse_memory_budget(memory_budget)
+    except InputError as e:
+        why = str(e).split(": ", 1)[-1]
+        raise InputError(f"--memory-budget {memory_budget!r}: {why}") from None
     _check_targets(min_diversity, budget)
     if batch_size < 1:
         raise InputError(f"--batch-size={batch_size}: must be a positive integer")
+    _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))
+    _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
+    stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
-    stats = read_dataset_stats(source, label=label)
     kw = dict(
         profile=prof,
         batch_size=batch_size,
@@ -354,13 +426,11 @@ def recommend_command(
             "n_candidates": len(result.candidates),
         }
     )
-    if spec_out is not None:
-        try:
-            spec.save(spec_out)
-        except OSError as e:
-            raise InputError(f"--spec-out {spec_out}: cannot write ({e.strerror})") from None
     if plot is not None:
-        _plot(result, plot, f"{Path(source).name}: batch {batch_size}, label {label}, {prof.name}")
+        title = f"{Path(source).name}: batch {batch_size}, label {label}, {prof.name}"
+        _write_atomic(plot, "--plot", lambda tmp: _plot(result, tmp, title))
+    if spec_out is not None:
+        _write_atomic(spec_out, "--spec-out", spec.save)
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str))
         return
@@ -431,12 +501,18 @@ def _space(
 
 @click.command("bench")
 @click.argument("source", type=str)
-@click.option("--batch-size", type=int, default=64, show_default=True)
-@click.option("--fetch-factor", type=int, default=16, show_default=True)
-@click.option("--block-size", type=int, default=None, help="[the store's]")
-@click.option("--workers", type=int, default=0, show_default=True)
-@click.option("--runs", type=int, default=3, show_default=True)
-@click.option("--seconds", type=float, default=8.0, show_default=True, help="Per run.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--fetch-factor", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--block-size", type=click.IntRange(min=1), default=None, help="[the store's]")
+@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(min=0, min_open=True, max=86400),
+    default=8.0,
+    show_default=True,
+    help="Per run.",
+)
 @click.option("--label", default=None, help="obs column for the diversity figure.")
 @click.option("--profile", default=None, help="Profile JSON or preset for the prediction.")
 @click.option("--warm", is_flag=True, help="Do not evict the page cache.")
@@ -462,8 +538,6 @@ def bench_command(
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
 
-    if runs < 1:
-        raise InputError(f"--runs={runs}: must be >= 1")
     reader = open_layout(source, block_size=block_size)
     prof, note = _resolve_profile(profile, source, quiet=as_json)
     settings = LoaderSettings(
@@ -510,7 +584,7 @@ def bench_command(
         "relative_error": pred.cells_per_s / cps - 1 if cps else None,
     }
     if as_json:
-        click.echo(json.dumps(out, indent=1, default=str))
+        click.echo(json.dumps(out, indent=1, default=str, allow_nan=False))
         return
     click.echo(note)
     regime = "warm" if warm or is_url(source) else "cold, evicted every 0.5 s"

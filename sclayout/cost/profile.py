@@ -194,8 +194,11 @@ class Profile:
             if not (isinstance(v, int | float) and math.isfinite(v) and v >= 0):
                 raise SpecError(f"profile {name}={v!r}: must be a number >= 0")
             object.__setattr__(self, name, float(v))
-        curve = tuple(sorted((int(n), float(r)) for n, r in self.concurrency))
-        if not curve or any(n < 1 or r <= 0 for n, r in curve):
+        try:
+            curve = tuple(sorted((int(n), float(r)) for n, r in self.concurrency))
+        except (TypeError, ValueError):
+            curve = ()
+        if not curve or any(n < 1 or not (math.isfinite(r) and r > 0) for n, r in curve):
             raise SpecError(
                 f"profile concurrency={self.concurrency!r}: needs (in_flight >= 1, "
                 "requests_per_s > 0) pairs"
@@ -215,13 +218,22 @@ class Profile:
             raise SpecError(
                 f"profile read_cpu_scope={self.read_cpu_scope!r}: unknown; known: process, machine"
             )
-        if not (isinstance(self.cpu_count, int | float) and self.cpu_count >= 0):
+        if not (
+            isinstance(self.cpu_count, int | float)
+            and math.isfinite(self.cpu_count)
+            and self.cpu_count >= 0
+        ):
             raise SpecError(f"profile cpu_count={self.cpu_count!r}: must be a number >= 0")
         object.__setattr__(self, "cpu_count", float(self.cpu_count))
-        if not (isinstance(self.cores, int | float) and self.cores >= 0.5):
+        if not (
+            isinstance(self.cores, int | float) and math.isfinite(self.cores) and self.cores >= 0.5
+        ):
             raise SpecError(f"profile cores={self.cores!r}: must be a number >= 0.5")
         object.__setattr__(self, "cores", float(self.cores))
-        object.__setattr__(self, "request_bytes", int(self.request_bytes))
+        rb = self.request_bytes
+        if isinstance(rb, bool) or not isinstance(rb, int | float) or not 0 <= rb < math.inf:
+            raise SpecError(f"profile request_bytes={rb!r}: must be a number of bytes >= 0")
+        object.__setattr__(self, "request_bytes", int(rb))
 
     def requests_per_s(self, in_flight: float) -> float:
         """Throughput in requests/s of reads of ``request_bytes`` with ``in_flight``
@@ -324,7 +336,9 @@ class Profile:
             kw["concurrency"] = tuple(tuple(p) for p in d["concurrency"])
             kw["codecs"] = {k: CodecSpeed(**v) for k, v in d["codecs"].items()}
             return cls(**kw)
-        except (KeyError, TypeError) as e:
+        except SpecError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise SpecError(
                 f"{where} is incomplete or malformed ({e}); recalibrate with `sclayout calibrate`"
             ) from None

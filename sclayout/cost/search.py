@@ -413,9 +413,16 @@ def _rank(
     ok = [c for c in fits if c.diversity >= min_diversity]
     if not ok:
         best = max(fits, key=lambda c: c.diversity)
+        # the budget is to blame only if a configuration it excluded reaches the target
+        over = [c for c in candidates if c.diversity >= min_diversity]
+        if over:
+            need = math.ceil(min(c.prediction.peak_memory for c in over) / 1e6)
+            fix = f"lower --min-diversity or raise --memory-budget to {need}MB"
+        else:
+            fix = "lower --min-diversity, or widen the search (--block-sizes, --fetch-factors)"
         raise InputError(
             f"--min-diversity={min_diversity}: no {what} within the memory budget reaches it "
-            f"(best {best.diversity:.3f}); lower --min-diversity or raise --memory-budget"
+            f"(best {best.diversity:.3f}); {fix}"
         )
     ranked = sorted(ok, key=lambda c: -c.cells_per_s)
     top = ranked[0].cells_per_s

@@ -76,8 +76,10 @@ def _obs_column(root: Any, label: str, where: str) -> np.ndarray:
 
 
 def _source_stats(path: Path, kind: str, label: str | None) -> DatasetStats:
+    from sclayout.convert.checks import check_source
     from sclayout.convert.source import open_group
 
+    check_source(path)  # convert's checks: one line for a file that is not AnnData
     with open_group(path) as root:
         if "X" not in root:
             raise InputError(f"{path}: no X matrix; pass an AnnData .h5ad or zarr store")
