@@ -225,7 +225,13 @@ class RowOrder:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RowOrder:
-        return cls(kind=d["kind"], seed=d.get("seed"), columns=tuple(d.get("columns", ())))
+        form = '{"kind": "original"|"shuffled"|"stratified", "seed": int, "columns": [names]}'
+        if not isinstance(d, Mapping) or "kind" not in d:
+            raise SpecError(f"order={d!r}: must be an object {form}")
+        columns = d.get("columns", ())
+        if not isinstance(columns, list | tuple) or not all(isinstance(c, str) for c in columns):
+            raise SpecError(f"order columns={columns!r}: must be a list of obs column names")
+        return cls(kind=d["kind"], seed=d.get("seed"), columns=tuple(columns))
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,12 @@ class LayoutSpec:
             )
         if "store" not in d:
             raise SpecError("layout spec lacks 'store'")
+        for key in ("store", "loader", "predicted"):
+            if key in d and not isinstance(d[key], Mapping):
+                raise SpecError(
+                    f"layout spec {key!r} is {type(d[key]).__name__}, not an object "
+                    '({"key": value, ...}); rewrite it with `sclayout recommend --spec-out FILE`'
+                )
         return cls(
             store=StoreSpec.from_dict(d["store"]),
             loader=LoaderSettings.from_dict(d.get("loader", {})),

@@ -321,6 +321,47 @@ def test_bad_spec_file(tmp_path, synth_h5ad):
     assert not (tmp_path / "o.zarr").exists()
 
 
+@pytest.mark.parametrize(
+    ("store", "message"),
+    [
+        ({"block_size": 4, "order": "shuffled"}, r"order='shuffled': must be an object"),
+        ({"block_size": 4, "order": {"seed": 3}}, r"order=\{'seed': 3\}: must be an object"),
+        (
+            {"block_size": 4, "order": {"kind": "stratified", "columns": "cat"}},
+            r"order columns='cat': must be a list of obs column names",
+        ),
+        (5, r"layout spec 'store' is int, not an object"),
+    ],
+    ids=["order-str", "order-no-kind", "columns-str", "store-int"],
+)
+def test_malformed_spec_is_a_clear_error(tmp_path, synth_h5ad, store, message):
+    spec = {"format": "sclayout-spec", "version": 1, "store": store}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    with pytest.raises(SpecError, match=message):
+        convert(synth_h5ad, tmp_path / "o.zarr", spec=tmp_path / "spec.json")
+    assert not (tmp_path / "o.zarr").exists()
+
+
+def test_corrupt_zarr_chunk_is_a_one_line_error(tmp_path, synth_h5ad):
+    src = tmp_path / "src.zarr"
+    ad.read_h5ad(synth_h5ad).write_zarr(src)
+    chunk = next(
+        p
+        for p in sorted((src / "X" / "data").rglob("*"))
+        if p.is_file()
+        and p.stat().st_size > 100
+        and p.name != "zarr.json"
+        and not p.name.startswith(".")
+    )
+    chunk.write_bytes(os.urandom(chunk.stat().st_size))
+    with pytest.raises(
+        InputError,
+        match=r"^SRC .*src\.zarr: reading X/data failed \(\w+Error: .*copy or download it again$",
+    ):
+        convert(src, tmp_path / "o.zarr")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src.zarr"]
+
+
 # -- destination safety ----------------------------------------------------------------------
 
 
@@ -351,6 +392,49 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(tmp_path, synth_h5ad):
     (stale / "X").mkdir(parents=True)
     convert(synth_h5ad, tmp_path / "o.zarr")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
+
+
+def test_overwrite_puts_the_old_store_back_if_the_new_one_cannot_take_its_place(
+    tmp_path, synth_h5ad, monkeypatch
+):
+    dst = tmp_path / "o.zarr"
+    convert(synth_h5ad, dst, block_size=10)
+    real = os.rename
+
+    def rename(a, b):
+        if ".sclayout-tmp-" in str(a):  # the second rename of the swap
+            raise OSError(39, "Directory not empty", str(b))
+        real(a, b)
+
+    monkeypatch.setattr(os, "rename", rename)
+    with pytest.raises(InputError, match=r"^DST .*o\.zarr: writing failed \(Directory not empty\)"):
+        convert(synth_h5ad, dst, block_size=20, overwrite=True)
+    monkeypatch.setattr(os, "rename", real)
+    assert _manifest(dst).block_size == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
+
+
+def test_a_store_moved_aside_by_a_killed_run_is_put_back(tmp_path, synth_h5ad):
+    import subprocess
+    import sys
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    convert(synth_h5ad, tmp_path / "o.zarr", block_size=10)
+    # killed between the two renames of --overwrite: the old store is only aside
+    os.rename(tmp_path / "o.zarr", tmp_path / f".o.zarr.sclayout-old-{dead}")
+    with pytest.raises(InputError, match="exists: pass --overwrite"):
+        convert(synth_h5ad, tmp_path / "o.zarr", block_size=20)
+    assert _manifest(tmp_path / "o.zarr").block_size == 10
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
+
+
+def test_a_name_too_long_for_the_temporary_sibling_is_refused_first(tmp_path, synth_h5ad):
+    with pytest.raises(InputError, match=r"name too long for its temporary sibling"):
+        convert(synth_h5ad, tmp_path / ("d" * 240 + ".zarr"))
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_failure_midway_leaves_nothing(tmp_path, synth_h5ad, monkeypatch):

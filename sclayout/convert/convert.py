@@ -94,6 +94,8 @@ WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 TMP_TAG = "sclayout-tmp"
 OLD_TAG = "sclayout-old"
+NAME_MAX = 255
+"""Longest file name (bytes) on Linux file systems: DST's temporary siblings must fit."""
 WORK_DIR = "_sclayout_work"
 
 
@@ -232,9 +234,15 @@ def convert(
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
     src_p, dst_p = Path(src), Path(os.path.abspath(dst))
     check_obs_columns(src_p, opts.order.columns, info=src_info)
-    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
-    _clean_stale(dst_p)
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
+    longest = max(len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode()))
+    if longest > NAME_MAX:
+        raise InputError(
+            f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, the "
+            f"file system allows {NAME_MAX}); choose a shorter name"
+        )
+    _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     try:
         with open_group(src_p) as root:
@@ -251,6 +259,11 @@ def convert(
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise InputError(
                 f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
+            ) from None
+        if _names_destination(e, tmp, dst_p):
+            raise InputError(
+                f"DST {dst_p}: writing failed ({e.strerror or e}); check the destination "
+                "(free space, quota, permissions) or choose another DST"
             ) from None
         with explain_read_errors(src_p):  # anything else: the source failed to read
             raise
@@ -299,23 +312,42 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _names_destination(e: OSError, tmp: Path, dst: Path) -> bool:
+    """Whether the failed call was on the store being written (or its final place)."""
+    names = [n for n in (e.filename, e.filename2) if n is not None]
+    roots = (str(tmp), str(dst))
+    return any(os.fspath(n).startswith(roots) for n in names)
+
+
 def _clean_stale(dst: Path) -> None:
-    """Remove temp/aside siblings of DST left by a conversion that was killed."""
+    """Tidy siblings of DST left by a conversion that was killed: remove its temp
+    store; put an aside (the old DST, moved out of the way by ``--overwrite``) back in
+    place when DST is missing, i.e. when the kill came between the two renames of
+    :func:`_install`, and remove it otherwise."""
     for tag in (TMP_TAG, OLD_TAG):
-        for p in dst.parent.glob(f".{dst.name}.{tag}-*"):
+        for p in sorted(dst.parent.glob(f".{dst.name}.{tag}-*")):
             pid = p.name.rsplit("-", 1)[-1]
-            if pid.isdigit() and (int(pid) == os.getpid() or not _pid_alive(int(pid))):
+            if not pid.isdigit() or (int(pid) != os.getpid() and _pid_alive(int(pid))):
+                continue
+            if tag == OLD_TAG and not dst.exists() and not dst.is_symlink():
+                os.rename(p, dst)
+            else:
                 shutil.rmtree(p, ignore_errors=True)
 
 
 def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
-    """Move the finished store into place; DST is never half-written."""
+    """Move the finished store into place; DST is never half-written, and the old
+    DST is put back if the new one cannot take its place."""
     if dst.exists():
         if not overwrite:  # appeared while we converted
             raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
         old = dst.parent / f".{dst.name}.{OLD_TAG}-{os.getpid()}"
         os.rename(dst, old)
-        os.rename(tmp, dst)
+        try:
+            os.rename(tmp, dst)
+        except OSError:
+            os.rename(old, dst)  # the user's store back where it was
+            raise
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, dst)

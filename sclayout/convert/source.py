@@ -383,10 +383,29 @@ def read_slice(
     ``buffer`` names a per-thread scratch buffer to read into (direct HDF5 reads
     only); the result is then valid until this thread reuses that name.
     """
-    reader = _open_array(src, array)
-    if isinstance(reader, DirectH5Reader):
-        return reader.read(start, stop, buffer=buffer)
-    return np.asarray(reader[start:stop])
+    with reading(src, array):
+        reader = _open_array(src, array)
+        if isinstance(reader, DirectH5Reader):
+            return reader.read(start, stop, buffer=buffer)
+        return np.asarray(reader[start:stop])
+
+
+@contextmanager
+def reading(src: str | os.PathLike, what: str) -> Iterator[None]:
+    """Turn what a damaged source raises besides ``OSError`` (a chunk that fails to
+    decompress: ``RuntimeError``; a broken HDF5 object header: ``KeyError`` from h5py;
+    a bad chunk in zarr: ``ValueError``) into a one-line :class:`InputError` naming
+    the element. ``OSError`` is left to the caller (it may be the destination's)."""
+    try:
+        yield
+    except InputError:
+        raise
+    except (RuntimeError, KeyError, ValueError) as e:
+        text = " ".join(str(e).split())[:200]
+        raise InputError(
+            f"SRC {src}: reading {what} failed ({type(e).__name__}: {text}): the file is "
+            "corrupt or truncated; copy or download it again"
+        ) from None
 
 
 def close_handles() -> None:
@@ -435,7 +454,7 @@ class Source:
     # -- small elements ---------------------------------------------------------------
     def read_elem(self, key: str) -> Any:
         """Read element ``key`` whole with anndata (quietly)."""
-        with warnings.catch_warnings():
+        with reading(self.path, key), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return ad.io.read_elem(self.root[key])
 
