@@ -592,3 +592,37 @@ def test_scheduler_needs_distributed_or_a_reachable_address(tmp_path, synth_h5ad
     with pytest.raises(InputError, match=re.escape(message)):
         convert(synth_h5ad, tmp_path / "o.zarr", scheduler="tcp://127.0.0.1:9")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_runner_stops_its_tasks_before_an_error_reaches_the_caller():
+    """The caller removes the temporary store on an error (or Ctrl-C): no task may
+    still be writing into it then, and queued tasks must not start."""
+    import threading
+    import time
+
+    from sclayout.convert.write import Runner
+
+    done: list[int] = []
+    started: list[int] = []
+    lock = threading.Lock()
+
+    def task(i: int) -> int:
+        with lock:
+            started.append(i)
+            first = len(started) == 1
+        if first:  # whichever task starts first fails
+            time.sleep(0.05)
+            raise RuntimeError("task 1 failed")
+        time.sleep(0.3)
+        with lock:
+            done.append(i)
+        return i
+
+    runner = Runner(jobs=2, scheduler=None, progress=False)
+    with pytest.raises(RuntimeError, match="task 1 failed"):
+        runner.run(task, list(range(12)), desc="t")
+    finished = len(done)
+    time.sleep(0.8)
+    assert len(done) == finished  # nothing ran on after run() raised
+    assert finished <= 3  # the queued tasks never started
+    assert runner.run(lambda i: i * 2, [1, 2, 3], desc="ok") == [2, 4, 6]

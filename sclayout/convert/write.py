@@ -12,7 +12,7 @@ import os
 import threading
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -283,9 +283,19 @@ class Runner:
             import dask.threaded
             from dask.callbacks import Callback
 
-            with Callback(posttask=lambda *a: bar.update()):
-                workers = min(self.jobs, width or self.jobs)
-                return list(dask.threaded.get(dsk, keys, num_workers=workers))
+            workers = min(self.jobs, width or self.jobs)
+            # our own pool: on an error or Ctrl-C, the tasks still running finish
+            # before the caller removes the folder they write into (dask's shared pool
+            # would keep writing, recreating it), and the queued ones never start
+            pool = ThreadPoolExecutor(workers, thread_name_prefix=f"sclayout-{desc}")
+            try:
+                with Callback(posttask=lambda *a: bar.update()):
+                    return list(dask.threaded.get(dsk, keys, num_workers=workers, pool=pool))
+            except BaseException:
+                pool.shutdown(wait=True, cancel_futures=True)
+                raise
+            finally:
+                pool.shutdown(wait=True)
         finally:
             bar.close()
             release_scratch()  # one phase's buffers must not outlive it (peak memory)
