@@ -440,9 +440,21 @@ class BlockDataset:
             "block_size": self.block_size,
             "replacement": c.replacement,
             "epoch_rows": c.epoch_rows,
-            "weights": _digest(None if c.row_weights is None else c.row_weights.tobytes()),
-            "rows": self._rows_digest(),
+            **self._digests(),
         }
+
+    def _digests(self) -> dict[str, str | None]:
+        """The weights' and the rows' digests, computed once (hashing 10^8 weights
+        takes a second; a training loop may checkpoint often)."""
+        cached = self.__dict__.get("_state_digests")
+        if cached is None:
+            w = self.config.row_weights
+            cached = {
+                "weights": _digest(None if w is None else w.tobytes()),
+                "rows": self._rows_digest(),
+            }
+            self.__dict__["_state_digests"] = cached
+        return cached
 
     def _rows_digest(self) -> str:
         """Digest of which source row sits where (the store's row order and shape):
