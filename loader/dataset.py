@@ -448,8 +448,7 @@ class BlockDataset:
 
     def _digests(self) -> dict[str, str | None]:
         """The weights' and the rows' digests, computed on the first state_dict() and
-        kept (sha1 of 10^8 float64 weights: ~0.5 s on the dev VM; a training loop may
-        checkpoint often)."""
+        kept: hashing is linear in the rows, and a training loop may checkpoint often."""
         if self._state_digests is None:
             w = self.config.row_weights
             self._state_digests = {

@@ -439,14 +439,26 @@ def check_obs_columns(
 
 
 @contextlib.contextmanager
-def explain_read_errors(src: str | os.PathLike[str], *, what: str = "data") -> Iterator[None]:
+def explain_read_errors(
+    src: str | os.PathLike[str],
+    *,
+    what: str = "data",
+    errors: tuple[type[BaseException], ...] = (OSError,),
+) -> Iterator[None]:
     """Turn a low-level read failure of SRC (damaged chunk, truncated file) into an
-    :class:`InputError`; wrap the converter's and verify's reads in it."""
+    :class:`InputError`; wrap the converter's and verify's reads in it.
+
+    ``errors``: what counts as such a failure. Besides ``OSError``, a damaged source
+    raises ``RuntimeError`` (a chunk that fails to decompress), ``KeyError`` (h5py,
+    a broken object header) or ``ValueError`` (zarr); an :class:`InputError` passes."""
     try:
         yield
-    except OSError as e:
+    except InputError:
+        raise
+    except errors as e:
+        detail = _one_line(e) if isinstance(e, OSError) else f"{type(e).__name__}: {_one_line(e)}"
         raise _fail(
-            f"SRC {src}: reading {what} failed ({_one_line(e)}): the file is corrupt or "
+            f"SRC {src}: reading {what} failed ({detail}): the file is corrupt or "
             "truncated; copy or download it again"
         ) from None
 

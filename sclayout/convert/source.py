@@ -28,6 +28,7 @@ import zarr
 
 from loader.errors import InputError
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
+from sclayout.convert.checks import explain_read_errors
 
 __all__ = [
     "DirectH5Reader",
@@ -390,22 +391,11 @@ def read_slice(
         return np.asarray(reader[start:stop])
 
 
-@contextmanager
-def reading(src: str | os.PathLike, what: str) -> Iterator[None]:
-    """Turn what a damaged source raises besides ``OSError`` (a chunk that fails to
-    decompress: ``RuntimeError``; a broken HDF5 object header: ``KeyError`` from h5py;
-    a bad chunk in zarr: ``ValueError``) into a one-line :class:`InputError` naming
-    the element. ``OSError`` is left to the caller (it may be the destination's)."""
-    try:
-        yield
-    except InputError:
-        raise
-    except (RuntimeError, KeyError, ValueError) as e:
-        text = " ".join(str(e).split())[:200]
-        raise InputError(
-            f"SRC {src}: reading {what} failed ({type(e).__name__}: {text}): the file is "
-            "corrupt or truncated; copy or download it again"
-        ) from None
+def reading(src: str | os.PathLike, what: str) -> Any:
+    """What a damaged source raises besides ``OSError`` (which is left to the caller:
+    it may be the destination's), as a one-line :class:`InputError` naming ``what``
+    (:func:`sclayout.convert.checks.explain_read_errors`)."""
+    return explain_read_errors(src, what=what, errors=(RuntimeError, KeyError, ValueError))
 
 
 def close_handles() -> None:
