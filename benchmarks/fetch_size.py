@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--name", default="fetch_size")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
     args = ap.parse_args(argv)
     if not (args.store / "zarr.json").exists():
         sys.exit(f"error: {args.store}: no store; build it: python benchmarks/costmodel.py --build")
@@ -164,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
             f"{row['model_planned_read_kb_per_cell']:.1f} |"
         )
     md = "\n".join(lines) + "\n"
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{args.name}.md").write_text(md)
-    (RESULTS / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.md").write_text(md)
+    (args.out / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(md)
 
 

@@ -76,3 +76,23 @@ def test_costmodel_benchmark_smoke(tmp_path):
         assert r["rel_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
     assert doc["summary"]["local"]["n"] == len(doc["rows"])
     assert (tmp_path / "results" / "costmodel-profile-local-smoke.json").exists()
+
+
+def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory, tmp_path):
+    from _cost_util import shared_store
+
+    _, store = shared_store(tmp_path_factory)
+    out = subprocess.run(
+        [sys.executable, str(BENCH / "fetch_size.py"), "--store", str(store),
+         "--fetch-factors", "1,2", "--regimes", "warm,cold", "--rounds", "1",
+         "--seconds", "0.2", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "fetch_size.json").read_text())
+    assert sorted((r["regime"], r["fetch_factor"]) for r in rows) == [
+        ("cold", 1), ("cold", 2), ("warm", 1), ("warm", 2)
+    ]  # fmt: skip
+    for r in rows:
+        assert r["cells_per_s"] > 0 and r["model_planned_read_kb_per_cell"] > 0
+    assert "| cold | 2 |" in (tmp_path / "fetch_size.md").read_text()
