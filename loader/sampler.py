@@ -242,14 +242,19 @@ def worker_batches(cfg: SamplerConfig, *, world_size: int = 1, num_workers: int 
 
 def check_nonnegative_int(value: object, name: str) -> None:
     """Raise :class:`InputError` unless ``value`` is an integer >= 0 (not a bool)."""
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+    if not _is_int(value) or value < 0:
         raise InputError(f"{name}={value!r}: must be a non-negative integer")
+
+
+def _is_int(value: object) -> bool:
+    """An int or a numpy integer, not a bool."""
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
 def check_position(rank: int, world_size: int, worker: int = 0, num_workers: int = 1) -> None:
     """Raise :class:`InputError` unless ``rank`` / ``worker`` are integers in range."""
     for name, v in (("rank", rank), ("world_size", world_size), ("worker", worker)):
-        if isinstance(v, bool | np.bool_) or not isinstance(v, int | np.integer):
+        if not _is_int(v):
             raise InputError(f"{name}={v!r}: must be an integer")
     if world_size < 1 or not 0 <= rank < world_size:
         raise InputError(f"rank={rank}, world_size={world_size}: need 0 <= rank < world_size")
