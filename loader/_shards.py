@@ -15,9 +15,10 @@ encoded as ``bytes`` (little-endian) + optional ``blosc``, this module
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
    scratch buffer and their part copied;
-4. tells the kernel about every run when the fetch is submitted
-   (``posix_fadvise(WILLNEED)``), so disk reads of a whole fetch are in flight
-   before the decode threads reach them.
+4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
+   in one task queued on the decode threads ahead of the fetch's reads, so disk reads
+   of a whole fetch are in flight before the decode threads reach them, and the
+   caller's thread does not pay for starting them.
 
 Small arrays (``indptr``, ``source_index``: at most :data:`SMALL_ARRAY_BYTES`
 decoded) are read and decoded whole on first use and served from memory.
@@ -28,7 +29,7 @@ span the trailing dimensions) is left to tensorstore: :func:`open_direct` return
 verified when the index is first read, as zarr-python and tensorstore do.
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
-≤ :data:`RUN_BYTES`), all announced to the kernel at submit; decode threads =
+≤ :data:`RUN_BYTES`), all announced to the kernel ahead of the fetch's reads; decode threads =
 :data:`DECODE_THREADS` per process.
 """
 
@@ -307,6 +308,13 @@ class DirectArray:
     def submit(self, ranges: np.ndarray) -> Future[np.ndarray] | np.ndarray:
         """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds);
         returns the finished array (small arrays) or a future of it."""
+        return submit_reads([(self, ranges)])[0]
+
+    def _start(
+        self, ranges: np.ndarray
+    ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
+        """The output array, decode tasks and announcements of reading ``ranges``, or
+        the finished array (small arrays)."""
         self._check_pid()
         if self._small:
             whole = self._read_whole()
@@ -316,9 +324,13 @@ class DirectArray:
         total = int((ranges[:, 1] - ranges[:, 0]).sum())
         out = np.empty((total, *self.shape[1:]), dtype=self.dtype)
         tasks = self._tasks(ranges)
-        pool = _POOL.get()
-        futures = [pool.submit(self._run, out, task) for task in tasks]
-        return _Joined(out, futures)
+        announce = []
+        if _FADV_WILLNEED is not None and ANNOUNCE_READS:
+            for shard, start, length, _ in tasks:
+                fd = self._fd(shard) if start >= 0 else None
+                if fd is not None:
+                    announce.append((fd, start, length))
+        return out, tasks, announce
 
     def _read_whole(self) -> np.ndarray:
         if self._whole is None:
@@ -376,9 +388,6 @@ class DirectArray:
             if isinstance(t, list):
                 shard, start, end, chunks = t
                 t = (shard, start, end - start, chunks)
-                fd = self._fd(shard)
-                if fd is not None and _FADV_WILLNEED is not None and ANNOUNCE_READS:
-                    os.posix_fadvise(fd, start, end - start, _FADV_WILLNEED)
             out.append(t)
         return out
 
@@ -436,6 +445,42 @@ class DirectArray:
                 "reconvert the store"
             )
         blosc.decompress(src, target)
+
+
+def submit_reads(
+    items: list[tuple[DirectArray, np.ndarray]],
+) -> list[Future[np.ndarray] | np.ndarray]:
+    """Start reading ``ranges`` of each ``(array, ranges)``: one task on the decode
+    threads first tells the kernel about every run of all of them, then the runs are
+    read and decoded. Returns, per item, the finished array (small arrays) or a future.
+
+    The announcement runs on a decode thread, not the caller's: ``WILLNEED`` starts
+    the disk reads synchronously (~0.2 ms per call measured here), time the consumer
+    thread would otherwise lose.
+    """
+    started = [a._start(r) for a, r in items]
+    announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]
+    pool = _POOL.get()
+    if announce:
+        pool.submit(_announce, announce)
+    out: list[Future[np.ndarray] | np.ndarray] = []
+    for (array, _), s in zip(items, started):
+        if isinstance(s, np.ndarray):
+            out.append(s)
+            continue
+        buf, tasks, _ = s
+        out.append(_Joined(buf, [pool.submit(array._run, buf, t) for t in tasks]))
+    return out
+
+
+def _announce(runs: list[tuple[int, int, int]]) -> None:
+    """``posix_fadvise(WILLNEED)`` every ``(fd, offset, length)``; a hint, so errors
+    (e.g. a file closed meanwhile) are ignored."""
+    for fd, start, length in runs:
+        try:
+            os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
+        except OSError:
+            pass
 
 
 def _check_crc32c(raw: bytes, what: str) -> None:

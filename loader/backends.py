@@ -273,18 +273,15 @@ class TensorstoreBackend:
 
         futures: dict[str, Any] = {}
         empty: dict[str, np.ndarray] = {}
+        direct_items: list[tuple[str, Any, np.ndarray]] = []
         for key, (path, ranges) in request.items():
             ranges = _nonempty(ranges)
             direct = self._direct_array(path)
             if direct is not None:
                 if ranges.shape[0] == 0:
                     empty[key] = np.zeros((0, *direct.shape[1:]), dtype=direct.dtype)
-                    continue
-                got = direct.submit(ranges)
-                if isinstance(got, np.ndarray):
-                    empty[key] = got
                 else:
-                    futures[key] = got
+                    direct_items.append((key, direct, ranges))
                 continue
             arr = self._array(path)
             if ranges.shape[0] == 0:
@@ -293,6 +290,15 @@ class TensorstoreBackend:
             views = [arr[int(a) : int(b)] for a, b in ranges]
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
+        if direct_items:
+            from loader._shards import submit_reads
+
+            got = submit_reads([(d, r) for _, d, r in direct_items])
+            for (key, _, _), g in zip(direct_items, got):
+                if isinstance(g, np.ndarray):
+                    empty[key] = g
+                else:
+                    futures[key] = g
         return _TensorstorePending(futures, empty, self.location, request)
 
     def read_array(self, path: str) -> np.ndarray:

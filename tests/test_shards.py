@@ -160,3 +160,30 @@ def test_reopens_files_after_fork(arrays):
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypatch):
+    """``WILLNEED`` starts disk reads synchronously: the caller's thread (the training
+    loop's) must not pay for it. One task on the decode threads announces every run of
+    every array of the request, before any of them is read."""
+    if _shards._FADV_WILLNEED is None:
+        pytest.skip("no posix_fadvise on this platform")
+    import threading
+
+    calls: list[tuple[str, int]] = []
+    real = os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        if advice == _shards._FADV_WILLNEED:
+            calls.append((threading.current_thread().name, fd))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    a, b = _direct(arrays["blosc-1d"][0]), _direct(arrays["blosc-2d"][0])
+    ra, rb = np.array([[0, 1003]]), np.array([[5, 180]])
+    got = _shards.submit_reads([(a, ra), (b, rb)])
+    assert np.array_equal(got[0].result(), arrays["blosc-1d"][1])
+    assert np.array_equal(got[1].result(), arrays["blosc-2d"][1][5:180])
+    assert calls, "no run was announced"
+    assert all(name.startswith("sclayout-decode") for name, _ in calls)
+    assert {fd for _, fd in calls} == set(a._fds.values()) | set(b._fds.values())
