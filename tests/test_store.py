@@ -257,6 +257,27 @@ def test_tensorstore_cache_follows_the_block_span(built):
     assert forced.backend_options["cache_bytes"] == 123
 
 
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatch, in_memory):
+    """A store's source index is read whole once when small, and with each fetch when
+    larger than ``INDEX_IN_MEMORY_BYTES``: both give the rows' source ids."""
+    import loader.store as store_mod
+    import zarr
+
+    path = _path(built, "conv-shuffled-csr")
+    if not in_memory:
+        monkeypatch.setattr(store_mod, "INDEX_IN_MEMORY_BYTES", 0)
+    reader = open_layout(path)
+    asked = []
+    submit = reader._io.submit
+    monkeypatch.setattr(reader._io, "submit", lambda req: asked.append(set(req)) or submit(req))
+    f = reader.submit(np.array([4, 0, 2])).result()
+    stored = np.asarray(zarr.open_group(str(path), mode="r")[reader.manifest.source_index][...])
+    np.testing.assert_array_equal(f.index, stored[f.rows])
+    assert ("source_index" in asked[0]) is not in_memory
+    check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
+
+
 def test_tune_malloc_is_idempotent():
     from loader.store import tune_malloc
 
