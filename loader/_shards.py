@@ -464,7 +464,7 @@ def submit_reads(
     if announce:
         pool.submit(_announce, announce)
     out: list[Future[np.ndarray] | np.ndarray] = []
-    for (array, _), s in zip(items, started):
+    for (array, _), s in zip(items, started, strict=True):
         if isinstance(s, np.ndarray):
             out.append(s)
             continue

@@ -294,7 +294,7 @@ class TensorstoreBackend:
             from loader._shards import submit_reads
 
             got = submit_reads([(d, r) for _, d, r in direct_items])
-            for (key, _, _), g in zip(direct_items, got):
+            for (key, _, _), g in zip(direct_items, got, strict=True):
                 if isinstance(g, np.ndarray):
                     empty[key] = g
                 else:

@@ -261,8 +261,9 @@ def test_tensorstore_cache_follows_the_block_span(built):
 def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatch, in_memory):
     """A store's source index is read whole once when small, and with each fetch when
     larger than ``INDEX_IN_MEMORY_BYTES``: both give the rows' source ids."""
-    import loader.store as store_mod
     import zarr
+
+    import loader.store as store_mod
 
     path = _path(built, "conv-shuffled-csr")
     if not in_memory:
