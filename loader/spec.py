@@ -39,7 +39,8 @@ class StoreSpec:
     order
         Row order of the store.
     codec
-        Codec name (``blosc-lz4``, ``blosc-zstd``, ``zstd``, ``gzip``, ``none``).
+        Codec name (``blosc-lz4``, ``blosc-lz4hc``, ``blosc-zstd``, ``zstd``, ``gzip``,
+        ``none``).
     chunk_blocks
         Dense arrays: blocks per chunk along rows.
     csr_chunk_nnz

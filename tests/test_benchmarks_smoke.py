@@ -96,3 +96,37 @@ def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory
     for r in rows:
         assert r["cells_per_s"] > 0 and r["model_planned_read_kb_per_cell"] > 0
     assert "| cold | 2 |" in (tmp_path / "fetch_size.md").read_text()
+
+
+def test_codecs_benchmark_on_a_small_file(tmp_path):
+    from sclayout.datasets import make_tahoe_like
+
+    src = make_tahoe_like(
+        tmp_path / "s.h5ad", n_obs=300, n_vars=200, nnz_per_cell=20, n_plates=2,
+        n_cell_lines=3, seed=0,
+    )  # fmt: skip
+    out = subprocess.run(
+        [
+            sys.executable, str(BENCH / "codecs.py"), "--source", str(src),
+            "--codecs", "blosc-lz4,blosc-lz4hc,none", "--cells", "200", "--repeat", "1",
+            "--results", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "codecs.json").read_text())
+    rows = {r["codec"]: r for r in payload["rows"]}
+    assert set(rows) == {"blosc-lz4", "blosc-lz4hc", "none"}
+    assert rows["none"]["bytes_per_value"] == 8.0  # float32 value + int32 column id
+    for r in rows.values():
+        assert r["cells"] == 200 and r["decode_us_per_1k"] >= 0
+    assert rows["blosc-lz4"]["bytes_per_value"] < 8.0  # counts compress
+    assert "| s.h5ad | blosc-lz4hc |" in (tmp_path / "codecs.md").read_text()
+    bad = subprocess.run(
+        [sys.executable, str(BENCH / "codecs.py"), "--codecs", "lzma"],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "--codecs: unknown lzma; known:" in bad.stderr
