@@ -186,6 +186,27 @@ def test_malformed_profile_is_a_one_line_error(data, tmp_path, change, part):
     assert_one_line_error(r, part)
 
 
+def test_recommend_searches_only_the_codecs_its_profile_measured(data, tmp_path):
+    """A profile calibrated before a codec existed: the default codec list skips the
+    codec and says so; naming it with --codecs is a one-line error."""
+    from sclayout.cost.profile import get_preset
+
+    src, _ = data
+    d = get_preset("local-disk-here").to_dict()
+    d["codecs"].pop("blosc-lz4hc", None)
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    space = [a for a in SMALL_SPACE if a not in ("--codecs", "blosc-lz4,zstd")]
+    r = run_cli("recommend", src, "--label", "plate", "--profile", tmp_path / "old.json", *space)
+    assert r.exit_code == 0, r.stderr
+    assert "not searched: blosc-lz4hc (recalibrate" in r.stdout
+    assert "blosc-lz4hc" not in r.stdout.split("not searched")[0]
+    r = run_cli(
+        "recommend", src, "--label", "plate", "--profile", tmp_path / "old.json", *space,
+        "--codecs", "blosc-lz4hc",
+    )  # fmt: skip
+    assert_one_line_error(r, "codec='blosc-lz4hc': not in profile", "sclayout calibrate")
+
+
 def test_unreadable_profile_file(data, tmp_path):
     src, _ = data
     (tmp_path / "bad.json").write_text("{oops")
@@ -226,7 +247,7 @@ def test_calibrate_writes_a_profile(data, tmp_path):
     assert r.exit_code == 0, r.stderr
     p = load_profile(tmp_path / "p.json")
     assert p.kind == "local" and [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
-    assert set(p.codecs) == {"blosc-lz4", "blosc-zstd", "zstd", "gzip", "none"}
+    assert set(p.codecs) == {"blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none"}
     assert "wrote" in r.stdout
 
 

@@ -56,7 +56,7 @@ __all__ = [
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
 """Reads in flight of the concurrency curve (issue 4: 1…64)."""
-CODEC_NAMES = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
+CODEC_NAMES = ("blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none")
 REQUEST_BYTES = 64 * 1024
 """Size of the concurrency-curve reads: a compressed inner chunk of a 16–32-row
 block of a ~2,000-nnz/cell dataset (16–32 rows × 16 KB / ratio ~2.2)."""

@@ -327,7 +327,10 @@ def _plot(result: Any, path: Path, title: str) -> None:
 @click.option("--fetch-factors", default=None, help="Fetch factors to search, e.g. 4,16,64.")
 @click.option("--orders", default=None, help="Row orders to search [original,shuffled,stratified].")
 @click.option(
-    "--codecs", default=None, help="Codecs to search [blosc-lz4,blosc-zstd,zstd,gzip,none]."
+    "--codecs",
+    default=None,
+    help="Codecs to search [blosc-lz4,blosc-lz4hc,blosc-zstd,zstd,gzip,none: those the "
+    "profile measured].",
 )
 @click.option("--workers", default=None, help="DataLoader worker counts to search [0,2].")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
@@ -377,6 +380,14 @@ def recommend_command(
     _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
     stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
+    if codecs is None:  # the default list: search what the profile measured
+        unknown = [c for c in space.codecs if not prof.has_codec(c)]
+        if unknown and len(unknown) < len(space.codecs):
+            space = replace(space, codecs=tuple(c for c in space.codecs if c not in unknown))
+            prof_note += (
+                f"; codecs not in profile {prof.name!r}, not searched: {', '.join(unknown)} "
+                "(recalibrate with `sclayout calibrate` to include them)"
+            )
     kw = dict(
         profile=prof,
         batch_size=batch_size,

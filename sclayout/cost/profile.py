@@ -267,6 +267,10 @@ class Profile:
         net = per - self.request_bytes / self.bandwidth_Bps
         return max(net, 0.1 * per)
 
+    def has_codec(self, name: str) -> bool:
+        """Whether :meth:`codec` knows ``name`` (measured, or its byte-shuffle form)."""
+        return name in self.codecs or name.removesuffix("-bitshuffle") in self.codecs
+
     def codec(self, name: str) -> CodecSpeed:
         """Speed of codec ``name``; error names the codecs this profile measured."""
         try:

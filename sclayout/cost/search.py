@@ -64,7 +64,7 @@ class SearchSpace:
     ~130 MB decoded) on a stratified block-256 store measured ~27 % below the model's
     figure, while fetch factor 64 matched it within 5 %."""
     orders: tuple[str, ...] = ("original", "shuffled", "stratified")
-    codecs: tuple[str, ...] = ("blosc-lz4", "blosc-zstd", "zstd", "gzip", "none")
+    codecs: tuple[str, ...] = ("blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none")
     chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     """CSR inner chunk in units of a typical block's nnz (1.0: the converter's default)."""
     workers: tuple[int, ...] = (0,)
