@@ -45,6 +45,7 @@ Writes ``benchmarks/results/loader.{json,md,png}`` (``--results DIR`` elsewhere;
 from __future__ import annotations
 
 import argparse
+import itertools
 import shutil
 import sys
 import tempfile
@@ -85,7 +86,9 @@ BATCH = 64
 ORDERS = ("original", "shuffled", "stratified")
 STORE_BLOCK_SIZE = 32
 """Block size the stores are converted with; every swept block size is a multiple."""
-CODEC = "blosc-lz4"
+CODECS = ("blosc-lz4",)
+"""Codecs the stores are converted with (``--codecs``); with more than one, each order
+has one store per codec, labelled ``ORDER/CODEC``."""
 TARGET_CELLS_S = 120_000
 TARGET_VS_RANDOM = 25.0
 TARGET_DIVERSITY = 0.95
@@ -112,13 +115,16 @@ QUICK = {
 # ------------------------------------------------------------------ data
 
 
-def _stores(src: Path, work: Path, orders: Sequence[str], block_size: int) -> dict[str, Path]:
-    """The converted stores, built on first use and cached in ``work``."""
+def _stores(
+    src: Path, work: Path, orders: Sequence[str], block_size: int, codecs: Sequence[str] = CODECS
+) -> dict[str, Path]:
+    """The converted stores (``ORDER`` or, for several codecs, ``ORDER/CODEC`` ->
+    path), built on first use and cached in ``work``."""
     from sclayout.convert import convert
 
     out = {}
-    for order in orders:
-        dst = work / f"{src.stem}-{order}-b{block_size}-{CODEC}.zarr"
+    for order, codec in itertools.product(orders, codecs):
+        dst = work / f"{src.stem}-{order}-b{block_size}-{codec}.zarr"
         if dst.exists():
             try:
                 open_layout(dst)  # complete: the manifest is written last
@@ -130,8 +136,8 @@ def _stores(src: Path, work: Path, orders: Sequence[str], block_size: int) -> di
             by = ("plate", "cell_line") if order == "stratified" else ()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                convert(src, dst, block_size=block_size, order=order, by=by, seed=0, codec=CODEC)
-        out[order] = dst
+                convert(src, dst, block_size=block_size, order=order, by=by, seed=0, codec=codec)
+        out[order if len(codecs) == 1 else f"{order}/{codec}"] = dst
     return out
 
 
@@ -285,13 +291,13 @@ def _configs(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> li
                         }
                     )
     for workers in args.workers:
-        for order, path in stores.items():
-            if order == "original":
+        for source, path in stores.items():
+            if source.split("/")[0] == "original":
                 continue
             out.append(
                 {
                     "kind": "dataset",
-                    "source": order,
+                    "source": source,
                     "path": path,
                     "block_size": args.dataset_bs,
                     "fetch_factor": args.dataset_ff,
@@ -359,7 +365,8 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     return (
         "### Loader throughput and diversity (batch 64)\n\n"
         f"Source: `{src['name']}` ({fmt_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
-        f"{src['n_vars']:,} genes, sorted by plate). Stores: {CODEC}, converted with "
+        f"{src['n_vars']:,} genes, sorted by plate). Stores: {', '.join(meta['codecs'])}, "
+        "converted with "
         f"block_size {meta['store_block_size']}. Medians of {meta['repeat']} run(s); "
         f"`cold` = evicted before each run (check: cold {meta['cold_check_mb_s']:,.0f} MB/s "
         f"vs warm {meta['warm_check_mb_s']:,.0f} MB/s), `evicting` = also evicted every "
@@ -408,7 +415,8 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.scatter(
             r["diversity"],
             r["cells_per_s"],
-            c=colors.get(r["source"], "k"),
+            c=colors.get(r["source"].split("/")[0], "k"),
+            edgecolors="k" if r["source"].endswith("lz4hc") else "none",
             marker="D" if key[2] else ("o" if r.get("output") == "dense" else "^"),
             s=28,
             alpha=0.8,
@@ -446,6 +454,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=None, help="where to write loader.*")
     p.add_argument("--name", default="loader", help="results file stem [loader]")
     p.add_argument("--work", type=Path, default=None, help="folder of the converted stores")
+    p.add_argument(
+        "--codecs", default=",".join(CODECS), help="codecs of the stores, comma-separated"
+    )
     args = p.parse_args(argv)
     d = QUICK if args.quick else FULL
     args.repeat = args.repeat or d["repeat"]
@@ -461,6 +472,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.orders = tuple(o for o in args.orders.split(",") if o)
     args.outputs = tuple(o for o in args.outputs.split(",") if o)
     args.regimes = tuple(o for o in args.regimes.split(",") if o)
+    args.codecs = tuple(o for o in args.codecs.split(",") if o)
     args.cold_ff = ints(args.cold_ff) if args.cold_ff else d.get("cold_ff", (16,))
     return args
 
@@ -485,7 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with h5py.File(src, "r") as f:
             n_obs, n_vars = (int(v) for v in f["X"].attrs["shape"])
-        stores = _stores(src, work, args.orders, store_bs)
+        stores = _stores(src, work, args.orders, store_bs, args.codecs)
         labels = _plate_labels(src)
         check = check_eviction(src)
         print(check, flush=True)
@@ -552,6 +564,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cells_per_run": args.cells,
             "seconds_cap": args.seconds,
             "store_block_size": store_bs,
+            "codecs": list(args.codecs),
             "store_bytes": store_bytes,
             "source": {
                 "name": src.name,

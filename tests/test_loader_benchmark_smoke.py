@@ -40,3 +40,23 @@ def test_loader_benchmark_quick(tmp_path):
     assert "benchmarks/loader.py --quick" in md and "| true random (h5ad) |" in md
     png = tmp_path / "loader.png"
     assert png.stat().st_size < 300_000
+
+
+def test_loader_benchmark_compares_codecs(tmp_path):
+    """``--codecs a,b``: one store per order and codec, each measured and labelled."""
+    out = subprocess.run(
+        [
+            sys.executable, str(BENCH), "--quick", "--results", str(tmp_path),
+            "--orders", "shuffled", "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", "0",
+            "--regimes", "evicting",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "loader.json").read_text())
+    sources = {r["source"] for r in payload["rows"] if r["kind"] == "store"}
+    assert sources == {"shuffled/blosc-lz4", "shuffled/blosc-lz4hc"}
+    assert payload["meta"]["codecs"] == ["blosc-lz4", "blosc-lz4hc"]
+    assert "Stores: blosc-lz4, blosc-lz4hc" in (tmp_path / "loader.md").read_text()
