@@ -69,8 +69,17 @@ def run_plan(
                     )
                 ready[f.index] = (f, got)
         submit_more(first)  # keep the read-ahead full before taking rows
-        pieces = [ready[k][1].take(np.arange(a, b), output=output, obs=obs) for k, a, b in parts]
+        pieces = [_take(ready[k][1], a, b, output, obs) for k, a, b in parts]
         yield concat_batches(pieces)
+
+
+def _take(got: Any, a: int, b: int, output: str, obs: Sequence[str]) -> dict[str, Any]:
+    """Delivered rows ``a..b`` of a fetch: its ``take_slice`` where the reader's fetches
+    have one (:class:`loader.store.Fetched`), else ``take`` of the positions."""
+    fast = getattr(got, "take_slice", None)
+    if fast is not None:
+        return fast(a, b, output=output, obs=obs)
+    return got.take(np.arange(a, b), output=output, obs=obs)
 
 
 def concat_batches(pieces: list[dict[str, Any]]) -> dict[str, Any]:

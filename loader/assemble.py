@@ -18,6 +18,7 @@ There is no Python work per row.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,6 +35,7 @@ except ImportError:  # pragma: no cover - a future scipy that moved them
 __all__ = [
     "OUTPUTS",
     "CSRRows",
+    "DenseOrder",
     "DenseRows",
     "fetch_rows",
     "get_output",
@@ -103,6 +105,22 @@ def _scatter_decreasing(
 
 
 @dataclass(frozen=True)
+class DenseOrder:
+    """A fetch's delivery order prepared for dense minibatches (see
+    :meth:`CSRRows.prepare_dense` and :meth:`CSRRows.dense_slice`).
+
+    ``ptr`` interleaves the start and end of every delivered row's values,
+    ``[start(o_0), end(o_0), start(o_1), end(o_1), ...]``, so the scatter of
+    :func:`_scatter_interleaved` for delivered rows ``a..b`` is ``ptr[2a:2b]``, a view.
+    ``rises`` are the delivery positions ``i`` where ``order[i] > order[i - 1]``: a
+    slice holding none is non-increasing, as the scatter needs.
+    """
+
+    ptr: np.ndarray
+    rises: list[int]
+
+
+@dataclass(frozen=True)
 class CSRRows:
     """Rows of a fetch as CSR arrays: row ``i`` is ``data[indptr[i]:indptr[i+1]]``.
 
@@ -166,6 +184,32 @@ class CSRRows:
             csr_todense(n, self.n_vars, ptr, indices, data, out)
         elif n:  # pragma: no cover
             out[...] = sp.csr_matrix((data, indices, ptr), shape=out.shape).toarray()
+        return out
+
+    def prepare_dense(self, order: np.ndarray) -> DenseOrder | None:
+        """Per-fetch work of :meth:`dense_slice` for rows delivered in ``order`` (done
+        once, off the consumer's thread), or ``None`` where the scatter does not apply
+        (odd number of columns, values not float32)."""
+        if not _INTERLEAVED_OK or self.n_vars % 2 or self.data.dtype != np.float32:
+            return None
+        ip = self.indptr
+        ptr = np.empty(2 * order.shape[0], dtype=ip.dtype)
+        ptr[0::2] = ip[order]
+        ptr[1::2] = ip[order + 1]
+        rises = (np.flatnonzero(order[1:] > order[:-1]) + 1).tolist()
+        return DenseOrder(ptr, rises)
+
+    def dense_slice(self, prep: DenseOrder, a: int, b: int) -> np.ndarray | None:
+        """Delivered rows ``a..b`` (``b > a``) as :meth:`dense` gives them, with no
+        per-minibatch gather or check: one zeroed array and one scatter. ``None`` if
+        the slice is not non-increasing in stored position (use :meth:`dense`)."""
+        i = bisect.bisect_right(prep.rises, a)
+        if i < len(prep.rises) and prep.rises[i] < b:
+            return None
+        out = np.zeros((b - a, self.n_vars), dtype=np.float32)
+        csr_todense(
+            2 * (b - a) - 1, self.n_vars // 2, prep.ptr[2 * a : 2 * b], self.indices, self.data, out
+        )
         return out
 
     def view(self, pos: np.ndarray) -> sp.csr_matrix:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from loader.assemble import CSRRows, DenseRows, fetch_rows, get_output
+from loader.assemble import CSRRows, DenseOrder, DenseRows, fetch_rows, get_output
 from loader.backends import (
     TensorstoreSettings,
     get_backend,
@@ -620,7 +620,8 @@ class LayoutReader:
         if order is None:
             return Fetched(self, rows, index, values)
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
-        return Fetched(self, rows[order], index[order], values, order)
+        prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
+        return Fetched(self, rows[order], index[order], values, order, prep)
 
 
 class PendingFetch:
@@ -665,6 +666,7 @@ class Fetched:
         index: np.ndarray,
         values: CSRRows | DenseRows,
         order: np.ndarray | None = None,
+        dense_order: DenseOrder | None = None,
     ):
         self.reader = reader
         self.rows = rows
@@ -672,6 +674,7 @@ class Fetched:
         self.n_rows = int(rows.shape[0])
         self.values = values
         self._order = order
+        self._dense_order = dense_order
 
     @property
     def matrix(self) -> Any:
@@ -724,6 +727,32 @@ class Fetched:
         return {
             "X": fn(self.values, pos if self._order is None else self._order[pos]),
             "index": self.index[pos],
+            "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
+        }
+
+    def take_slice(
+        self, a: int, b: int, *, output: str = "dense", obs: Sequence[str] = ()
+    ) -> dict[str, Any]:
+        """:meth:`take` of the delivered rows ``a..b`` (``0 <= a < b <= n_rows``):
+        the minibatch loop's path, with slices instead of index arrays and, for dense
+        output of a fetch delivered in the sampler's order, the scatter prepared when
+        the fetch was assembled."""
+        a, b = int(a), int(b)
+        if not 0 <= a < b <= self.n_rows:
+            raise InputError(f"slice [{a}, {b}) out of range [0, {self.n_rows}) of this fetch")
+        X = None
+        if output == "dense" and self._dense_order is not None:
+            assert isinstance(self.values, CSRRows)
+            X = self.values.dense_slice(self._dense_order, a, b)
+        if X is None:
+            pos = np.arange(a, b)
+            X = get_output(output)(self.values, pos if self._order is None else self._order[pos])
+        if isinstance(obs, str):
+            obs = (obs,)
+        stored = self.rows[a:b] if obs else None
+        return {
+            "X": X,
+            "index": self.index[a:b].copy(),
             "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
         }
 

@@ -72,3 +72,29 @@ def test_no_gather_path_taken_only_where_it_applies(monkeypatch):
     even.dense(np.array([0, 11, 3]))  # not non-increasing
     rows_of(30, 20, dtype=np.float64).dense(down)  # the kernel adds into float32 only
     assert len(gathers) == 3
+
+
+@pytest.mark.parametrize("n_vars", [40, 41], ids=["even-vars", "odd-vars"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["f32", "f64"])
+def test_dense_slice_of_a_prepared_order_equals_dense(dtype, n_vars):
+    """The minibatch loop's path: slices of a delivery order whose minibatches are
+    each non-increasing (how the sampler orders them) equal ``dense`` of their
+    positions; a slice across a rise is handed back (``None``)."""
+    rows = rows_of(60, n_vars, dtype=dtype)
+    rng = np.random.default_rng(5)
+    perm = rng.permutation(rows.n_rows)
+    # minibatches of 8, each sorted decreasing, as the sampler delivers a fetch
+    order = np.concatenate([np.sort(perm[i : i + 8])[::-1] for i in range(0, 60, 8)])
+    prep = rows.prepare_dense(order)
+    if dtype != np.float32 or n_vars % 2:
+        assert prep is None  # the scatter needs float32 values and an even n_vars
+        return
+    assert prep is not None
+    for a in range(0, 60, 8):
+        b = min(a + 8, 60)
+        for lo, hi in ((a, b), (a + 1, b), (a, a + 1)):
+            got = rows.dense_slice(prep, lo, hi)
+            assert got is not None and got.dtype == np.float32 and got.flags.c_contiguous
+            np.testing.assert_array_equal(got, rows.dense(order[lo:hi]))
+    rise = next(i for i in range(1, 60) if order[i] > order[i - 1])
+    assert rows.dense_slice(prep, rise - 1, rise + 1) is None

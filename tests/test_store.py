@@ -189,6 +189,34 @@ class ReaderContract:
         got, want = (x.toarray() if sp.issparse(x) else x for x in (m, want))
         np.testing.assert_array_equal(got, want)
 
+    @pytest.mark.parametrize("output", ["dense", "csr"])
+    def test_take_slice_equals_take_of_the_positions(self, reader, output):
+        """The minibatch loop's ``take_slice(a, b)`` gives what ``take(arange(a, b))``
+        gives: on a fetch in sorted-block order, and permuted with each minibatch
+        non-increasing (the prepared dense path) or not (its fallback)."""
+        rng = np.random.default_rng(11)
+        blocks = rng.permutation(reader.n_blocks)[:3]
+        n = int(reader.block_lengths()[blocks].sum())
+        perm = rng.permutation(n)
+        sampler_like = np.concatenate([np.sort(perm[i : i + 5])[::-1] for i in range(0, n, 5)])
+        for order in (None, sampler_like, perm):
+            f = reader.submit(blocks, order=order).result()
+            csr32 = hasattr(f.values, "indptr") and f.values.data.dtype == np.float32
+            if order is sampler_like and csr32:
+                assert f._dense_order is not None  # the prepared path is taken
+            for a, b in ((0, 5), (5, 10), (2, 9), (n - 1, n)):
+                got = f.take_slice(a, b, output=output, obs=("plate",))
+                want = f.take(np.arange(a, b), output=output, obs=("plate",))
+                X, W = got["X"], want["X"]
+                if output == "csr":
+                    X, W = X.toarray(), W.toarray()
+                np.testing.assert_array_equal(X, W)
+                assert X.dtype == np.float32
+                np.testing.assert_array_equal(got["index"], want["index"])
+                np.testing.assert_array_equal(got["obs"]["plate"], want["obs"]["plate"])
+        with pytest.raises(InputError, match=r"slice \[3, 3\) out of range"):
+            f.take_slice(3, 3)
+
     def test_two_fetches_in_flight(self, reader, adata):
         a = reader.submit(np.array([0, 2]))
         b = reader.submit(np.array([1, reader.n_blocks - 1]))
