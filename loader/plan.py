@@ -21,7 +21,14 @@ import numpy as np
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout
 
-__all__ = ["FetchPlan", "ReadRange", "blocks_to_rows", "plan_fetch", "ranges_to_rows"]
+__all__ = [
+    "FetchPlan",
+    "ReadRange",
+    "blocks_to_rows",
+    "fetch_ranges",
+    "plan_fetch",
+    "ranges_to_rows",
+]
 
 
 class ReadRange(NamedTuple):
@@ -214,20 +221,10 @@ def plan_fetch(
         or max_gap_chunks < 0
     ):
         raise InputError(f"max_gap_chunks={max_gap_chunks!r}: must be an integer >= 0")
-    if matrix not in manifest.matrices:
-        raise InputError(
-            f"matrix={matrix!r}: not in the store; available: {', '.join(manifest.matrices)}"
-        )
+    ids, bounds, needed = fetch_ranges(
+        blocks, manifest=manifest, block_pointer=block_pointer, matrix=matrix
+    )
     layout = manifest.matrices[matrix]
-    if layout.is_csr and block_pointer is not None:
-        if len(block_pointer) != manifest.n_blocks + 1:
-            raise InputError(
-                f"block_pointer has {len(block_pointer)} values; the manifest's "
-                f"{manifest.n_blocks} blocks need {manifest.n_blocks + 1}"
-            )
-    ids = _as_blocks(blocks, manifest.n_blocks)
-    first, last, bounds = blocks_to_rows(ids, block_size=manifest.block_size, n_obs=manifest.n_obs)
-    needed = needed_ranges(bounds, first, last, matrix=layout, block_pointer=block_pointer)
     reads: list[ReadRange] = []
     n_chunks = bytes_read = bytes_needed = 0
     for name, ranges in needed.items():
@@ -249,6 +246,33 @@ def plan_fetch(
         bytes_needed=bytes_needed,
         bytes_read=bytes_read,
     )
+
+
+def fetch_ranges(
+    blocks: object,
+    *,
+    manifest: Manifest,
+    block_pointer: np.ndarray | None,
+    matrix: str = "X",
+) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """What a reader needs to issue a fetch, without :func:`plan_fetch`'s read
+    accounting: the sorted unique block ids, the ``(n, 2)`` stored-row ranges of
+    their runs, and the element ranges each array needs (same checks and errors)."""
+    if matrix not in manifest.matrices:
+        raise InputError(
+            f"matrix={matrix!r}: not in the store; available: {', '.join(manifest.matrices)}"
+        )
+    layout = manifest.matrices[matrix]
+    if layout.is_csr and block_pointer is not None:
+        if len(block_pointer) != manifest.n_blocks + 1:
+            raise InputError(
+                f"block_pointer has {len(block_pointer)} values; the manifest's "
+                f"{manifest.n_blocks} blocks need {manifest.n_blocks + 1}"
+            )
+    ids = _as_blocks(blocks, manifest.n_blocks)
+    first, last, bounds = blocks_to_rows(ids, block_size=manifest.block_size, n_obs=manifest.n_obs)
+    needed = needed_ranges(bounds, first, last, matrix=layout, block_pointer=block_pointer)
+    return ids, bounds, needed
 
 
 def plan_summary(plan: Mapping[str, object]) -> dict[str, int]:

@@ -42,7 +42,7 @@ from loader.backends import (
 )
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
-from loader.plan import FetchPlan, plan_fetch, ranges_to_rows
+from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
     "H5AD_DEFAULT_BLOCK_SIZE",
@@ -580,24 +580,25 @@ class LayoutReader:
             array, repeats allowed): the fetch is delivered as those rows, in that
             order (see :meth:`Fetched.permute`).
         """
-        plan = self.plan(blocks)
+        ids, bounds, needed = fetch_ranges(
+            blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
+        )
         layout = self.layout
-        bounds = np.asarray(plan["row_ranges"], dtype=np.int64).reshape(-1, 2)
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            n = plan["n_rows"]
+            n = int((bounds[:, 1] - bounds[:, 0]).sum())
             if order.ndim != 1 or (order.size and (order.min() < 0 or order.max() >= n)):
                 raise InputError(
                     f"order: must be a 1-d array of positions in [0, {n}), the fetch's {n} rows"
                 )
-        request = {key: (layout.arrays[key].path, ranges) for key, ranges in plan["needed"].items()}
+        request = {key: (layout.arrays[key].path, ranges) for key, ranges in needed.items()}
         if self.kind == "store" and not self._index_in_memory():
             request["source_index"] = (self.manifest.source_index, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
         io = self._io.submit(request)
         job = self._assembler().submit(self._assemble, io, bounds, order)
-        return PendingFetch(self, plan, job)
+        return PendingFetch(self, ids, job)
 
     def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
         """Wait for a fetch's reads and build its rows (runs in the assembly thread)."""
@@ -628,10 +629,19 @@ class PendingFetch:
     """A fetch whose reads are in flight; :meth:`result` waits for it (assembled once,
     in the reader's assembly thread)."""
 
-    def __init__(self, reader: LayoutReader, plan: FetchPlan, job: Future[Fetched]):
+    def __init__(self, reader: LayoutReader, blocks: np.ndarray, job: Future[Fetched]):
         self.reader = reader
-        self.plan = plan
+        self.blocks = blocks
         self._job = job
+        self._plan: FetchPlan | None = None
+
+    @property
+    def plan(self) -> FetchPlan:
+        """The fetch's :func:`loader.plan.plan_fetch` plan (computed when first asked:
+        the reads do not need its accounting)."""
+        if self._plan is None:
+            self._plan = self.reader.plan(self.blocks)
+        return self._plan
 
     def done(self) -> bool:
         """Whether the fetch is read and assembled."""

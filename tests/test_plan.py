@@ -170,3 +170,25 @@ def test_bad_input(kwargs, message):
     kw = {"manifest": m, "block_pointer": bp, **kwargs}
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         plan_fetch(kw.pop("blocks"), **kw)
+
+
+def test_fetch_ranges_are_the_plans_ranges_and_checks():
+    """The reader's light path gives the plan's blocks, row ranges and element ranges,
+    with the same errors."""
+    from loader.plan import fetch_ranges
+
+    m, _, bp = csr_manifest(100, 10, np.arange(100) % 7, chunk=50, ip_chunk=32)
+    for blocks in ([3, 1, 1, 2], [0], [5, 9, 4], []):
+        plan = plan_fetch(blocks, manifest=m, block_pointer=bp)
+        ids, bounds, needed = fetch_ranges(blocks, manifest=m, block_pointer=bp)
+        np.testing.assert_array_equal(ids, plan["blocks"])
+        assert [tuple(r) for r in bounds.tolist()] == plan["row_ranges"]
+        assert set(needed) == set(plan["needed"])
+        for k in needed:
+            np.testing.assert_array_equal(needed[k], plan["needed"][k])
+    with pytest.raises(InputError, match="block id 10 out of range"):
+        fetch_ranges([10], manifest=m, block_pointer=bp)
+    with pytest.raises(InputError, match="matrix='layers/x': not in the store"):
+        fetch_ranges([0], manifest=m, block_pointer=bp, matrix="layers/x")
+    with pytest.raises(InputError, match="block_pointer has 3 values"):
+        fetch_ranges([0], manifest=m, block_pointer=np.zeros(3))
