@@ -130,3 +130,34 @@ def test_codecs_benchmark_on_a_small_file(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "--codecs: unknown lzma; known:" in bad.stderr
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
+def test_loader_threads_benchmark_on_a_small_store(tmp_path):
+    from sclayout.convert import convert
+    from sclayout.datasets import make_tahoe_like
+
+    src = make_tahoe_like(
+        tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30, n_plates=2,
+        n_cell_lines=3, seed=0,
+    )  # fmt: skip
+    store = tmp_path / "s.zarr"
+    convert(src, store, block_size=16, order="shuffled", seed=0)
+    out = subprocess.run(
+        [
+            sys.executable, str(BENCH / "loader_threads.py"), "--store", str(store),
+            "--block-size", "16", "--fetch-factor", "2", "--runs", "1",
+            "--whole-array-bytes", "0", "--results", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    payload = json.loads((tmp_path / "loader_threads.json").read_text())
+    assert set(payload["summary"]) == {"full", "no-scatter"}
+    run = payload["runs"]["full"][0]
+    assert run["cells"] > 1900  # one epoch of 2,000 rows, less the untimed first batch
+    assert {"consumer (main)", "decode"} <= set(run["roles"])
+    assert run["roles"]["decode"]["threads"] == 2
+    assert "| full | consumer (main) | 1 |" in (tmp_path / "loader_threads.md").read_text()
