@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests._bench_util import run_benchmark, tiny_tahoe_like
+
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
@@ -99,23 +101,11 @@ def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory
 
 
 def test_codecs_benchmark_on_a_small_file(tmp_path):
-    from sclayout.datasets import make_tahoe_like
-
-    src = make_tahoe_like(
-        tmp_path / "s.h5ad", n_obs=300, n_vars=200, nnz_per_cell=20, n_plates=2,
-        n_cell_lines=3, seed=0,
+    src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=300, n_vars=200, nnz_per_cell=20)
+    run_benchmark(
+        BENCH / "codecs.py", "--source", src, "--codecs", "blosc-lz4,blosc-lz4hc,none",
+        "--cells", 200, "--repeat", 1, "--results", tmp_path, timeout=300,
     )  # fmt: skip
-    out = subprocess.run(
-        [
-            sys.executable, str(BENCH / "codecs.py"), "--source", str(src),
-            "--codecs", "blosc-lz4,blosc-lz4hc,none", "--cells", "200", "--repeat", "1",
-            "--results", str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     payload = json.loads((tmp_path / "codecs.json").read_text())
     rows = {r["codec"]: r for r in payload["rows"]}
     assert set(rows) == {"blosc-lz4", "blosc-lz4hc", "none"}
@@ -135,25 +125,15 @@ def test_codecs_benchmark_on_a_small_file(tmp_path):
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
 def test_loader_threads_benchmark_on_a_small_store(tmp_path):
     from sclayout.convert import convert
-    from sclayout.datasets import make_tahoe_like
 
-    src = make_tahoe_like(
-        tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30, n_plates=2,
-        n_cell_lines=3, seed=0,
-    )  # fmt: skip
+    src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30)
     store = tmp_path / "s.zarr"
     convert(src, store, block_size=16, order="shuffled", seed=0)
-    out = subprocess.run(
-        [
-            sys.executable, str(BENCH / "loader_threads.py"), "--store", str(store),
-            "--block-size", "16", "--fetch-factor", "2", "--runs", "1",
-            "--whole-array-bytes", "0", "--results", str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
+    run_benchmark(
+        BENCH / "loader_threads.py", "--store", store, "--block-size", 16,
+        "--fetch-factor", 2, "--runs", 1, "--whole-array-bytes", 0, "--results", tmp_path,
         timeout=300,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     payload = json.loads((tmp_path / "loader_threads.json").read_text())
     assert set(payload["summary"]) == {"full", "no-scatter"}
     run = payload["runs"]["full"][0]

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests._bench_util import run_benchmark
+
 BENCH = Path(__file__).parents[1] / "benchmarks" / "loader.py"
 
 
@@ -44,17 +46,10 @@ def test_loader_benchmark_quick(tmp_path):
 
 def test_loader_benchmark_compares_codecs(tmp_path):
     """``--codecs a,b``: one store per order and codec, each measured and labelled."""
-    out = subprocess.run(
-        [
-            sys.executable, str(BENCH), "--quick", "--results", str(tmp_path),
-            "--orders", "shuffled", "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", "0",
-            "--regimes", "evicting",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run_benchmark(
+        BENCH, "--quick", "--results", tmp_path, "--orders", "shuffled",
+        "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", 0, "--regimes", "evicting",
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     payload = json.loads((tmp_path / "loader.json").read_text())
     sources = {r["source"] for r in payload["rows"] if r["kind"] == "store"}
     assert sources == {"shuffled/blosc-lz4", "shuffled/blosc-lz4hc"}
