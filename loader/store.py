@@ -8,9 +8,10 @@
     batch = fetched.take(np.array([5, 0, 9]), output="dense", obs=("cell_line",))
 
 Memory: a :class:`Fetched` holds one fetch decoded (``rows × nnz/row × (4 + 4)``
-bytes for float32 data and int32 indices, plus 8 bytes per row); a
-:class:`PendingFetch` allocates the same once its reads land (and the within-fetch shuffle
-a second copy while it runs). With the dataset's read-ahead of two fetches, peak
+bytes for float32 data and int32 indices, plus up to 4 × 8 bytes per row: stored and
+source ids, the delivery order and the dense scatter's pointers); a
+:class:`PendingFetch` allocates the same once its reads land (the within-fetch shuffle
+copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
 :class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
 ``indptr`` and ``source_index`` arrays when they are at most 32 MiB
