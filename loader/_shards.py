@@ -454,9 +454,8 @@ def submit_reads(
     threads first tells the kernel about every run of all of them, then the runs are
     read and decoded. Returns, per item, the finished array (small arrays) or a future.
 
-    The announcement runs on a decode thread, not the caller's: ``WILLNEED`` starts
-    the disk reads synchronously (~0.2 ms per call measured here), time the consumer
-    thread would otherwise lose.
+    The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
+    the disk reads before it returns, time the consumer thread would otherwise lose.
     """
     started = [a._start(r) for a, r in items]
     announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]

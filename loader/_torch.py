@@ -314,8 +314,8 @@ def dataloader_class() -> type:
                     else:
                         # what torch's single-process iterator would do to the dataset's
                         # batches (already tensors: default_convert keeps them), without
-                        # its per-batch profiler scope and conversion walk: ~1 µs per
-                        # cell on the consumer's thread at 64-row minibatches
+                        # its per-batch profiler scope and conversion walk, which cost
+                        # the consumer's thread more than the loop's own Python
                         yield from iter(ds)
                     return
                 ds._begin_pass(self.num_workers)

@@ -80,9 +80,8 @@ _malloc_tuned = False
 INDEX_IN_MEMORY_BYTES = 32 * 2**20
 """A store's source index (8 bytes per row) up to this size (4M rows) is read whole
 once and each fetch's ids are taken from memory; larger ones are read with each
-fetch. Measured on the 200,000-row benchmark store (anndata writes the index in
-zstd chunks of 50,000 rows, which tensorstore decoded again for every fetch):
-0.75 µs of CPU per cell saved."""
+fetch. anndata writes the index in zstd chunks of 50,000 rows, which tensorstore
+otherwise decodes again for every fetch that touches them."""
 
 
 def tune_malloc() -> bool:
