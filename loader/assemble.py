@@ -37,6 +37,7 @@ __all__ = [
     "CSRRows",
     "DenseOrder",
     "DenseRows",
+    "builtin_output",
     "fetch_rows",
     "get_output",
     "register_output",
@@ -60,11 +61,20 @@ def _scatter_interleaved(
     and pseudo-row ``2k + 1`` spans ``end(p_k) .. start(p_{k+1})``, which is empty
     because ``p_{k+1} <= p_k``.
     """
-    n, n_vars = out.shape
-    ptr = np.empty(2 * n, dtype=indptr.dtype)
+    _scatter_ptr(_interleaved_ptr(pos, indptr), indices, data, out)
+
+
+def _interleaved_ptr(pos: np.ndarray, indptr: np.ndarray) -> np.ndarray:
+    """``[start(p0), end(p0), start(p1), end(p1), ...]`` of rows ``pos``."""
+    ptr = np.empty(2 * pos.shape[0], dtype=indptr.dtype)
     ptr[0::2] = indptr[pos]
     ptr[1::2] = indptr[pos + 1]
-    csr_todense(2 * n - 1, n_vars // 2, ptr, indices, data, out)
+    return ptr
+
+
+def _scatter_ptr(ptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray) -> None:
+    """The scatter of :func:`_scatter_interleaved` from interleaved pointers ``ptr``."""
+    csr_todense(ptr.shape[0] - 1, out.shape[1] // 2, ptr, indices, data, out)
 
 
 def _interleaved_works() -> bool:
@@ -189,27 +199,25 @@ class CSRRows:
     def prepare_dense(self, order: np.ndarray) -> DenseOrder | None:
         """Per-fetch work of :meth:`dense_slice` for rows delivered in ``order`` (done
         once, off the consumer's thread), or ``None`` where the scatter does not apply
-        (odd number of columns, values not float32)."""
+        (odd number of columns, values not float32) or would rarely serve: an order
+        rising at more than half of its positions (``streaming``: every slice rises)."""
         if not _INTERLEAVED_OK or self.n_vars % 2 or self.data.dtype != np.float32:
             return None
-        ip = self.indptr
-        ptr = np.empty(2 * order.shape[0], dtype=ip.dtype)
-        ptr[0::2] = ip[order]
-        ptr[1::2] = ip[order + 1]
-        rises = (np.flatnonzero(order[1:] > order[:-1]) + 1).tolist()
-        return DenseOrder(ptr, rises)
+        rises = np.flatnonzero(order[1:] > order[:-1]) + 1
+        if 2 * rises.size > order.shape[0]:
+            return None
+        return DenseOrder(_interleaved_ptr(order, self.indptr), rises.tolist())
 
     def dense_slice(self, prep: DenseOrder, a: int, b: int) -> np.ndarray | None:
         """Delivered rows ``a..b`` (``b > a``) as :meth:`dense` gives them, with no
-        per-minibatch gather or check: one zeroed array and one scatter. ``None`` if
-        the slice is not non-increasing in stored position (use :meth:`dense`)."""
+        per-minibatch gather: a bisection in ``prep.rises``, one zeroed array, one
+        scatter. ``None`` if the slice is not non-increasing in stored position (use
+        :meth:`dense`)."""
         i = bisect.bisect_right(prep.rises, a)
         if i < len(prep.rises) and prep.rises[i] < b:
             return None
         out = np.zeros((b - a, self.n_vars), dtype=np.float32)
-        csr_todense(
-            2 * (b - a) - 1, self.n_vars // 2, prep.ptr[2 * a : 2 * b], self.indices, self.data, out
-        )
+        _scatter_ptr(prep.ptr[2 * a : 2 * b], self.indices, self.data, out)
         return out
 
     def view(self, pos: np.ndarray) -> sp.csr_matrix:
@@ -337,8 +345,19 @@ def get_output(name: str) -> Callable[[Rows, np.ndarray], object]:
         raise InputError(f"output={name!r}: unknown; known: {', '.join(sorted(OUTPUTS))}") from None
 
 
-register_output("dense", lambda rows, pos: rows.dense(pos))
+def _dense(rows: Rows, pos: np.ndarray) -> np.ndarray:
+    return rows.dense(pos)
+
+
+def builtin_output(name: str) -> bool:
+    """Whether output ``name`` is still the one this module registered (a user may
+    have replaced it with :func:`register_output`)."""
+    return OUTPUTS.get(name) is _BUILTIN.get(name)
+
+
+register_output("dense", _dense)
 register_output("csr", lambda rows, pos: rows.csr(pos))
 register_output("view", lambda rows, pos: rows.view(pos))
+_BUILTIN = dict(OUTPUTS)
 """``view``: scipy CSR (or ndarray) in the stored dtype, sharing the fetch's memory
 where it can; for code that copies the rows on (DataLoader workers packing a group)."""

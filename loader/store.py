@@ -8,8 +8,8 @@
     batch = fetched.take(np.array([5, 0, 9]), output="dense", obs=("cell_line",))
 
 Memory: a :class:`Fetched` holds one fetch decoded (``rows × nnz/row × (4 + 4)``
-bytes for float32 data and int32 indices, plus up to 4 × 8 bytes per row: stored and
-source ids, the delivery order and the dense scatter's pointers); a
+bytes for float32 data and int32 indices, plus a few int64 per row: stored and source
+ids, the delivery order and the dense scatter's pointers); a
 :class:`PendingFetch` allocates the same once its reads land (the within-fetch shuffle
 copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-from loader.assemble import CSRRows, DenseOrder, DenseRows, fetch_rows, get_output
+from loader.assemble import (
+    CSRRows,
+    DenseOrder,
+    DenseRows,
+    builtin_output,
+    fetch_rows,
+    get_output,
+)
 from loader.backends import (
     TensorstoreSettings,
     get_backend,
@@ -731,14 +738,8 @@ class Fetched:
                 f"positions out of range [0, {self.n_rows}) of this fetch: "
                 f"min {int(pos.min())}, max {int(pos.max())}"
             )
-        if isinstance(obs, str):
-            obs = (obs,)
-        stored = self.rows[pos] if obs else None
-        return {
-            "X": fn(self.values, pos if self._order is None else self._order[pos]),
-            "index": self.index[pos],
-            "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
-        }
+        X = fn(self.values, pos if self._order is None else self._order[pos])
+        return self._batch(X, self.index[pos], self.rows[pos], obs)
 
     def take_slice(
         self, a: int, b: int, *, output: str = "dense", obs: Sequence[str] = ()
@@ -751,18 +752,24 @@ class Fetched:
         if not 0 <= a < b <= self.n_rows:
             raise InputError(f"slice [{a}, {b}) out of range [0, {self.n_rows}) of this fetch")
         X = None
-        if output == "dense" and self._dense_order is not None:
+        if output == "dense" and self._dense_order is not None and builtin_output("dense"):
             assert isinstance(self.values, CSRRows)
             X = self.values.dense_slice(self._dense_order, a, b)
         if X is None:
             pos = np.arange(a, b)
             X = get_output(output)(self.values, pos if self._order is None else self._order[pos])
+        return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs)
+
+    def _batch(
+        self, X: Any, index: np.ndarray, stored: np.ndarray, obs: Sequence[str] | str
+    ) -> dict[str, Any]:
+        """The minibatch dict of ``X``, source ids ``index`` and the obs codes of the
+        stored rows ``stored``."""
         if isinstance(obs, str):
             obs = (obs,)
-        stored = self.rows[a:b] if obs else None
         return {
             "X": X,
-            "index": self.index[a:b].copy(),
+            "index": index,
             "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
         }
 

@@ -98,3 +98,11 @@ def test_dense_slice_of_a_prepared_order_equals_dense(dtype, n_vars):
             np.testing.assert_array_equal(got, rows.dense(order[lo:hi]))
     rise = next(i for i in range(1, 60) if order[i] > order[i - 1])
     assert rows.dense_slice(prep, rise - 1, rise + 1) is None
+
+
+def test_dense_slice_not_prepared_for_orders_that_mostly_rise():
+    """A streaming (increasing) order would never take the prepared path: nothing is
+    prepared for it, and dense output goes through :meth:`CSRRows.dense`."""
+    rows = rows_of(60, 40)
+    assert rows.prepare_dense(np.arange(60)) is None
+    assert rows.prepare_dense(np.arange(60)[::-1]) is not None

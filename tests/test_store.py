@@ -307,6 +307,18 @@ def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatc
     check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
 
 
+def test_take_slice_honours_a_replaced_dense_output(built, monkeypatch):
+    """``register_output("dense", fn)`` replaces dense output for the minibatch loop too."""
+    from loader import assemble
+
+    reader = open_layout(built["own-shuffled-csr"])
+    n = int(reader.block_lengths()[[0, 1]].sum())
+    f = reader.submit(np.array([0, 1]), order=np.arange(n)[::-1].copy()).result()
+    assert f._dense_order is not None
+    monkeypatch.setitem(assemble.OUTPUTS, "dense", lambda rows, pos: np.full(len(pos), -1.0))
+    np.testing.assert_array_equal(f.take_slice(0, 3)["X"], [-1.0, -1.0, -1.0])
+
+
 def test_tune_malloc_is_idempotent():
     from loader.store import tune_malloc
 
