@@ -309,14 +309,16 @@ def dataloader_class() -> type:
             def __iter__(self):
                 ds = self.dataset
                 if self.num_workers == 0:  # the dataset counts in this process
-                    if self.pin_memory or self.collate_fn is not default_convert:
+                    if self.pin_memory or self.timeout or self.collate_fn is not default_convert:
                         yield from super().__iter__()
-                    else:
-                        # what torch's single-process iterator would do to the dataset's
-                        # batches (already tensors: default_convert keeps them), without
-                        # its per-batch profiler scope and conversion walk, which cost
-                        # the consumer's thread more than the loop's own Python
-                        yield from iter(ds)
+                        return
+                    # what torch's single-process iterator does with the dataset's
+                    # batches (already tensors: default_convert keeps them), without
+                    # its per-batch profiler scope and conversion walk, which cost the
+                    # consumer's thread more than the loop's own Python. Like torch, draw
+                    # the epoch's base seed, so seeded runs draw the same random numbers.
+                    torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+                    yield from iter(ds)
                     return
                 ds._begin_pass(self.num_workers)
                 n = self.num_workers

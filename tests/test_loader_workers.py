@@ -176,3 +176,28 @@ def test_in_process_loader_yields_the_datasets_batches(stores, monkeypatch, kw):
         assert isinstance(b["X"], torch.Tensor) and b["X"].dtype == torch.float32
         assert np.array_equal(as_numpy(b["X"]), truth[b["index"].numpy()])
         assert ("tag" in b) == ("collate_fn" in kw)
+
+
+def test_in_process_loader_draws_from_the_rng_like_torch(stores, monkeypatch):
+    """A seeded training run draws the same random numbers after an epoch as with
+    torch's own iterator (which draws the epoch's base seed), with or without a
+    generator; a timeout is refused by torch as before."""
+    from torch.utils.data import DataLoader
+
+    ds = BlockDataset(stores["shuffled"], batch_size=50, fetch_factor=2, seed=4)
+
+    def after_epoch(through_torch: bool, generator=None):
+        torch.manual_seed(0)
+        dl = BlockDataLoader(ds, num_workers=0, generator=generator)
+        it = DataLoader.__iter__(dl) if through_torch else iter(dl)
+        for _ in it:
+            pass
+        return torch.rand(1).item(), None if generator is None else generator.get_state()
+
+    assert after_epoch(True) == after_epoch(False)
+    g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    r1, s1 = after_epoch(True, g1)
+    r2, s2 = after_epoch(False, g2)
+    assert r1 == r2 and torch.equal(s1, s2)
+    with pytest.raises(AssertionError, match="timeout"):
+        next(iter(BlockDataLoader(ds, num_workers=0, timeout=5)))
