@@ -16,9 +16,10 @@ encoded as ``bytes`` (little-endian) + optional ``blosc``, this module
    output array, the one or two chunks a range cuts are decoded into a per-thread
    scratch buffer and their part copied;
 4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
-   in one task queued on the decode threads ahead of the fetch's reads, so disk reads
-   of a whole fetch are in flight before the decode threads reach them, and the
-   caller's thread does not pay for starting them.
+   in one task queued on the decode threads just ahead of the fetch's reads: the
+   caller's thread does not pay for it, and the announcement runs when the decode
+   threads reach the fetch (once the previous fetch's reads have all started), so the
+   kernel reads ahead the rest of the fetch while its first runs are decoded.
 
 Small arrays (``indptr``, ``source_index``: at most :data:`SMALL_ARRAY_BYTES`
 decoded) are read and decoded whole on first use and served from memory.
@@ -29,7 +30,7 @@ span the trailing dimensions) is left to tensorstore: :func:`open_direct` return
 verified when the index is first read, as zarr-python and tensorstore do.
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
-≤ :data:`RUN_BYTES`), all announced to the kernel ahead of the fetch's reads; decode threads =
+≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
 :data:`DECODE_THREADS` per process.
 """
 
@@ -58,8 +59,8 @@ RUN_BYTES = 1 << 20
 """Largest compressed run read and decoded as one task: a 1,024-row fetch of the
 benchmark store (~2.2 MB per array) splits into a few tasks per thread."""
 ANNOUNCE_READS = True
-"""Tell the kernel about a fetch's runs when it is submitted (``posix_fadvise``
-``WILLNEED``), so their disk reads start before a decode thread asks for them."""
+"""Tell the kernel about a fetch's runs (``posix_fadvise`` ``WILLNEED``) from the
+decode threads' queue, ahead of the fetch's own reads (see :func:`submit_reads`)."""
 SMALL_ARRAY_BYTES = 32 * 2**20
 """Arrays up to this many decoded bytes are read whole once and kept in memory."""
 
@@ -450,9 +451,10 @@ class DirectArray:
 def submit_reads(
     items: list[tuple[DirectArray, np.ndarray]],
 ) -> list[Future[np.ndarray] | np.ndarray]:
-    """Start reading ``ranges`` of each ``(array, ranges)``: one task on the decode
-    threads first tells the kernel about every run of all of them, then the runs are
-    read and decoded. Returns, per item, the finished array (small arrays) or a future.
+    """Start reading ``ranges`` of each ``(array, ranges)``: one task queued on the
+    decode threads tells the kernel about every run of all of them, then each run's
+    read-and-decode task is queued behind it (FIFO, after earlier fetches' tasks).
+    Returns, per item, the finished array (small arrays) or a future.
 
     The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
     the disk reads before it returns, time the consumer thread would otherwise lose.
@@ -473,8 +475,8 @@ def submit_reads(
 
 
 def _announce(runs: list[tuple[int, int, int]]) -> None:
-    """``posix_fadvise(WILLNEED)`` every ``(fd, offset, length)``; a hint, so errors
-    (e.g. a file closed meanwhile) are ignored."""
+    """``posix_fadvise(WILLNEED)`` every ``(fd, offset, length)``; a hint, so an OS
+    error (a file on a filesystem that refuses it) is ignored."""
     for fd, start, length in runs:
         try:
             os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
