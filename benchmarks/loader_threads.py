@@ -5,10 +5,10 @@ a store, evicted from the page cache every 0.5 s, ``--runs`` times, and reads ea
 thread's ``/proc/self/task/*/schedstat`` (time on a CPU, time runnable but waiting for
 one) and ``stat`` (user and system CPU) around the timed part; the rest of the wall
 time the thread slept (on the GIL, a lock, I/O or a queue). The consumer's time
-blocked on a fetch (``PendingFetch.result``) is measured apart. A second pass runs
-with the scatter into the dense output replaced by a no-op (``--no-scatter``), which
-leaves the consumer's own overhead: what ``np.zeros`` and scipy's ``csr_todense`` cost
-is the difference.
+blocked on a fetch (``PendingFetch.result``) is measured apart. A second pass
+(``no-scatter``) replaces the scatter into the dense output (scipy's ``csr_todense``)
+by a no-op: the difference is what the scatter costs (the zeroing, ``np.zeros``, runs
+in both passes).
 
 Linux only (``/proc``). Figures per cell are medians over runs.
 
@@ -18,7 +18,8 @@ Usage::
     python benchmarks/loader_threads.py --store S.zarr --block-size 1024 --fetch-factor 16
 
 The default store is ``benchmarks/loader.py``'s shuffled blosc-lz4hc store (build it
-with ``python benchmarks/loader.py --codecs blosc-lz4hc --orders shuffled``). Writes
+with ``python benchmarks/loader.py --codecs blosc-lz4hc --orders shuffled --name
+build --results /tmp/build``, which keeps the repository's results as they are). Writes
 ``benchmarks/results/loader_threads.{json,md}``.
 """
 

@@ -199,7 +199,16 @@ def test_recommend_searches_only_the_codecs_its_profile_measured(data, tmp_path)
     r = run_cli("recommend", src, "--label", "plate", "--profile", tmp_path / "old.json", *space)
     assert r.exit_code == 0, r.stderr
     assert "not searched: blosc-lz4hc (recalibrate" in r.stdout
-    assert "blosc-lz4hc" not in r.stdout.split("not searched")[0]
+    args = ("recommend", src, "--label", "plate", *space, "--json", "--top", "1000")
+    old = json.loads(run_cli(*args, "--profile", tmp_path / "old.json").stdout)
+    new = json.loads(run_cli(*args, "--profile", "local-disk-here").stdout)
+    assert "blosc-lz4hc" not in {row["codec"] for row in old["ranked"]}
+    assert "blosc-lz4hc" in {row["codec"] for row in new["ranked"]}
+    assert old["n_candidates"] < new["n_candidates"]
+    d["codecs"] = {"gzip-9": d["codecs"]["gzip"]}  # knows none of the searched codecs
+    (tmp_path / "none.json").write_text(json.dumps(d))
+    r = run_cli("recommend", src, "--label", "plate", "--profile", tmp_path / "none.json", *space)
+    assert_one_line_error(r, "measured none of the codecs searched", "sclayout calibrate")
     r = run_cli(
         "recommend", src, "--label", "plate", "--profile", tmp_path / "old.json", *space,
         "--codecs", "blosc-lz4hc",
@@ -301,3 +310,22 @@ def test_recommend_without_profile_calibrates_the_data_location_quickly(data):
     r = run_cli("recommend", src, "--label", "plate", *SMALL_SPACE, "--quiet")
     assert r.exit_code == 0, r.stderr
     assert f"profile: quick calibration of {src}" in r.stdout
+
+
+def test_search_api_skips_default_codecs_an_old_profile_lacks(data):
+    from dataclasses import replace
+
+    from sclayout.cost.profile import get_preset
+    from sclayout.cost.search import SearchSpace, measured_codecs, search
+    from sclayout.cost.stats import read_dataset_stats
+
+    src, _ = data
+    prof = get_preset("local-disk-here")
+    old = replace(prof, codecs={k: v for k, v in prof.codecs.items() if k != "blosc-lz4hc"})
+    space, missing = measured_codecs(SearchSpace(), old)
+    assert missing == ("blosc-lz4hc",) and "blosc-lz4hc" not in space.codecs
+    small = replace(space, block_sizes=(8,), fetch_factors=(4,), chunk_blocks=(1.0,))
+    assert measured_codecs(small, old) == (small, ())  # a caller's own list is kept
+    stats = read_dataset_stats(src, label="plate")
+    got = search(stats, profile=old, batch_size=16)  # the default space: no error
+    assert all(c.spec.store.codec != "blosc-lz4hc" for c in got.candidates)

@@ -362,7 +362,7 @@ def recommend_command(
     from dataclasses import replace
 
     from sclayout.convert.plan import parse_memory_budget
-    from sclayout.cost.search import _check_targets, search, search_loader
+    from sclayout.cost.search import _check_targets, measured_codecs, search, search_loader
     from sclayout.cost.stats import read_dataset_stats
 
     space = _space(block_sizes, fetch_factors, orders, codecs, workers)
@@ -380,14 +380,12 @@ def recommend_command(
     _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
     stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
-    if codecs is None:  # the default list: search what the profile measured
-        unknown = [c for c in space.codecs if not prof.has_codec(c)]
-        if unknown and len(unknown) < len(space.codecs):
-            space = replace(space, codecs=tuple(c for c in space.codecs if c not in unknown))
-            prof_note += (
-                f"; codecs not in profile {prof.name!r}, not searched: {', '.join(unknown)} "
-                "(recalibrate with `sclayout calibrate` to include them)"
-            )
+    space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
+    if unknown:
+        prof_note += (
+            f"; codecs not in profile {prof.name!r}, not searched: {', '.join(unknown)} "
+            "(recalibrate with `sclayout calibrate` to include them)"
+        )
     kw = dict(
         profile=prof,
         batch_size=batch_size,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from loader.errors import InputError
+from loader.errors import InputError, SpecError
 from loader.layout import RowOrder
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
 from sclayout.cost.diversity import (
@@ -74,6 +74,29 @@ class SearchSpace:
     store, block 64, fetch factor 16: 2 workers at 0.83–0.92× in-process in runs A–C,
     ``benchmarks/results/costmodel*.md``); ask for them with ``recommend --workers
     0,2`` (the model prices both)."""
+
+
+def measured_codecs(space: SearchSpace, profile: Profile) -> tuple[SearchSpace, tuple[str, ...]]:
+    """``space`` with only the codecs ``profile`` measured, and the codecs left out.
+
+    Only the default codec list is trimmed (a profile calibrated before a codec
+    existed searches the others); codecs a caller named stay, and pricing one the
+    profile lacks is :meth:`Profile.codec`'s one-line error.
+
+    Raises
+    ------
+    SpecError
+        The profile measured none of the default codecs.
+    """
+    if space.codecs != SearchSpace().codecs:
+        return space, ()
+    missing = tuple(c for c in space.codecs if not profile.has_codec(c))
+    if len(missing) == len(space.codecs):
+        raise SpecError(
+            f"profile {profile.name!r} measured none of the codecs searched "
+            f"({', '.join(space.codecs)}); recalibrate with `sclayout calibrate`"
+        )
+    return replace(space, codecs=tuple(c for c in space.codecs if c not in missing)), missing
 
 
 @dataclass(frozen=True)
@@ -226,7 +249,7 @@ def search(
         reaches ``min_diversity``.
     """
     _check_targets(min_diversity, memory_budget)
-    space = space or SearchSpace()
+    space, _ = measured_codecs(space or SearchSpace(), profile)
     options = options or ModelOptions(seed=seed, sample_fetches=SEARCH_FETCHES)
     orders = [o for o in space.orders if o != "stratified" or stats.labels is not None]
     mean_nnz = stats.nnz / max(stats.n_obs, 1)
