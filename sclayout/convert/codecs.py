@@ -8,7 +8,7 @@ with either backend.
 LZ4 format with a slower, better match search: on count data the decoder then has
 fewer, longer matches to copy. ``benchmarks/codecs.py`` (the five real datasets of
 ``../shared/data`` and the Tahoe-like set, 2026-12-04): against blosc-lz4, lz4hc
-decodes in 0.67× the CPU time, stores 0.76× the bytes and encodes 11.9× slower
+decodes in 0.66× the CPU time, stores 0.76× the bytes and encodes 11.7× slower
 (the whole ``convert`` of the 200k-cell benchmark set took 2.5× as long in a dev run:
 10.4 s → 26.1 s). Pick it for a
 store that is read for many epochs (``sclayout recommend`` prices it with the decode
