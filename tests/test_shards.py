@@ -165,7 +165,7 @@ def test_reopens_files_after_fork(arrays):
 def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypatch):
     """``WILLNEED`` starts disk reads synchronously: the caller's thread (the training
     loop's) must not pay for it. One task on the decode threads announces every run of
-    every array of the request, before any of them is read."""
+    every array of the request, queued ahead of their reads."""
     if _shards._FADV_WILLNEED is None:
         pytest.skip("no posix_fadvise on this platform")
     import threading
