@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 
-def run_benchmark(script: Path, *args: object, timeout: float = 600) -> str:
+def run_benchmark(
+    script: Path, *args: object, timeout: float = 600, env: Mapping[str, str] | None = None
+) -> str:
     """Run ``python SCRIPT ARGS`` and return its stdout; fail with its stderr's end."""
     out = subprocess.run(
         [sys.executable, str(script), *(str(a) for a in args)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env=None if env is None else dict(env),
     )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout

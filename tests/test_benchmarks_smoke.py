@@ -19,21 +19,10 @@ BENCH = Path(__file__).parents[1] / "benchmarks"
 
 @pytest.mark.slow  # three conversions in child processes: ~30 s
 def test_convert_benchmark_quick(tmp_path):
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "convert.py"),
-            "--quick",
-            "--results",
-            str(tmp_path / "results"),
-            "--work",
-            str(tmp_path / "stores"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_benchmark(
+        BENCH / "convert.py", "--quick", "--results", tmp_path / "results",
+        "--work", tmp_path / "stores",
+    )  # fmt: skip
     payload = json.loads((tmp_path / "results" / "convert.json").read_text())
     summary = {s["order"]: s for s in payload["summary"]}
     assert sorted(summary) == ["original", "shuffled", "stratified"]
@@ -54,23 +43,10 @@ def test_costmodel_benchmark_smoke(tmp_path):
     import os
 
     env = {**os.environ, "SCLAYOUT_BENCH_DIR": str(tmp_path / "cache")}
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "costmodel.py"),
-            "--smoke",
-            "--profiles",
-            "local",
-            "--no-pick",
-            "--out",
-            str(tmp_path / "results"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_benchmark(
+        BENCH / "costmodel.py", "--smoke", "--profiles", "local", "--no-pick",
+        "--out", tmp_path / "results", env=env,
+    )  # fmt: skip
     doc = json.loads((tmp_path / "results" / "costmodel-smoke.json").read_text())
     assert len(doc["rows"]) >= 15  # the configurations whose fetch fits 4,000 cells
     for r in doc["rows"]:
@@ -84,13 +60,11 @@ def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory
     from _cost_util import shared_store
 
     _, store = shared_store(tmp_path_factory)
-    out = subprocess.run(
-        [sys.executable, str(BENCH / "fetch_size.py"), "--store", str(store),
-         "--fetch-factors", "1,2", "--regimes", "warm,cold", "--rounds", "1",
-         "--seconds", "0.2", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+    run_benchmark(
+        BENCH / "fetch_size.py", "--store", store, "--fetch-factors", "1,2",
+        "--regimes", "warm,cold", "--rounds", 1, "--seconds", 0.2, "--out", tmp_path,
+        timeout=300,
     )  # fmt: skip
-    assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "fetch_size.json").read_text())
     assert sorted((r["regime"], r["fetch_factor"]) for r in rows) == [
         ("cold", 1), ("cold", 2), ("warm", 1), ("warm", 2)

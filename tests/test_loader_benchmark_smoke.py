@@ -6,8 +6,6 @@ Speed targets live in the benchmark script, never here (STYLE.md §11).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 from tests._bench_util import run_benchmark
@@ -16,13 +14,7 @@ BENCH = Path(__file__).parents[1] / "benchmarks" / "loader.py"
 
 
 def test_loader_benchmark_quick(tmp_path):
-    out = subprocess.run(
-        [sys.executable, str(BENCH), "--quick", "--results", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
+    run_benchmark(BENCH, "--quick", "--results", tmp_path)
     payload = json.loads((tmp_path / "loader.json").read_text())
     rows = payload["rows"]
     kinds = {(r["kind"], r["source"], r.get("output", "dense")) for r in rows}
@@ -55,3 +47,13 @@ def test_loader_benchmark_compares_codecs(tmp_path):
     assert sources == {"shuffled/blosc-lz4", "shuffled/blosc-lz4hc"}
     assert payload["meta"]["codecs"] == ["blosc-lz4", "blosc-lz4hc"]
     assert "Stores: blosc-lz4, blosc-lz4hc" in (tmp_path / "loader.md").read_text()
+
+
+def test_loader_benchmark_refuses_unknown_codecs():
+    import subprocess
+    import sys
+
+    bad = subprocess.run(
+        [sys.executable, str(BENCH), "--quick", "--codecs", "lzma"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "--codecs: unknown lzma; known:" in bad.stderr
