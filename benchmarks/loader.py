@@ -473,6 +473,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.outputs = tuple(o for o in args.outputs.split(",") if o)
     args.regimes = tuple(o for o in args.regimes.split(",") if o)
     args.codecs = tuple(o for o in args.codecs.split(",") if o)
+    from sclayout.convert.codecs import CODECS as KNOWN
+
+    bad = [c for c in args.codecs if c not in KNOWN] if args.codecs else ["(none given)"]
+    if bad:
+        p.error(f"--codecs: unknown {bad[0]}; known: {', '.join(sorted(KNOWN))}")
     args.cold_ff = ints(args.cold_ff) if args.cold_ff else d.get("cold_ff", (16,))
     return args
 
