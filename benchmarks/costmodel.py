@@ -320,7 +320,7 @@ def run_profile(
             + ", ".join(f"{q.cores:.2f}" for q in profiles),
             flush=True,
         )
-        return rows, (profile, server)
+        return rows, (profile, server), [q.to_dict() for q in profiles]
     except BaseException:
         if server:
             server.close()
@@ -540,9 +540,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     rows: list[dict[str, Any]] = []
     picks: list[dict[str, Any]] = []
+    round_profiles: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
     for kind in args.profiles.split(","):
-        got, (profile, server) = run_profile(
+        got, (profile, server), round_profiles[kind] = run_profile(
             kind, stores, runs=runs, seconds=seconds, smoke=args.smoke
         )
         rows += got
@@ -572,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
         done = set(args.profiles.split(","))
         rows = [r for r in old["rows"] if r["profile"] not in done] + rows
         picks = [p for p in old.get("picks", []) if p["profile"] not in done] + picks
+        kept = old.get("round_profiles", {})
+        round_profiles = {**{k: v for k, v in kept.items() if k not in done}, **round_profiles}
     summary = summarize(rows)
     doc = {
         "dataset": str(src.name),
@@ -584,6 +587,8 @@ def main(argv: list[str] | None = None) -> None:
         "rows": rows,
         "summary": summary,
         "picks": picks,
+        # every round's calibration, to tell the model's error from the machine's drift
+        "round_profiles": round_profiles,
     }
     (RESULTS / f"costmodel{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
     (RESULTS / f"costmodel{tag}.md").write_text(markdown(rows, summary, picks))

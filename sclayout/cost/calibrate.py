@@ -75,6 +75,12 @@ CPU cost (``sclayout calibrate`` prints both per codec: "MB/s + µs/chunk"; on t
 VM blosc-lz4 costs 13–25 µs per chunk besides its bytes)."""
 CONCURRENCY_ROUNDS = 3
 """Interleaved rounds of the concurrency curve (median per level)."""
+CPU_ROUNDS = 3
+"""Interleaved rounds of each CPU figure (codecs, assembly, copies, the pipeline's
+parallelism and per-fetch CPU), median per figure. With one timed sample each, three
+calibrations of one store in a row on the shared dev VM (2026-12-04) spread by up to
++47 % (gather), +39 % (densify), +59 % (copy bandwidth) and +166 % (per-fetch CPU): a
+burst of another job during one sample became the figure."""
 
 
 def monotone_curve(curve: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -350,7 +356,7 @@ def _sample_store(
         if rows > n:
             x = sp.vstack([x] * -(-rows // max(n, 1)), format="csr")
         ad.AnnData(x).write_h5ad(src)
-    dst = folder / f"{name}-{codec}.zarr"
+    dst = folder / f"{name}-{codec}-b{block_size}.zarr"
     convert(src, dst, block_size=block_size, codec=codec)
     return dst
 
@@ -389,7 +395,9 @@ def measure_codecs(
         for name in codecs:
             if on_codec is not None:
                 on_codec(name)
-            samples, ratio = [], 0.0
+            ratio = 0.0
+            steps = []  # per block size: (chunks, raw bytes, step)
+            stores: list[Path] = []
             for block_size in CODEC_BLOCK_SIZES:
                 store = _sample_store(
                     data,
@@ -419,10 +427,20 @@ def measure_codecs(
                     return raw
 
                 step()  # open the arrays, read the shard indexes
-                cpu0 = time.process_time()
-                _, it, _ = _timed_loop(step, seconds / len(CODEC_BLOCK_SIZES))
-                samples.append((it * chunks, it * raw, time.process_time() - cpu0))
-                del reader
+                steps.append((chunks, raw, step))
+                stores.append(store)
+            # interleaved rounds, the median CPU per step of each block size
+            per_step: list[list[float]] = [[] for _ in steps]
+            for _ in range(CPU_ROUNDS):
+                for k, (_, _, step) in enumerate(steps):
+                    cpu0 = time.process_time()
+                    _, it, _ = _timed_loop(step, seconds / len(steps) / CPU_ROUNDS)
+                    per_step[k].append((time.process_time() - cpu0) / it)
+            samples = [
+                (chunks, raw, float(np.median(cpu)))
+                for (chunks, raw, _), cpu in zip(steps, per_step, strict=True)
+            ]
+            for store in stores:
                 shutil.rmtree(store, ignore_errors=True)
             chunk_s, byte_s = fit_costs(samples)
             if byte_s <= 0:  # noise put everything on the chunks: bytes alone instead
@@ -466,8 +484,11 @@ def measure_assembly(
 
         return run
 
-    t_gather = 1.0 / _rate(step(csr_out), seconds / 2)
-    t_dense = 1.0 / _rate(step(dense_out), seconds / 2)
+    gather, dense = step(csr_out), step(dense_out)
+    each = seconds / 2 / CPU_ROUNDS
+    rates = [(_rate(gather, each), _rate(dense, each)) for _ in range(CPU_ROUNDS)]
+    t_gather = 1.0 / float(np.median([g for g, _ in rates]))
+    t_dense = 1.0 / float(np.median([d for _, d in rates]))
     nnz = int(indptr[-1])
     cells = n_batches * batch_size
     per_nnz = t_gather / nnz
@@ -530,7 +551,6 @@ def measure_pipeline(
     from loader.dataset import BlockDataset, torch_available
 
     cores = float(os.cpu_count() or 1)
-    runs = []
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         dst = _sample_store(
             data,
@@ -543,18 +563,23 @@ def measure_pipeline(
             rows=PARALLELISM_ROWS,
             block_size=block_size,
         )
-        for f in fetch_factors:
-            ds = BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0)
-            runs.append(_run_epochs(ds, seconds / len(fetch_factors)))
+        datasets = [BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0) for f in fetch_factors]
+        # interleaved rounds over the fetch factors, then the median of each figure
+        rounds = [
+            [_run_epochs(ds, seconds / len(datasets) / CPU_ROUNDS) for ds in datasets]
+            for _ in range(CPU_ROUNDS)
+        ]
         workers = None
         if worker_seconds > 0 and torch_available():
             ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factors[0], seed=0)
             workers = _run_epochs(ds, worker_seconds, workers=2)
-    (wall, cpu, cells), (_, cpu_small, cells_small) = runs
+    # per factor: median CPU per cell; for the larger fetches, median cores kept busy
+    cpu_cell = [float(np.median([r[k][1] / r[k][2] for r in rounds])) for k in range(2)]
+    busy = float(np.median([r[0][1] / r[0][0] for r in rounds]))
     rows = [64 * f for f in fetch_factors]
-    per_fetch = (cpu_small / cells_small - cpu / cells) / (1 / rows[1] - 1 / rows[0])
+    per_fetch = (cpu_cell[1] - cpu_cell[0]) / (1 / rows[1] - 1 / rows[0])
     figures = PipelineFigures(
-        parallelism=float(min(max(cpu / wall, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+        parallelism=float(min(max(busy, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
     )
     if workers is None:
         return figures
@@ -562,7 +587,7 @@ def measure_pipeline(
     return replace(
         figures,
         worker_cores=float(min(max(w_cpu / w_wall, 1.0), cores)),
-        worker_cpu_s_per_cell=max(w_cpu / w_cells - cpu / cells, 0.0),
+        worker_cpu_s_per_cell=max(w_cpu / w_cells - cpu_cell[0], 0.0),
     )
 
 
@@ -618,7 +643,7 @@ def _copy_bandwidth(seconds: float = 0.5) -> float:
         np.copyto(dst, src)
         return src.nbytes
 
-    return _rate(step, seconds)
+    return float(np.median([_rate(step, seconds / CPU_ROUNDS) for _ in range(CPU_ROUNDS)]))
 
 
 def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
