@@ -8,8 +8,11 @@ import os
 import numpy as np
 import pytest
 
+from sclayout.cost import calibrate as calibrate_mod
 from sclayout.cost.calibrate import (
+    CPU_ROUNDS,
     fit_costs,
+    measure_assembly,
     measure_codecs,
     measure_pipeline,
     monotone_curve,
@@ -55,6 +58,19 @@ def _counts(n_rows: int = 512, n_vars: int = 400, per_row: int = 30):
     ).ravel()
     data = rng.geometric(0.6, indptr[-1]).astype(np.float32)
     return data, indices.astype(np.int32), indptr, n_vars
+
+
+def test_measure_assembly_takes_the_median_round(monkeypatch):
+    """One round slowed by another job (a tenth of the rate) must not become the figure."""
+    assert CPU_ROUNDS == 3
+    # rounds alternate gather, dense; the middle round is the disturbed one
+    rates = iter([100.0, 12.0, 10.0, 1.0, 90.0, 10.0])  # medians: 90 and 10, the 3rd round
+    monkeypatch.setattr(calibrate_mod, "_rate", lambda step, seconds: next(rates))
+    data, indices, indptr, n_vars = _counts()
+    per_nnz, per_value = measure_assembly(data, indices, indptr, n_vars=n_vars, seconds=0.1)
+    cells = (len(indptr) - 1) // 64 * 64
+    assert per_nnz == pytest.approx(1 / 90.0 / indptr[-1])
+    assert per_value == pytest.approx(1 / 10.0 / (cells * n_vars))
 
 
 def test_measure_codecs_reads_through_the_loader_backend():
