@@ -86,6 +86,23 @@ def test_measure_codecs_reads_through_the_loader_backend():
     assert all(s.decode_Bps > 0 for s in speeds.values())
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_measure_codecs_times_the_direct_reader_only_when_asked(monkeypatch, direct):
+    """A remote store's responses are decoded by tensorstore, never by the direct
+    shard reader: ``direct=False`` must time that path."""
+    import loader._shards as shards
+
+    calls = []
+    real = shards.submit_reads
+    monkeypatch.setattr(shards, "submit_reads", lambda items: calls.append(1) or real(items))
+    data, indices, indptr, n_vars = _counts()
+    speeds = measure_codecs(
+        data, indices, indptr, n_vars=n_vars, codecs=("blosc-lz4",), seconds=0.05, direct=direct
+    )
+    assert speeds["blosc-lz4"].decode_Bps > 0
+    assert bool(calls) is direct
+
+
 def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     data, indices, indptr, n_vars = _counts()
     got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.4, block_size=16)

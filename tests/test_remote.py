@@ -147,7 +147,8 @@ def test_recommend_and_bench_read_a_store_over_http(server):
     assert out["measured_cells_per_s"] > 0 and out["predicted"]["cells_per_s"] > 0
 
 
-def test_calibrate_over_http(server):
+def test_calibrate_over_http(server, monkeypatch):
+    import sclayout.cost.calibrate as calibrate_mod
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
 
     tiny = CalibrationPlan(
@@ -158,7 +159,16 @@ def test_calibrate_over_http(server):
         assembly=0.05,
         pipeline=0.05,
     )
+    seen = []
+    real = calibrate_mod.measure_codecs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["direct"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
     p = calibrate(server.url, plan=tiny, codecs=("blosc-lz4", "none"))
+    assert seen == [False]  # the codecs are timed the way the loader reads a URL
     assert p.kind == "http"
     assert p.latency_s >= 0.002  # the injected delay
     assert [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
