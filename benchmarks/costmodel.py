@@ -211,7 +211,9 @@ def run_profile(
     runs: int,
     seconds: float,
     smoke: bool,
-) -> tuple[list[dict[str, Any]], Any]:
+) -> tuple[list[dict[str, Any]], tuple[Any, Any], list[dict[str, Any]]]:
+    """Calibrate and measure one profile: its rows, (round 1's profile, the server or
+    None) and every round's profile as a dict."""
     from loader.spec import LoaderSettings
     from loader.store import open_layout
     from sclayout.cost.bench import measure_loader

@@ -12,7 +12,9 @@ The cited presets (``local-nvme``, ``network-disk``, ``http-object-store``) keep
 their storage figures (taken from data sheets and vendor guides, cited in their
 ``source``) and take their CPU figures (codecs, assembly, per-fetch and per-read
 CPU, parallelism) from ``local-disk-here``: the CPU is this machine's wherever the
-data lives.
+data lives. An HTTP preset takes its codec figures from ``http-loopback-2ms``
+instead: ``calibrate`` times a URL's codecs through tensorstore's decoding, the path
+the loader reads a URL by.
 
 Usage::
 
@@ -108,15 +110,20 @@ def main(argv: list[str] | None = None) -> None:
                 f"{p20.source}"
             )
         )
-    cpu = {f: getattr(local, f) for f in CPU_FIELDS}
     for name in CITED:
         old = load_profile(PRESETS / f"{name}.json")
         storage = old.source.split(" CPU figures")[0]
+        # a remote store's responses are decoded by tensorstore, a local one's by the
+        # direct shard reader: each kind takes the codec figures calibrate timed that way
+        codecs_from = "http-loopback-2ms" if old.kind == "http" else "local-disk-here"
+        cpu = {f: getattr(local, f) for f in CPU_FIELDS}
+        if old.kind == "http":
+            cpu["codecs"] = http.codecs
         out[name] = old.with_(
             **cpu,
             source=(
                 f"{storage} CPU figures measured on this project's 2-core VM "
-                f"(copied from local-disk-here, {date})."
+                f"(copied from local-disk-here, {date}; codecs from {codecs_from})."
             ),
         )
     for name, p in sorted(out.items()):

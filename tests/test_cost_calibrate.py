@@ -105,11 +105,34 @@ def test_measure_codecs_times_the_direct_reader_only_when_asked(monkeypatch, dir
 
 def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     data, indices, indptr, n_vars = _counts()
-    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.4, block_size=16)
+    # 1.2 s: 6 timed slots (3 rounds x 2 fetch factors) of 0.2 s each
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=1.2, block_size=16)
     assert 1.0 <= got.parallelism <= (os.cpu_count() or 1)
     # a fetch costs at least the Python of submitting and splitting it, and less than
     # a second on any machine this runs on
     assert 0.0 < got.fetch_cpu_s < 1.0
+
+
+def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
+    """Rounds alternate the fetch factors (16, then 4); each figure is the median over
+    rounds, the disturbed middle round drops out."""
+    # (wall s, CPU s, cells): fetch factor 16 = 1,024 rows per fetch, 4 = 256
+    runs = iter(
+        [
+            (1.0, 1.6, 100_000),  # round 1, ff 16: 16 us/cell, 1.6 cores
+            (1.0, 1.8, 90_000),  # round 1, ff 4: 20 us/cell
+            (1.0, 1.0, 20_000),  # round 2, ff 16: a burst of another job (50 us/cell)
+            (1.0, 1.0, 10_000),  # round 2, ff 4: 100 us/cell
+            (1.0, 1.5, 93_750),  # round 3, ff 16: 16 us/cell, 1.5 cores
+            (1.0, 1.9, 95_000),  # round 3, ff 4: 20 us/cell
+        ]
+    )
+    monkeypatch.setattr(calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: next(runs))
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    assert got.parallelism == pytest.approx(1.5)  # median of 1.6, 1.0, 1.5
+    # medians 16 and 20 us/cell: 4 us/cell more at 256 rows than at 1,024 rows
+    assert got.fetch_cpu_s == pytest.approx(4e-6 / (1 / 256 - 1 / 1024))
 
 
 def test_measure_pipeline_with_workers_counts_their_cpu():
@@ -142,6 +165,33 @@ def test_cpu_with_children_counts_a_live_child():
         child.kill()
         child.wait()
     assert spent > 0.2  # the busy child's CPU, not this (sleeping) process's
+
+
+def test_calibrate_times_a_local_targets_codecs_with_the_direct_reader(tmp_path, monkeypatch):
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from tests._cost_util import make_source, make_store
+
+    store = make_store(make_source(tmp_path / "a.h5ad"), tmp_path / "a.zarr", block_size=16)
+    seen = []
+    real = calibrate_mod.measure_codecs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["direct"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
+    tiny = CalibrationPlan(
+        latency=0.05,
+        per_in_flight=0.02,
+        bandwidth=0.05,
+        per_codec=0.02,
+        assembly=0.05,
+        pipeline=0.05,
+        workers=0.0,
+    )
+    p = calibrate(store, plan=tiny, codecs=("blosc-lz4",), evict=False)
+    assert seen == [True]  # a local store is read by the direct shard reader
+    assert p.kind == "local" and p.codec("blosc-lz4").decode_Bps > 0
 
 
 def test_calibrate_cpu_from_measures_the_storage_only(tmp_path):

@@ -18,6 +18,9 @@ the loader's default backend reads with, so the figures include its overheads:
    its fixed CPU per fetch; with torch installed, also through 2 DataLoader workers
    (:func:`measure_pipeline`).
 
+The figures of steps 4–6 are each the median of :data:`CPU_ROUNDS` interleaved
+rounds (the 2-worker run is one sample), as the concurrency curve of step 2 is.
+
 The CPU that reading costs (per request and per byte) is fitted to the CPU time
 of steps 2–3: the process's for a local target, the machine's for a server on
 this machine.
@@ -270,8 +273,9 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
     """Units per second of ``step`` (which returns the units it did), over ``seconds``.
 
     Wall-clock means, on purpose: on a machine shared with other jobs they include
-    the CPU share this process gets at the moment, which is also what the loader will
-    get when it runs; calibrate right before predicting."""
+    the CPU share this process gets, which is also what the loader will get when it
+    runs; callers take the median of several rounds, so that the typical share counts,
+    not a burst of another job during one sample."""
     dt, _, units = _timed_loop(step, seconds, min_iter=min_iter)
     return units / dt
 
@@ -383,7 +387,8 @@ def measure_codecs(
     tensorstore always, as for a remote store, whose responses tensorstore decodes) reads all of
     ``X/data`` and ``X/indices`` over and over from the page cache, measuring CPU
     time (all threads). Two block sizes (:data:`CODEC_BLOCK_SIZES`) give two inner
-    chunk sizes; CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
+    chunk sizes, timed in :data:`CPU_ROUNDS` interleaved rounds (median CPU per read
+    of each); CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
     them. The ratio is the arrays' raw bytes / their bytes on disk. ``on_codec(name)``
     is called before each codec is timed (progress).
     """
@@ -536,7 +541,8 @@ def measure_pipeline(
     The sample rows are tiled to :data:`PARALLELISM_ROWS` rows, converted by
     ``sclayout convert`` (blosc-lz4) into a temporary layout store (just written, so
     in the page cache), and :class:`loader.BlockDataset` reads it (dense output, batch
-    64) for ``seconds`` in all, half with each of two fetch factors.
+    64) for ``seconds`` in all, in :data:`CPU_ROUNDS` interleaved rounds over the two
+    fetch factors; each figure below takes the median of the rounds.
 
     - parallelism: process CPU / wall time with the first (larger) fetch factor.
       Below the core count because parts of the pipeline (assembly, the dense
@@ -544,12 +550,12 @@ def measure_pipeline(
       model divides a fetch's CPU time by it, not by the core count.
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
-      over more rows; the two CPU-per-cell figures give it.
+      over more rows; the two (median) CPU-per-cell figures give it.
     - with torch installed, the same read through :class:`loader.BlockDataLoader`
       with 2 workers (``worker_seconds`` timed, after the workers have started):
       the cores the three processes keep busy together, and the CPU per cell they
       spend beyond the single process's (the worker path's gather, packing,
-      hand-over and unpacking).
+      hand-over and unpacking); one sample (its workers take seconds to start).
     """
     import tempfile
 
@@ -737,7 +743,8 @@ def calibrate(
     cpu_from
         Measure the storage only (steps 1–3) and take the CPU figures (codecs,
         assembly, the loader's parallelism and per-fetch CPU) from this profile: the
-        storage drifts on a shared machine, the CPU figures much less.
+        storage can change between calls (another disk, a server under load), the CPU
+        does not, and this skips the ~30 s of CPU measurements.
     """
     from tqdm.auto import tqdm
 
