@@ -84,3 +84,29 @@ def shared_store(tmp_path_factory) -> tuple[Path, Path]:
         make_source(src)
         make_store(src, dst, block_size=8, order="shuffled", seed=3)
     return src, dst
+
+
+def spy_codec_timing(monkeypatch) -> list[bool]:
+    """Record the ``direct`` argument of every ``measure_codecs`` call ``calibrate``
+    makes (the calls still run); returns the list they are appended to."""
+    import sclayout.cost.calibrate as calibrate_mod
+
+    seen: list[bool] = []
+    real = calibrate_mod.measure_codecs
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["direct"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
+    return seen
+
+
+def tiny_plan(**changes):
+    """A ``CalibrationPlan`` of a few hundredths of a second per step, no workers: the
+    shape of a calibration, not its figures."""
+    from sclayout.cost.calibrate import CalibrationPlan
+
+    plan = dict(latency=0.05, per_in_flight=0.02, bandwidth=0.05, per_codec=0.02)
+    plan.update(assembly=0.05, pipeline=0.05, workers=0.0)
+    return CalibrationPlan(**{**plan, **changes})

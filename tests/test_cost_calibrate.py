@@ -168,28 +168,12 @@ def test_cpu_with_children_counts_a_live_child():
 
 
 def test_calibrate_times_a_local_targets_codecs_with_the_direct_reader(tmp_path, monkeypatch):
-    from sclayout.cost.calibrate import CalibrationPlan, calibrate
-    from tests._cost_util import make_source, make_store
+    from sclayout.cost.calibrate import calibrate
+    from tests._cost_util import make_source, make_store, spy_codec_timing, tiny_plan
 
     store = make_store(make_source(tmp_path / "a.h5ad"), tmp_path / "a.zarr", block_size=16)
-    seen = []
-    real = calibrate_mod.measure_codecs
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["direct"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
-    tiny = CalibrationPlan(
-        latency=0.05,
-        per_in_flight=0.02,
-        bandwidth=0.05,
-        per_codec=0.02,
-        assembly=0.05,
-        pipeline=0.05,
-        workers=0.0,
-    )
-    p = calibrate(store, plan=tiny, codecs=("blosc-lz4",), evict=False)
+    seen = spy_codec_timing(monkeypatch)
+    p = calibrate(store, plan=tiny_plan(), codecs=("blosc-lz4",), evict=False)
     assert seen == [True]  # a local store is read by the direct shard reader
     assert p.kind == "local" and p.codec("blosc-lz4").decode_Bps > 0
 

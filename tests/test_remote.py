@@ -148,26 +148,11 @@ def test_recommend_and_bench_read_a_store_over_http(server):
 
 
 def test_calibrate_over_http(server, monkeypatch):
-    import sclayout.cost.calibrate as calibrate_mod
-    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from sclayout.cost.calibrate import calibrate
+    from tests._cost_util import spy_codec_timing, tiny_plan
 
-    tiny = CalibrationPlan(
-        latency=0.05,
-        per_in_flight=0.02,
-        bandwidth=0.05,
-        per_codec=0.02,
-        assembly=0.05,
-        pipeline=0.05,
-    )
-    seen = []
-    real = calibrate_mod.measure_codecs
-
-    def spy(*args, **kwargs):
-        seen.append(kwargs["direct"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
-    p = calibrate(server.url, plan=tiny, codecs=("blosc-lz4", "none"))
+    seen = spy_codec_timing(monkeypatch)
+    p = calibrate(server.url, plan=tiny_plan(), codecs=("blosc-lz4", "none"))
     assert seen == [False]  # the codecs are timed the way the loader reads a URL
     assert p.kind == "http"
     assert p.latency_s >= 0.002  # the injected delay

@@ -897,8 +897,8 @@ def calibrate(
         codecs=codecs,
         seconds=plan.per_codec,
         # the loader's direct shard reader reads local stores only: a remote store's
-        # responses are decoded by tensorstore (2026-12-04, this VM: 10-20 % more CPU
-        # per byte, a third less per chunk)
+        # responses are decoded by tensorstore (benchmarks/costmodel.py run J, this VM:
+        # blosc-lz4 2.6-2.7 GB/s per core that way, 3.0-3.1 through the direct reader)
         direct=local is not None,
         on_codec=on_codec,
     )
