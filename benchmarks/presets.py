@@ -110,17 +110,16 @@ def main(argv: list[str] | None = None) -> None:
                 f"{p20.source}"
             )
         )
+    cpu = {f: getattr(local, f) for f in CPU_FIELDS}
     for name in CITED:
         old = load_profile(PRESETS / f"{name}.json")
         storage = old.source.split(" CPU figures")[0]
         # a remote store's responses are decoded by tensorstore, a local one's by the
         # direct shard reader: each kind takes the codec figures calibrate timed that way
-        codecs_from = "http-loopback-2ms" if old.kind == "http" else "local-disk-here"
-        cpu = {f: getattr(local, f) for f in CPU_FIELDS}
-        if old.kind == "http":
-            cpu["codecs"] = http.codecs
+        remote = old.kind == "http"
+        codecs_from = "http-loopback-2ms" if remote else "local-disk-here"
         out[name] = old.with_(
-            **cpu,
+            **{**cpu, "codecs": http.codecs if remote else local.codecs},
             source=(
                 f"{storage} CPU figures measured on this project's 2-core VM "
                 f"(copied from local-disk-here, {date}; codecs from {codecs_from})."

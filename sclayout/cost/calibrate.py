@@ -40,6 +40,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,11 @@ CONCURRENCY_ROUNDS = 3
 CPU_ROUNDS = 3
 """Interleaved rounds of each CPU figure (codecs, assembly, copies, the pipeline's
 parallelism and per-fetch CPU), median per figure. With one timed sample each, three
-calibrations of one store in a row on the shared dev VM (2026-12-04) spread by up to
-+47 % (gather), +39 % (densify), +59 % (copy bandwidth) and +166 % (per-fetch CPU): a
-burst of another job during one sample became the figure."""
+``sclayout calibrate`` runs of one store in a row on the shared dev VM (a dev check,
+2026-12-04) spread by up to +47 % (gather), +39 % (densify), +59 % (copy bandwidth)
+and +166 % (per-fetch CPU): a burst of another job during one sample became the
+figure. ``benchmarks/costmodel.py`` keeps each round's calibration in its results
+(``round_profiles``)."""
 
 
 def monotone_curve(curve: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
@@ -269,6 +272,21 @@ def _timed_loop(
     return time.perf_counter() - t0, it, nbytes
 
 
+def _median_rounds(measures: Sequence[Callable[[], Any]], *, rounds: int = CPU_ROUNDS) -> list[Any]:
+    """Run every measure once per round, ``rounds`` times, interleaved (a burst of
+    another job then spoils one sample of each, not all samples of one); the median
+    of each measure's results (per element for a measure returning a tuple)."""
+    results = [[measure() for measure in measures] for _ in range(rounds)]
+    return [np.median([r[k] for r in results], axis=0) for k in range(len(measures))]
+
+
+def _cpu_per_step(step: Callable[[], int], seconds: float) -> float:
+    """Process CPU seconds per call of ``step``, over ``seconds``."""
+    cpu0 = time.process_time()
+    _, it, _ = _timed_loop(step, seconds)
+    return (time.process_time() - cpu0) / it
+
+
 def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> float:
     """Units per second of ``step`` (which returns the units it did), over ``seconds``.
 
@@ -439,15 +457,10 @@ def measure_codecs(
                 step()  # open the arrays, read the shard indexes
                 steps.append((chunks, raw, step))
                 stores.append(store)
-            # interleaved rounds, the median CPU per step of each block size
-            per_step: list[list[float]] = [[] for _ in steps]
-            for _ in range(CPU_ROUNDS):
-                for k, (_, _, step) in enumerate(steps):
-                    cpu0 = time.process_time()
-                    _, it, _ = _timed_loop(step, seconds / len(steps) / CPU_ROUNDS)
-                    per_step[k].append((time.process_time() - cpu0) / it)
+            each = seconds / len(steps) / CPU_ROUNDS
+            per_step = _median_rounds([partial(_cpu_per_step, step, each) for _, _, step in steps])
             samples = [
-                (chunks, raw, float(np.median(cpu)))
+                (chunks, raw, float(cpu))
                 for (chunks, raw, _), cpu in zip(steps, per_step, strict=True)
             ]
             for store in stores:
@@ -496,9 +509,11 @@ def measure_assembly(
 
     gather, dense = step(csr_out), step(dense_out)
     each = seconds / 2 / CPU_ROUNDS
-    rates = [(_rate(gather, each), _rate(dense, each)) for _ in range(CPU_ROUNDS)]
-    t_gather = 1.0 / float(np.median([g for g, _ in rates]))
-    t_dense = 1.0 / float(np.median([d for _, d in rates]))
+    gather_rate, dense_rate = _median_rounds(
+        [lambda: _rate(gather, each), lambda: _rate(dense, each)]
+    )
+    t_gather = 1.0 / float(gather_rate)
+    t_dense = 1.0 / float(dense_rate)
     nnz = int(indptr[-1])
     cells = n_batches * batch_size
     per_nnz = t_gather / nnz
@@ -575,18 +590,19 @@ def measure_pipeline(
             block_size=block_size,
         )
         datasets = [BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0) for f in fetch_factors]
-        # interleaved rounds over the fetch factors, then the median of each figure
-        rounds = [
-            [_run_epochs(ds, seconds / len(datasets) / CPU_ROUNDS) for ds in datasets]
-            for _ in range(CPU_ROUNDS)
-        ]
+        each = seconds / len(datasets) / CPU_ROUNDS
+
+        def figures(ds: Any) -> tuple[float, float]:  # CPU per cell, cores kept busy
+            wall, cpu, cells = _run_epochs(ds, each)
+            return cpu / cells, cpu / wall
+
+        medians = _median_rounds([partial(figures, ds) for ds in datasets])
         workers = None
         if worker_seconds > 0 and torch_available():
             ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factors[0], seed=0)
             workers = _run_epochs(ds, worker_seconds, workers=2)
-    # per factor: median CPU per cell; for the larger fetches, median cores kept busy
-    cpu_cell = [float(np.median([r[k][1] / r[k][2] for r in rounds])) for k in range(2)]
-    busy = float(np.median([r[0][1] / r[0][0] for r in rounds]))
+    cpu_cell = [float(m[0]) for m in medians]
+    busy = float(medians[0][1])  # with the larger fetches
     rows = [64 * f for f in fetch_factors]
     per_fetch = (cpu_cell[1] - cpu_cell[0]) / (1 / rows[1] - 1 / rows[0])
     figures = PipelineFigures(
@@ -654,7 +670,8 @@ def _copy_bandwidth(seconds: float = 0.5) -> float:
         np.copyto(dst, src)
         return src.nbytes
 
-    return float(np.median([_rate(step, seconds / CPU_ROUNDS) for _ in range(CPU_ROUNDS)]))
+    (rate,) = _median_rounds([lambda: _rate(step, seconds / CPU_ROUNDS)])
+    return float(rate)
 
 
 def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
