@@ -8,9 +8,9 @@ one thread, the way the loader's decode threads call them. Per 1,000 stored valu
 decode and encode µs (best of ``--repeat`` passes over all chunks: the CPU cost, not
 the machine's noise), and the compression ratio (raw bytes / encoded bytes).
 
-Datasets: the files of ``../shared/data`` that are present (real 10x counts, see its
-README) and the Tahoe-like benchmark set (``sclayout.datasets.cached_tahoe_like``;
-``--no-tahoe`` to skip it).
+Datasets: the files of the real-data folder (``shared/data`` beside the checkout) that
+are present (real 10x counts) and the Tahoe-like benchmark set
+(``sclayout.datasets.cached_tahoe_like``; ``--no-tahoe`` to skip it).
 
 Usage::
 

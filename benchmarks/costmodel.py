@@ -236,9 +236,9 @@ def run_profile(
         first = stores[CONFIGS[0][0]]
         plan = CalibrationPlan.quick() if smoke else None
         # Rounds: every round calibrates the profile afresh, then measures each
-        # configuration once, predicting it from that round's profile. On this shared
-        # VM the CPU time of the same loader run moved by 1.6x within a minute
-        # (user CPU 23-38 us/cell, README): one calibration at the start, and all runs of a
+        # configuration once, predicting it from that round's profile. On a shared
+        # machine the CPU time of the same loader run moves within a minute: one
+        # calibration at the start, and all runs of a
         # store back to back, tie each row's error to whatever the machine was doing
         # at that moment. Interleaved rounds spread every configuration over the
         # whole run, and each prediction uses the machine as measured minutes before.

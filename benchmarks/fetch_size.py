@@ -1,6 +1,6 @@
 """How one store's throughput, CPU and disk bytes per cell change with the fetch size,
-warm, cold and over HTTP: the figures behind the README's "The error grows with the
-fetch when reads wait" (the cost model's largest error, issue 4).
+warm, cold and over HTTP: the figures behind docs/cost-model.md's "Where the model is
+wrong" (its largest error is at large fetches whose reads wait).
 
 For each round, every (regime, fetch factor) pair is run once, interleaved, with
 :class:`loader.BlockDataset` (batch 64, dense, the store's block size) for

@@ -3,14 +3,15 @@
 ``make demo`` runs this script in a fresh ``.venv``. Each step is the command a user
 would type, printed before it runs::
 
-    python examples/demo.py                                  # real data if ../shared/data exists
+    python examples/demo.py                                  # real data if the data folder exists
     python examples/demo.py --h5ad my.h5ad --label cell_type # your own file
     python examples/demo.py --smoke --out /tmp/demo          # tiny data, a few steps
 
 Steps
 
 1. **Data.** ``--h5ad FILE`` if given; else 20,000 real PBMC cells tiled from
-   ``../shared/data`` (SoupX pbmc4k, label ``Annotation``, sorted by cell type on disk,
+   the real-data folder (``shared/data`` beside the checkout; SoupX pbmc4k, label
+   ``Annotation``, sorted by cell type on disk,
    like most atlases); else the Tahoe-like synthetic set at 20,000 cells (label
    ``cell_line``, sorted by plate then cell line).
 2. ``sclayout recommend`` measures this disk (a quick calibration, unless ``--profile``)

@@ -12,7 +12,7 @@ training file, and scores each on a held-out split:
 - ``block_store``  (d) ``BlockDataset`` on a store written by ``sclayout convert`` with the
                    settings ``sclayout recommend`` picks (order, block size, fetch factor).
 
-Datasets (``--datasets``, both by default when ../shared/data is present):
+Datasets (``--datasets``, both by default when the real-data folder is present):
 
 - ``pbmc``: real PBMC cells (SoupX pbmc4k, label = ``Annotation``, 5 cell types; the 20
   unassigned ``?`` cells are dropped). The *source cells* are split 80/20 per cell
@@ -497,7 +497,7 @@ def dead_units(model, X: sp.csr_matrix, n: int = 4096) -> float:
     """Fraction of hidden ReLU units inactive on all of the first ``n`` held-out cells.
 
     A network whose units all died predicts one constant class: the failure mode of
-    minibatches whose label mix shifts abruptly (see the README parity section).
+    minibatches whose label mix shifts abruptly (docs/benchmarks.md, "Training parity").
     """
     import torch
 

@@ -2,10 +2,10 @@
 by blosc in the reader's own decode threads.
 
 tensorstore decodes every inner chunk on its own path (a read, a decode into a chunk
-buffer, a copy into the output): on the benchmark's blosc-lz4 stores that measured
-~13 µs of CPU per cell for ``data`` + ``indices`` (README, "Where the time goes"),
-where blosc itself needs ~7.5. For a *local* array whose shards hold inner chunks
-encoded as ``bytes`` (little-endian) + optional ``blosc``, this module
+buffer, a copy into the output), which costs noticeably more CPU per cell than blosc's
+own decoding (docs/benchmarks.md, "Where the time goes"). For a *local* array whose
+shards hold inner chunks encoded as ``bytes`` (little-endian) + optional ``blosc``,
+this module
 
 1. reads each shard's index once (then keeps it: 16 bytes per inner chunk);
 2. turns a fetch's element ranges into runs of inner chunks that sit back to back in
@@ -51,8 +51,8 @@ from loader.errors import LayoutError
 __all__ = ["DECODE_THREADS", "RUN_BYTES", "SMALL_ARRAY_BYTES", "DirectArray", "open_direct"]
 
 DECODE_THREADS = 2
-"""Threads per process that read and decode inner chunks (one per core of this
-2-core machine; the work is C code that releases the GIL). ``SCLAYOUT_DECODE_THREADS``
+"""Threads per process that read and decode inner chunks (a fixed two for now, see
+docs/scaling.md; the work is C code that releases the GIL). ``SCLAYOUT_DECODE_THREADS``
 in the environment overrides it; DataLoader workers of :class:`loader.BlockDataLoader`
 use ``max(1, DECODE_THREADS // num_workers)`` each."""
 RUN_BYTES = 1 << 20

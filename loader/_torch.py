@@ -105,10 +105,9 @@ def _shared_bytes(nbytes: int) -> Any:
 
 
 GROUP_SLOTS = 4
-"""Shared-memory buffers a worker cycles through for its groups. A fresh 16 MB
-shared-memory buffer has to be created and faulted in (~8 ms in a one-off
-development timing on the dev VM; no benchmark command repeats it), and the main
-process faults its pages in again; a reused one costs neither."""
+"""Shared-memory buffers a worker cycles through for its groups. A fresh buffer has to
+be created and its pages faulted in, by the worker and again by the main process; a
+reused one costs neither."""
 GROUP_WAIT_S = 0.25
 """How long a worker waits for the main process to release a buffer before it takes
 a fresh one instead (so a slow consumer never deadlocks a worker)."""

@@ -4,8 +4,8 @@ A backend gets, per fetch, a request ``{key: (array_path, ranges)}`` (``ranges``
 ``(n, 2)`` int64 element ranges on axis 0) and returns at once a
 :class:`PendingReads`; its ``result()`` gives, per key, the elements of all ranges
 concatenated in order. All reads of a fetch are issued before any is waited on, so
-the storage layer has the whole fetch in flight (DESIGN §3: ~75 µs per random read
-with 8 in flight against ~150–210 µs one at a time).
+the storage layer has the whole fetch in flight: random-read latency is hidden only by
+many reads at once (docs/design.md, "Reads in flight").
 
 Registered backends (:func:`register_backend`, :func:`get_backend`):
 
@@ -112,13 +112,13 @@ def _nonempty(ranges: np.ndarray) -> np.ndarray:
 class TensorstoreSettings:
     """tensorstore context limits used by the ``tensorstore`` backend.
 
-    Values measured with ``benchmarks/loader.py`` on this 2-core machine (cold
-    cache, continuous eviction); see the README's benchmark section.
+    Each value is checked by ``benchmarks/loader.py`` in the larger-than-RAM regime
+    (docs/benchmarks.md).
     """
 
     FILE_IO_CONCURRENCY = 64
-    """Concurrent file reads. A 16-block fetch touches ~100 inner chunks; DESIGN §3
-    measured 64–256 reads in flight as the range where random-read latency hides."""
+    """Concurrent file reads: a fetch touches on the order of a hundred inner chunks, and
+    all of them should be in flight at once (docs/design.md, "Reads in flight")."""
     HTTP_CONCURRENCY = 64
     """Concurrent HTTP requests, for the same reason."""
     HTTP_RETRIES = 6
@@ -136,7 +136,7 @@ class TensorstoreSettings:
     (with ``..._LIMIT_BYTES=1``) when its HTTP transport starts, once per process;
     the backend sets both unless the environment already does."""
     DATA_COPY_CONCURRENCY = 2
-    """Decode/copy threads: one per core of this machine."""
+    """Decode/copy threads (a fixed two for now, like the direct reader's; docs/scaling.md)."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
     keeps shard indexes and chunks shared by neighbouring blocks (less CPU per cell than

@@ -35,8 +35,8 @@ Memory
 
 Workers and the main process
     Under :class:`BlockDataLoader`, a worker does not send minibatches one by one:
-    every DataLoader item costs the main process ~1.5–2 ms whatever its size, which
-    capped 2 workers at ~10k cells/s with 64-row dense minibatches. A worker packs
+    every DataLoader item has a fixed cost in the main process whatever its size, so
+    one item per small minibatch caps what workers can deliver. A worker packs
     :data:`WORKER_GROUP_BATCHES` minibatches (CSR if the store is CSR) into one
     shared-memory buffer from a ring it reuses once the main process has released it;
     the main process cuts them into minibatches, densifies them and yields them in
@@ -98,19 +98,16 @@ STATE_VERSION = 2
 WORKER_GROUP_BATCHES = 16
 """Minibatches a :class:`BlockDataLoader` worker sends to the main process as one item.
 
-Every item a DataLoader worker returns costs the main process ~1.5–2 ms whatever its
-size (pickling, one shared-memory file and a socket handshake per tensor: a one-off
-development timing with 2 spawned workers returning ready-made tensors, not repeated
-by a benchmark command, found 200 items/s at most). Sent one by one, 64-row
-minibatches capped 2 workers at ~10k cells/s (``benchmarks/loader.py``'s headline
-command before this change: 9.9k); grouped by 16 (and as
-CSR, 16 KB per cell instead of 80 KB dense), that cost is spread over 1,024 cells."""
+Every item a DataLoader worker returns has a fixed cost in the main process whatever
+its size (pickling, one shared-memory file and a socket handshake per tensor), so
+64-row minibatches sent one by one cap the workers' throughput; grouped by 16 (as CSR
+when the store is CSR, a fifth of the dense bytes), that cost is spread over 1,024
+cells (docs/design.md, "Workers")."""
 
 DEFAULT_PREFETCH = 2
-"""Fetches in flight ahead of the one consumed. Two keep both cores busy: while the
-consumer cuts fetch ``n``, fetch ``n+1`` is assembled and ``n+2`` read and decoded
-(benchmark store, block 1024, fetch factor 16, evicting, quiet machine, one dev run
-each: 80k cells/s with 1 in flight, 94k with 2, 94k with 3, 85k with 4)."""
+"""Fetches in flight ahead of the one consumed. Two keep the pipeline full: while the
+consumer cuts fetch ``n``, fetch ``n+1`` is assembled and ``n+2`` read and decoded;
+more only add memory (docs/design.md, "Read-ahead")."""
 
 MAX_GROUPED_WORKERS = 64
 """Workers whose group buffers :class:`BlockDataLoader` tracks (shared counters; more

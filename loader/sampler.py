@@ -5,7 +5,7 @@ Nothing here does I/O. Everything is a pure function of the sampler configuratio
 recomputed from scratch (this is what makes ``state_dict`` resume exact and lets a
 DataLoader worker skip to its position without reading the skipped data).
 
-The pipeline for one epoch (see DESIGN.md §3):
+The pipeline for one epoch (docs/design.md, "Block sampling"):
 
 1. **Epoch stream.** The strategy (:mod:`loader.strategies`) turns the blocks into
    one ordered stream of rows, held as *runs*: run ``i`` is local rows

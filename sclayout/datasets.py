@@ -9,8 +9,8 @@ once per machine.
   counts, ``plate`` and ``cell_line`` labels that a classifier can learn from the
   expression, rows sorted by plate then cell line (as real atlases are on disk).
 * :func:`tile_real` — a larger *real* set made by tiling real files (e.g. the PBMC
-  files in ``../shared/data``) with binomial thinning per copy, so no two cells are
-  equal, sorted by a label column.
+  files of the real-data folder, :func:`shared_data_dir`) with binomial thinning
+  per copy, so no two cells are equal, sorted by a label column.
 
 Both are deterministic given ``seed``.
 """
@@ -94,7 +94,7 @@ def bench_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """The real datasets folder next to the repository (``../shared/data``), if present."""
+    """The real datasets folder, ``shared/data`` in the checkout's parent directory, if present."""
     path = Path(__file__).resolve().parents[2] / "shared" / "data"
     return path if path.is_dir() else None
 

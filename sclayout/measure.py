@@ -1,6 +1,6 @@
 """Honest measurement: cold page cache, the ≫RAM regime, child peak memory, diversity.
 
-DESIGN.md §5 in code, shared by every benchmark and example:
+The method of docs/benchmarks.md in code, shared by every benchmark and example:
 
 * :func:`evict` drops files from the page cache (``posix_fadvise(DONTNEED)``) and
   :func:`check_eviction` proves that it worked (pages resident after eviction, and a
@@ -57,13 +57,13 @@ __all__ = [
 ]
 
 EVICT_INTERVAL = 0.5
-"""Seconds between evictions in :class:`Evictor`. DESIGN.md §5: data read back into the
-page cache is dropped within this period, which reproduced here the throughput of a
-dataset far larger than RAM (true random 1.2k cells/s on the 200k-cell set)."""
+"""Seconds between evictions in :class:`Evictor`: data read back into the page cache is
+dropped within this period, so a dataset that fits in RAM reads like one far larger
+(docs/benchmarks.md, "Method")."""
 
 CHECK_BYTES = 256 << 20
 """Bytes read by :func:`check_eviction`: enough to see disk bandwidth, not page-cache
-bandwidth, on this machine's virtio disk, yet under a second when cold."""
+bandwidth, yet about a second or less when cold."""
 
 
 # ------------------------------------------------------------------- page cache

@@ -1,6 +1,6 @@
 """Session fixtures shared by the whole suite (built once, reused read-only).
 
-- ``real_data_dir``: ../shared/data (skips when absent).
+- ``real_data_dir``: the real-data folder, ``shared/data`` beside the checkout (skips when absent).
 - ``synth_h5ad`` / ``synth_adata``: a 600 × 80 synthetic dataset (tests/_synth.py:
   CSR X, layers, obsm/obsp/uns, raw; rows sorted by plate) as .h5ad and in memory.
 - ``synth_store``: that dataset converted (stratified by plate, block size 16).

@@ -521,7 +521,7 @@ SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 REAL = SHARED_DATA / "sctransform_pbmc3k_402x12572_counts.h5ad"
 
 
-@pytest.mark.skipif(not REAL.exists(), reason="../shared/data is absent")
+@pytest.mark.skipif(not REAL.exists(), reason="the real-data folder is absent")
 def test_real_h5ad_values_equal_source():
     """A real 402-cell PBMC count matrix read raw (no conversion), CSR output."""
     import anndata as ad

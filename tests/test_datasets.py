@@ -16,7 +16,7 @@ from sclayout.datasets import cached, make_tahoe_like, tile_real
 DATA = Path(__file__).parents[2] / "shared" / "data"
 SOUPX = DATA / "soupx_pbmc4k_half_2170x33694_counts.h5ad"
 KANG = DATA / "harmony_kang2018_ctrl_stim_2000x9015_counts.h5ad"
-needs_data = pytest.mark.skipif(not SOUPX.exists(), reason="../shared/data absent")
+needs_data = pytest.mark.skipif(not SOUPX.exists(), reason="the real-data folder is absent")
 
 SMALL = {"n_obs": 600, "n_vars": 800, "nnz_per_cell": 80, "n_plates": 3, "n_cell_lines": 4}
 

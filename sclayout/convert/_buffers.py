@@ -1,10 +1,9 @@
 """Per-thread scratch buffers reused from task to task.
 
 Every reorder task needs a few buffers of hundreds of MB. Fresh ones cost a page
-fault per page, which was most of the conversion's system time (1.37 s sys of 2.6 s
-CPU for a 320 MB shuffle, 85k minor faults); reusing one buffer per thread and role
-faults its pages once. A buffer is valid until the same thread asks for the same
-role again, so tasks use each role for one purpose only.
+fault per page, which was most of the conversion's system time; reusing one buffer
+per thread and role faults its pages once. A buffer is valid until the same thread
+asks for the same role again, so tasks use each role for one purpose only.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ where asked without destroying anything. Both raise :class:`~loader.errors.Input
 with a one-line message that names the problem and the fix; the CLI prints it and
 exits non-zero, before the destination is touched.
 
-Decisions recorded here (and in the README's bad-input table):
+Decisions recorded here (and in docs/quickstart.md, "When the input is wrong"):
 
 - An empty dataset (0 cells or 0 genes) is **refused**: a layout store exists to be
   sampled by blocks, and one with no rows or no columns has nothing to sample.
@@ -470,7 +470,7 @@ def estimate_store_bytes(src: str | os.PathLike[str]) -> int:
     """Bytes the layout store is expected to take: the source's own size on disk.
 
     The converter keeps every element and compresses X with blosc-lz4, which on count
-    matrices compresses ~2x (DESIGN.md: ratio 2.24 on 200k x 20k), so a compressed
+    matrices compresses about 2x or more (docs/benchmarks.md, codecs), so a compressed
     source gives a close estimate and an uncompressed one an upper bound.
     """
     path = Path(src)

@@ -6,12 +6,9 @@ with either backend.
 
 ``blosc-lz4`` (the default) is the cheapest to write. ``blosc-lz4hc`` writes the same
 LZ4 format with a slower, better match search: on count data the decoder then has
-fewer, longer matches to copy. ``benchmarks/codecs.py`` (the five real datasets of
-``../shared/data`` and the Tahoe-like set, 2026-12-04): against blosc-lz4, lz4hc
-decodes in 0.66× the CPU time, stores 0.76× the bytes and encodes 11.7× slower
-(the whole ``convert`` of the 200k-cell benchmark set took 2.5× as long in a dev run:
-10.4 s → 26.1 s). Pick it for a
-store that is read for many epochs (``sclayout recommend`` prices it with the decode
+fewer, longer matches to copy: it decodes with less CPU and stores fewer bytes, but
+encodes several times slower (``benchmarks/codecs.py``, docs/benchmarks.md). Pick it
+for a store that is read for many epochs (``sclayout recommend`` prices it with the decode
 figures of its profile).
 """
 
@@ -32,8 +29,7 @@ CodecFactory = Callable[[], tuple[Any, ...]]
 CODECS: dict[str, CodecFactory] = {}
 
 BLOSC_CLEVEL = 5
-"""blosc compression level: the blosc default, and the level behind DESIGN §3's
-measured lz4 figures (ratio 2.24 at 3.5–3.9 µs/cell decode)."""
+"""blosc compression level: blosc's own default, a good ratio at loader decode speed."""
 ZSTD_LEVEL = 3
 """zstd's own default level (good ratio, fast enough to decode at loader speed)."""
 GZIP_LEVEL = 5

@@ -97,7 +97,7 @@ def _load(workdir: str, bucket: int, dtypes: dict[str, np.dtype]) -> dict[str, n
 PIECE_ELEMS = 2**20
 """Elements gathered per vectorised step: the int64 index of a piece (8 MiB) stays in
 cache-friendly, reusable memory instead of a fresh multi-GB array (fresh pages cost
-page faults: measured 1.0 s vs 0.15 s for 40M elements on this machine)."""
+page faults that cost more than the gather itself)."""
 
 
 def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -134,8 +134,8 @@ def gather_segments(
         pos += seg.size
 
 
-try:  # scipy's C++ row gather: no per-element index array (3x less CPU than
-    # _segments + fancy indexing on 8M nnz, benchmarks/results/convert_profile.md)
+try:  # scipy's C++ row gather: no per-element index array (much less CPU than
+    # _segments + fancy indexing)
     from scipy.sparse._sparsetools import csr_row_index as _csr_row_index
 except ImportError:  # pragma: no cover - private scipy API moved
     _csr_row_index = None

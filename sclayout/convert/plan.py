@@ -3,7 +3,8 @@
 A *plan* says, for one row-aligned matrix, the chunk and shard shape of each of its
 zarr arrays. Dense chunks hold whole blocks; CSR ``data``/``indices`` inner chunks
 are sized from the nnz of a typical block; inner chunks are grouped into shards so
-that the number of files stays in the thousands at 10^8 cells (DESIGN §1).
+that the number of files stays in the thousands at 10^8 cells (docs/design.md,
+"Blocks, chunks and shards").
 """
 
 from __future__ import annotations
@@ -30,29 +31,28 @@ __all__ = [
 DEFAULT_BLOCK_SIZE = 64
 """Rows per block when neither ``block_size`` nor a spec gives one. 64 rows of a
 ~2,000-nnz/cell dataset are ~1 MB of float32 data+indices: large enough that a random
-block read is bandwidth- not latency-bound (DESIGN §3: ~150–210 µs per random read),
-small enough that a 16-block fetch of a 64-cell batch still mixes 16 blocks (DESIGN §4's
-E[D] formula; scDataset's b16/f64 setting is in the same range)."""
+block read is bandwidth- not latency-bound, small enough that a 16-block fetch of a
+64-cell batch still mixes 16 blocks (the E[D] formula in docs/cost-model.md; scDataset's
+b16/f64 setting is in the same range)."""
 
 CSR_CHUNK_NNZ_MIN = 4096
 """Smallest CSR inner chunk (elements, 16 KiB of float32). Below this a read is pure
-latency (DESIGN §3: 8 KB random reads cost ~150–210 µs each), so smaller chunks only
-add requests."""
+latency (docs/design.md, "Reads in flight"), so smaller chunks only add requests."""
 
 DENSE_CHUNK_MAX_BYTES = 16 * 2**20
 """Largest dense chunk before the gene axis is tiled: 16 MiB keeps one chunk's decode
-under ~10 ms at blosc-lz4 speeds (DESIGN §3) and bounds a worker's buffer."""
+short at blosc-lz4 speeds and bounds a worker's buffer."""
 
 SHARD_BYTES_MAX = 128 * 2**20
 """Largest shard (uncompressed bytes). 10^8 cells × 2,000 nnz × 4 B = 800 GB of
-``data`` is ~6,000 shards: thousands of files, not millions (DESIGN §1), while a shard
+``data`` is ~6,000 shards: thousands of files, not millions, while a shard
 written whole stays a small fraction of a 2 GB memory budget."""
 
 SHARD_BUDGET_FRACTION = 32
 """A shard is at most ``memory_budget / 32``: a reorder task holds about five times a
 shard (its bucket of data + indices, the sorted copy, the writer's buffers), two
-tasks run at once, and the process itself needs a few hundred MB (peak RSS measured
-at 1.86 GiB for a 2 GB budget with 1/16: benchmarks/results/convert_profile.md)."""
+tasks run at once, and the process itself needs a few hundred MB (``/16`` overshot a
+2 GB budget; ``benchmarks/convert.py`` reports the peak RSS)."""
 
 INDPTR_CHUNK_ROWS = 8192
 """``indptr`` chunk length (rounded to whole blocks): 64 KiB of int64. Readers use the

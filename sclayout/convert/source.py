@@ -51,9 +51,8 @@ DIRECT_IO: bool | None = None
 is not mostly in the page cache (its first :data:`CACHED_SAMPLE_BYTES` sampled),
 ``True`` always (where the file system allows it), ``False`` never. A conversion reads
 its source once, so a cold file gains nothing from the page cache, and filling the
-cache can cost this VM much system CPU (``benchmarks/convert_io.py``: a cold buffered
-read of the 3.2 GB benchmark source took 4.9-5.5 s sys one request at a time,
-``O_DIRECT`` 0.1-0.3 s; end to end, benchmarks/results/convert_profile.md, "O_DIRECT")."""
+cache can cost much system CPU (``benchmarks/convert_io.py`` compares cold buffered and
+``O_DIRECT`` reads of a source)."""
 
 CACHED_SAMPLE_BYTES = 256 * 2**20
 """Bytes at the start of a source whose page-cache residency decides ``O_DIRECT``."""
@@ -123,9 +122,8 @@ class DirectH5Reader:
 
     h5py serialises every read on its global lock and holds it while copying, so two
     threads never read at once; reading the same bytes at their file offsets releases
-    the GIL and needs no lock (measured 499 vs 280 MB/s cold on this machine,
-    benchmarks/results/convert_profile.md). Only for contiguous datasets and 1-D
-    chunked ones without filters, every chunk allocated; :meth:`create` returns None
+    the GIL and needs no lock, so reads of several tasks overlap. Only for contiguous
+    datasets and 1-D chunked ones without filters, every chunk allocated; :meth:`create` returns None
     otherwise and the caller uses h5py. With ``direct_fd`` (the file opened with
     ``O_DIRECT``) byte ranges are read page-aligned into a staging buffer and copied
     out, bypassing the page cache.
@@ -257,10 +255,9 @@ def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
     """Every chunk's storage info, in one pass over the chunk index.
 
     ``get_chunk_info(i)`` walks the index from the start on every call (quadratic): for
-    an h5ad chunked as anndata chunks it (8,247 chunks of 48,829 values per array on the
-    200k-cell benchmark file) that took 2.9-3.5 s per array, against 0.012-0.018 s for one
-    ``chunk_iter`` pass (benchmarks/h5_chunk_index.py; HDF5 >= 1.14 / h5py >= 3.8;
-    older ones fall back).
+    an h5ad chunked as anndata chunks it (thousands of chunks per array) that takes
+    seconds per array, against milliseconds for one ``chunk_iter`` pass
+    (benchmarks/h5_chunk_index.py; HDF5 >= 1.14 / h5py >= 3.8; older ones fall back).
     """
     infos: list = []
     try:
@@ -272,9 +269,8 @@ def _chunk_infos(ds: h5py.Dataset, n: int) -> list:
 
 IO_THREADS = 6
 """Threads issuing ``O_DIRECT`` reads for all tasks of a process. They wait on the disk
-with the GIL released; several requests in flight are what this virtio disk needs
-(cold ``O_DIRECT`` reads of the benchmark source: 772 MB/s with one 4 MiB request at a
-time, 1.1-1.4 GB/s with 4-8 in flight)."""
+with the GIL released; a disk reads large requests fastest with several in flight
+(``benchmarks/convert_io.py`` times one against several)."""
 
 _io_lock = threading.Lock()
 _io_pool: list[ThreadPoolExecutor] = []

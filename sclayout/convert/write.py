@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 # imported here, not lazily in a worker: the first import holds the import lock for
-# seconds on a loaded machine (benchmarks/results/convert_profile.md, finding 8)
+# seconds on a loaded machine, stalling every other task
 import tensorstore as ts
 import zarr
 
@@ -205,7 +205,7 @@ def copy_sparse(job: CopyJob) -> int:
     """Copy ``data`` and ``indices`` of a CSR source; returns bytes read.
 
     One buffer, written synchronously: submitting the ``data`` write before reading
-    ``indices`` into a second buffer measured no faster here and held more memory.
+    ``indices`` into a second buffer was no faster and held more memory.
     """
     n = 0
     for part in ("data", "indices"):

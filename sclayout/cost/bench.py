@@ -5,7 +5,7 @@
 DataLoader with persistent workers when ``workers > 0``) epoch after epoch for a
 fixed time after the first minibatches (worker start-up is not throughput), cold
 for a local store (evicted before and every 0.5 s during the run: the regime of a
-dataset far larger than RAM, DESIGN §5), and computes the diversity of a label over
+dataset far larger than RAM, docs/benchmarks.md), and computes the diversity of a label over
 the minibatches it delivered.
 """
 
@@ -103,8 +103,8 @@ def measure_loader(
     i = epoch = 0
     done = False
     with evictor:
-        # epoch after epoch until ``seconds`` have passed: at ~60k cells/s one epoch
-        # of the 200k-cell benchmark set lasts ~3 s, too short for a steady figure
+        # epoch after epoch until ``seconds`` have passed: one epoch of a benchmark-sized
+        # set can last only seconds, too short for a steady figure
         while not done:
             ds.set_epoch(epoch)
             it = iter(it_src)

@@ -76,26 +76,23 @@ RANDOM_LARGE_IN_FLIGHT = 32
 CODEC_BLOCK_SIZES = (16, 64)
 """Block sizes of the sample stores each codec is timed on: two inner-chunk sizes
 (~32k and ~128k values at 2,000 nnz/cell) separate the per-chunk from the per-byte
-CPU cost (``sclayout calibrate`` prints both per codec: "MB/s + µs/chunk"; on the dev
-VM blosc-lz4 costs 13–25 µs per chunk besides its bytes)."""
+CPU cost (``sclayout calibrate`` prints both per codec: "MB/s + µs/chunk")."""
 CONCURRENCY_ROUNDS = 3
 """Interleaved rounds of the concurrency curve (median per level)."""
 CPU_ROUNDS = 3
 """Interleaved rounds of each CPU figure (codecs, assembly, copies, the pipeline's
-parallelism and per-fetch CPU), median per figure. With one timed sample each, three
-``sclayout calibrate`` runs of one store in a row on the shared dev VM (a dev check,
-2026-12-04) spread by up to +47 % (gather), +39 % (densify), +59 % (copy bandwidth)
-and +166 % (per-fetch CPU): a burst of another job during one sample became the
-figure. ``benchmarks/costmodel.py`` keeps each round's calibration in its results
-(``round_profiles``)."""
+parallelism and per-fetch CPU), median per figure: with one timed sample each, a burst
+of another job during that sample became the figure. ``benchmarks/costmodel.py`` keeps
+each round's calibration in its results (``round_profiles``), so the spread can be
+checked."""
 
 
 def monotone_curve(curve: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
     """The concurrency curve made non-decreasing (running maximum).
 
     More reads in flight never serve fewer requests/s on a disk or an HTTP server
-    below its connection limit; a dip in the measured curve (one calibration on the
-    dev VM had 8 in flight ten times slower than 4 and 16) is a burst of other I/O
+    below its connection limit; a dip in the measured curve (a level far slower than
+    its neighbours) is a burst of other I/O
     during that level's samples, and would make the model predict a collapse at
     exactly that parallelism."""
     out, best = [], 0.0
@@ -914,8 +911,7 @@ def calibrate(
         codecs=codecs,
         seconds=plan.per_codec,
         # the loader's direct shard reader reads local stores only: a remote store's
-        # responses are decoded by tensorstore (benchmarks/costmodel.py run J, this VM:
-        # blosc-lz4 2.6-2.7 GB/s per core that way, 3.0-3.1 through the direct reader)
+        # responses are decoded by tensorstore, at a different CPU cost per byte
         direct=local is not None,
         on_codec=on_codec,
     )

@@ -22,8 +22,8 @@ __all__ = ["COMMANDS", "bench_command", "calibrate_command", "recommend_command"
 REWRITE_GAIN = 1.10
 """Predicted speed-up a re-conversion must promise before ``recommend`` on a store
 advises it. Two predictions on one profile compare better than either predicts
-absolutely (``benchmarks/costmodel.py`` run G: Spearman 0.94 locally, while the level
-was ~20 % optimistic), and rewriting a whole dataset is not free."""
+absolutely (the model's ranking has been more reliable than its level,
+docs/cost-model.md), and rewriting a whole dataset is not free."""
 
 
 # ------------------------------------------------------------------------ outputs

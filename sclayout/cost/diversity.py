@@ -1,7 +1,7 @@
 """The diversity model: how random-like the loader's minibatches are.
 
 Diversity of a label (e.g. plate) is the mean per-minibatch entropy of that label
-divided by the same for true random minibatches of the same size (DESIGN §5): 1.0 is
+divided by the same for true random minibatches of the same size (docs/cost-model.md): 1.0 is
 as diverse as random sampling.
 
 The loader draws a fetch of ``k = m·f/b`` blocks of ``b`` consecutive stored rows,

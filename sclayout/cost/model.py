@@ -12,8 +12,7 @@ not exist yet — and turns each plan into time with a storage profile:
     ``in_flight = min(requests, backend concurrency)``; requests are the
     planner's coalesced reads: tensorstore merges the byte ranges of adjacent inner
     chunks of one shard into one request (counted on the loopback HTTP server: a
-    64-random-block fetch of the 200k-cell store made 176 requests for 131 planned
-    reads + the source_index reads, against 277 inner chunks).
+    fetch makes about as many requests as planned reads, far fewer than inner chunks).
 ``t_decode``
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
     per-chunk CPU, spread over the decode threads.

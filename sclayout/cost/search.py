@@ -48,8 +48,8 @@ planning work per candidate)."""
 NEAR_BEST = 0.03
 """Candidates within 3 % of the fastest are a tie (below the model's error); the tie
 goes to the fewest storage requests per cell (requests carry the most uncertain cost:
-latency variance, per-read client work; benchmarks/costmodel.py measured a 1-block
-fetch at 0.6× the best when ties went to the least memory), then to the least memory."""
+latency variance, per-read client work; ties going to the least memory picked 1-block
+fetches that ``benchmarks/costmodel.py`` measured well below the best), then to the least memory."""
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,17 @@ class SearchSpace:
     block_sizes: tuple[int, ...] = (4, 8, 16, 32, 64, 128, 256)
     fetch_factors: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     """Up to 64 minibatches per fetch: the range the model was checked on. Beyond it
-    the loader slows down in a way the model does not capture: on the dev VM,
-    ``sclayout bench STORE --block-size 256 --fetch-factor 128`` (8,180-row fetches,
-    ~130 MB decoded) on a stratified block-256 store measured ~27 % below the model's
-    figure, while fetch factor 64 matched it within 5 %."""
+    the loader slows down in a way the model does not capture (``sclayout bench`` at
+    fetch factor 128 measured well below the prediction; docs/cost-model.md)."""
     orders: tuple[str, ...] = ("original", "shuffled", "stratified")
     codecs: tuple[str, ...] = ("blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none")
     chunk_blocks: tuple[float, ...] = (0.5, 1.0, 2.0, 4.0)
     """CSR inner chunk in units of a typical block's nnz (1.0: the converter's default)."""
     workers: tuple[int, ...] = (0,)
     """DataLoader workers. In-process loading by default: workers add the copies of
-    their rows to the main process and leave it the densify, which on the 2-core dev
-    VM made them slower than in-process loading (``benchmarks/costmodel.py``, shuffled
-    store, block 64, fetch factor 16: 2 workers at 0.83–0.92× in-process in runs A–C,
-    ``benchmarks/results/costmodel*.md``); ask for them with ``recommend --workers
-    0,2`` (the model prices both)."""
+    their rows to the main process and leave it the densify, which on two cores made
+    them slower than in-process loading (``benchmarks/costmodel.py`` measures both);
+    ask for them with ``recommend --workers 0,2`` (the model prices both)."""
 
 
 def measured_codecs(space: SearchSpace, profile: Profile) -> tuple[SearchSpace, tuple[str, ...]]:
