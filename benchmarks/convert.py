@@ -8,7 +8,7 @@ running the CLI in a child process so that its own peak RSS is measured.
 Before every run the source is evicted from the page cache and the eviction checked
 (cold read slower than warm, pages gone per ``mincore``). In the default regime
 ``larger-than-ram`` the source and the conversion's work folder are also evicted every
-0.5 s during the run (DESIGN.md §5: the dataset here fits in RAM; a 10^8-cell one
+0.5 s during the run (docs/benchmarks.md: the dataset here fits in RAM; a 10^8-cell one
 would not, so nothing read may stay cached); ``--regime cold`` only evicts before.
 
 Targets (issue 2, this 2-core machine): ≥ 300 MB/s for ``original``, ≥ 200 MB/s for

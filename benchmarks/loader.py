@@ -22,7 +22,7 @@ fetch (:meth:`loader.store.Fetched.permute`), minibatches of 64 cut from it.
 
 Regimes: ``cold`` evicts the files read from the page cache before each run (the
 eviction is checked once: cold read slower than warm, pages gone per ``mincore``);
-``evicting`` also evicts them every 0.5 s during the run (DESIGN.md §5: the regime of
+``evicting`` also evicts them every 0.5 s during the run (docs/benchmarks.md: the regime of
 a dataset ≫ RAM; the one that counts). Each run stops after ``--cells`` cells or
 ``--seconds`` seconds; throughput counts from the first minibatch delivered (opening
 the store and starting workers are excluded). Diversity: mean per-minibatch entropy of

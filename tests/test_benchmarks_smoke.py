@@ -1,6 +1,6 @@
 """Benchmarks in their tiny smoke mode: they run end to end and write sane results.
 
-Speed targets live in the benchmark scripts, never here (STYLE.md §11).
+Speed targets live in the benchmark scripts, never here (docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """benchmarks/loader.py in its tiny smoke mode: runs end to end and writes sane results.
 
-Speed targets live in the benchmark script, never here (STYLE.md §11).
+Speed targets live in the benchmark script, never here (docs/benchmarks.md).
 """
 
 from __future__ import annotations
