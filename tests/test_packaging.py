@@ -25,11 +25,12 @@ CHECK = """
 import importlib.metadata as md, json, pathlib
 import loader, sclayout, sclayout.cost.profile
 meta = md.metadata("sclayout")
+dirs = [pathlib.Path(m.__file__).parent for m in (loader, sclayout)]
 print(json.dumps({
     "loader": loader.__file__,
     "sclayout": sclayout.__file__,
-    "typed": [(pathlib.Path(m.__file__).parent / "py.typed").is_file() for m in (loader, sclayout)],
-    "presets": sorted(p.name for p in (pathlib.Path(sclayout.__file__).parent / "cost" / "presets").glob("*.json")),
+    "typed": [(d / "py.typed").is_file() for d in dirs],
+    "presets": sorted(p.name for p in (dirs[1] / "cost" / "presets").glob("*.json")),
     "requires": meta.get_all("Requires-Dist"),
     "classifiers": meta.get_all("Classifier"),
     "urls": meta.get_all("Project-URL"),
@@ -55,8 +56,9 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
     py = env_dir / "bin" / "python"
     _run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", "-q", str(wheel)])
     fresh_site = Path(
-        _run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"])
-        .stdout.strip()
+        _run(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
+        ).stdout.strip()
     )
     (fresh_site / "_test_venv_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     out = _run([str(py), "-c", CHECK], cwd=tmp).stdout  # cwd: the checkout not on sys.path

@@ -123,10 +123,10 @@ class DirectH5Reader:
     h5py serialises every read on its global lock and holds it while copying, so two
     threads never read at once; reading the same bytes at their file offsets releases
     the GIL and needs no lock, so reads of several tasks overlap. Only for contiguous
-    datasets and 1-D chunked ones without filters, every chunk allocated; :meth:`create` returns None
-    otherwise and the caller uses h5py. With ``direct_fd`` (the file opened with
-    ``O_DIRECT``) byte ranges are read page-aligned into a staging buffer and copied
-    out, bypassing the page cache.
+    datasets and 1-D chunked ones without filters, every chunk allocated;
+    :meth:`create` returns None otherwise and the caller uses h5py. With ``direct_fd``
+    (the file opened with ``O_DIRECT``) byte ranges are read page-aligned into a staging
+    buffer and copied out, bypassing the page cache.
     """
 
     def __init__(
