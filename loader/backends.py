@@ -140,8 +140,7 @@ class TensorstoreSettings:
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
     keeps shard indexes and chunks shared by neighbouring blocks (less CPU per cell than
-    no cache for small blocks; ``benchmarks/loader.py`` has no switch for the cache, so
-    no figure is quoted here)."""
+    no cache for small blocks)."""
     LARGE_READ_CHUNKS = 4
     """When a block spans at least this many inner chunks, the reader turns the cache
     off (``cache_bytes=0``): every chunk is read once, and caching it only adds an

@@ -78,7 +78,7 @@ MALLOC_MMAP_THRESHOLD = 32 * 2**20
 """glibc ``M_MMAP_THRESHOLD`` set by :func:`tune_malloc` (the largest value glibc
 accepts on 64-bit). Fetch buffers (MBs) then come from the heap and are reused,
 instead of fresh ``mmap`` pages that fault on first touch (fewer page faults and less
-reader CPU per cell; no benchmark command toggles this, so no figure is quoted here)."""
+reader CPU per cell)."""
 MALLOC_TRIM_THRESHOLD = 256 * 2**20
 """glibc ``M_TRIM_THRESHOLD``: keep up to this much freed heap for reuse."""
 

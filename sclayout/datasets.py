@@ -52,7 +52,7 @@ def _h5_chunk(expected_nnz: int, itemsize: int = 4) -> int:
     """HDF5 chunk length of ``data``/``indices``: what anndata gets for this size.
 
     anndata writes sparse X resizable, with h5py's guessed chunks (48,829 elements,
-    ~190 KB, for 4·10^8 non-zeros). Much larger chunks (4 MB were used at first) make
+    ~190 KB, for 4·10^8 non-zeros). Much larger chunks (e.g. 4 MB) make
     random row access to the h5ad — the true-random baseline — far slower than
     on a real file, and every "× random" ratio unfairly large.
     """
@@ -94,7 +94,7 @@ def bench_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """The real datasets folder, ``shared/data`` in the checkout's parent directory, if present."""
+    """The real datasets folder beside the checkout (its parent's ``shared/data``), if present."""
     path = Path(__file__).resolve().parents[2] / "shared" / "data"
     return path if path.is_dir() else None
 

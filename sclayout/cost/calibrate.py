@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 IN_FLIGHT = (1, 2, 4, 8, 16, 32, 64)
-"""Reads in flight of the concurrency curve (issue 4: 1…64)."""
+"""Reads in flight of the concurrency curve: 1 to the loader's 64, by powers of two."""
 CODEC_NAMES = ("blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none")
 REQUEST_BYTES = 64 * 1024
 """Size of the concurrency-curve reads: a compressed inner chunk of a 16–32-row
