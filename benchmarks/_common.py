@@ -21,6 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The benchmarks measure the loader with glibc's allocator tuned for fetch buffers (an
+# opt-in of loader.store.tune_malloc; spawned DataLoader workers inherit the variable).
+os.environ.setdefault("SCLAYOUT_TUNE_MALLOC", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 

@@ -24,8 +24,8 @@ from _dataset_util import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader import BlockDataLoader, BlockDataset
 from loader import sampler as S
-from loader.dataset import BlockDataLoader, BlockDataset
 from loader.errors import InputError, SclayoutError
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
 
@@ -503,8 +503,10 @@ def test_without_torch_numpy_batches(monkeypatch):
     import loader.dataset as D
 
     monkeypatch.setattr(D, "torch_available", lambda: False)
-    ds = BlockDataset(memory_reader(30, block_size=4), batch_size=8, output="csr", obs=("parity",))
-    assert type(ds) is BlockDataset and not isinstance(ds, torch.utils.data.Dataset)
+    ds = D.BlockDataset(
+        memory_reader(30, block_size=4), batch_size=8, output="csr", obs=("parity",)
+    )
+    assert type(ds) is D.BlockDataset and not isinstance(ds, torch.utils.data.Dataset)
     batches = list(ds)
     check_epoch(batches, n_obs=30, batch_size=8)
     import scipy.sparse as sp
@@ -515,6 +517,41 @@ def test_without_torch_numpy_batches(monkeypatch):
         InputError, match=r"^BlockDataLoader needs torch: pip install sclayout\[torch\]$"
     ):
         ds.dataloader()
+
+
+def test_torch_classes_are_plain_classes_of_loader_torch():
+    from loader import _torch
+    from loader.dataset import BlockDataset as NumpyBlockDataset
+
+    assert BlockDataset is _torch.TorchBlockDataset and BlockDataLoader is _torch.BlockDataLoader
+    ds = BlockDataset(memory_reader(30, block_size=4), batch_size=8)
+    assert type(ds).__module__ == "loader._torch" and type(ds).__qualname__ == "TorchBlockDataset"
+    assert isinstance(ds, torch.utils.data.IterableDataset) and isinstance(ds, NumpyBlockDataset)
+    assert isinstance(next(iter(ds))["X"], torch.Tensor)
+    assert isinstance(ds.dataloader(), _torch.BlockDataLoader)
+    numpy_ds = NumpyBlockDataset(memory_reader(30, block_size=4), batch_size=8)
+    with pytest.raises(InputError, match=r"create it with loader\.BlockDataset\(\.\.\.\)$"):
+        numpy_ds.dataloader()
+
+
+def test_without_torch_loader_names_the_numpy_dataset(monkeypatch):
+    import loader
+    import loader.dataset as D
+    from loader import _torch
+
+    monkeypatch.setattr(_torch, "torch", None)
+    assert loader.BlockDataset is D.BlockDataset
+    with pytest.raises(InputError, match=r"^BlockDataLoader needs torch: pip install sclayout"):
+        loader.BlockDataLoader  # noqa: B018
+
+
+def test_importing_loader_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, loader, loader.dataset; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"

@@ -11,9 +11,10 @@ import scipy.sparse as sp
 import torch
 from _dataset_util import N_OBS, as_numpy, build_stores, check_epoch, indices
 
-from loader import _torch as T
+from loader import BlockDataLoader, BlockDataset
+from loader import _workers as T
 from loader import sampler as S
-from loader.dataset import WORKER_GROUP_BATCHES, BlockDataLoader, BlockDataset
+from loader.dataset import WORKER_GROUP_BATCHES
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from loader.dataset import BlockDataset
 SCRIPT = r"""
 import hashlib, itertools, json, sys
 import torch
-from loader.dataset import BlockDataset, BlockDataLoader
+from loader import BlockDataLoader, BlockDataset
 results = []
 for job in json.loads(sys.argv[1]):
     ds = BlockDataset(job["path"], **job["ds"])

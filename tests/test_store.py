@@ -307,16 +307,25 @@ def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatc
     check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
 
 
-def test_take_slice_honours_a_replaced_dense_output(built, monkeypatch):
-    """``register_output("dense", fn)`` replaces dense output for the minibatch loop too."""
-    from loader import assemble
+@pytest.mark.parametrize(
+    ("asked", "env", "called"),
+    [(None, None, False), (None, "1", True), (True, None, True), (False, "1", False)],
+    ids=["default-off", "env-on", "asked", "asked-off-beats-env"],
+)
+def test_tune_malloc_is_opt_in(built, monkeypatch, asked, env, called):
+    """The first fetch changes the process's allocator only when asked to."""
+    import loader.store as store
 
-    reader = open_layout(built["own-shuffled-csr"])
-    n = int(reader.block_lengths()[[0, 1]].sum())
-    f = reader.submit(np.array([0, 1]), order=np.arange(n)[::-1].copy()).result()
-    assert f._dense_order is not None
-    monkeypatch.setitem(assemble.OUTPUTS, "dense", lambda rows, pos: np.full(len(pos), -1.0))
-    np.testing.assert_array_equal(f.take_slice(0, 3)["X"], [-1.0, -1.0, -1.0])
+    calls = []
+    monkeypatch.setattr(store, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setattr(store, "_malloc_tuned", False)
+    if env is None:
+        monkeypatch.delenv("SCLAYOUT_TUNE_MALLOC", raising=False)
+    else:
+        monkeypatch.setenv("SCLAYOUT_TUNE_MALLOC", env)
+    reader = open_layout(built["own-shuffled-csr"], tune_malloc=asked)
+    reader.submit(np.array([0])).result()
+    assert calls == ([1] if called else [])
 
 
 def test_tune_malloc_is_idempotent():

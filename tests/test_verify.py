@@ -18,7 +18,7 @@ from loader.layout import MANIFEST_KEY
 from sclayout.cli import main
 from sclayout.convert import convert
 from sclayout.convert import verify as verify_module
-from sclayout.convert.verify import VerifyReport, parse_bytes, verify
+from sclayout.convert.verify import VerifyReport, verify
 
 ORDERS = {
     "original": {"order": "original"},
@@ -273,15 +273,6 @@ def test_verify_errors_are_one_line(tmp_path: Path, sources) -> None:
     r = CliRunner().invoke(main, ["verify", str(sources["csr"]), str(tmp_path / "x")])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.stderr.startswith("error: DST ") and r.stderr.count("\n") == 1
-
-
-def test_parse_bytes() -> None:
-    assert parse_bytes("2GB") == 2 * 10**9
-    assert parse_bytes("512MiB") == 512 * 2**20
-    assert parse_bytes(1000) == 1000
-    for bad in ("0", "-1GB", "lots", 0):
-        with pytest.raises(InputError, match="must be a positive size"):
-            parse_bytes(bad)
 
 
 def test_report_summary() -> None:

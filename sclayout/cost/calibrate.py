@@ -413,7 +413,7 @@ def measure_codecs(
     import tempfile
 
     from loader.backends import get_backend
-    from loader.store import _read_manifest
+    from loader.store import read_manifest
     from sclayout.measure import tree_bytes
 
     out = {}
@@ -435,7 +435,7 @@ def measure_codecs(
                     codec=name,
                     block_size=block_size,
                 )
-                x = _read_manifest(str(store)).X
+                x = read_manifest(str(store)).X
                 arrays = [x.arrays["data"], x.arrays["indices"]]
                 raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
                 chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
@@ -679,12 +679,12 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     store (local or URL), read with tensorstore; ``None`` if it is not one."""
     import tensorstore as ts
 
-    from loader.backends import _ts_kvstore
-    from loader.store import _read_manifest
+    from loader.backends import ts_kvstore
+    from loader.store import read_manifest
 
     location = target.rstrip("/")
     try:
-        manifest = _read_manifest(location)
+        manifest = read_manifest(location)
     except Exception:  # not a layout store: synthetic data instead
         return None
     x = manifest.X
@@ -694,7 +694,7 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     context = ts.Context(http_context_spec() if is_url(location) else {})
 
     def read(path: str, stop: int) -> np.ndarray:
-        spec = {"driver": "zarr3", "kvstore": _ts_kvstore(location, path)}
+        spec = {"driver": "zarr3", "kvstore": ts_kvstore(location, path)}
         arr = ts.open(spec, read=True, context=context).result()
         return np.asarray(arr[:stop].read().result())
 
