@@ -29,3 +29,12 @@ def test_loader_sources_do_not_import_sclayout():
             if s.startswith(("import sclayout", "from sclayout", "import dask", "from dask")):
                 offenders.append(f"{path.name}:{n}: {s}")
     assert offenders == []
+
+
+def test_one_version_for_both_packages():
+    from importlib.metadata import version
+
+    import loader
+    import sclayout
+
+    assert sclayout.__version__ == loader.__version__ == version("sclayout")
