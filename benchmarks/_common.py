@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts: environment record, results files, tables.
 
 Benchmarks are scripts, not tests (STYLE.md §11): they measure with a cold page cache
-(:mod:`sclayout.measure`), quote medians of several runs, and write
+(:mod:`sclayout.pagecache`), quote medians of several runs, and write
 ``benchmarks/results/<name>.{json,md}`` with the command line and the machine they ran on.
 """
 

@@ -9,7 +9,7 @@ decode and encode µs (best of ``--repeat`` passes over all chunks: the CPU cost
 the machine's noise), and the compression ratio (raw bytes / encoded bytes).
 
 Datasets: the files of ``../shared/data`` that are present (real 10x counts, see its
-README) and the Tahoe-like benchmark set (``sclayout.datasets.cached_tahoe_like``;
+README) and the Tahoe-like benchmark set (``sclayout.testing.datasets.cached_tahoe_like``;
 ``--no-tahoe`` to skip it).
 
 Usage::
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.source:
         sources += sorted(SHARED.glob("*.h5ad")) if SHARED.is_dir() else []
         if not args.no_tahoe:
-            from sclayout.datasets import cached_tahoe_like
+            from sclayout.testing.datasets import cached_tahoe_like
 
             sources.append(cached_tahoe_like(progress=True))
     if not sources:

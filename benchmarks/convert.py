@@ -2,7 +2,7 @@
 
 Converts the Tahoe-like dataset (200,000 cells × 20,000 genes, CSR float32, ~2,000
 nnz/cell, sorted by plate then cell_line, ≈3.2 GB h5ad; built once and cached outside
-the repository by :func:`sclayout.datasets.cached_tahoe_like`) with each row order,
+the repository by :func:`sclayout.testing.datasets.cached_tahoe_like`) with each row order,
 running the CLI in a child process so that its own peak RSS is measured.
 
 Before every run the source is evicted from the page cache and the eviction checked
@@ -53,15 +53,9 @@ from _common import (  # noqa: E402
     write_results,
 )
 
-from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.measure import (  # noqa: E402
-    Evictor,
-    check_eviction,
-    evict,
-    median_of,
-    run_child,
-    tree_bytes,
-)
+from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
+from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of, run_child  # noqa: E402
 
 ORDERS: dict[str, list[str]] = {
     "original": ["--order", "original"],

@@ -2,7 +2,7 @@
 
 On the Tahoe-like dataset (200,000 cells × 20,000 genes, CSR float32, ~2,000
 nnz/cell, sorted by plate then cell_line; built once and cached outside the
-repository by :func:`sclayout.datasets.cached_tahoe_like`), batch 64, it measures
+repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it measures
 
 1. ``random``: true random sampling on the h5ad (every minibatch 64 random rows,
    each row read on its own with h5py): the baseline;
@@ -26,7 +26,8 @@ eviction is checked once: cold read slower than warm, pages gone per ``mincore``
 a dataset ≫ RAM; the one that counts). Each run stops after ``--cells`` cells or
 ``--seconds`` seconds; throughput counts from the first minibatch delivered (opening
 the store and starting workers are excluded). Diversity: mean per-minibatch entropy of
-``plate`` divided by that of true random minibatches (:func:`sclayout.measure.diversity_ratio`).
+``plate`` divided by that of true random minibatches
+(:func:`sclayout.cost.diversity.diversity_ratio`).
 Figures are medians of ``--repeat`` runs. The machine is shared: compare ratios
 within one run of this script.
 
@@ -71,15 +72,10 @@ from _common import (  # noqa: E402
 )
 
 from loader import open_layout  # noqa: E402
-from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.measure import (  # noqa: E402
-    Evictor,
-    check_eviction,
-    diversity_ratio,
-    evict,
-    median_of,
-    tree_bytes,
-)
+from sclayout.cost.diversity import diversity_ratio  # noqa: E402
+from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
+from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of  # noqa: E402
 
 BATCH = 64
 """Minibatch size of issue 3."""

@@ -25,7 +25,7 @@ def run_benchmark(
 
 def tiny_tahoe_like(path: Path, *, n_obs: int, n_vars: int, nnz_per_cell: int) -> Path:
     """A small sorted Tahoe-like .h5ad (2 plates, 3 cell lines)."""
-    from sclayout.datasets import make_tahoe_like
+    from sclayout.testing.datasets import make_tahoe_like
 
     return make_tahoe_like(
         path, n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, n_plates=2,

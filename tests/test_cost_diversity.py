@@ -7,7 +7,9 @@ import math
 import numpy as np
 import pytest
 
+from loader.errors import InputError
 from sclayout.cost.diversity import (
+    diversity_ratio,
     effective_draws,
     expected_distinct_blocks,
     expected_iid_entropy,
@@ -18,7 +20,6 @@ from sclayout.cost.diversity import (
     simulate_diversity,
     store_order_labels,
 )
-from sclayout.measure import batch_entropy, random_batch_entropy
 from tests._cost_util import labels_sorted
 
 
@@ -52,20 +53,13 @@ def test_formula_matches_simulation(f, b):
     assert sim == pytest.approx(exact, rel=0.01)
 
 
-def test_minibatch_entropy_matches_the_measurement_code():
+def test_minibatch_entropy_matches_the_textbook_entropy():
     rng = np.random.default_rng(0)
     codes = rng.integers(0, 7, size=(50, 64))
     codes[3] = 2  # a single-label minibatch
     got = minibatch_entropy(codes)
-    assert got == pytest.approx([batch_entropy(r) for r in codes], abs=1e-12)
+    assert got == pytest.approx([_entropy(r) for r in codes], abs=1e-12)
     assert got[3] == 0.0
-
-
-def test_random_reference_matches_the_measurement_code():
-    labels = labels_sorted(5000, 9)
-    assert expected_random_entropy(np.bincount(labels), 64) == pytest.approx(
-        random_batch_entropy(labels, 64), rel=1e-12
-    )
 
 
 def test_shuffled_store_is_exactly_random_and_simulation_agrees():
@@ -112,3 +106,92 @@ def test_too_small_dataset_is_a_clear_error():
 
     with pytest.raises(InputError, match="lower fetch_factor or block_size"):
         simulate_diversity(np.zeros(100, int), batch_size=64, fetch_factor=16, block_size=64)
+
+
+# ------------------------------------------------------------------- diversity
+
+
+def _entropy(labels) -> float:
+    """Entropy (bits) of one minibatch, the textbook way (the oracle of these tests)."""
+    counts = np.unique(np.asarray(labels), return_counts=True)[1]
+    p = counts / counts.sum()
+    return float(-(p * np.log2(p)).sum()) + 0.0
+
+
+def test_minibatch_entropy_hand_examples():
+    assert minibatch_entropy(np.array([[0, 0, 1, 1]])) == pytest.approx([1.0])
+    assert minibatch_entropy(np.array([[3, 3, 3]])) == pytest.approx([0.0])
+    assert minibatch_entropy(np.array([["a", "b", "c", "d"]])) == pytest.approx([2.0])
+
+
+def test_expected_random_entropy_exact_on_hand_example():
+    # Population {0, 0, 1, 1}, batches of 2 without replacement: of the 6 pairs,
+    # 4 are mixed (1 bit) and 2 are pure (0 bit) -> expected entropy 4/6.
+    assert expected_random_entropy(np.array([2, 2]), 2) == pytest.approx(4 / 6)
+    # A batch of the whole population has the population's entropy.
+    labels = np.array([0, 0, 0, 1, 2, 2])
+    assert expected_random_entropy(np.bincount(labels), 6) == pytest.approx(_entropy(labels))
+
+
+def test_diversity_ratio_hand_example():
+    labels = np.array([0, 0, 1, 1])
+    # Sorted sequential batches of 2 are pure: ratio 0. Mixed batches: 1 / (4/6) = 1.5.
+    assert diversity_ratio([labels[:2], labels[2:]], labels, batch_size=2) == 0.0
+    mixed = [np.array([0, 1]), np.array([1, 0])]
+    assert diversity_ratio(mixed, labels, batch_size=2) == pytest.approx(1.5)
+
+
+def _batches(order, labels, size):
+    return [labels[order[i : i + size]] for i in range(0, len(order), size)]
+
+
+@pytest.mark.parametrize("size", [16, 64, 100], ids=lambda s: f"b{s}")
+def test_diversity_ratio_random_near_one_sorted_far_below(size):
+    labels = np.repeat(np.arange(14), 700)
+    rng = np.random.default_rng(1)
+    random = diversity_ratio(_batches(rng.permutation(len(labels)), labels, size), labels)
+    sequential = diversity_ratio(_batches(np.arange(len(labels)), labels, size), labels)
+    assert random == pytest.approx(1.0, abs=0.02)
+    assert sequential < 0.1
+
+
+def test_diversity_ratio_sampled_reference_matches_exact():
+    labels = np.repeat(np.arange(5), [10, 20, 30, 40, 100])
+    batches = _batches(np.random.default_rng(2).permutation(len(labels)), labels, 32)
+    exact = diversity_ratio(batches, labels)
+    sampled = diversity_ratio(batches, labels, n_random=4000, seed=3)
+    assert sampled == pytest.approx(exact, rel=0.02)
+
+
+def test_diversity_ratio_short_last_batch_uses_its_own_reference():
+    labels = np.array([0, 1] * 50)
+    batches = _batches(np.arange(100), labels, 30)  # sizes 30, 30, 30, 10
+    counts = np.bincount(labels)
+    expected_ref = 3 * expected_random_entropy(counts, 30) + expected_random_entropy(counts, 10)
+    expected = sum(_entropy(b) for b in batches) / expected_ref
+    assert diversity_ratio(batches, labels) == pytest.approx(expected)
+
+
+def test_diversity_ratio_unknown_label():
+    with pytest.raises(InputError, match="label 'z' is not in all_labels"):
+        diversity_ratio([np.array(["x", "z"])], np.array(["x", "y"] * 5))
+
+
+def test_diversity_ratio_strings_and_single_label():
+    labels = np.array(["x", "y"] * 10)
+    assert diversity_ratio([labels[:4]], labels) > 0
+    assert math.isnan(diversity_ratio([np.zeros(4)], np.zeros(10)))
+
+
+@pytest.mark.parametrize(
+    ("batches", "kw", "message"),
+    [
+        ([], {}, "batch_labels: no non-empty minibatch; pass at least one"),
+        ([np.zeros(5)], {"batch_size": 4}, "a minibatch of 5 rows exceeds batch_size=4"),
+        ([np.zeros(20)], {}, "batch_size=20: must be in [1, 10]"),
+    ],
+    ids=["empty", "too-big", "bigger-than-population"],
+)
+def test_diversity_ratio_errors(batches, kw, message):
+    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        diversity_ratio(batches, np.zeros(10), **kw)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from loader.store import open_layout
-from sclayout.httpserver import serve_directory
+from sclayout.testing.httpserver import serve_directory
 from tests._cost_util import run_cli, shared_store
 
 
@@ -164,7 +164,7 @@ def test_a_server_that_goes_away_fails_reads_with_a_clear_error(data):
 
     _, store = data
     # a server in its own process, killed: its connections close as a real one's do
-    cmd = [sys.executable, "-m", "sclayout.httpserver", str(store), "--max-seconds", "120"]
+    cmd = [sys.executable, "-m", "sclayout.testing.httpserver", str(store), "--max-seconds", "120"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()

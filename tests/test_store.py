@@ -343,7 +343,7 @@ def test_h5ad_is_read_with_h5py_whatever_the_default(built):
 
 
 def test_tensorstore_reads_over_http(built, adata):
-    httpserver = pytest.importorskip("sclayout.httpserver")
+    httpserver = pytest.importorskip("sclayout.testing.httpserver")
     store = _path(built, "own-stratified-csr")
     with httpserver.serve_directory(store.parent) as server:
         r = open_layout(server.url_for(store.name))

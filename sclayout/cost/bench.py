@@ -65,7 +65,7 @@ def measure_loader(
     batch_size, fetch_factor, block_size, workers
         Loader settings (``block_size=None``: the store's).
     label
-        obs column whose diversity is measured (:func:`sclayout.measure.diversity_ratio`).
+        obs column whose diversity is measured (:func:`sclayout.cost.diversity.diversity_ratio`).
     seconds
         Timed duration after the warm-up minibatches.
     max_batches
@@ -75,7 +75,8 @@ def measure_loader(
     """
     from loader.dataset import BlockDataset
     from loader.errors import InputError
-    from sclayout.measure import Evictor, diversity_ratio
+    from sclayout.cost.diversity import diversity_ratio
+    from sclayout.pagecache import Evictor
 
     if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
         raise InputError(f"seconds={seconds!r}: must be a positive number")

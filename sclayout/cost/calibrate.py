@@ -414,7 +414,7 @@ def measure_codecs(
 
     from loader.backends import get_backend
     from loader.store import read_manifest
-    from sclayout.measure import tree_bytes
+    from sclayout.pagecache import tree_bytes
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
@@ -779,7 +779,7 @@ def calibrate(
     reader = _Reader(kv_spec, files, seed)
     evictor = None
     if local is not None and evict:
-        from sclayout.measure import Evictor
+        from sclayout.pagecache import Evictor
 
         evictor = Evictor([local]).start()
     try:
