@@ -33,7 +33,6 @@ __all__ = [
     "RESULTS",
     "command_line",
     "environment",
-    "fmt_bytes",
     "markdown_table",
     "profile_summary",
     "pyspy_cmd",
@@ -94,15 +93,6 @@ def sclayout_cmd() -> list[str]:
     if exe.exists():
         return [str(exe)]
     return [sys.executable, "-c", "from sclayout.cli import main; main()"]
-
-
-def fmt_bytes(n: float) -> str:
-    """``1.23 GiB`` style."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> str:

@@ -47,7 +47,7 @@ WARMUP_BATCHES = 3
 
 def run(location: str, fetch_factor: int, *, seconds: float, seed: int, evict: str | None):
     """One timed run: per-cell figures from getrusage over the timed part."""
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
     from sclayout.pagecache import Evictor
 
     ds = BlockDataset(location, batch_size=64, fetch_factor=fetch_factor, seed=seed)

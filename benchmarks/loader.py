@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from dask.utils import format_bytes
 
 # This script is named like the package it measures: take its folder off the front of
 # sys.path so that `import loader` finds the package, and put it at the end for _common.
@@ -66,7 +67,6 @@ from _common import (  # noqa: E402
     RESULTS,
     command_line,
     environment,
-    fmt_bytes,
     markdown_table,
     write_results,
 )
@@ -199,7 +199,7 @@ def _reader_loop(
 def _dataset_loop(
     path: Path, *, block_size: int, fetch_factor: int, output: str, seed: int, workers: int
 ) -> Iterator[np.ndarray]:
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
 
     ds = BlockDataset(
         str(path),
@@ -360,7 +360,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     head = meta["headline"]
     return (
         "### Loader throughput and diversity (batch 64)\n\n"
-        f"Source: `{src['name']}` ({fmt_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
+        f"Source: `{src['name']}` ({format_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
         f"{src['n_vars']:,} genes, sorted by plate). Stores: {', '.join(meta['codecs'])}, "
         "converted with "
         f"block_size {meta['store_block_size']}. Medians of {meta['repeat']} run(s); "

@@ -452,7 +452,9 @@ class LayoutReader:
         )
 
     # -- small arrays
-    def _meta_array(self, path: str) -> np.ndarray:
+    def read_array(self, path: str) -> np.ndarray:
+        """The whole array at ``path`` inside the store (metadata: block pointer,
+        source index, ``indptr``), with zarr-python locally, else through the backend."""
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
@@ -477,7 +479,7 @@ class LayoutReader:
             layout = self.layout
             if layout.is_csr:
                 assert layout.block_pointer is not None
-                bp = self._meta_array(layout.block_pointer).astype(np.int64)
+                bp = self.read_array(layout.block_pointer).astype(np.int64)
                 if bp.shape[0] != self._stored_n_blocks + 1:
                     raise LayoutError(
                         f"{self.location}: block pointer has {bp.shape[0]} values for "
@@ -507,7 +509,7 @@ class LayoutReader:
             if self.kind == "h5ad":
                 self._source_index = np.arange(self.n_obs, dtype=np.int64)
             else:
-                self._source_index = self._meta_array(self.manifest.source_index).astype(np.int64)
+                self._source_index = self.read_array(self.manifest.source_index).astype(np.int64)
         return self._source_index
 
     def obs_columns(self) -> list[str]:

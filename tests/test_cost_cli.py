@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from dask.utils import format_bytes
 
 from loader.spec import LayoutSpec
 from loader.store import open_layout
@@ -41,7 +42,7 @@ def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path):
     assert ranked[0] == {**out["pick"], "rank": 1}
     assert plot.stat().st_size < 300_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
     from sclayout.convert.convert import convert
 
     manifest = convert(src, tmp_path / "picked.zarr", spec=spec_path)
@@ -87,7 +88,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         (("--min-diversity", "1.5"), ("--min-diversity=1.5: must be in (0, 1]",)),
         (
             ("--memory-budget", "1KB"),
-            ("--memory-budget=1 KB: too small", "smallest feasible budget is"),
+            (f"--memory-budget={format_bytes(1000)}: too small", "smallest feasible budget is"),
         ),
         (
             ("--profile", "floppy"),

@@ -18,7 +18,7 @@ from _dataset_util import N_OBS, ROOT, build_stores, check_epoch, free_port
 SCRIPT = r"""
 import datetime, json, sys
 import torch, torch.distributed as dist
-from loader.dataset import BlockDataset
+from loader import BlockDataset
 path, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world, timeout=datetime.timedelta(seconds=90))

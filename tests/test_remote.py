@@ -89,7 +89,7 @@ def test_open_layout_over_http_equals_local(data, server):
 
 
 def test_block_dataset_over_http_equals_local(data, server):
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
 
     _, store = data
     kw = dict(batch_size=32, fetch_factor=4, seed=5, output="csr")

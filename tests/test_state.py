@@ -10,8 +10,8 @@ import json
 import pytest
 from _dataset_util import as_numpy, build_stores, run_python
 
+from loader import BlockDataset
 from loader import sampler as S
-from loader.dataset import BlockDataset
 
 # Runs in a fresh interpreter. argv: store path, JSON job. The job names dataset
 # settings, num_workers, and either an epoch + number of batches to take, or a state

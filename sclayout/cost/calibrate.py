@@ -574,7 +574,8 @@ def measure_pipeline(
     """
     import tempfile
 
-    from loader.dataset import BlockDataset, torch_available
+    from loader import BlockDataset
+    from loader.dataset import torch_available
 
     cores = float(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
