@@ -23,7 +23,7 @@ from sclayout.convert import CODECS, convert, get_order, parse_memory_budget
 from sclayout.convert import external as ext
 
 GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
 
 

@@ -554,7 +554,7 @@ def test_importing_loader_imports_no_torch():
     assert out.stdout.strip() == "False"
 
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = SHARED_DATA / "sctransform_pbmc3k_402x12572_counts.h5ad"
 
 
