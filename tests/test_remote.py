@@ -14,12 +14,11 @@ import pytest
 
 from loader.store import open_layout
 from sclayout.testing.httpserver import serve_directory
-from tests._cost_util import run_cli, shared_store
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return shared_store(tmp_path_factory)
+def data(tmp_path_factory, shared_store):
+    return shared_store
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +105,7 @@ def test_block_dataset_over_http_equals_local(data, server):
     assert np.array_equal(np.sort(seen), np.arange(open_layout(store).n_obs))
 
 
-def test_recommend_and_bench_read_a_store_over_http(server):
+def test_recommend_and_bench_read_a_store_over_http(server, run_cli):
     r = run_cli(
         "recommend",
         server.url,
@@ -147,11 +146,10 @@ def test_recommend_and_bench_read_a_store_over_http(server):
     assert out["measured_cells_per_s"] > 0 and out["predicted"]["cells_per_s"] > 0
 
 
-def test_calibrate_over_http(server, monkeypatch):
+def test_calibrate_over_http(server, monkeypatch, spy_codec_timing, tiny_plan):
     from sclayout.cost.calibrate import calibrate
-    from tests._cost_util import spy_codec_timing, tiny_plan
 
-    seen = spy_codec_timing(monkeypatch)
+    seen = spy_codec_timing
     p = calibrate(server.url, plan=tiny_plan(), codecs=("blosc-lz4", "none"))
     assert seen == [False]  # the codecs are timed the way the loader reads a URL
     assert p.kind == "http"

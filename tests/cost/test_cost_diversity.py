@@ -20,7 +20,6 @@ from sclayout.cost.diversity import (
     simulate_diversity,
     store_order_labels,
 )
-from tests._cost_util import labels_sorted
 
 
 @pytest.mark.parametrize(
@@ -62,7 +61,7 @@ def test_minibatch_entropy_matches_the_textbook_entropy():
     assert got[3] == 0.0
 
 
-def test_shuffled_store_is_exactly_random_and_simulation_agrees():
+def test_shuffled_store_is_exactly_random_and_simulation_agrees(labels_sorted):
     labels = labels_sorted(50_000, 14)
     est = predict_diversity(batch_size=64, fetch_factor=4, block_size=64, order="shuffled")
     assert (est.ratio, est.method) == (1.0, "exact")
@@ -71,7 +70,7 @@ def test_shuffled_store_is_exactly_random_and_simulation_agrees():
     assert sim == pytest.approx(1.0, abs=0.01)
 
 
-def test_sorted_label_loses_diversity_with_big_blocks_and_stratified_restores_it():
+def test_sorted_label_loses_diversity_with_big_blocks_and_stratified_restores_it(labels_sorted):
     labels = labels_sorted(50_000, 14)
     small = simulate_diversity(labels, batch_size=64, fetch_factor=64, block_size=4, seed=0)
     big = simulate_diversity(labels, batch_size=64, fetch_factor=4, block_size=64, seed=0)
@@ -94,7 +93,7 @@ def test_block_pure_approximation_is_close_to_simulation(f, b):
     assert approx == pytest.approx(sim, abs=0.04)
 
 
-def test_simulation_is_seeded():
+def test_simulation_is_seeded(labels_sorted):
     labels = labels_sorted(20_000, 5)
     a = simulate_diversity(labels, batch_size=32, fetch_factor=4, block_size=16, seed=7)
     b = simulate_diversity(labels, batch_size=32, fetch_factor=4, block_size=16, seed=7)
