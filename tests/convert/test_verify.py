@@ -10,7 +10,6 @@ import anndata as ad
 import numpy as np
 import pytest
 import zarr
-from _checks_util import DATA_DIR, rich_adata
 from click.testing import CliRunner
 
 from loader.errors import InputError, NotALayoutStoreError
@@ -28,7 +27,7 @@ ORDERS = {
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
+def sources(tmp_path_factory, rich_adata) -> dict[str, Path]:
     """The rich dataset with X as CSR (h5ad and zarr v3), CSC and dense (h5ad)."""
     d = tmp_path_factory.mktemp("sources")
     out = {}
@@ -280,6 +279,7 @@ def test_report_summary() -> None:
     assert r.summary() == "NOT equal: 3 differences (2 more not shown)"
 
 
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
 
 

@@ -18,7 +18,6 @@ import scipy.sparse as sp
 
 from loader.errors import FormatVersionError, InputError, NotALayoutStoreError, SpecError
 from loader.store import Fetched, LayoutReader, PendingFetch, open_layout
-from tests._loader_util import make_adata, write_h5ad, write_store
 
 N_OBS, N_VARS = 300, 50
 
@@ -32,12 +31,12 @@ def _convert():
 
 
 @pytest.fixture(scope="session")
-def adata():
-    return make_adata(N_OBS, N_VARS, seed=3)
+def adata(reader_adata):
+    return reader_adata(N_OBS, N_VARS, seed=3)
 
 
 @pytest.fixture(scope="session")
-def built(adata, tmp_path_factory) -> dict[str, Path]:
+def built(adata, tmp_path_factory, write_h5ad, write_store) -> dict[str, Path]:
     """Every source the tests read, built once."""
     d = tmp_path_factory.mktemp("reader")
     out: dict[str, Path] = {
