@@ -34,6 +34,7 @@ worker id)."""
 
 
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A numpy / scipy batch as tensors (CSR ``X`` as a sparse CSR tensor)."""
     import torch
 
     X = batch["X"]

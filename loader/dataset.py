@@ -1,4 +1,5 @@
-"""``BlockDataset``: block sampling + batched fetching, as a torch ``IterableDataset``.
+"""``BlockDataset``: block sampling + batched fetching (numpy batches here; with torch,
+``loader.BlockDataset`` is :class:`loader._torch.TorchBlockDataset`, an ``IterableDataset``).
 
 ::
 
