@@ -1,7 +1,7 @@
 """Shared helpers of the benchmark scripts: environment record, results files, tables.
 
 Benchmarks are scripts, not tests (docs/benchmarks.md): they measure with a cold page cache
-(:mod:`sclayout.measure`), quote medians of several runs, and write
+(:mod:`sclayout.pagecache`), quote medians of several runs, and write
 ``benchmarks/results/<name>.{json,md}`` with the command line and the machine they ran on.
 """
 
@@ -21,6 +21,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+# The benchmarks measure the loader with glibc's allocator tuned for fetch buffers (an
+# opt-in of loader.store.tune_malloc; spawned DataLoader workers inherit the variable).
+os.environ.setdefault("SCLAYOUT_TUNE_MALLOC", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 
@@ -29,7 +33,6 @@ __all__ = [
     "RESULTS",
     "command_line",
     "environment",
-    "fmt_bytes",
     "markdown_table",
     "profile_summary",
     "pyspy_cmd",
@@ -90,15 +93,6 @@ def sclayout_cmd() -> list[str]:
     if exe.exists():
         return [str(exe)]
     return [sys.executable, "-c", "from sclayout.cli import main; main()"]
-
-
-def fmt_bytes(n: float) -> str:
-    """``1.23 GiB`` style."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Mapping[str, str]) -> str:

@@ -10,7 +10,7 @@ the machine's noise), and the compression ratio (raw bytes / encoded bytes).
 
 Datasets: the files of the real-data folder (``shared/data`` beside the checkout) that
 are present (real 10x counts) and the Tahoe-like benchmark set
-(``sclayout.datasets.cached_tahoe_like``; ``--no-tahoe`` to skip it).
+(``sclayout.testing.datasets.cached_tahoe_like``; ``--no-tahoe`` to skip it).
 
 Usage::
 
@@ -139,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.source:
         sources += sorted(SHARED.glob("*.h5ad")) if SHARED.is_dir() else []
         if not args.no_tahoe:
-            from sclayout.datasets import cached_tahoe_like
+            from sclayout.testing.datasets import cached_tahoe_like
 
             sources.append(cached_tahoe_like(progress=True))
     if not sources:

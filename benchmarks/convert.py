@@ -2,7 +2,7 @@
 
 Converts the Tahoe-like dataset (200,000 cells × 20,000 genes, CSR float32, ~2,000
 nnz/cell, sorted by plate then cell_line, ≈3.2 GB h5ad; built once and cached outside
-the repository by :func:`sclayout.datasets.cached_tahoe_like`) with each row order,
+the repository by :func:`sclayout.testing.datasets.cached_tahoe_like`) with each row order,
 running the CLI in a child process so that its own peak RSS is measured.
 
 Before every run the source is evicted from the page cache and the eviction checked
@@ -36,6 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from dask.utils import format_bytes
+
 # Python puts this script's folder first on sys.path, where benchmarks/loader.py would
 # shadow the `loader` package: move the folder to the end (it is only needed for _common).
 _HERE = Path(__file__).resolve().parent
@@ -45,7 +47,6 @@ from _common import (  # noqa: E402
     RESULTS,
     command_line,
     environment,
-    fmt_bytes,
     markdown_table,
     profile_summary,
     pyspy_cmd,
@@ -53,15 +54,9 @@ from _common import (  # noqa: E402
     write_results,
 )
 
-from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.measure import (  # noqa: E402
-    Evictor,
-    check_eviction,
-    evict,
-    median_of,
-    run_child,
-    tree_bytes,
-)
+from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
+from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of, run_child  # noqa: E402
 
 ORDERS: dict[str, list[str]] = {
     "original": ["--order", "original"],
@@ -202,8 +197,8 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "cpu": f"{s['cpu_seconds']:.1f}" if "cpu_seconds" in s else "",
                 "per_cpu": f"{s['source_mb_per_cpu_s']:,.0f}" if "cpu_seconds" in s else "",
                 "load": f"{s['load_avg_1min']:.1f}" if "load_avg_1min" in s else "",
-                "rss": f"{fmt_bytes(s['peak_rss'])} " + ("✓" if s["meets_rss"] else "✗"),
-                "out": fmt_bytes(s["output_bytes"]),
+                "rss": f"{format_bytes(s['peak_rss'])} " + ("✓" if s["meets_rss"] else "✗"),
+                "out": format_bytes(s["output_bytes"]),
                 "ratio": f"{s['source_bytes'] / s['output_bytes']:.2f}",
                 "files": f"{s['files']:,}",
                 "runs": s["runs"],
@@ -289,8 +284,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 print(
                     f"{order} run {i + 1}/{args.repeat}: {r['seconds']:.1f} s, "
-                    f"{r['source_mb_s']:,.0f} MB/s, peak RSS {fmt_bytes(r['peak_rss'])}, "
-                    f"{fmt_bytes(r['output_bytes'])} in {r['files']} files",
+                    f"{r['source_mb_s']:,.0f} MB/s, peak RSS {format_bytes(r['peak_rss'])}, "
+                    f"{format_bytes(r['output_bytes'])} in {r['files']} files",
                     flush=True,
                 )
                 runs.append(r)

@@ -29,8 +29,8 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 from sclayout.convert.source import DIRECT_PIECE, IO_THREADS  # noqa: E402
-from sclayout.datasets import cached_tahoe_like  # noqa: E402
-from sclayout.measure import evict  # noqa: E402
+from sclayout.pagecache import evict  # noqa: E402
+from sclayout.testing.datasets import cached_tahoe_like  # noqa: E402
 
 
 def cold_read(path: Path, *, direct: bool, threads: int, piece: int = DIRECT_PIECE) -> dict:

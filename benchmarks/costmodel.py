@@ -2,7 +2,7 @@
 
 For two storage profiles — local disk, cold (evicted before and every 0.5 s: the
 regime of a dataset far larger than RAM), and HTTP with 2 ms injected per-request
-latency (``sclayout.httpserver`` in a subprocess, loopback) — the script
+latency (``sclayout.testing.httpserver`` in a subprocess, loopback) — the script
 
 1. in each of ``--runs`` rounds, calibrates the profile (``sclayout.cost.calibrate``)
    and then measures every configuration once (>= 20: store layout — block size, row
@@ -107,7 +107,7 @@ CONFIGS = [
 
 
 def _cache() -> Path:
-    from sclayout.datasets import bench_dir
+    from sclayout.testing.datasets import bench_dir
 
     d = bench_dir() / "costmodel"
     d.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def _cache() -> Path:
 
 
 def _source(smoke: bool) -> Path:
-    from sclayout.datasets import cached_tahoe_like
+    from sclayout.testing.datasets import cached_tahoe_like
 
     if smoke:
         return cached_tahoe_like(n_obs=4000, n_vars=2000, nnz_per_cell=200)
@@ -162,7 +162,7 @@ def build_store(src: Path, dst: Path, sd: StoreDef) -> Path:
 
 
 class HttpServer:
-    """``python -m sclayout.httpserver ROOT --delay D`` in a subprocess (so that the
+    """``python -m sclayout.testing.httpserver ROOT --delay D`` in a subprocess (so that the
     server's Python does not share the loader's GIL)."""
 
     def __init__(self, root: Path, delay: float) -> None:
@@ -170,7 +170,7 @@ class HttpServer:
             [
                 sys.executable,
                 "-m",
-                "sclayout.httpserver",
+                "sclayout.testing.httpserver",
                 str(root),
                 "--delay",
                 str(delay),

@@ -9,8 +9,8 @@ planned read bytes (``sclayout.cost.model.predict`` on the ``local-disk-here`` p
 its absolute level is not the point, the ratio between fetch sizes is):
 
 - ``warm``: the store in the page cache;
-- ``cold``: evicted before and every 0.5 s during the run (``sclayout.measure.Evictor``);
-- ``http``: served by ``python -m sclayout.httpserver`` with 2 ms per request, from
+- ``cold``: evicted before and every 0.5 s during the run (``sclayout.pagecache.Evictor``);
+- ``http``: served by ``python -m sclayout.testing.httpserver`` with 2 ms per request, from
   memory (warm files).
 
 Per cell: cells/s, user and system CPU, minor page faults and bytes read from disk
@@ -47,8 +47,8 @@ WARMUP_BATCHES = 3
 
 def run(location: str, fetch_factor: int, *, seconds: float, seed: int, evict: str | None):
     """One timed run: per-cell figures from getrusage over the timed part."""
-    from loader.dataset import BlockDataset
-    from sclayout.measure import Evictor
+    from loader import BlockDataset
+    from sclayout.pagecache import Evictor
 
     ds = BlockDataset(location, batch_size=64, fetch_factor=fetch_factor, seed=seed)
     cm = Evictor([evict]) if evict else contextlib.nullcontext()
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         }
     server = None
     if "http" in regimes:
-        cmd = [sys.executable, "-m", "sclayout.httpserver", str(args.store.parent)]
+        cmd = [sys.executable, "-m", "sclayout.testing.httpserver", str(args.store.parent)]
         cmd += ["--delay", str(HTTP_DELAY), "--max-seconds", "3600"]
         server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         url = server.stdout.readline().strip() + args.store.name

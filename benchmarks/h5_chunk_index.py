@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     if argv:
         path = Path(argv[0])
     else:
-        from sclayout.datasets import cached_tahoe_like
+        from sclayout.testing.datasets import cached_tahoe_like
 
         path = Path(cached_tahoe_like())
     with h5py.File(path, "r") as f:

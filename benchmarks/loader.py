@@ -2,7 +2,7 @@
 
 On the Tahoe-like dataset (200,000 cells × 20,000 genes, CSR float32, ~2,000
 nnz/cell, sorted by plate then cell_line; built once and cached outside the
-repository by :func:`sclayout.datasets.cached_tahoe_like`), batch 64, it measures
+repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it measures
 
 1. ``random``: true random sampling on the h5ad (every minibatch 64 random rows,
    each row read on its own with h5py): the baseline;
@@ -26,7 +26,8 @@ eviction is checked once: cold read slower than warm, pages gone per ``mincore``
 a dataset ≫ RAM; the one that counts). Each run stops after ``--cells`` cells or
 ``--seconds`` seconds; throughput counts from the first minibatch delivered (opening
 the store and starting workers are excluded). Diversity: mean per-minibatch entropy of
-``plate`` divided by that of true random minibatches (:func:`sclayout.measure.diversity_ratio`).
+``plate`` divided by that of true random minibatches
+(:func:`sclayout.cost.diversity.diversity_ratio`).
 Figures are medians of ``--repeat`` runs. The machine is shared: compare ratios
 within one run of this script.
 
@@ -55,6 +56,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from dask.utils import format_bytes
 
 # This script is named like the package it measures: take its folder off the front of
 # sys.path so that `import loader` finds the package, and put it at the end for _common.
@@ -65,21 +67,15 @@ from _common import (  # noqa: E402
     RESULTS,
     command_line,
     environment,
-    fmt_bytes,
     markdown_table,
     write_results,
 )
 
 from loader import open_layout  # noqa: E402
-from sclayout.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.measure import (  # noqa: E402
-    Evictor,
-    check_eviction,
-    diversity_ratio,
-    evict,
-    median_of,
-    tree_bytes,
-)
+from sclayout.cost.diversity import diversity_ratio  # noqa: E402
+from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
+from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of  # noqa: E402
 
 BATCH = 64
 """Minibatch size of issue 3."""
@@ -203,7 +199,7 @@ def _reader_loop(
 def _dataset_loop(
     path: Path, *, block_size: int, fetch_factor: int, output: str, seed: int, workers: int
 ) -> Iterator[np.ndarray]:
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
 
     ds = BlockDataset(
         str(path),
@@ -364,7 +360,7 @@ def _markdown(rows: list[dict], meta: dict) -> str:
     head = meta["headline"]
     return (
         "### Loader throughput and diversity (batch 64)\n\n"
-        f"Source: `{src['name']}` ({fmt_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
+        f"Source: `{src['name']}` ({format_bytes(src['bytes'])}, {src['n_obs']:,} cells × "
         f"{src['n_vars']:,} genes, sorted by plate). Stores: {', '.join(meta['codecs'])}, "
         "converted with "
         f"block_size {meta['store_block_size']}. Medians of {meta['repeat']} run(s); "

@@ -99,7 +99,7 @@ def one_run(
     import loader.assemble as A
     import loader.store as LS
     from loader import BlockDataset, open_layout
-    from sclayout.measure import Evictor, evict
+    from sclayout.pagecache import Evictor, evict
 
     waited = [0.0]
     real_result = LS.PendingFetch.result

@@ -5,7 +5,7 @@ The three presets measured on the project's dev VM come from ``sclayout calibrat
 - ``local-disk-here``: the local profile ``benchmarks/costmodel.py`` calibrated
   (``benchmarks/results/costmodel-profile-local.json``);
 - ``http-loopback-2ms``: its HTTP profile (``costmodel-profile-http.json``);
-- ``http-loopback-20ms``: calibrated here, against ``python -m sclayout.httpserver``
+- ``http-loopback-20ms``: calibrated here, against ``python -m sclayout.testing.httpserver``
   adding 20 ms per request, serving the same store.
 
 The cited presets (``local-nvme``, ``network-disk``, ``http-object-store``) keep
@@ -59,7 +59,7 @@ def _calibrate_20ms(store_root: Path) -> object:
     from sclayout.cost.calibrate import calibrate
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sclayout.httpserver", str(store_root), "--delay", "0.02"],
+        [sys.executable, "-m", "sclayout.testing.httpserver", str(store_root), "--delay", "0.02"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     import datetime as dt
 
     from sclayout.cost.profile import load_profile
-    from sclayout.datasets import bench_dir
+    from sclayout.testing.datasets import bench_dir
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--local", type=Path, default=RESULTS / "costmodel-profile-local.json")
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         "http-loopback-2ms": http.with_(
             name="http-loopback-2ms",
             source=(
-                f"{here}: its HTTP calibration against `python -m sclayout.httpserver "
+                f"{here}: its HTTP calibration against `python -m sclayout.testing.httpserver "
                 f"DIR --delay 0.002` (2 ms added per request), {http.source}"
             ),
         ),
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             source=(
                 f"measured on this project's 2-core x86_64 VM on {date} by `python "
                 "benchmarks/presets.py`: `sclayout calibrate` against `python -m "
-                "sclayout.httpserver DIR --delay 0.02` (20 ms added per request), "
+                "sclayout.testing.httpserver DIR --delay 0.02` (20 ms added per request), "
                 f"{p20.source}"
             )
         )

@@ -69,7 +69,7 @@ def sclayout(*args: str) -> None:
 
 def make_data(out: Path, *, n_obs: int, n_vars: int) -> tuple[Path, str]:
     """The demo dataset: tiled real PBMC cells if available, else the Tahoe-like set."""
-    from sclayout.datasets import make_tahoe_like, tile_real
+    from sclayout.testing.datasets import make_tahoe_like, tile_real
 
     if (SHARED_DATA / PBMC_FILE).exists():
         path = out / f"pbmc_tiled_{n_obs}.h5ad"
@@ -118,7 +118,7 @@ def train(
     from tqdm import tqdm
 
     from loader import BlockDataset
-    from sclayout.measure import diversity_ratio
+    from sclayout.cost.diversity import diversity_ratio
 
     torch.set_num_threads(1)
     ds = BlockDataset(store, spec=spec, obs=(label,), seed=seed)
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> None:
     sclayout("inspect", str(store))
 
     step("6/6 train from the store with loader.BlockDataset")
-    from sclayout.measure import diversity_ratio
+    from sclayout.cost.diversity import diversity_ratio
 
     b = args.batch_size
     sequential = [codes[i : i + b] for i in range(0, len(codes) - b + 1, b)]

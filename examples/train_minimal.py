@@ -41,7 +41,7 @@ from loader import BlockDataLoader, BlockDataset
 def smoke_store(root: Path) -> Path:
     """A 600 × 50 Tahoe-like synthetic dataset converted to a layout store."""
     from sclayout.convert import convert
-    from sclayout.datasets import make_tahoe_like
+    from sclayout.testing.datasets import make_tahoe_like
 
     h5ad = make_tahoe_like(
         root / "tiny.h5ad", n_obs=600, n_vars=50, nnz_per_cell=10, n_plates=2, n_cell_lines=4

@@ -16,7 +16,7 @@ Datasets (``--datasets``, both by default when the real-data folder is present):
 
 - ``pbmc``: real PBMC cells (SoupX pbmc4k, label = ``Annotation``, 5 cell types; the 20
   unassigned ``?`` cells are dropped). The *source cells* are split 80/20 per cell
-  type before tiling; each side is tiled separately with ``sclayout.datasets.tile_real``
+  type before tiling; each side is tiled separately with ``sclayout.testing.datasets.tile_real``
   (binomial-thinning noise), so no held-out cell has a noisy copy in the training set.
   The training file is sorted by cell type on disk.
 - ``tahoe``: the Tahoe-like synthetic set (``make_tahoe_like``); label = ``cell_line``,
@@ -33,7 +33,7 @@ even see the later labels.)
 
 Reported per scheme (mean ± sd over ``--seeds`` seeds): macro-F1 and accuracy on the
 held-out split, the diversity ratio of the label over the training minibatches
-(``sclayout.measure.diversity_ratio``; 1.0 = as diverse as random), end-to-end
+(``sclayout.cost.diversity.diversity_ratio``; 1.0 = as diverse as random), end-to-end
 training cells/s and wall time (warm page cache: the files fit in RAM here; cold-cache
 throughput is in ``benchmarks/``). Outputs ``parity.md``, ``parity.json`` and
 ``parity.png`` in ``--out``.
@@ -151,7 +151,7 @@ def prepare_pbmc(work: Path, *, n_obs: int, n_vars: int, seed: int) -> Prepared:
     """Real PBMC cells, tiled to ``n_obs``; source cells split 80/20 before tiling."""
     import anndata as ad
 
-    from sclayout.datasets import tile_real
+    from sclayout.testing.datasets import tile_real
 
     label = "Annotation"
     a = ad.read_h5ad(SHARED_DATA / PBMC_FILE)
@@ -190,7 +190,7 @@ def prepare_tahoe(work: Path, *, n_obs: int, n_vars: int, seed: int) -> Prepared
     """Tahoe-like synthetic set; the last plate is held out, the rest sorted by label."""
     import anndata as ad
 
-    from sclayout.datasets import make_tahoe_like
+    from sclayout.testing.datasets import make_tahoe_like
 
     label, plate = "cell_line", "plate"
     make_tahoe_like(
@@ -455,7 +455,7 @@ def train_one(
     import torch
     from tqdm import tqdm
 
-    from sclayout.measure import diversity_ratio
+    from sclayout.cost.diversity import diversity_ratio
 
     model = make_mlp(prep.n_vars, len(prep.classes), seed=seed, hidden=hidden, layernorm=layernorm)
     opt = torch.optim.Adam(model.parameters(), lr=lr)

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loader._torch import worker_context
+from loader._workers import worker_context
 from loader.backends import get_backend, register_backend
-from loader.dataset import BlockDataset
 from loader.errors import (
     FormatVersionError,
     InputError,
@@ -55,8 +54,17 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "BlockDataLoader":  # defined on first use: it subclasses torch's DataLoader
-        from loader.dataset import BlockDataLoader
+    # Resolved on first use, so that importing loader does not import torch: with torch,
+    # the torch classes of loader._torch; without, the numpy dataset (and no loader).
+    if name in ("BlockDataset", "BlockDataLoader"):
+        from loader import _torch
 
-        return BlockDataLoader
+        if _torch.torch is not None:
+            return getattr(_torch, "TorchBlockDataset" if name == "BlockDataset" else name)
+        from loader.dataset import TORCH_HINT, BlockDataset
+
+        if name == "BlockDataLoader":
+            raise InputError(f"BlockDataLoader needs torch: {TORCH_HINT}")
+
+        return BlockDataset
     raise AttributeError(f"module 'loader' has no attribute {name!r}")

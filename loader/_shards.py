@@ -45,10 +45,17 @@ from typing import Any
 
 import numpy as np
 
-from loader.backends import is_url
 from loader.errors import LayoutError
+from loader.location import is_url
 
-__all__ = ["DECODE_THREADS", "RUN_BYTES", "SMALL_ARRAY_BYTES", "DirectArray", "open_direct"]
+__all__ = [
+    "DECODE_THREADS",
+    "RUN_BYTES",
+    "SMALL_ARRAY_BYTES",
+    "DirectArray",
+    "open_direct",
+    "share_decode_threads",
+]
 
 DECODE_THREADS = 2
 """Threads per process that read and decode inner chunks (a fixed two for now, see
@@ -217,9 +224,13 @@ class _Pool:
 _POOL = _Pool()
 
 
-def decode_pool() -> _Pool:
-    """This process's decode-thread pool (its ``threads`` may be set before first use)."""
-    return _POOL
+def share_decode_threads(num_workers: int) -> None:
+    """Give this process ``max(1, DECODE_THREADS // num_workers)`` decode threads.
+
+    Called in each of ``num_workers`` DataLoader workers before its first read, so
+    that the workers together use the cores one process would.
+    """
+    _POOL.threads = max(1, DECODE_THREADS // max(1, int(num_workers)))
 
 
 _local = threading.local()

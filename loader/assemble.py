@@ -37,10 +37,8 @@ __all__ = [
     "CSRRows",
     "DenseOrder",
     "DenseRows",
-    "builtin_output",
     "fetch_rows",
     "get_output",
-    "register_output",
 ]
 
 
@@ -329,16 +327,11 @@ def fetch_rows(
 
 
 Rows = CSRRows | DenseRows
-OUTPUTS: dict[str, Callable[[Rows, np.ndarray], object]] = {}
-
-
-def register_output(name: str, fn: Callable[[Rows, np.ndarray], object]) -> None:
-    """Register ``fn(rows, positions) -> X`` as output format ``name``."""
-    OUTPUTS[name] = fn
 
 
 def get_output(name: str) -> Callable[[Rows, np.ndarray], object]:
-    """The output function registered under ``name`` (error names the known ones)."""
+    """The output function ``fn(rows, positions) -> X`` called ``name`` (an error names
+    the known ones)."""
     try:
         return OUTPUTS[name]
     except KeyError:
@@ -349,15 +342,10 @@ def _dense(rows: Rows, pos: np.ndarray) -> np.ndarray:
     return rows.dense(pos)
 
 
-def builtin_output(name: str) -> bool:
-    """Whether output ``name`` is still the one this module registered (a user may
-    have replaced it with :func:`register_output`)."""
-    return OUTPUTS.get(name) is _BUILTIN.get(name)
-
-
-register_output("dense", _dense)
-register_output("csr", lambda rows, pos: rows.csr(pos))
-register_output("view", lambda rows, pos: rows.view(pos))
-_BUILTIN = dict(OUTPUTS)
+OUTPUTS: dict[str, Callable[[Rows, np.ndarray], object]] = {
+    "dense": _dense,
+    "csr": lambda rows, pos: rows.csr(pos),
+    "view": lambda rows, pos: rows.view(pos),
+}
 """``view``: scipy CSR (or ndarray) in the stored dtype, sharing the fetch's memory
 where it can; for code that copies the rows on (DataLoader workers packing a group)."""

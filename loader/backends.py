@@ -43,6 +43,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader.errors import InputError, LayoutError, ReadError
+from loader.location import is_url
 
 __all__ = [
     "BACKENDS",
@@ -54,6 +55,7 @@ __all__ = [
     "is_url",
     "read_error",
     "register_backend",
+    "ts_kvstore",
 ]
 
 Request = Mapping[str, tuple[str, np.ndarray]]
@@ -172,12 +174,8 @@ def http_context_spec(
     }
 
 
-def is_url(location: str) -> bool:
-    """Whether ``location`` is an ``http(s)://`` URL (else a local path)."""
-    return location.startswith(("http://", "https://"))
-
-
-def _ts_kvstore(location: str, path: str) -> dict[str, Any]:
+def ts_kvstore(location: str, path: str) -> dict[str, Any]:
+    """The tensorstore kvstore spec of ``path`` inside the store at ``location``."""
     if is_url(location):
         return {"driver": "http", "base_url": location.rstrip("/") + "/", "path": path}
     return {"driver": "file", "path": os.path.join(location, path)}
@@ -241,7 +239,7 @@ class TensorstoreBackend:
 
             spec = {
                 "driver": "zarr3",
-                "kvstore": _ts_kvstore(self.location, path),
+                "kvstore": ts_kvstore(self.location, path),
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
             }

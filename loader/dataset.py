@@ -1,4 +1,5 @@
-"""``BlockDataset``: block sampling + batched fetching, as a torch ``IterableDataset``.
+"""``BlockDataset``: block sampling + batched fetching (numpy batches here; with torch,
+``loader.BlockDataset`` is :class:`loader._torch.TorchBlockDataset`, an ``IterableDataset``).
 
 ::
 
@@ -115,7 +116,7 @@ workers than this run without buffer reuse)."""
 
 # Slots of the shared-state vector (shared memory, so persistent workers see updates).
 _EPOCH, _START_EPOCH, _START, _START_WORKERS, _UNTRACKED = range(5)
-_TORCH_HINT = "pip install sclayout[torch]"
+TORCH_HINT = "pip install sclayout[torch]"
 
 
 def torch_available() -> bool:
@@ -125,14 +126,6 @@ def torch_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("torch") is not None
-
-
-def _require_torch(feature: str) -> Any:
-    if not torch_available():
-        raise InputError(f"{feature} needs torch: {_TORCH_HINT}")
-    import torch
-
-    return torch
 
 
 def _worker_info() -> tuple[int, int] | None:
@@ -220,11 +213,6 @@ class BlockDataset:
     proportions then match the requested weights in expectation, but rows of one
     block arrive together, so counts vary more than under row-by-row sampling.
     """
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> BlockDataset:
-        if cls is BlockDataset and torch_available():
-            cls = _torch_dataset_class()
-        return super().__new__(cls)
 
     def __init__(
         self,
@@ -345,7 +333,7 @@ class BlockDataset:
         self._consumed = 0  # minibatches of epoch _consumed_epoch delivered so far
         self._consumed_epoch = -1
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
-        self._group_workers = False  # BlockDataLoader: workers send groups of minibatches
+        self.group_workers = False  # BlockDataLoader: workers send groups of minibatches
 
     # -- settings -------------------------------------------------------------------
     @property
@@ -529,8 +517,13 @@ class BlockDataset:
             return epoch, int(self._shared[_START])
         return epoch, 0
 
-    def _begin_pass(self, num_workers: int) -> None:
-        """Main process, before an iteration: reset the delivered-minibatch counter."""
+    # -- the pass protocol of a DataLoader that counts (BlockDataLoader) ---------------
+    def begin_pass(self, num_workers: int) -> list[int]:
+        """Main process, before an iteration: reset the delivered-minibatch counter.
+
+        Returns the minibatches each of ``num_workers`` DataLoader workers (by id)
+        yields in the coming pass (none for ``num_workers=0``).
+        """
         _, start = self._start()
         if start and int(self._shared[_START_WORKERS]) != max(1, num_workers):
             raise InputError(
@@ -541,6 +534,18 @@ class BlockDataset:
         self._tracked_workers = num_workers
         if num_workers:
             self._shared[_UNTRACKED] = 0
+            self._released[:] = 0
+        return self._worker_remaining(num_workers) if num_workers else []
+
+    def count_delivered(self) -> None:
+        """Main process: one more minibatch of the pass was delivered."""
+        self._consumed += 1
+
+    def release_group(self, worker: int, seq: int) -> None:
+        """Main process: worker ``worker``'s group ``seq`` is copied out; its shared
+        buffer may be reused (see :class:`loader._workers.GroupBuffers`)."""
+        if worker < self._released.shape[0]:
+            self._released[worker] = seq + 1
 
     def _worker_remaining(self, num_workers: int) -> list[int]:
         """Minibatches each DataLoader worker (by id) yields in the coming pass."""
@@ -552,7 +557,7 @@ class BlockDataset:
             for p in range(num_workers)
         ]
 
-    def _end_pass(self) -> None:
+    def end_pass(self) -> None:
         """Main process, after a complete iteration: a later pass starts from 0."""
         self._shared[_START_EPOCH] = -1
 
@@ -560,7 +565,7 @@ class BlockDataset:
     def __iter__(self):
         info = _worker_info()
         if info is None:
-            self._begin_pass(0)
+            self.begin_pass(0)
             return self._main_iter()
         worker, num_workers = info
         if not self._tracked_workers:
@@ -571,7 +576,7 @@ class BlockDataset:
         for batch in self._batches(0, 1):
             self._consumed += 1
             yield batch
-        self._end_pass()
+        self.end_pass()
 
     def _batches(self, worker: int, num_workers: int):
         epoch, start = self._start()
@@ -594,12 +599,12 @@ class BlockDataset:
         In a worker of :class:`BlockDataLoader`, minibatches travel to the main
         process in groups of :data:`WORKER_GROUP_BATCHES` (CSR when the store is CSR,
         whatever the output), and the loader there cuts and densifies them (see
-        :mod:`loader._torch`).
+        :mod:`loader._workers`).
         """
         reader = self._get_reader()
         self._read_pid = os.getpid()
         info = _worker_info()
-        grouped = self._group_workers and info is not None
+        grouped = self.group_workers and info is not None
         if grouped:
             from loader.store import LayoutReader
 
@@ -620,12 +625,11 @@ class BlockDataset:
             for batch in batches:
                 yield self._convert(batch)
             return
-        from loader._shards import DECODE_THREADS, decode_pool
-        from loader._torch import GroupBuffers, pack_group
+        from loader._shards import share_decode_threads
+        from loader._workers import GroupBuffers, pack_group
 
         assert info is not None
-        # the workers share the machine's cores: fewer decode threads each
-        decode_pool().threads = max(1, DECODE_THREADS // info[1])
+        share_decode_threads(info[1])  # the workers share the machine's cores
         buffers = GroupBuffers(self._released, info[0]) if info[0] < MAX_GROUPED_WORKERS else None
         group: list[dict[str, Any]] = []
         seq = 0
@@ -648,13 +652,13 @@ class BlockDataset:
         return {"X": X, "obs": obs, "index": index}
 
     def dataloader(self, **kwargs: Any) -> Any:
-        """A :class:`BlockDataLoader` over this dataset (torch needed).
-
-        ``num_workers`` defaults to the spec's (0 without a spec).
-        """
-        cls = _dataloader_class()
-        kwargs.setdefault("num_workers", self._spec_num_workers)
-        return cls(self, **kwargs)
+        """A :class:`BlockDataLoader` over this dataset: a torch feature, which
+        :class:`loader.BlockDataset` (``TorchBlockDataset`` when torch imports) has."""
+        if not torch_available():
+            raise InputError(f"BlockDataLoader needs torch: {TORCH_HINT}")
+        raise InputError(
+            "BlockDataLoader needs a torch dataset: create it with loader.BlockDataset(...)"
+        )
 
 
 def _check_path(path: Any) -> str:
@@ -751,26 +755,3 @@ def _shared_state(n: int | None = None) -> Any:
     if n is None:
         state[_START_EPOCH] = -1
     return state
-
-
-def _torch_dataset_class() -> type:
-    from loader._torch import torch_dataset_class
-
-    return torch_dataset_class()
-
-
-def _dataloader_class() -> type:
-    _require_torch("BlockDataLoader")
-    from loader._torch import dataloader_class
-
-    return dataloader_class()
-
-
-def __getattr__(name: str) -> Any:
-    # The torch subclasses are made on first use (importing this module loads no torch);
-    # pickle finds them here by name.
-    if name == "TorchBlockDataset":
-        return _torch_dataset_class()
-    if name == "BlockDataLoader":
-        return _dataloader_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,6 @@ once, and the cost model, which predicts a fetch's time from ``n_requests``,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import NamedTuple, TypedDict
 
 import numpy as np
@@ -273,9 +272,3 @@ def fetch_ranges(
     first, last, bounds = blocks_to_rows(ids, block_size=manifest.block_size, n_obs=manifest.n_obs)
     needed = needed_ranges(bounds, first, last, matrix=layout, block_pointer=block_pointer)
     return ids, bounds, needed
-
-
-def plan_summary(plan: Mapping[str, object]) -> dict[str, int]:
-    """The scalar figures of a plan (for logs and the cost model's tables)."""
-    keys = ("n_rows", "n_chunks", "n_requests", "bytes_needed", "bytes_read")
-    return {k: int(plan[k]) for k in keys}  # type: ignore[call-overload]

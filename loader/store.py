@@ -23,6 +23,7 @@ opened lazily in the process that reads, and reopened after a fork.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -37,7 +38,6 @@ from loader.assemble import (
     CSRRows,
     DenseOrder,
     DenseRows,
-    builtin_output,
     fetch_rows,
     get_output,
 )
@@ -50,6 +50,7 @@ from loader.backends import (
 )
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
+from loader.location import is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
@@ -58,6 +59,8 @@ __all__ = [
     "LayoutReader",
     "PendingFetch",
     "open_layout",
+    "read_manifest",
+    "tune_malloc",
 ]
 
 H5AD_DEFAULT_BLOCK_SIZE = 64
@@ -94,9 +97,11 @@ otherwise decodes again for every fetch that touches them."""
 def tune_malloc() -> bool:
     """Make glibc reuse large buffers instead of mapping fresh pages (process-wide).
 
-    Called once per process by the first :meth:`LayoutReader.submit` unless the
-    reader was opened with ``tune_malloc=False``. Does nothing (returns ``False``)
-    where glibc's ``mallopt`` is not available.
+    Opt-in, since it changes the allocator of the whole process: call it yourself, or
+    open readers with ``tune_malloc=True`` (or set ``SCLAYOUT_TUNE_MALLOC=1``, which
+    also reaches the readers of ``BlockDataset`` and its DataLoader workers) and the
+    first fetch calls it. Does nothing (returns ``False``) where glibc's ``mallopt``
+    is not available.
     """
     global _malloc_tuned
     if _malloc_tuned:
@@ -114,22 +119,6 @@ def tune_malloc() -> bool:
     )
     _malloc_tuned = ok
     return ok
-
-
-_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-_USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
-
-
-def _is_hdf5(path: Path) -> bool:
-    try:
-        with path.open("rb") as f:
-            for off in _USER_BLOCK_OFFSETS:
-                f.seek(off)
-                if f.read(8) == _HDF5_SIGNATURE:
-                    return True
-    except OSError:
-        return False
-    return False
 
 
 def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
@@ -152,8 +141,9 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
             f"path {s!r}: a directory that is not a layout store (no zarr.json); "
             "give a store written by `sclayout convert` or an .h5ad file"
         )
-    if _is_hdf5(p):
-        return str(p.resolve()), "h5ad"
+    with contextlib.suppress(OSError):  # unreadable: not known to be HDF5
+        if is_hdf5(p):
+            return str(p.resolve()), "h5ad"
     raise InputError(
         f"path {s!r}: neither a layout store nor an .h5ad file; convert the data with "
         "`sclayout convert SRC DST`"
@@ -184,7 +174,9 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
     return Path(location, key).read_text()
 
 
-def _read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manifest:
+def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manifest:
+    """The manifest of the store at ``location`` (path or URL), read from its root
+    ``zarr.json`` alone (HTTP cannot list a directory)."""
     try:
         meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
@@ -340,7 +332,7 @@ class _Settings:
     backend: str | None
     matrix: str
     backend_options: tuple[tuple[str, Any], ...]
-    tune_malloc: bool = True
+    tune_malloc: bool = False
 
 
 class LayoutReader:
@@ -398,7 +390,7 @@ class LayoutReader:
                 for name in ("retries", "retry_delay")
                 if f"http_{name}" in opts
             }
-            stored = _read_manifest(location, http)
+            stored = read_manifest(location, http)
             if settings.matrix not in stored.matrices:
                 raise InputError(
                     f"matrix={settings.matrix!r}: not in the store; available: "
@@ -460,7 +452,9 @@ class LayoutReader:
         )
 
     # -- small arrays
-    def _meta_array(self, path: str) -> np.ndarray:
+    def read_array(self, path: str) -> np.ndarray:
+        """The whole array at ``path`` inside the store (metadata: block pointer,
+        source index, ``indptr``), with zarr-python locally, else through the backend."""
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
@@ -485,7 +479,7 @@ class LayoutReader:
             layout = self.layout
             if layout.is_csr:
                 assert layout.block_pointer is not None
-                bp = self._meta_array(layout.block_pointer).astype(np.int64)
+                bp = self.read_array(layout.block_pointer).astype(np.int64)
                 if bp.shape[0] != self._stored_n_blocks + 1:
                     raise LayoutError(
                         f"{self.location}: block pointer has {bp.shape[0]} values for "
@@ -515,7 +509,7 @@ class LayoutReader:
             if self.kind == "h5ad":
                 self._source_index = np.arange(self.n_obs, dtype=np.int64)
             else:
-                self._source_index = self._meta_array(self.manifest.source_index).astype(np.int64)
+                self._source_index = self.read_array(self.manifest.source_index).astype(np.int64)
         return self._source_index
 
     def obs_columns(self) -> list[str]:
@@ -752,7 +746,7 @@ class Fetched:
         if not 0 <= a < b <= self.n_rows:
             raise InputError(f"slice [{a}, {b}) out of range [0, {self.n_rows}) of this fetch")
         X = None
-        if output == "dense" and self._dense_order is not None and builtin_output("dense"):
+        if output == "dense" and self._dense_order is not None:
             assert isinstance(self.values, CSRRows)
             X = self.values.dense_slice(self._dense_order, a, b)
         if X is None:
@@ -780,7 +774,7 @@ def open_layout(
     block_size: int | None = None,
     backend: str | None = "tensorstore",
     matrix: str = "X",
-    tune_malloc: bool = True,
+    tune_malloc: bool | None = None,
     **backend_options: Any,
 ) -> LayoutReader:
     """Open a layout store (local or ``http(s)://``) or a raw .h5ad for block reads.
@@ -799,7 +793,8 @@ def open_layout(
         ``"X"`` or a layer (``"layers/counts"``).
     tune_malloc
         Let the first fetch call :func:`tune_malloc` (glibc: reuse large buffers
-        rather than page-faulting fresh ones; process-wide, see there).
+        rather than page-faulting fresh ones; process-wide, see there). ``None``
+        (default): only if the environment sets ``SCLAYOUT_TUNE_MALLOC=1``.
     **backend_options
         Passed to the backend (e.g. tensorstore's ``file_io_concurrency``).
     """
@@ -812,6 +807,13 @@ def open_layout(
             backend=backend,
             matrix=matrix,
             backend_options=tuple(sorted(backend_options.items())),
-            tune_malloc=bool(tune_malloc),
+            tune_malloc=_tune_malloc_wanted(tune_malloc),
         )
     )
+
+
+def _tune_malloc_wanted(asked: bool | None) -> bool:
+    """``asked``, or when ``None`` whether ``SCLAYOUT_TUNE_MALLOC`` is ``1``."""
+    if asked is None:
+        return os.environ.get("SCLAYOUT_TUNE_MALLOC", "0").strip() == "1"
+    return bool(asked)

@@ -13,16 +13,38 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from loader.errors import InputError
 
-if TYPE_CHECKING:
-    from loader.sampler import SamplerConfig
+__all__ = [
+    "Segments",
+    "Strategy",
+    "StrategyConfig",
+    "get_strategy",
+    "register_strategy",
+    "strategies",
+]
 
-__all__ = ["Segments", "Strategy", "get_strategy", "register_strategy", "strategies"]
+
+class StrategyConfig(Protocol):
+    """What a strategy reads of the sampling settings (a
+    :class:`loader.sampler.SamplerConfig` is one)."""
+
+    block_lengths: np.ndarray
+    num_samples: int | None
+    replacement: bool
+
+    @property
+    def n_blocks(self) -> int: ...
+
+    @property
+    def n_obs(self) -> int: ...
+
+    @property
+    def block_weights(self) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -87,8 +109,8 @@ class Strategy:
     """
 
     name: str
-    draw: Callable[[SamplerConfig, np.random.Generator], Segments]
-    epoch_rows: Callable[[SamplerConfig], int]
+    draw: Callable[[StrategyConfig, np.random.Generator], Segments]
+    epoch_rows: Callable[[StrategyConfig], int]
     shuffle_rows: bool = True
     needs_weights: bool = False
     exactly_once: bool = True
@@ -119,20 +141,20 @@ def strategies() -> tuple[str, ...]:
     return tuple(sorted(_STRATEGIES))
 
 
-def _whole_blocks(cfg: SamplerConfig, order: np.ndarray) -> Segments:
+def _whole_blocks(cfg: StrategyConfig, order: np.ndarray) -> Segments:
     lengths = cfg.block_lengths[order]
     return Segments(order, np.zeros_like(lengths), lengths)
 
 
-def _draw_block_shuffle(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+def _draw_block_shuffle(cfg: StrategyConfig, rng: np.random.Generator) -> Segments:
     return _whole_blocks(cfg, rng.permutation(cfg.n_blocks))
 
 
-def _draw_streaming(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+def _draw_streaming(cfg: StrategyConfig, rng: np.random.Generator) -> Segments:
     return _whole_blocks(cfg, np.arange(cfg.n_blocks, dtype=np.int64))
 
 
-def _weighted_rows(cfg: SamplerConfig) -> int:
+def _weighted_rows(cfg: StrategyConfig) -> int:
     n = cfg.n_obs if cfg.num_samples is None else cfg.num_samples
     if not cfg.replacement:
         positive = int(cfg.block_lengths[cfg.block_weights > 0].sum())
@@ -144,7 +166,7 @@ def _weighted_rows(cfg: SamplerConfig) -> int:
     return n
 
 
-def _draw_weighted(cfg: SamplerConfig, rng: np.random.Generator) -> Segments:
+def _draw_weighted(cfg: StrategyConfig, rng: np.random.Generator) -> Segments:
     n = _weighted_rows(cfg)
     bw = cfg.block_weights
     if cfg.replacement:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
+from loader import __version__  # one version for both packages (pyproject reads it there)
 from loader.errors import SclayoutError
 
 __all__ = ["SclayoutError", "__version__"]
-__version__ = "0.1.0"

@@ -29,3 +29,35 @@ def test_loader_sources_do_not_import_sclayout():
             if s.startswith(("import sclayout", "from sclayout", "import dask", "from dask")):
                 offenders.append(f"{path.name}:{n}: {s}")
     assert offenders == []
+
+
+def test_one_version_for_both_packages():
+    from importlib.metadata import version
+
+    import loader
+    import sclayout
+
+    assert sclayout.__version__ == loader.__version__ == version("sclayout")
+
+
+def test_tests_share_helpers_through_fixtures_only():
+    """Tests mirror the packages and reach shared helpers through conftest.py fixtures:
+    no test imports a helper module by name."""
+    import re
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    by_name = re.compile(r"^\s*(from|import)\s+(tests\b|conftest\b|_(?!_))")
+    offenders = [
+        f"{path.relative_to(tests)}:{n}: {line.strip()}"
+        for path in sorted(tests.rglob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if by_name.match(line)
+    ]
+    assert offenders == []
+    assert {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"} >= {
+        "loader",
+        "convert",
+        "cost",
+        "cli",
+    }

@@ -12,13 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests._bench_util import run_benchmark, tiny_tahoe_like
-
 BENCH = Path(__file__).parents[1] / "benchmarks"
 
 
 @pytest.mark.slow  # three conversions in child processes: ~30 s
-def test_convert_benchmark_quick(tmp_path):
+def test_convert_benchmark_quick(tmp_path, run_benchmark):
     run_benchmark(
         BENCH / "convert.py", "--quick", "--results", tmp_path / "results",
         "--work", tmp_path / "stores",
@@ -39,7 +37,7 @@ def test_convert_benchmark_quick(tmp_path):
 
 
 @pytest.mark.slow  # a small dataset, seven stores, a quick calibration: ~40 s
-def test_costmodel_benchmark_smoke(tmp_path):
+def test_costmodel_benchmark_smoke(tmp_path, run_benchmark):
     import os
 
     env = {**os.environ, "SCLAYOUT_BENCH_DIR": str(tmp_path / "cache")}
@@ -56,10 +54,11 @@ def test_costmodel_benchmark_smoke(tmp_path):
     assert (tmp_path / "results" / "costmodel-profile-local-smoke.json").exists()
 
 
-def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory, tmp_path):
-    from _cost_util import shared_store
+def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(
+    tmp_path_factory, tmp_path, run_benchmark, shared_store
+):
 
-    _, store = shared_store(tmp_path_factory)
+    _, store = shared_store
     run_benchmark(
         BENCH / "fetch_size.py", "--store", store, "--fetch-factors", "1,2",
         "--regimes", "warm,cold", "--rounds", 1, "--seconds", 0.2, "--out", tmp_path,
@@ -74,7 +73,7 @@ def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(tmp_path_factory
     assert "| cold | 2 |" in (tmp_path / "fetch_size.md").read_text()
 
 
-def test_codecs_benchmark_on_a_small_file(tmp_path):
+def test_codecs_benchmark_on_a_small_file(tmp_path, run_benchmark, tiny_tahoe_like):
     src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=300, n_vars=200, nnz_per_cell=20)
     run_benchmark(
         BENCH / "codecs.py", "--source", src, "--codecs", "blosc-lz4,blosc-lz4hc,none",
@@ -97,7 +96,7 @@ def test_codecs_benchmark_on_a_small_file(tmp_path):
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs Linux /proc")
-def test_loader_threads_benchmark_on_a_small_store(tmp_path):
+def test_loader_threads_benchmark_on_a_small_store(tmp_path, run_benchmark, tiny_tahoe_like):
     from sclayout.convert import convert
 
     src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30)

@@ -1,4 +1,4 @@
-"""Tests of sclayout.datasets: the Tahoe-like generator, real-data tiling, the cache."""
+"""Tests of sclayout.testing.datasets: the Tahoe-like generator, real-data tiling, the cache."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from loader.errors import InputError
-from sclayout import datasets
-from sclayout.datasets import cached, make_tahoe_like, tile_real
+from sclayout.testing import datasets
+from sclayout.testing.datasets import cached, make_tahoe_like, tile_real
 
 DATA = Path(__file__).parents[2] / "shared" / "data"
 SOUPX = DATA / "soupx_pbmc4k_half_2170x33694_counts.h5ad"

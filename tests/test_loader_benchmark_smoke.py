@@ -8,12 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests._bench_util import run_benchmark
-
 BENCH = Path(__file__).parents[1] / "benchmarks" / "loader.py"
 
 
-def test_loader_benchmark_quick(tmp_path):
+def test_loader_benchmark_quick(tmp_path, run_benchmark):
     run_benchmark(BENCH, "--quick", "--results", tmp_path)
     payload = json.loads((tmp_path / "loader.json").read_text())
     rows = payload["rows"]
@@ -36,7 +34,7 @@ def test_loader_benchmark_quick(tmp_path):
     assert png.stat().st_size < 300_000
 
 
-def test_loader_benchmark_compares_codecs(tmp_path):
+def test_loader_benchmark_compares_codecs(tmp_path, run_benchmark):
     """``--codecs a,b``: one store per order and codec, each measured and labelled."""
     run_benchmark(
         BENCH, "--quick", "--results", tmp_path, "--orders", "shuffled",

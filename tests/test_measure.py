@@ -1,8 +1,7 @@
-"""Tests of sclayout.measure: page-cache eviction, child runs, the diversity metric."""
+"""Tests of sclayout.pagecache and sclayout.testing.measure: page-cache eviction, child runs."""
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
@@ -11,20 +10,8 @@ import numpy as np
 import pytest
 
 from loader.errors import InputError
-from sclayout.measure import (
-    Evictor,
-    Timer,
-    batch_entropy,
-    check_eviction,
-    diversity_ratio,
-    evict,
-    median_of,
-    peak_rss_of_child,
-    random_batch_entropy,
-    resident_fraction,
-    run_child,
-    tree_bytes,
-)
+from sclayout.pagecache import Evictor, evict, resident_fraction, tree_bytes
+from sclayout.testing.measure import Timer, check_eviction, median_of, peak_rss_of_child, run_child
 
 
 @pytest.fixture
@@ -32,87 +19,6 @@ def data_file(tmp_path):
     path = tmp_path / "blob.bin"
     path.write_bytes(np.random.default_rng(0).bytes(8 << 20))
     return path
-
-
-# ------------------------------------------------------------------- diversity
-
-
-def test_batch_entropy_hand_example():
-    assert batch_entropy(np.array([0, 0, 1, 1])) == pytest.approx(1.0)
-    assert batch_entropy(np.array([3, 3, 3])) == 0.0
-    assert batch_entropy(np.array(["a", "b", "c", "d"])) == pytest.approx(2.0)
-
-
-def test_random_batch_entropy_exact_on_hand_example():
-    # Population {0, 0, 1, 1}, batches of 2 without replacement: of the 6 pairs,
-    # 4 are mixed (1 bit) and 2 are pure (0 bit) -> expected entropy 4/6.
-    assert random_batch_entropy(np.array([0, 0, 1, 1]), 2) == pytest.approx(4 / 6)
-    # A batch of the whole population has the population's entropy.
-    labels = np.array([0, 0, 0, 1, 2, 2])
-    assert random_batch_entropy(labels, 6) == pytest.approx(batch_entropy(labels))
-
-
-def test_diversity_ratio_hand_example():
-    labels = np.array([0, 0, 1, 1])
-    # Sorted sequential batches of 2 are pure: ratio 0. Mixed batches: 1 / (4/6) = 1.5.
-    assert diversity_ratio([labels[:2], labels[2:]], labels, batch_size=2) == 0.0
-    mixed = [np.array([0, 1]), np.array([1, 0])]
-    assert diversity_ratio(mixed, labels, batch_size=2) == pytest.approx(1.5)
-
-
-def _batches(order, labels, size):
-    return [labels[order[i : i + size]] for i in range(0, len(order), size)]
-
-
-@pytest.mark.parametrize("size", [16, 64, 100], ids=lambda s: f"b{s}")
-def test_diversity_ratio_random_near_one_sorted_far_below(size):
-    labels = np.repeat(np.arange(14), 700)
-    rng = np.random.default_rng(1)
-    random = diversity_ratio(_batches(rng.permutation(len(labels)), labels, size), labels)
-    sequential = diversity_ratio(_batches(np.arange(len(labels)), labels, size), labels)
-    assert random == pytest.approx(1.0, abs=0.02)
-    assert sequential < 0.1
-
-
-def test_diversity_ratio_sampled_reference_matches_exact():
-    labels = np.repeat(np.arange(5), [10, 20, 30, 40, 100])
-    batches = _batches(np.random.default_rng(2).permutation(len(labels)), labels, 32)
-    exact = diversity_ratio(batches, labels)
-    sampled = diversity_ratio(batches, labels, n_random=4000, seed=3)
-    assert sampled == pytest.approx(exact, rel=0.02)
-
-
-def test_diversity_ratio_short_last_batch_uses_its_own_reference():
-    labels = np.array([0, 1] * 50)
-    batches = _batches(np.arange(100), labels, 30)  # sizes 30, 30, 30, 10
-    expected_ref = 3 * random_batch_entropy(labels, 30) + random_batch_entropy(labels, 10)
-    expected = sum(batch_entropy(b) for b in batches) / expected_ref
-    assert diversity_ratio(batches, labels) == pytest.approx(expected)
-
-
-def test_diversity_ratio_unknown_label():
-    with pytest.raises(InputError, match="label 'z' is not in all_labels"):
-        diversity_ratio([np.array(["x", "z"])], np.array(["x", "y"] * 5))
-
-
-def test_diversity_ratio_strings_and_single_label():
-    labels = np.array(["x", "y"] * 10)
-    assert diversity_ratio([labels[:4]], labels) > 0
-    assert math.isnan(diversity_ratio([np.zeros(4)], np.zeros(10)))
-
-
-@pytest.mark.parametrize(
-    ("batches", "kw", "message"),
-    [
-        ([], {}, "batch_labels: no non-empty minibatch; pass at least one"),
-        ([np.zeros(5)], {"batch_size": 4}, "a minibatch of 5 rows exceeds batch_size=4"),
-        ([np.zeros(20)], {}, "batch_size=20: must be in [1, 10]"),
-    ],
-    ids=["empty", "too-big", "bigger-than-population"],
-)
-def test_diversity_ratio_errors(batches, kw, message):
-    with pytest.raises(InputError, match=message.replace("[", r"\[").replace("]", r"\]")):
-        diversity_ratio(batches, np.zeros(10), **kw)
 
 
 # ------------------------------------------------------------------ page cache

@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 
 from loader.store import open_layout
-from sclayout.httpserver import serve_directory
-from tests._cost_util import run_cli, shared_store
+from sclayout.testing.httpserver import serve_directory
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return shared_store(tmp_path_factory)
+def data(tmp_path_factory, shared_store):
+    return shared_store
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +88,7 @@ def test_open_layout_over_http_equals_local(data, server):
 
 
 def test_block_dataset_over_http_equals_local(data, server):
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
 
     _, store = data
     kw = dict(batch_size=32, fetch_factor=4, seed=5, output="csr")
@@ -106,7 +105,7 @@ def test_block_dataset_over_http_equals_local(data, server):
     assert np.array_equal(np.sort(seen), np.arange(open_layout(store).n_obs))
 
 
-def test_recommend_and_bench_read_a_store_over_http(server):
+def test_recommend_and_bench_read_a_store_over_http(server, run_cli):
     r = run_cli(
         "recommend",
         server.url,
@@ -147,11 +146,10 @@ def test_recommend_and_bench_read_a_store_over_http(server):
     assert out["measured_cells_per_s"] > 0 and out["predicted"]["cells_per_s"] > 0
 
 
-def test_calibrate_over_http(server, monkeypatch):
+def test_calibrate_over_http(server, monkeypatch, spy_codec_timing, tiny_plan):
     from sclayout.cost.calibrate import calibrate
-    from tests._cost_util import spy_codec_timing, tiny_plan
 
-    seen = spy_codec_timing(monkeypatch)
+    seen = spy_codec_timing
     p = calibrate(server.url, plan=tiny_plan(), codecs=("blosc-lz4", "none"))
     assert seen == [False]  # the codecs are timed the way the loader reads a URL
     assert p.kind == "http"
@@ -164,7 +162,7 @@ def test_a_server_that_goes_away_fails_reads_with_a_clear_error(data):
 
     _, store = data
     # a server in its own process, killed: its connections close as a real one's do
-    cmd = [sys.executable, "-m", "sclayout.httpserver", str(store), "--max-seconds", "120"]
+    cmd = [sys.executable, "-m", "sclayout.testing.httpserver", str(store), "--max-seconds", "120"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         url = server.stdout.readline().strip()

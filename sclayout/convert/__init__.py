@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from sclayout.convert.codecs import CODECS, get_codec, register_codec
+from sclayout.convert.codecs import CODECS, get_codec
 from sclayout.convert.convert import convert
-from sclayout.convert.order import ORDERS, get_order, register_order
+from sclayout.convert.order import ORDERS, get_order
 from sclayout.convert.plan import DEFAULT_BLOCK_SIZE, parse_memory_budget
 
 __all__ = [
@@ -15,6 +15,4 @@ __all__ = [
     "get_codec",
     "get_order",
     "parse_memory_budget",
-    "register_codec",
-    "register_order",
 ]

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loader.errors import InputError
+from loader.location import is_hdf5
 
 __all__ = [
     "MATRIX_ENCODINGS",
@@ -42,10 +43,6 @@ __all__ = [
     "inspect_source",
 ]
 
-HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
-"""The HDF5 superblock signature; it sits at byte 0, or at 512, 1024, 2048, ... when
-the file has a user block (HDF5 file format specification, section II.A)."""
-_USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
 
 MATRIX_ENCODINGS = ("csr_matrix", "csc_matrix", "array")
 """Encodings of X, layers and raw/X that the converter streams by rows."""
@@ -124,12 +121,9 @@ def _source_kind(path: Path) -> str:
             "pass an .h5ad file or an AnnData zarr store"
         )
     try:
+        if is_hdf5(path):
+            return "hdf5"
         with open(path, "rb") as fh:
-            for offset in _USER_BLOCK_OFFSETS:
-                fh.seek(offset)
-                if fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
-                    return "hdf5"
-            fh.seek(0)
             head = fh.read(4)
     except OSError as e:
         raise _fail(f"cannot read SRC {path} ({e.strerror}): check its permissions") from None

@@ -119,8 +119,6 @@ def convert_command(
 
 
 COMMANDS: list[click.Command] = [convert_command]
-# The checks helper registers `verify` and `inspect` here, e.g.:
-# from sclayout.convert.verify_cli import verify_command; COMMANDS.append(verify_command)
 
 from sclayout.convert.cli_checks import COMMANDS as _CHECK_COMMANDS  # noqa: E402
 

@@ -1,6 +1,6 @@
-"""Codec registry: a codec name -> the zarr v3 compressor list of an array.
+"""The codecs of a layout store: a codec name -> the zarr v3 compressor list of an array.
 
-Only codecs that both zarr-python and tensorstore read are registered (blosc with
+Only codecs that both zarr-python and tensorstore read are offered (blosc with
 lz4/lz4hc/zstd and byte- or bit-shuffle, zstd, gzip, or none), so a layout store opens
 with either backend.
 
@@ -21,12 +21,10 @@ from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
 from loader.errors import SpecError
 
-__all__ = ["CODECS", "get_codec", "register_codec"]
+__all__ = ["CODECS", "get_codec"]
 
 CodecFactory = Callable[[], tuple[Any, ...]]
 """Returns the ``compressors`` tuple for ``zarr.create_array`` (may be empty)."""
-
-CODECS: dict[str, CodecFactory] = {}
 
 BLOSC_CLEVEL = 5
 """blosc compression level: blosc's own default, a good ratio at loader decode speed."""
@@ -36,18 +34,13 @@ GZIP_LEVEL = 5
 """Middle gzip level; gzip is here for compatibility, not speed."""
 
 
-def register_codec(name: str, factory: CodecFactory) -> None:
-    """Register ``factory`` under ``name`` (replaces an existing entry)."""
-    CODECS[name] = factory
-
-
 def get_codec(name: str) -> tuple[Any, ...]:
     """The zarr v3 compressors for codec ``name``.
 
     Raises
     ------
     SpecError
-        If ``name`` is not registered; the message lists the known names.
+        If ``name`` is not one of :data:`CODECS`; the message lists the known names.
     """
     try:
         factory = CODECS[name]
@@ -60,9 +53,11 @@ def _blosc(cname: str, shuffle: str) -> CodecFactory:
     return lambda: (BloscCodec(cname=cname, clevel=BLOSC_CLEVEL, shuffle=shuffle),)
 
 
-for _cname in ("lz4", "lz4hc", "zstd"):
-    register_codec(f"blosc-{_cname}", _blosc(_cname, "shuffle"))
-    register_codec(f"blosc-{_cname}-bitshuffle", _blosc(_cname, "bitshuffle"))
-register_codec("zstd", lambda: (ZstdCodec(level=ZSTD_LEVEL),))
-register_codec("gzip", lambda: (GzipCodec(level=GZIP_LEVEL),))
-register_codec("none", lambda: ())
+CODECS: dict[str, CodecFactory] = {
+    **{f"blosc-{c}": _blosc(c, "shuffle") for c in ("lz4", "lz4hc", "zstd")},
+    **{f"blosc-{c}-bitshuffle": _blosc(c, "bitshuffle") for c in ("lz4", "lz4hc", "zstd")},
+    "zstd": lambda: (ZstdCodec(level=ZSTD_LEVEL),),
+    "gzip": lambda: (GzipCodec(level=GZIP_LEVEL),),
+    "none": lambda: (),
+}
+"""The codecs ``sclayout convert`` writes (all read by zarr-python and tensorstore)."""

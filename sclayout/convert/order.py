@@ -1,4 +1,4 @@
-"""Row orders of a layout store: a registry of permutation builders.
+"""Row orders of a layout store: the permutation builders, by name in :data:`ORDERS`.
 
 An order function returns ``perm`` (int64, length n_obs) with ``perm[i]`` the source
 row stored at position ``i`` (this is the store's ``source_index``). Orders are pure
@@ -19,19 +19,11 @@ __all__ = [
     "OrderFn",
     "get_order",
     "inverse_permutation",
-    "register_order",
     "stratum_codes",
 ]
 
 OrderFn = Callable[..., np.ndarray]
 """``fn(n_obs, *, obs, by, seed) -> perm``."""
-
-ORDERS: dict[str, OrderFn] = {}
-
-
-def register_order(name: str, fn: OrderFn) -> None:
-    """Register a row order under ``name`` (replaces an existing entry)."""
-    ORDERS[name] = fn
 
 
 def get_order(name: str) -> OrderFn:
@@ -136,6 +128,4 @@ def stratified(
     return order.astype(np.int64)
 
 
-register_order("original", original)
-register_order("shuffled", shuffled)
-register_order("stratified", stratified)
+ORDERS: dict[str, OrderFn] = {"original": original, "shuffled": shuffled, "stratified": stratified}

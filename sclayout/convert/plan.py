@@ -10,7 +10,6 @@ that the number of files stays in the thousands at 10^8 cells (docs/design.md,
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from loader.errors import InputError
@@ -58,49 +57,30 @@ INDPTR_CHUNK_ROWS = 8192
 """``indptr`` chunk length (rounded to whole blocks): 64 KiB of int64. Readers use the
 block pointer for block ranges and read ``indptr`` only for the rows they fetch."""
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
 
-
-def parse_memory_budget(value: str | int) -> int:
-    """Bytes from ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G`` or a plain number of bytes.
+def parse_memory_budget(value: str | int, *, name: str = "memory_budget") -> int:
+    """Bytes from ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G``, ``1e9`` or a number of
+    bytes, read by ``dask.utils.parse_bytes``.
 
     Raises
     ------
     InputError
-        For anything else, naming the value and the accepted forms.
+        For anything else or a size that is not positive, naming the value and the
+        accepted forms.
     """
-    bad = InputError(
-        f"memory_budget={value!r}: not a size; use e.g. 2GB, 512MiB or a number of bytes"
-    )
-    if isinstance(value, bool):
+    from dask.utils import parse_bytes
+
+    bad = InputError(f"{name}={value!r}: not a size; use e.g. 2GB, 512MiB or a number of bytes")
+    if isinstance(value, bool) or not isinstance(value, str | int):
         raise bad
-    if isinstance(value, int):
-        n = value
-    elif isinstance(value, str):
-        m = _SIZE.match(value)
-        if m is None or m.group(2).lower() not in _UNITS:
-            raise bad
-        n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    else:
-        raise bad
+    if isinstance(value, str) and value.strip()[:1] not in set("0123456789.+-"):
+        raise bad  # dask reads a bare unit ("GB") as one of it
+    try:
+        n = int(parse_bytes(value))
+    except (ValueError, TypeError):
+        raise bad from None
     if n <= 0:
-        raise InputError(f"memory_budget={value!r}: must be positive, e.g. 2GB")
+        raise InputError(f"{name}={value!r}: must be positive, e.g. 2GB")
     return n
 
 

@@ -314,7 +314,7 @@ def prefer_direct_io(path: str | os.PathLike, *, nbytes: int = 0) -> bool:
         return True
     if not Path(path).is_file():
         return False
-    from sclayout.measure import resident_fraction
+    from sclayout.pagecache import resident_fraction
 
     cached = resident_fraction(path, max_bytes=CACHED_SAMPLE_BYTES)
     return cached is not None and cached < 0.5

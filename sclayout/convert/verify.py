@@ -24,7 +24,6 @@ an eighth of the memory budget per side (:data:`WINDOW_SHARE`):
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,8 +45,9 @@ from sclayout.convert._compare import (
     sparse_row_mismatch,
 )
 from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
+from sclayout.convert.plan import parse_memory_budget
 
-__all__ = ["VerifyReport", "codec_name", "parse_bytes", "verify"]
+__all__ = ["VerifyReport", "codec_name", "verify"]
 
 MAX_PASSES = 2
 """Above this many passes over SRC, verify gathers SRC rows for each DST window
@@ -59,26 +59,6 @@ copies), so 1/8 keeps the peak under the budget; tests/test_verify.py::
 test_memory_stays_within_budget checks it with tracemalloc."""
 MAX_DIFFERENCES = 100
 """Difference lines kept in a report; the rest are only counted."""
-
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_bytes(value: int | str, *, name: str = "memory_budget") -> int:
-    """``2GB``, ``512MiB``, ``1e9`` or an int -> bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?)(I?B?)\s*", str(value).upper())
-    if m:
-        try:
-            number = float(m.group(1))
-        except ValueError:
-            number = -1.0
-        scale = _UNITS[m.group(2)]
-        if m.group(3).startswith("I"):
-            scale = 1024 ** (" KMGT".index(m.group(2)) if m.group(2) else 0)
-        if number > 0:
-            return int(number * scale)
-    raise SpecError(f"{name}={value!r}: must be a positive size such as 2GB or 512MiB")
 
 
 @dataclass(frozen=True)
@@ -577,7 +557,7 @@ def verify(
     import h5py
     import zarr
 
-    budget = parse_bytes(memory_budget)
+    budget = parse_memory_budget(memory_budget)
     src_path, dst_path = Path(src), Path(dst)
     info = inspect_source(src_path)
     dst_root = open_store_root(dst_path, hint="reconvert with `sclayout convert --overwrite`")

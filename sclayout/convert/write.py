@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -313,16 +313,3 @@ def _bar(total: int, desc: str, enabled: bool):
 def shard_ranges(n: int, step: int) -> list[tuple[int, int]]:
     """``[(0, step), (step, 2 step), ..., (k step, n)]`` covering ``[0, n)``."""
     return [(a, min(a + step, n)) for a in range(0, n, max(1, step))]
-
-
-def arrays_layout(arrays: Mapping[str, zarr.Array]) -> dict[str, Any]:
-    """Shape/dtype/chunks/shards of created arrays, keyed by role."""
-    return {
-        role: {
-            "shape": tuple(a.shape),
-            "dtype": str(a.dtype),
-            "chunks": tuple(a.chunks),
-            "shards": None if a.shards is None else tuple(a.shards),
-        }
-        for role, a in arrays.items()
-    }

@@ -65,7 +65,7 @@ def measure_loader(
     batch_size, fetch_factor, block_size, workers
         Loader settings (``block_size=None``: the store's).
     label
-        obs column whose diversity is measured (:func:`sclayout.measure.diversity_ratio`).
+        obs column whose diversity is measured (:func:`sclayout.cost.diversity.diversity_ratio`).
     seconds
         Timed duration after the warm-up minibatches.
     max_batches
@@ -73,14 +73,16 @@ def measure_loader(
     cold
         Local paths: evict before and continuously during the run.
     """
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
     from loader.errors import InputError
-    from sclayout.measure import Evictor, diversity_ratio
+    from loader.location import is_url
+    from sclayout.cost.diversity import diversity_ratio
+    from sclayout.pagecache import Evictor
 
     if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
         raise InputError(f"seconds={seconds!r}: must be a positive number")
     location = os.fspath(path)
-    is_local = not location.startswith(("http://", "https://"))
+    is_local = not is_url(location)
     obs = (label,) if label else ()
     ds = BlockDataset(
         location,
@@ -136,7 +138,9 @@ def measure_loader(
     dt = time.perf_counter() - t0
     div = None
     if label and labels:
-        all_codes = ds._get_reader().obs_codes(label)[0]
+        from loader.store import open_layout
+
+        all_codes = open_layout(location).obs_codes(label)[0]
         div = diversity_ratio(labels, all_codes, batch_size=batch_size)
     return Measurement(
         cells_per_s=cells / dt,

@@ -410,8 +410,8 @@ def measure_codecs(
     import tempfile
 
     from loader.backends import get_backend
-    from loader.store import _read_manifest
-    from sclayout.measure import tree_bytes
+    from loader.store import read_manifest
+    from sclayout.pagecache import tree_bytes
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
@@ -432,7 +432,7 @@ def measure_codecs(
                     codec=name,
                     block_size=block_size,
                 )
-                x = _read_manifest(str(store)).X
+                x = read_manifest(str(store)).X
                 arrays = [x.arrays["data"], x.arrays["indices"]]
                 raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
                 chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
@@ -571,7 +571,8 @@ def measure_pipeline(
     """
     import tempfile
 
-    from loader.dataset import BlockDataset, torch_available
+    from loader import BlockDataset
+    from loader.dataset import torch_available
 
     cores = float(os.cpu_count() or 1)
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
@@ -676,12 +677,12 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     store (local or URL), read with tensorstore; ``None`` if it is not one."""
     import tensorstore as ts
 
-    from loader.backends import _ts_kvstore
-    from loader.store import _read_manifest
+    from loader.backends import ts_kvstore
+    from loader.store import read_manifest
 
     location = target.rstrip("/")
     try:
-        manifest = _read_manifest(location)
+        manifest = read_manifest(location)
     except Exception:  # not a layout store: synthetic data instead
         return None
     x = manifest.X
@@ -691,7 +692,7 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     context = ts.Context(http_context_spec() if is_url(location) else {})
 
     def read(path: str, stop: int) -> np.ndarray:
-        spec = {"driver": "zarr3", "kvstore": _ts_kvstore(location, path)}
+        spec = {"driver": "zarr3", "kvstore": ts_kvstore(location, path)}
         arr = ts.open(spec, read=True, context=context).result()
         return np.asarray(arr[:stop].read().result())
 
@@ -776,7 +777,7 @@ def calibrate(
     reader = _Reader(kv_spec, files, seed)
     evictor = None
     if local is not None and evict:
-        from sclayout.measure import Evictor
+        from sclayout.pagecache import Evictor
 
         evictor = Evictor([local]).start()
     try:

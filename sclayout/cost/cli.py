@@ -206,7 +206,7 @@ _COLUMNS = (
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
-    from sclayout.cost.search import _fmt_bytes
+    from dask.utils import format_bytes
 
     def cell(key: str, v: Any) -> str:
         if key == "cells_per_s":
@@ -214,7 +214,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
         if key == "diversity":
             return f"{v:.3f}"
         if key in ("memory_bytes", "disk_bytes"):
-            return _fmt_bytes(v)
+            return format_bytes(v)
         if v is None:
             return "auto"
         return str(v)
@@ -362,7 +362,7 @@ def recommend_command(
     from dataclasses import replace
 
     from sclayout.convert.plan import parse_memory_budget
-    from sclayout.cost.search import _check_targets, measured_codecs, search, search_loader
+    from sclayout.cost.search import check_targets, measured_codecs, search, search_loader
     from sclayout.cost.stats import read_dataset_stats
 
     space = _space(block_sizes, fetch_factors, orders, codecs, workers)
@@ -373,7 +373,7 @@ def recommend_command(
     except InputError as e:
         why = str(e).split(": ", 1)[-1]
         raise InputError(f"--memory-budget {memory_budget!r}: {why}") from None
-    _check_targets(min_diversity, budget)
+    check_targets(min_diversity, budget)
     if batch_size < 1:
         raise InputError(f"--batch-size={batch_size}: must be a positive integer")
     _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))

@@ -31,7 +31,9 @@ Simulation
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +43,7 @@ from loader.errors import InputError
 
 __all__ = [
     "DiversityEstimate",
+    "diversity_ratio",
     "effective_draws",
     "expected_distinct_blocks",
     "expected_iid_entropy",
@@ -119,11 +122,20 @@ def expected_iid_entropy(p: np.ndarray, n: float) -> float:
 
 def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
     """Expected entropy (bits) of a label over ``batch_size`` cells drawn at random
-    without replacement from a population with ``counts`` cells per label."""
+    without replacement from a population with ``counts`` cells per label.
+
+    Exact: each label's count in the minibatch is hypergeometric, so the expectation of
+    ``-Σ (x/m) log2(x/m)`` is a finite sum.
+    """
     counts = np.asarray(counts, dtype=np.int64)
-    counts = counts[counts > 0]
+    return _expected_random_entropy(tuple(int(c) for c in counts[counts > 0]), int(batch_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _expected_random_entropy(sizes: tuple[int, ...], batch_size: int) -> float:
+    counts = np.asarray(sizes, dtype=np.int64)
     total = int(counts.sum())
-    m = min(int(batch_size), total)
+    m = min(batch_size, total)
     j = np.arange(1, m + 1)
     pmf = stats.hypergeom.pmf(j[None, :], total, counts[:, None], m)
     q = j / m
@@ -131,22 +143,114 @@ def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
 
 
 def minibatch_entropy(codes: np.ndarray) -> np.ndarray:
-    """Entropy (bits) of each row of a ``(n_batches, m)`` array of label codes,
-    vectorised (sort, then count runs)."""
-    codes = np.sort(np.asarray(codes), axis=1)
+    """Entropy (bits) of each row of a ``(n_batches, m)`` array of labels."""
+    codes = np.asarray(codes)
     n, m = codes.shape
     if m == 0:
         return np.zeros(n)
-    starts = np.ones((n, m), dtype=bool)
-    starts[:, 1:] = codes[:, 1:] != codes[:, :-1]
-    flat = np.flatnonzero(starts.ravel())
-    ends = np.append(flat[1:], n * m)
-    # a run never crosses a row boundary because each row starts a run
-    lengths = ends - flat
-    row = flat // m
-    p = lengths / m
-    h = -p * np.log2(p)
-    return np.bincount(row, weights=h, minlength=n)
+    flat = codes.ravel()
+    return _batch_entropies(flat, np.full(n, m, dtype=np.int64), flat)
+
+
+def _batch_entropies(flat: np.ndarray, lengths: np.ndarray, population: np.ndarray) -> np.ndarray:
+    """Entropy (bits) of each minibatch; ``flat`` holds the minibatches back to back.
+
+    Vectorised: one ``bincount`` over (minibatch, class) pairs.
+    """
+    if flat.dtype.kind in "iub" and population.dtype.kind in "iub" and flat.min() >= 0:
+        codes = flat.astype(np.int64, copy=False)
+        n_classes = int(codes.max()) + 1
+    else:
+        classes = np.unique(population)
+        codes = np.searchsorted(classes, flat)
+        bad = (codes >= classes.size) | (classes[np.minimum(codes, classes.size - 1)] != flat)
+        if bad.any():
+            raise InputError(
+                f"batch_labels: label {flat[bad][0].item()!r} is not in all_labels; "
+                "pass labels of the same column"
+            )
+        n_classes = classes.size
+    n = lengths.size
+    if n * n_classes > 1 << 27:  # sparse labels (e.g. huge codes): compact them first
+        uniq, codes = np.unique(codes, return_inverse=True)
+        n_classes = uniq.size
+    batch = np.repeat(np.arange(n, dtype=np.int64), lengths)
+    counts = np.bincount(batch * n_classes + codes, minlength=n * n_classes)
+    p = counts.reshape(n, n_classes) / lengths[:, None]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+
+
+def _sampled_random_entropy(labels: np.ndarray, size: int, *, n_random: int, seed: int) -> float:
+    """Monte-Carlo version of :func:`expected_random_entropy` (a cross-check)."""
+    if n_random <= 0:
+        raise InputError(f"n_random={n_random}: must be a positive integer or None (exact)")
+    rng = np.random.default_rng(np.random.SeedSequence(seed))
+    codes = np.unique(labels, return_inverse=True)[1].ravel()
+    rows = np.stack([rng.choice(len(codes), size, replace=False) for _ in range(n_random)])
+    return float(minibatch_entropy(codes[rows]).mean())
+
+
+def diversity_ratio(
+    batch_labels: Iterable[np.ndarray],
+    all_labels: np.ndarray,
+    *,
+    batch_size: int | None = None,
+    n_random: int | None = None,
+    seed: int = 0,
+) -> float:
+    """Measured minibatch diversity relative to true random sampling (1.0 = as diverse
+    as random).
+
+    Mean over minibatches of the label entropy (bits), divided by the expected entropy
+    of true random minibatches of the same sizes (exact, see
+    :func:`expected_random_entropy`). Short minibatches (an epoch's last) are compared
+    with random minibatches of their own size.
+
+    Parameters
+    ----------
+    batch_labels
+        The label of every row of each minibatch, in any dtype comparable with
+        ``all_labels`` (codes or strings).
+    all_labels
+        The label of every row of the dataset (the population sampled from).
+    batch_size
+        If given, every minibatch must have this size or less (a check).
+    n_random
+        ``None`` (default): exact reference. Otherwise estimate the reference from
+        ``n_random`` random minibatches per size, drawn with ``seed`` (a cross-check).
+    seed
+        Seed of the sampled reference.
+
+    Returns
+    -------
+    The ratio; ``nan`` when random minibatches have zero entropy (one label only).
+    """
+    population = np.asarray(all_labels)
+    batches = [b for b in map(np.asarray, batch_labels) if b.size]
+    if not batches:
+        raise InputError("batch_labels: no non-empty minibatch; pass at least one")
+    lengths = np.array([b.size for b in batches], dtype=np.int64)
+    biggest = int(lengths.max())
+    if batch_size is not None and biggest > batch_size:
+        raise InputError(
+            f"batch_labels: a minibatch of {biggest} rows exceeds batch_size={batch_size}"
+        )
+    if biggest > population.size:
+        raise InputError(
+            f"batch_size={biggest}: must be in [1, {population.size}] (the number of labels)"
+        )
+    total = float(_batch_entropies(np.concatenate(batches), lengths, population).sum())
+    counts = np.unique(population, return_counts=True)[1] if n_random is None else None
+    reference = 0.0
+    for size, count in zip(*np.unique(lengths, return_counts=True), strict=True):
+        ref = (
+            expected_random_entropy(counts, int(size))
+            if counts is not None
+            else _sampled_random_entropy(population, int(size), n_random=n_random, seed=seed)
+        )
+        reference += int(count) * ref
+    return total / reference if reference > 0 else float("nan")
 
 
 def fetch_blocks(

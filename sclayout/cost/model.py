@@ -371,7 +371,7 @@ def predict_from_stats(
         front = max(t_io, t_dec_wall) + t_decode / max(R, 1.0)
     if settings.num_workers > 0:
         # workers hand their rows over as CSR through shared memory (a copy in, a
-        # copy out: ``loader._torch``); the main process cuts and densifies them
+        # copy out: ``loader._workers``); the main process cuts and densifies them
         t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
         back = t_gather + profile.fetch_overhead_s + t_ipc / 2
         main = t_dense + t_ipc / 2

@@ -260,13 +260,6 @@ class Profile:
         curve = max(r for _, r in self.concurrency) * self.request_bytes
         return max(self.bandwidth_Bps, curve)
 
-    def request_time(self, in_flight: float) -> float:
-        """Device time per request at ``in_flight`` parallel reads, net of the
-        transfer of ``request_bytes`` (which the bandwidth term charges)."""
-        per = 1.0 / self.requests_per_s(in_flight)
-        net = per - self.request_bytes / self.bandwidth_Bps
-        return max(net, 0.1 * per)
-
     def has_codec(self, name: str) -> bool:
         """Whether :meth:`codec` knows ``name`` (measured, or its byte-shuffle form)."""
         return name in self.codecs or name.removesuffix("-bitshuffle") in self.codecs

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from dask.utils import format_bytes
 
 from loader.errors import InputError, SpecError
 from loader.layout import RowOrder
@@ -37,7 +38,7 @@ from sclayout.cost.model import (
 from sclayout.cost.profile import Profile
 from sclayout.cost.stats import DatasetStats
 
-__all__ = ["Candidate", "SearchResult", "SearchSpace", "search", "search_loader"]
+__all__ = ["Candidate", "SearchResult", "SearchSpace", "check_targets", "search", "search_loader"]
 
 SEARCH_MINIBATCHES = 2048
 """Minibatches per diversity simulation during a search (±0.3 % on 14 plates)."""
@@ -164,7 +165,8 @@ def _predict(
     return settings, pred
 
 
-def _check_targets(min_diversity: float, memory_budget: int) -> None:
+def check_targets(min_diversity: float, memory_budget: int) -> None:
+    """Refuse a diversity target outside (0, 1] or a budget that is not positive."""
     if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
         raise InputError(
             f"--min-diversity={min_diversity!r}: must be in (0, 1] (1.0 = as diverse as "
@@ -172,13 +174,6 @@ def _check_targets(min_diversity: float, memory_budget: int) -> None:
         )
     if memory_budget <= 0:
         raise InputError(f"--memory-budget={memory_budget!r}: must be positive, e.g. 4GB")
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}" if unit == "GB" else f"{n / scale:.0f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _diversity(
@@ -244,7 +239,7 @@ def search(
         (the message names the smallest budget that fits one); no configuration
         reaches ``min_diversity``.
     """
-    _check_targets(min_diversity, memory_budget)
+    check_targets(min_diversity, memory_budget)
     space, _ = measured_codecs(space or SearchSpace(), profile)
     options = options or ModelOptions(seed=seed, sample_fetches=SEARCH_FETCHES)
     orders = [o for o in space.orders if o != "stratified" or stats.labels is not None]
@@ -355,7 +350,7 @@ def search_loader(
     pointer): block sizes that are multiples of the store's, fetch factor, workers."""
     if stats.manifest is None:
         raise InputError(f"{stats.location} is not a layout store; use search()")
-    _check_targets(min_diversity, memory_budget)
+    check_targets(min_diversity, memory_budget)
     options = options or ModelOptions(seed=seed)
     stored_labels = stats.store_labels()
     man0, bp0 = stats.manifest, stats.block_pointer
@@ -426,7 +421,7 @@ def _rank(
     if not fits:
         smallest = min(c.prediction.peak_memory for c in candidates)
         raise InputError(
-            f"--memory-budget={_fmt_bytes(memory_budget)}: too small for any {what}; the "
+            f"--memory-budget={format_bytes(memory_budget)}: too small for any {what}; the "
             f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
@@ -460,9 +455,9 @@ def _rank(
     fastest_any = max(fits, key=lambda c: c.cells_per_s)
     reason = (
         f"fastest predicted ({p.cells_per_s:,.0f} cells/s, {p.bound}-bound: "
-        f"{p.requests_per_fetch:.0f} requests and {_fmt_bytes(p.read_bytes_per_fetch)} read per "
+        f"{p.requests_per_fetch:.0f} requests and {format_bytes(p.read_bytes_per_fetch)} read per "
         f"fetch of {p.rows_per_fetch:.0f} rows) of {len(ok)} {what}s with diversity >= "
-        f"{min_diversity} and memory <= {_fmt_bytes(memory_budget)}"
+        f"{min_diversity} and memory <= {format_bytes(memory_budget)}"
     )
     if len(near) > 1:
         reason += (

@@ -121,7 +121,7 @@ def _store_stats(location: str, label: str | None) -> DatasetStats:
     x = manifest.X
     if not x.is_csr:
         raise InputError(f"{location}: dense X; the cost model supports CSR stores only")
-    indptr = reader._meta_array(x.arrays["indptr"].path).astype(np.int64)
+    indptr = reader.read_array(x.arrays["indptr"].path).astype(np.int64)
     stored_nnz = np.diff(indptr)
     source_index = reader.source_index()
     row_nnz = np.empty_like(stored_nnz)

@@ -11,28 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from _checks_util import (
-    bad_compressed_chunk,
-    bad_corrupt,
-    bad_csv,
-    bad_empty_cells,
-    bad_empty_genes,
-    bad_encoding,
-    bad_encoding_version,
-    bad_hdf5_not_anndata,
-    bad_legacy,
-    bad_missing,
-    bad_plain_dir,
-    bad_text_as_h5ad,
-    bad_truncated,
-    bad_zarr_not_anndata,
-    chattr_immutable,
-    corrupt_first_chunk,
-    gzip_h5ad,
-    small_adata,
-    snapshot,
-    write_h5ad,
-)
 from click.testing import CliRunner
 
 from loader.errors import InputError
@@ -41,23 +19,23 @@ from sclayout.convert import checks
 from sclayout.convert.checks import check_destination, check_source
 
 BAD_SOURCES = [
-    pytest.param(bad_missing, "does not exist: check the path", id="missing"),
+    pytest.param("missing", "does not exist: check the path", id="missing"),
     pytest.param(
-        bad_csv,
+        "csv",
         "is neither HDF5 (.h5ad) nor a zarr store: convert it first: anndata.io.read_csv",
         id="csv",
     ),
-    pytest.param(bad_text_as_h5ad, "damaged (no HDF5 signature)", id="text-named-h5ad"),
-    pytest.param(bad_plain_dir, "is a directory but not a zarr store", id="plain-dir"),
-    pytest.param(bad_hdf5_not_anndata, "is HDF5 but not AnnData (no obs, var)", id="hdf5"),
-    pytest.param(bad_zarr_not_anndata, "is zarr but not AnnData (no obs, var)", id="zarr"),
-    pytest.param(bad_truncated, "truncated", id="truncated"),
-    pytest.param(bad_corrupt, "damaged", id="corrupt"),
-    pytest.param(bad_encoding, "unsupported encoding-type 'bsr_matrix'", id="encoding"),
-    pytest.param(bad_encoding_version, "version '9.0.0', newer than", id="encoding-version"),
-    pytest.param(bad_legacy, "anndata < 0.7 layout", id="legacy"),
-    pytest.param(bad_empty_cells, "is empty (0 cells x 5 genes)", id="empty-cells"),
-    pytest.param(bad_empty_genes, "is empty (5 cells x 0 genes)", id="empty-genes"),
+    pytest.param("text_as_h5ad", "damaged (no HDF5 signature)", id="text-named-h5ad"),
+    pytest.param("plain_dir", "is a directory but not a zarr store", id="plain-dir"),
+    pytest.param("hdf5_not_anndata", "is HDF5 but not AnnData (no obs, var)", id="hdf5"),
+    pytest.param("zarr_not_anndata", "is zarr but not AnnData (no obs, var)", id="zarr"),
+    pytest.param("truncated", "truncated", id="truncated"),
+    pytest.param("corrupt", "damaged", id="corrupt"),
+    pytest.param("encoding", "unsupported encoding-type 'bsr_matrix'", id="encoding"),
+    pytest.param("encoding_version", "version '9.0.0', newer than", id="encoding-version"),
+    pytest.param("legacy", "anndata < 0.7 layout", id="legacy"),
+    pytest.param("empty_cells", "is empty (0 cells x 5 genes)", id="empty-cells"),
+    pytest.param("empty_genes", "is empty (5 cells x 0 genes)", id="empty-genes"),
 ]
 
 
@@ -76,7 +54,7 @@ def assert_one_line_error(code: int, out: str, err: str, fragment: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def good_h5ad(tmp_path_factory) -> Path:
+def good_h5ad(tmp_path_factory, small_adata, write_h5ad) -> Path:
     return write_h5ad(small_adata(), tmp_path_factory.mktemp("src") / "good.h5ad")
 
 
@@ -89,8 +67,10 @@ def good_store(good_h5ad: Path) -> Path:
 
 
 @pytest.mark.parametrize(("make", "fragment"), BAD_SOURCES)
-def test_bad_source_refused_dst_absent(tmp_path: Path, make, fragment: str) -> None:
-    src = make(tmp_path)
+def test_bad_source_refused_dst_absent(
+    tmp_path: Path, make, fragment: str, bad_sources, snapshot
+) -> None:
+    src = bad_sources[make](tmp_path)
     dst = tmp_path / "out.zarr"
     before = snapshot(tmp_path)
     assert_one_line_error(*run_cli("convert", src, dst, "--block-size", "16"), fragment)
@@ -103,11 +83,11 @@ def test_bad_source_refused_dst_absent(tmp_path: Path, make, fragment: str) -> N
     [p for p in BAD_SOURCES if p.id in ("missing", "truncated", "encoding", "empty-cells")],
 )
 def test_bad_source_keeps_existing_store_even_with_overwrite(
-    tmp_path: Path, good_store: Path, make, fragment: str
+    tmp_path: Path, good_store: Path, make, fragment: str, bad_sources, snapshot
 ) -> None:
     dst = tmp_path / "out.zarr"
     shutil.copytree(good_store, dst)
-    src = make(tmp_path)
+    src = bad_sources[make](tmp_path)
     before = snapshot(tmp_path)
     assert before[dst.name] == (0, 0, "dir")
     assert_one_line_error(
@@ -116,7 +96,9 @@ def test_bad_source_keeps_existing_store_even_with_overwrite(
     assert snapshot(tmp_path) == before
 
 
-def test_damaged_data_found_while_converting(tmp_path: Path) -> None:
+def test_damaged_data_found_while_converting(
+    tmp_path: Path, bad_compressed_chunk, corrupt_first_chunk, gzip_h5ad, snapshot
+) -> None:
     """A file whose metadata is fine but whose X data chunk is corrupt: the converter
     stops with the one-line message and removes its temporary store; verify too."""
     src = bad_compressed_chunk(tmp_path)
@@ -153,7 +135,7 @@ def test_by_missing_column_lists_available(tmp_path: Path, good_h5ad: Path) -> N
     assert not list(tmp_path.iterdir())
 
 
-def test_dst_exists_without_overwrite(tmp_path: Path, good_h5ad: Path) -> None:
+def test_dst_exists_without_overwrite(tmp_path: Path, good_h5ad: Path, snapshot) -> None:
     dst = tmp_path / "out.zarr"
     dst.mkdir()
     (dst / "keep.txt").write_text("mine")
@@ -163,7 +145,9 @@ def test_dst_exists_without_overwrite(tmp_path: Path, good_h5ad: Path) -> None:
     assert snapshot(tmp_path) == before
 
 
-def test_overwrite_never_replaces_a_non_store_directory(tmp_path: Path, good_h5ad: Path) -> None:
+def test_overwrite_never_replaces_a_non_store_directory(
+    tmp_path: Path, good_h5ad: Path, snapshot
+) -> None:
     dst = tmp_path / "home"
     dst.mkdir()
     (dst / "thesis.tex").write_text("years of work")
@@ -173,7 +157,7 @@ def test_overwrite_never_replaces_a_non_store_directory(tmp_path: Path, good_h5a
     assert snapshot(tmp_path) == before
 
 
-def test_dst_is_src(tmp_path: Path, good_h5ad: Path) -> None:
+def test_dst_is_src(tmp_path: Path, good_h5ad: Path, snapshot) -> None:
     before = snapshot(good_h5ad)
     code, out, err = run_cli("convert", good_h5ad, good_h5ad, "--overwrite")
     assert_one_line_error(code, out, err, "is SRC, inside it or contains it")
@@ -187,7 +171,7 @@ def test_dst_parent_missing(tmp_path: Path, good_h5ad: Path) -> None:
     assert not (tmp_path / "no").exists()
 
 
-def test_dst_under_a_regular_file(tmp_path: Path, good_h5ad: Path) -> None:
+def test_dst_under_a_regular_file(tmp_path: Path, good_h5ad: Path, snapshot) -> None:
     """Genuinely unwritable even for root: a path whose parent is a regular file."""
     afile = tmp_path / "afile"
     afile.write_text("x")
@@ -197,7 +181,7 @@ def test_dst_under_a_regular_file(tmp_path: Path, good_h5ad: Path) -> None:
     assert snapshot(tmp_path) == before
 
 
-def test_dst_parent_not_writable(tmp_path: Path, good_h5ad: Path) -> None:
+def test_dst_parent_not_writable(tmp_path: Path, good_h5ad: Path, chattr_immutable) -> None:
     """chmod does not stop root, so as root the parent is made immutable (chattr +i),
     which refuses writes to everyone; without chattr support the case is skipped."""
     parent = tmp_path / "ro"
@@ -231,7 +215,7 @@ def test_not_enough_disk_space(tmp_path: Path, good_h5ad: Path, monkeypatch) -> 
     assert not list(tmp_path.iterdir())
 
 
-def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
+def test_real_process_exit_code_and_no_traceback(tmp_path: Path, bad_truncated) -> None:
     """The installed entry point, not just CliRunner: exit 2, one line on stderr."""
     exe = Path(sys.executable).parent / "sclayout"
     src = bad_truncated(tmp_path)
@@ -250,7 +234,7 @@ def test_real_process_exit_code_and_no_traceback(tmp_path: Path) -> None:
 # -- library level -------------------------------------------------------------------
 
 
-def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path) -> None:
+def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path, small_adata) -> None:
     import anndata as ad
 
     a = small_adata()
@@ -264,7 +248,7 @@ def test_check_source_accepts_h5ad_and_zarr_v2_v3(tmp_path: Path) -> None:
         assert info.obs_columns == tuple(a.obs.columns)
 
 
-def test_check_source_reads_no_rows(tmp_path: Path, monkeypatch) -> None:
+def test_check_source_reads_no_rows(tmp_path: Path, monkeypatch, small_adata, write_h5ad) -> None:
     """Metadata only: reading any array's values goes through __getitem__ (h5py, zarr)."""
     import anndata as ad
     import h5py

@@ -10,7 +10,6 @@ import anndata as ad
 import numpy as np
 import pytest
 import zarr
-from _checks_util import DATA_DIR, rich_adata
 from click.testing import CliRunner
 
 from loader.errors import InputError, NotALayoutStoreError
@@ -18,7 +17,7 @@ from loader.layout import MANIFEST_KEY
 from sclayout.cli import main
 from sclayout.convert import convert
 from sclayout.convert import verify as verify_module
-from sclayout.convert.verify import VerifyReport, parse_bytes, verify
+from sclayout.convert.verify import VerifyReport, verify
 
 ORDERS = {
     "original": {"order": "original"},
@@ -28,7 +27,7 @@ ORDERS = {
 
 
 @pytest.fixture(scope="module")
-def sources(tmp_path_factory) -> dict[str, Path]:
+def sources(tmp_path_factory, rich_adata) -> dict[str, Path]:
     """The rich dataset with X as CSR (h5ad and zarr v3), CSC and dense (h5ad)."""
     d = tmp_path_factory.mktemp("sources")
     out = {}
@@ -275,20 +274,12 @@ def test_verify_errors_are_one_line(tmp_path: Path, sources) -> None:
     assert r.stderr.startswith("error: DST ") and r.stderr.count("\n") == 1
 
 
-def test_parse_bytes() -> None:
-    assert parse_bytes("2GB") == 2 * 10**9
-    assert parse_bytes("512MiB") == 512 * 2**20
-    assert parse_bytes(1000) == 1000
-    for bad in ("0", "-1GB", "lots", 0):
-        with pytest.raises(InputError, match="must be a positive size"):
-            parse_bytes(bad)
-
-
 def test_report_summary() -> None:
     r = VerifyReport(equal=False, differences=["a"], n_differences=3)
     assert r.summary() == "NOT equal: 3 differences (2 more not shown)"
 
 
+DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
 
 

@@ -1,6 +1,6 @@
-"""Helpers for the bad-input, verify, inspect and kill tests: small AnnData files, bad
-files of every kind the converter must refuse, and a snapshot of a directory tree to
-prove a refused command left DST untouched."""
+"""Fixtures of the converter tests (checks, verify, inspect, kill): small AnnData files,
+bad files of every kind the converter must refuse (``bad_sources``, by name), and a
+snapshot of a directory tree to prove a refused command left DST untouched."""
 
 from __future__ import annotations
 
@@ -14,13 +14,11 @@ import anndata as ad
 import h5py
 import numpy as np
 import pandas as pd
+import pytest
 import scipy.sparse as sp
 
-DATA_DIR = Path(__file__).parents[2] / "shared" / "data"
-"""The real datasets (absent outside the development machine: tests skip)."""
 
-
-def small_adata(n_obs: int = 120, n_vars: int = 30, *, seed: int = 0) -> ad.AnnData:
+def _small_adata(n_obs: int = 120, n_vars: int = 30, *, seed: int = 0) -> ad.AnnData:
     """A small CSR AnnData with obs columns (categorical, float with NaN, string)."""
     rng = np.random.default_rng(seed)
     x = sp.random(n_obs, n_vars, density=0.2, format="csr", dtype=np.float32, rng=rng)
@@ -38,7 +36,7 @@ def small_adata(n_obs: int = 120, n_vars: int = 30, *, seed: int = 0) -> ad.AnnD
     return ad.AnnData(x, obs=obs, var=var)
 
 
-def write_h5ad(adata: ad.AnnData, path: Path) -> Path:
+def _write_h5ad(adata: ad.AnnData, path: Path) -> Path:
     adata.write_h5ad(path)
     return path
 
@@ -46,30 +44,30 @@ def write_h5ad(adata: ad.AnnData, path: Path) -> Path:
 # ------------------------------------------------------------------------ bad inputs
 
 
-def bad_missing(tmp: Path) -> Path:
+def _bad_missing(tmp: Path) -> Path:
     return tmp / "nope.h5ad"
 
 
-def bad_csv(tmp: Path) -> Path:
+def _bad_csv(tmp: Path) -> Path:
     p = tmp / "counts.csv"
     p.write_text("cell,g1,g2\nc1,1,2\nc2,3,4\n")
     return p
 
 
-def bad_text_as_h5ad(tmp: Path) -> Path:
+def _bad_text_as_h5ad(tmp: Path) -> Path:
     p = tmp / "notes.h5ad"
     p.write_text("this is not an HDF5 file\n")
     return p
 
 
-def bad_plain_dir(tmp: Path) -> Path:
+def _bad_plain_dir(tmp: Path) -> Path:
     p = tmp / "folder"
     p.mkdir()
     (p / "a.txt").write_text("x")
     return p
 
 
-def bad_hdf5_not_anndata(tmp: Path) -> Path:
+def _bad_hdf5_not_anndata(tmp: Path) -> Path:
     p = tmp / "matrix.h5"
     with h5py.File(p, "w") as f:
         f["matrix/data"] = np.arange(10, dtype=np.float32)
@@ -77,7 +75,7 @@ def bad_hdf5_not_anndata(tmp: Path) -> Path:
     return p
 
 
-def bad_zarr_not_anndata(tmp: Path) -> Path:
+def _bad_zarr_not_anndata(tmp: Path) -> Path:
     import zarr
 
     p = tmp / "plain.zarr"
@@ -86,8 +84,8 @@ def bad_zarr_not_anndata(tmp: Path) -> Path:
     return p
 
 
-def bad_truncated(tmp: Path) -> Path:
-    good = write_h5ad(small_adata(), tmp / "good_for_trunc.h5ad")
+def _bad_truncated(tmp: Path) -> Path:
+    good = _write_h5ad(_small_adata(), tmp / "good_for_trunc.h5ad")
     data = good.read_bytes()
     p = tmp / "truncated.h5ad"
     p.write_bytes(data[: len(data) // 2])
@@ -95,9 +93,9 @@ def bad_truncated(tmp: Path) -> Path:
     return p
 
 
-def bad_corrupt(tmp: Path) -> Path:
+def _bad_corrupt(tmp: Path) -> Path:
     """Random bytes over the object headers that follow the superblock."""
-    good = write_h5ad(small_adata(), tmp / "good_for_corrupt.h5ad")
+    good = _write_h5ad(_small_adata(), tmp / "good_for_corrupt.h5ad")
     data = bytearray(good.read_bytes())
     rng = np.random.default_rng(7)
     data[96:4096] = rng.bytes(4096 - 96)
@@ -107,13 +105,13 @@ def bad_corrupt(tmp: Path) -> Path:
     return p
 
 
-def gzip_h5ad(tmp: Path, name: str = "gzip.h5ad") -> Path:
+def _gzip_h5ad(tmp: Path, name: str = "gzip.h5ad") -> Path:
     p = tmp / name
-    small_adata(2000, 50).write_h5ad(p, compression="gzip")
+    _small_adata(2000, 50).write_h5ad(p, compression="gzip")
     return p
 
 
-def corrupt_first_chunk(p: Path) -> Path:
+def _corrupt_first_chunk(p: Path) -> Path:
     """Zero 64 bytes inside the first gzip chunk of X/data; metadata stays intact."""
     with h5py.File(p, "r") as f:
         info = f["X/data"].id.get_chunk_info(0)
@@ -124,25 +122,25 @@ def corrupt_first_chunk(p: Path) -> Path:
     return p
 
 
-def bad_compressed_chunk(tmp: Path) -> Path:
-    return corrupt_first_chunk(gzip_h5ad(tmp, "bad_chunk.h5ad"))
+def _bad_compressed_chunk(tmp: Path) -> Path:
+    return _corrupt_first_chunk(_gzip_h5ad(tmp, "bad_chunk.h5ad"))
 
 
-def bad_encoding(tmp: Path) -> Path:
-    p = write_h5ad(small_adata(), tmp / "bsr.h5ad")
+def _bad_encoding(tmp: Path) -> Path:
+    p = _write_h5ad(_small_adata(), tmp / "bsr.h5ad")
     with h5py.File(p, "a") as f:
         f["X"].attrs["encoding-type"] = "bsr_matrix"
     return p
 
 
-def bad_encoding_version(tmp: Path) -> Path:
-    p = write_h5ad(small_adata(), tmp / "future.h5ad")
+def _bad_encoding_version(tmp: Path) -> Path:
+    p = _write_h5ad(_small_adata(), tmp / "future.h5ad")
     with h5py.File(p, "a") as f:
         f["X"].attrs["encoding-version"] = "9.0.0"
     return p
 
 
-def bad_legacy(tmp: Path) -> Path:
+def _bad_legacy(tmp: Path) -> Path:
     """The anndata < 0.7 layout: obs and var as compound datasets."""
     p = tmp / "legacy.h5ad"
     rec = np.array([(b"c0",), (b"c1",)], dtype=[("index", "S4")])
@@ -153,20 +151,20 @@ def bad_legacy(tmp: Path) -> Path:
     return p
 
 
-def bad_empty_cells(tmp: Path) -> Path:
+def _bad_empty_cells(tmp: Path) -> Path:
     a = ad.AnnData(np.zeros((0, 5), np.float32), var=pd.DataFrame(index=list("abcde")))
-    return write_h5ad(a, tmp / "empty_cells.h5ad")
+    return _write_h5ad(a, tmp / "empty_cells.h5ad")
 
 
-def bad_empty_genes(tmp: Path) -> Path:
+def _bad_empty_genes(tmp: Path) -> Path:
     a = ad.AnnData(np.zeros((5, 0), np.float32), obs=pd.DataFrame(index=list("abcde")))
-    return write_h5ad(a, tmp / "empty_genes.h5ad")
+    return _write_h5ad(a, tmp / "empty_genes.h5ad")
 
 
 # ------------------------------------------------------------------------- snapshots
 
 
-def snapshot(path: Path) -> dict[str, tuple[int, int, str]]:
+def _snapshot(path: Path) -> dict[str, tuple[int, int, str]]:
     """Every entry under ``path`` -> (size, mtime_ns, sha1 of content); {} if absent."""
     if not path.exists():
         return {}
@@ -185,7 +183,7 @@ def _entry(p: Path) -> tuple[int, int, str]:
     return st.st_size, st.st_mtime_ns, hashlib.sha1(p.read_bytes()).hexdigest()
 
 
-def chattr_immutable(path: Path, on: bool) -> bool:
+def _chattr_immutable(path: Path, on: bool) -> bool:
     """Set/clear the immutable flag (blocks writes even for root); False if unsupported."""
     exe = shutil.which("chattr")
     if exe is None:
@@ -194,7 +192,7 @@ def chattr_immutable(path: Path, on: bool) -> bool:
     return r.returncode == 0
 
 
-def rich_adata(n_obs: int = 150, n_vars: int = 25, *, x: str = "csr", seed: int = 0) -> ad.AnnData:
+def _rich_adata(n_obs: int = 150, n_vars: int = 25, *, x: str = "csr", seed: int = 0) -> ad.AnnData:
     """Every AnnData element, with awkward values: NaN and negative numbers in X
     (converted as they are, never rejected), nullable and categorical obs columns,
     obsm/varm/obsp/varp, nested uns and raw."""
@@ -203,7 +201,7 @@ def rich_adata(n_obs: int = 150, n_vars: int = 25, *, x: str = "csr", seed: int 
     base.data[:] = rng.integers(1, 50, base.nnz)
     base.data[:3] = [np.nan, -1.0, -7.5]
     matrix = {"csr": base, "csc": base.tocsc(), "dense": base.toarray()}[x]
-    a = small_adata(n_obs, n_vars, seed=seed)
+    a = _small_adata(n_obs, n_vars, seed=seed)
     a.X = matrix
     a.obs["count"] = pd.array(rng.integers(0, 9, n_obs), dtype="Int64")
     a.obs.loc[a.obs.index[5], "count"] = pd.NA
@@ -224,3 +222,69 @@ def rich_adata(n_obs: int = 150, n_vars: int = 25, *, x: str = "csr", seed: int 
     a.uns["colors"] = np.array(["#ff0000", "#00ff00", "#0000ff"], dtype=object)
     a.raw = a.copy()
     return a
+
+
+@pytest.fixture(scope="session")
+def small_adata():
+    return _small_adata
+
+
+@pytest.fixture(scope="session")
+def write_h5ad():
+    return _write_h5ad
+
+
+@pytest.fixture(scope="session")
+def gzip_h5ad():
+    return _gzip_h5ad
+
+
+@pytest.fixture(scope="session")
+def corrupt_first_chunk():
+    return _corrupt_first_chunk
+
+
+@pytest.fixture(scope="session")
+def snapshot():
+    return _snapshot
+
+
+@pytest.fixture(scope="session")
+def chattr_immutable():
+    return _chattr_immutable
+
+
+@pytest.fixture(scope="session")
+def rich_adata():
+    return _rich_adata
+
+
+@pytest.fixture(scope="session")
+def bad_compressed_chunk():
+    return _bad_compressed_chunk
+
+
+@pytest.fixture(scope="session")
+def bad_truncated():
+    return _bad_truncated
+
+
+@pytest.fixture(scope="session")
+def bad_sources():
+    """``{name: make(tmp_dir) -> path}`` of the bad inputs (``missing`` ... ``empty_genes``)."""
+    return {
+        "missing": _bad_missing,
+        "csv": _bad_csv,
+        "text_as_h5ad": _bad_text_as_h5ad,
+        "plain_dir": _bad_plain_dir,
+        "hdf5_not_anndata": _bad_hdf5_not_anndata,
+        "zarr_not_anndata": _bad_zarr_not_anndata,
+        "truncated": _bad_truncated,
+        "corrupt": _bad_corrupt,
+        "compressed_chunk": _bad_compressed_chunk,
+        "encoding": _bad_encoding,
+        "encoding_version": _bad_encoding_version,
+        "legacy": _bad_legacy,
+        "empty_cells": _bad_empty_cells,
+        "empty_genes": _bad_empty_genes,
+    }

@@ -9,16 +9,10 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 import torch
-from _dataset_util import N_OBS, as_numpy, build_stores, check_epoch, indices
 
-from loader import _torch as T
-from loader import sampler as S
-from loader.dataset import WORKER_GROUP_BATCHES, BlockDataLoader, BlockDataset
-
-
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory):
-    return build_stores(tmp_path_factory)
+from loader import BlockDataLoader, BlockDataset
+from loader import _workers as T
+from loader.dataset import WORKER_GROUP_BATCHES
 
 
 def _batches(dense: bool, sizes=(3, 5, 1)) -> list[dict]:
@@ -39,7 +33,7 @@ def _batches(dense: bool, sizes=(3, 5, 1)) -> list[dict]:
 
 @pytest.mark.parametrize("dense", [False, True], ids=["csr-store", "dense-store"])
 @pytest.mark.parametrize("output", ["dense", "csr"])
-def test_pack_unpack_round_trip(dense, output):
+def test_pack_unpack_round_trip(dense, output, as_numpy):
     batches = _batches(dense)
     item = T.pack_group(batches, worker=1, obs=("c",), seq=3)
     assert item["seq"] == 3 and item["buf"].dtype == torch.uint8
@@ -72,17 +66,14 @@ def test_group_buffers_reuse_only_released_slots(monkeypatch):
     assert bigger is not first[0] and bigger.numel() >= 10_000
 
 
-def _expected(ds: BlockDataset, num_workers: int) -> list[np.ndarray]:
-    streams = [indices(ds._batches(w, num_workers)) for w in range(num_workers)]
-    return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("source", "output"),
     [("shuffled", "dense"), ("dense", "dense"), ("stratified", "csr")],
 )
-def test_spawned_workers_many_groups(stores, source, output):
+def test_spawned_workers_many_groups(
+    stores, source, output, as_numpy, check_epoch, indices, stores_n_obs, expected_sequence
+):
     """Enough minibatches that each worker cycles through its whole buffer ring:
     values equal the source, each row once, the documented round-robin order, and a
     second epoch from the persistent workers as well."""
@@ -94,11 +85,11 @@ def test_spawned_workers_many_groups(stores, source, output):
     for epoch in (0, 1):
         ds.set_epoch(epoch)
         batches = list(dl)
-        check_epoch(batches, n_obs=N_OBS, batch_size=1)
+        check_epoch(batches, n_obs=stores_n_obs, batch_size=1)
         for b in batches:
             assert np.array_equal(as_numpy(b["X"]), truth[b["index"].numpy()])
         got = indices(batches)
-        want = _expected(ds, 2)
+        want = expected_sequence(ds, 2)
         assert len(got) == len(want)
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
 
@@ -149,7 +140,9 @@ def test_block_dataloader_spawns_with_the_worker_context(stores):
 @pytest.mark.parametrize(
     "kw", [{}, {"collate_fn": "tag"}, {"pin_memory": True}], ids=["plain", "collate", "pin"]
 )
-def test_in_process_loader_yields_the_datasets_batches(stores, monkeypatch, kw):
+def test_in_process_loader_yields_the_datasets_batches(
+    stores, monkeypatch, kw, as_numpy, check_epoch, indices, stores_n_obs
+):
     """With no workers, BlockDataLoader yields the dataset's own minibatches (same
     values, ids and order, counted for state_dict) without torch's per-batch
     iterator; a collate_fn or pin_memory goes through torch's, and is applied."""
@@ -170,7 +163,7 @@ def test_in_process_loader_yields_the_datasets_batches(stores, monkeypatch, kw):
         if i == 2:
             assert ds.state_dict()["consumed"] == 3  # counted as delivered
     assert bool(torch_iters) == bool(kw)
-    check_epoch(got, n_obs=N_OBS, batch_size=7)
+    check_epoch(got, n_obs=stores_n_obs, batch_size=7)
     assert all(np.array_equal(x, y) for x, y in zip(indices(got), indices(want), strict=True))
     for b in got:
         assert isinstance(b["X"], torch.Tensor) and b["X"].dtype == torch.float32

@@ -18,7 +18,6 @@ import scipy.sparse as sp
 
 from loader.errors import FormatVersionError, InputError, NotALayoutStoreError, SpecError
 from loader.store import Fetched, LayoutReader, PendingFetch, open_layout
-from tests._loader_util import make_adata, write_h5ad, write_store
 
 N_OBS, N_VARS = 300, 50
 
@@ -32,12 +31,12 @@ def _convert():
 
 
 @pytest.fixture(scope="session")
-def adata():
-    return make_adata(N_OBS, N_VARS, seed=3)
+def adata(reader_adata):
+    return reader_adata(N_OBS, N_VARS, seed=3)
 
 
 @pytest.fixture(scope="session")
-def built(adata, tmp_path_factory) -> dict[str, Path]:
+def built(adata, tmp_path_factory, write_h5ad, write_store) -> dict[str, Path]:
     """Every source the tests read, built once."""
     d = tmp_path_factory.mktemp("reader")
     out: dict[str, Path] = {
@@ -307,16 +306,25 @@ def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatc
     check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
 
 
-def test_take_slice_honours_a_replaced_dense_output(built, monkeypatch):
-    """``register_output("dense", fn)`` replaces dense output for the minibatch loop too."""
-    from loader import assemble
+@pytest.mark.parametrize(
+    ("asked", "env", "called"),
+    [(None, None, False), (None, "1", True), (True, None, True), (False, "1", False)],
+    ids=["default-off", "env-on", "asked", "asked-off-beats-env"],
+)
+def test_tune_malloc_is_opt_in(built, monkeypatch, asked, env, called):
+    """The first fetch changes the process's allocator only when asked to."""
+    import loader.store as store
 
-    reader = open_layout(built["own-shuffled-csr"])
-    n = int(reader.block_lengths()[[0, 1]].sum())
-    f = reader.submit(np.array([0, 1]), order=np.arange(n)[::-1].copy()).result()
-    assert f._dense_order is not None
-    monkeypatch.setitem(assemble.OUTPUTS, "dense", lambda rows, pos: np.full(len(pos), -1.0))
-    np.testing.assert_array_equal(f.take_slice(0, 3)["X"], [-1.0, -1.0, -1.0])
+    calls = []
+    monkeypatch.setattr(store, "tune_malloc", lambda: calls.append(1) or True)
+    monkeypatch.setattr(store, "_malloc_tuned", False)
+    if env is None:
+        monkeypatch.delenv("SCLAYOUT_TUNE_MALLOC", raising=False)
+    else:
+        monkeypatch.setenv("SCLAYOUT_TUNE_MALLOC", env)
+    reader = open_layout(built["own-shuffled-csr"], tune_malloc=asked)
+    reader.submit(np.array([0])).result()
+    assert calls == ([1] if called else [])
 
 
 def test_tune_malloc_is_idempotent():
@@ -334,7 +342,7 @@ def test_h5ad_is_read_with_h5py_whatever_the_default(built):
 
 
 def test_tensorstore_reads_over_http(built, adata):
-    httpserver = pytest.importorskip("sclayout.httpserver")
+    httpserver = pytest.importorskip("sclayout.testing.httpserver")
     store = _path(built, "own-stratified-csr")
     with httpserver.serve_directory(store.parent) as server:
         r = open_layout(server.url_for(store.name))

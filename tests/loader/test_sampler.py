@@ -7,7 +7,6 @@ import math
 
 import numpy as np
 import pytest
-from _dataset_util import check_epoch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +77,7 @@ CASES = {
 @pytest.mark.parametrize("num_workers", [1, 2, 3], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 @pytest.mark.parametrize("strategy", EXACTLY_ONCE)
-def test_each_row_exactly_once(case, num_workers, drop_last, strategy):
+def test_each_row_exactly_once(case, num_workers, drop_last, strategy, check_epoch):
     n, block, batch, ff = case
     cfg = config(
         n, block, batch_size=batch, fetch_factor=ff, drop_last=drop_last, strategy=strategy
@@ -99,7 +98,9 @@ def test_each_row_exactly_once(case, num_workers, drop_last, strategy):
     drop_last=st.booleans(),
     epoch=st.integers(0, 5),
 )
-def test_ranks_disjoint_equal_and_complete(n, block, batch, ff, world, workers, drop_last, epoch):
+def test_ranks_disjoint_equal_and_complete(
+    n, block, batch, ff, world, workers, drop_last, epoch, check_epoch
+):
     cfg = config(n, block, batch_size=batch, fetch_factor=ff, drop_last=drop_last)
     per_rank = [
         rank_sequence(cfg, epoch, rank=r, world_size=world, num_workers=workers)

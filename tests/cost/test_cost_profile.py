@@ -15,10 +15,9 @@ from sclayout.cost.profile import (
     load_profile,
     resolve_profile,
 )
-from tests._cost_util import flat_profile
 
 
-def test_round_trip_through_json(tmp_path):
+def test_round_trip_through_json(tmp_path, flat_profile):
     p = flat_profile(source="hand-made", extra={"k": 1})
     p.save(tmp_path / "p.json")
     q = load_profile(tmp_path / "p.json")
@@ -39,7 +38,7 @@ def test_the_issue_presets_ship():
     assert {"local-nvme", "network-disk", "http-object-store"} <= set(list_presets())
 
 
-def test_version_1_reads_without_the_worker_figures(tmp_path):
+def test_version_1_reads_without_the_worker_figures(tmp_path, flat_profile):
     d = flat_profile().to_dict()
     d["version"] = 1
     del d["worker_cores"], d["worker_cpu_s_per_cell"]
@@ -48,7 +47,7 @@ def test_version_1_reads_without_the_worker_figures(tmp_path):
     assert p.version == PROFILE_VERSION and p.worker_cores == p.worker_cpu_s_per_cell == 0.0
 
 
-def test_newer_version_is_refused_with_upgrade_hint(tmp_path):
+def test_newer_version_is_refused_with_upgrade_hint(tmp_path, flat_profile):
     d = flat_profile().to_dict()
     d["version"] = PROFILE_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(d))
@@ -83,14 +82,14 @@ def test_unreadable_profiles_give_clear_errors(tmp_path, content, match):
         load_profile(path)
 
 
-def test_invalid_figures_are_refused():
+def test_invalid_figures_are_refused(flat_profile):
     with pytest.raises(SpecError, match=r"latency_s=-1\.0: must be a positive number"):
         flat_profile(latency_s=-1.0)
     with pytest.raises(SpecError, match="kind='tape'"):
         flat_profile(kind="tape")
 
 
-def test_concurrency_curve_interpolates_log_linearly_and_is_flat_beyond():
+def test_concurrency_curve_interpolates_log_linearly_and_is_flat_beyond(flat_profile):
     p = flat_profile(concurrency=((1, 100.0), (4, 300.0), (64, 500.0)))
     assert p.requests_per_s(1) == 100.0
     assert p.requests_per_s(2) == pytest.approx(200.0)  # halfway in log between 1 and 4
@@ -98,13 +97,13 @@ def test_concurrency_curve_interpolates_log_linearly_and_is_flat_beyond():
     assert p.requests_per_s(1000) == 500.0
 
 
-def test_resolve_profile_takes_files_and_presets(tmp_path):
+def test_resolve_profile_takes_files_and_presets(tmp_path, flat_profile):
     flat_profile().save(tmp_path / "p.json")
     assert resolve_profile(tmp_path / "p.json").name == "flat"
     assert resolve_profile("local-nvme").name == "local-nvme"
 
 
-def test_unknown_codec_names_the_measured_ones():
+def test_unknown_codec_names_the_measured_ones(flat_profile):
     with pytest.raises(
         SpecError, match="codec='lzf': not in profile 'flat'; known: blosc-lz4, none"
     ):

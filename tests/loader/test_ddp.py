@@ -7,18 +7,20 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from _dataset_util import N_OBS, ROOT, build_stores, check_epoch, free_port
 
 # argv: store path, rank, world size, port. Each rank reads with rank/world_size taken
 # from the initialised process group, and all-reduces once per minibatch as a
 # training step would: unequal batch counts would pair mismatched collectives.
+ROOT = Path(__file__).resolve().parents[2]
+
 SCRIPT = r"""
 import datetime, json, sys
 import torch, torch.distributed as dist
-from loader.dataset import BlockDataset
+from loader import BlockDataset
 path, rank, world, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=world, timeout=datetime.timedelta(seconds=90))
@@ -46,11 +48,11 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    path = build_stores(tmp_path_factory)["shuffled"]
+def ranks(tmp_path_factory, free_port, stores):
+    path = stores["shuffled"]
     env = dict(
         os.environ,
-        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        PYTHONPATH=str(ROOT),
         MASTER_ADDR="127.0.0.1",
         GLOO_SOCKET_IFNAME="lo",
     )
@@ -81,7 +83,7 @@ def ranks(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("config", ["keep", "drop_last", "streaming"])
-def test_ranks_disjoint_equal_and_complete(ranks, config):
+def test_ranks_disjoint_equal_and_complete(ranks, config, check_epoch, stores_n_obs):
     batch = 10 if config == "streaming" else 16
     drop_last = config == "drop_last"
     per_rank = [[np.asarray(b) for b in r[config]["batches"]] for r in ranks]
@@ -90,7 +92,7 @@ def test_ranks_disjoint_equal_and_complete(ranks, config):
     for batches in per_rank:
         check_epoch(
             [{"index": b} for b in batches],
-            n_obs=N_OBS,
+            n_obs=stores_n_obs,
             batch_size=batch,
             drop_last=drop_last,
             exact=False,
@@ -98,8 +100,8 @@ def test_ranks_disjoint_equal_and_complete(ranks, config):
     a, b = (np.concatenate(r) for r in per_rank)
     if drop_last:  # disjoint; only the remainder is missing
         assert not set(a.tolist()) & set(b.tolist())
-        assert a.size == b.size == ((N_OBS // 2) // batch) * batch
+        assert a.size == b.size == ((stores_n_obs // 2) // batch) * batch
     else:  # every row; the odd row out is padded by repeating the epoch's first row
-        assert set(a.tolist()) | set(b.tolist()) == set(range(N_OBS))
-        assert a.size == b.size == (N_OBS + 1) // 2
+        assert set(a.tolist()) | set(b.tolist()) == set(range(stores_n_obs))
+        assert a.size == b.size == (stores_n_obs + 1) // 2
         assert len(set(a.tolist()) & set(b.tolist())) == 1

@@ -8,10 +8,9 @@ import hashlib
 import json
 
 import pytest
-from _dataset_util import as_numpy, build_stores, run_python
 
+from loader import BlockDataset
 from loader import sampler as S
-from loader.dataset import BlockDataset
 
 # Runs in a fresh interpreter. argv: store path, JSON job. The job names dataset
 # settings, num_workers, and either an epoch + number of batches to take, or a state
@@ -20,7 +19,7 @@ from loader.dataset import BlockDataset
 SCRIPT = r"""
 import hashlib, itertools, json, sys
 import torch
-from loader.dataset import BlockDataset, BlockDataLoader
+from loader import BlockDataLoader, BlockDataset
 results = []
 for job in json.loads(sys.argv[1]):
     ds = BlockDataset(job["path"], **job["ds"])
@@ -43,33 +42,45 @@ DS = {"batch_size": 12, "fetch_factor": 2, "seed": 7}
 
 
 @pytest.fixture(scope="module")
-def stores(tmp_path_factory):
-    return build_stores(tmp_path_factory)
+def digest(as_numpy):
+    """A batch's row ids and a hash of its values."""
+
+    def digest(batch) -> list:
+        X = as_numpy(batch["X"])
+        return [batch["index"].tolist(), hashlib.sha1(X.tobytes()).hexdigest()]
+
+    return digest
 
 
-def digest(batch) -> list:
-    return [batch["index"].tolist(), hashlib.sha1(as_numpy(batch["X"]).tobytes()).hexdigest()]
-
-
-def expected(path: str, ds_kw: dict, epoch: int, num_workers: int) -> list:
+@pytest.fixture(scope="module")
+def expected(digest):
     """The full epoch in DataLoader order, computed in this process (no workers)."""
-    ds = BlockDataset(path, **ds_kw)
-    ds.set_epoch(epoch)
-    streams = [[digest(b) for b in ds._batches(w, num_workers)] for w in range(num_workers)]
-    return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
+
+    def expected(path: str, ds_kw: dict, epoch: int, num_workers: int) -> list:
+        ds = BlockDataset(path, **ds_kw)
+        ds.set_epoch(epoch)
+        streams = [[digest(b) for b in ds._batches(w, num_workers)] for w in range(num_workers)]
+        return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
+
+    return expected
 
 
-def run_jobs(*jobs: dict) -> list[dict]:
+@pytest.fixture(scope="module")
+def run_jobs(run_python):
     """Run jobs in one fresh interpreter (each: path, ds settings, num_workers, and
     epoch + take, or a state to resume from)."""
-    return json.loads(run_python(SCRIPT, json.dumps(list(jobs))))
+
+    def run_jobs(*jobs: dict) -> list[dict]:
+        return json.loads(run_python(SCRIPT, json.dumps(list(jobs))))
+
+    return run_jobs
 
 
 CASES = {"w0-dense": (0, "dense", 5), "w2-csr": (2, "csr", 7)}
 
 
 @pytest.mark.slow
-def test_resume_in_fresh_process(stores):
+def test_resume_in_fresh_process(stores, digest, expected, run_jobs):
     """Case w0: state taken in this process; case w2: taken in a fresh interpreter
     with 2 DataLoader workers. Both resumed together in another fresh interpreter."""
     path = stores["shuffled"]

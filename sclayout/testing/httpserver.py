@@ -244,11 +244,13 @@ def serve_directory(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sclayout.httpserver DIR [--delay S] [--port N] [--max-seconds S]``:
+    """``python -m sclayout.testing.httpserver DIR [--delay S] [--port N] [--max-seconds S]``:
     serve until interrupted or ``--max-seconds`` (prints the URL first)."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m sclayout.httpserver", description=main.__doc__)
+    ap = argparse.ArgumentParser(
+        prog="python -m sclayout.testing.httpserver", description=main.__doc__
+    )
     ap.add_argument("root")
     ap.add_argument("--delay", type=float, default=0.0, help="seconds added per request")
     ap.add_argument("--port", type=int, default=0)

@@ -12,7 +12,6 @@ import uuid
 import anndata as ad
 import numpy as np
 import pytest
-from _synth import assert_adata_equal, make_adata, restore_source_order, write_source
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -41,7 +40,16 @@ LATIN = [
 
 
 @pytest.mark.parametrize(("fmt", "x_format", "order"), LATIN, ids=lambda v: str(v))
-def test_every_element_round_trips(tmp_path, fmt, x_format, order):
+def test_every_element_round_trips(
+    tmp_path,
+    fmt,
+    x_format,
+    order,
+    assert_adata_equal,
+    make_adata,
+    restore_source_order,
+    write_source,
+):
     a = make_adata(45, 9, density=0.3, x_format=x_format, raw=True, seed=7)
     src = _src_path(tmp_path, fmt)
     write_source(a, src, fmt)
@@ -53,7 +61,7 @@ def test_every_element_round_trips(tmp_path, fmt, x_format, order):
         assert np.array_equal(stored.uns["sclayout"]["source_index"], np.arange(45))
 
 
-def test_matrices_are_csr_or_dense_in_store_order(tmp_path):
+def test_matrices_are_csr_or_dense_in_store_order(tmp_path, make_adata, write_source):
     a = make_adata(30, 6, density=0.5, x_format="csc", seed=3)
     write_source(a, tmp_path / "a.h5ad", "h5ad")
     m = convert(tmp_path / "a.h5ad", tmp_path / "o.zarr", order="shuffled", seed=4)
@@ -84,7 +92,21 @@ def test_matrices_are_csr_or_dense_in_store_order(tmp_path):
     seed=st.integers(0, 2**16),
 )
 def test_round_trip_property(
-    tmp_path, n_obs, n_vars, density, dtype, x_format, fmt, order, block_size, small, seed
+    tmp_path,
+    n_obs,
+    n_vars,
+    density,
+    dtype,
+    x_format,
+    fmt,
+    order,
+    block_size,
+    small,
+    seed,
+    assert_adata_equal,
+    make_adata,
+    restore_source_order,
+    write_source,
 ):
     a = make_adata(
         n_obs, n_vars, density=density, dtype=dtype, x_format=x_format, raw=small, seed=seed

@@ -13,32 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _dataset_util import (
-    N_OBS,
-    as_numpy,
-    build_stores,
-    check_epoch,
-    indices,
-    memory_reader,
-)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loader import BlockDataLoader, BlockDataset
 from loader import sampler as S
-from loader.dataset import BlockDataLoader, BlockDataset
 from loader.errors import InputError, SclayoutError
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
-
-
-@pytest.fixture(scope="module")
-def stores(tmp_path_factory):
-    return build_stores(tmp_path_factory)
-
-
-def expected_sequence(ds: BlockDataset, num_workers: int) -> list[np.ndarray]:
-    """The rank's minibatch indices in DataLoader round-robin order, computed in-process."""
-    streams = [indices(ds._batches(w, num_workers)) for w in range(num_workers)]
-    return [streams[w][j] for w, j in S.interleave([len(s) for s in streams])]
 
 
 def same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
@@ -52,7 +33,7 @@ SOURCES = ["original", "shuffled", "stratified", "h5ad", "dense", "h5ad-dense"]
 
 @pytest.mark.parametrize("output", ["dense", "csr"])
 @pytest.mark.parametrize("source", SOURCES)
-def test_values_equal_source(stores, source, output):
+def test_values_equal_source(stores, source, output, as_numpy, check_epoch, stores_n_obs):
     truth = stores["truth"][source]
     ds = BlockDataset(
         stores[source],
@@ -63,8 +44,8 @@ def test_values_equal_source(stores, source, output):
         seed=1,
     )
     batches = list(ds)
-    assert len(batches) == len(ds) == math.ceil(N_OBS / 24)
-    check_epoch(batches, n_obs=N_OBS, batch_size=24)
+    assert len(batches) == len(ds) == math.ceil(stores_n_obs / 24)
+    check_epoch(batches, n_obs=stores_n_obs, batch_size=24)
     for b in batches:
         idx = b["index"].numpy()
         X = b["X"]
@@ -80,10 +61,10 @@ def test_values_equal_source(stores, source, output):
             assert names.tolist() == truth["obs"][col].to_numpy()[idx].tolist()
 
 
-def test_block_size_multiple_of_the_store(stores):
+def test_block_size_multiple_of_the_store(stores, check_epoch, stores_n_obs):
     ds = BlockDataset(stores["shuffled"], block_size=16, batch_size=10, fetch_factor=3)
     assert ds.block_size == 16
-    check_epoch(list(ds), n_obs=N_OBS, batch_size=10)
+    check_epoch(list(ds), n_obs=stores_n_obs, batch_size=10)
 
 
 # ---------------------------------------------------------------- exactly once, workers
@@ -98,7 +79,7 @@ ONCE = {
 
 @pytest.mark.parametrize("drop_last", [False, True], ids=["keep", "drop_last"])
 @pytest.mark.parametrize("case", ONCE.values(), ids=ONCE.keys())
-def test_exactly_once_in_process(case, drop_last):
+def test_exactly_once_in_process(case, drop_last, check_epoch, memory_reader):
     n, block, batch, ff = case
     ds = BlockDataset(
         memory_reader(n, block_size=block, seed=2),
@@ -118,7 +99,7 @@ def test_exactly_once_in_process(case, drop_last):
 @pytest.mark.parametrize("drop_last", [False, True], ids=["keep", "drop_last"])
 @pytest.mark.parametrize("num_workers", [1, 2], ids=lambda w: f"w{w}")
 @pytest.mark.parametrize("case", [ONCE["ragged"], ONCE["batch>n"]], ids=["ragged", "batch>n"])
-def test_dataloader_exactly_once(case, num_workers, drop_last):
+def test_dataloader_exactly_once(case, num_workers, drop_last, check_epoch, memory_reader):
     """Through torch's DataLoader with forked workers (a worker may get no batch)."""
     n, block, batch, ff = case
     ds = BlockDataset(
@@ -143,7 +124,9 @@ def test_dataloader_exactly_once(case, num_workers, drop_last):
     drop_last=st.booleans(),
     output=st.sampled_from(["dense", "csr"]),
 )
-def test_pipeline_exactly_once_and_values(n, block, batch, ff, prefetch, drop_last, output):
+def test_pipeline_exactly_once_and_values(
+    n, block, batch, ff, prefetch, drop_last, output, as_numpy, check_epoch, memory_reader
+):
     """Through the read-ahead pipeline (minibatches spanning fetches, any prefetch)."""
     ds = BlockDataset(
         memory_reader(n, block_size=block, seed=n),
@@ -164,7 +147,9 @@ WORKERS["w2-persistent"] = (2, True)
 
 
 @pytest.mark.parametrize(("num_workers", "persistent"), WORKERS.values(), ids=WORKERS.keys())
-def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persistent):
+def test_dataloader_workers_exactly_once_and_deterministic(
+    num_workers, persistent, check_epoch, indices, memory_reader, expected_sequence
+):
     n, batch = 203, 10
     ds = BlockDataset(memory_reader(n, block_size=7, seed=3), batch_size=batch, fetch_factor=3)
     kw = {"multiprocessing_context": "fork"} if num_workers else {}  # memory reader: fork-safe
@@ -182,7 +167,9 @@ def test_dataloader_workers_exactly_once_and_deterministic(num_workers, persiste
 
 
 @pytest.mark.slow
-def test_real_store_spawned_persistent_workers(stores):
+def test_real_store_spawned_persistent_workers(
+    stores, as_numpy, check_epoch, indices, stores_n_obs, expected_sequence
+):
     """Two spawned workers reading a real store: each row once per epoch, epochs differ,
     the order is the documented round-robin, values equal the source."""
     truth = stores["truth"]["stratified"]
@@ -192,7 +179,7 @@ def test_real_store_spawned_persistent_workers(stores):
     for epoch in (0, 1):
         ds.set_epoch(epoch)
         batches = list(dl)
-        check_epoch(batches, n_obs=N_OBS, batch_size=16)
+        check_epoch(batches, n_obs=stores_n_obs, batch_size=16)
         for b in batches:
             assert np.array_equal(as_numpy(b["X"]), truth["X"][b["index"].numpy()])
         got = indices(batches)
@@ -240,7 +227,7 @@ class CountingReader:
 
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_read_ahead_is_bounded(prefetch):
+def test_read_ahead_is_bounded(prefetch, memory_reader):
     reader = CountingReader(memory_reader(400, block_size=5))
     ds = BlockDataset(reader, batch_size=10, fetch_factor=2, prefetch=prefetch)
     n_fetches = S.worker_plan(ds.config, 0).n_fetches
@@ -255,7 +242,7 @@ def test_read_ahead_is_bounded(prefetch):
 
 
 @pytest.mark.parametrize("consumed", [0, 1, 7, 20, 21])
-def test_resume_in_process_reads_no_skipped_fetch(consumed):
+def test_resume_in_process_reads_no_skipped_fetch(consumed, indices, memory_reader):
     n, batch, ff = 210, 10, 3
     full = indices(
         BlockDataset(memory_reader(n, block_size=4, seed=1), batch_size=batch, fetch_factor=ff)
@@ -278,7 +265,7 @@ def test_resume_in_process_reads_no_skipped_fetch(consumed):
     assert len(indices(fresh)) == len(full)  # a completed pass: the next starts over
 
 
-def test_state_follows_set_epoch():
+def test_state_follows_set_epoch(memory_reader):
     ds = BlockDataset(memory_reader(50, block_size=4), batch_size=5)
     assert len(list(ds)) == 10 and ds.state_dict()["consumed"] == 10  # epoch 0 done
     ds.set_epoch(1)
@@ -289,7 +276,7 @@ def test_state_follows_set_epoch():
     assert (ds.state_dict()["epoch"], ds.state_dict()["consumed"]) == (1, 2)
 
 
-def test_state_refuses_other_settings_and_untracked_workers():
+def test_state_refuses_other_settings_and_untracked_workers(memory_reader):
     state = BlockDataset(memory_reader(50, block_size=4), batch_size=5).state_dict()
     other = BlockDataset(memory_reader(50, block_size=4), batch_size=6)
     with pytest.raises(InputError, match=r"batch_size=5 \(now 6\)") as e:
@@ -323,7 +310,7 @@ STATE_CLASHES = {
 
 
 @pytest.mark.parametrize("key", STATE_CLASHES)
-def test_state_refuses_other_sampling(key):
+def test_state_refuses_other_sampling(key, indices, memory_reader):
     """Each pair yields other minibatches after the same position: a state of one
     must not load into the other."""
     a, b = ({**kw} for kw in STATE_CLASHES[key])
@@ -344,7 +331,7 @@ def test_state_refuses_a_store_of_another_order(stores):
         original.load_state_dict(shuffled.state_dict())
 
 
-def test_state_of_version_1_still_loads_and_bad_positions_are_refused():
+def test_state_of_version_1_still_loads_and_bad_positions_are_refused(memory_reader):
     ds = BlockDataset(memory_reader(50, block_size=4), batch_size=5)
     v1 = {k: v for k, v in ds.state_dict().items() if k not in ("block_size", "replacement")}
     v1 = {k: v for k, v in v1.items() if k not in ("epoch_rows", "weights", "rows")}
@@ -367,7 +354,7 @@ def test_state_of_version_1_still_loads_and_bad_positions_are_refused():
 # ---------------------------------------------------------------- weighted, end to end
 
 
-def test_class_balanced_through_dataset():
+def test_class_balanced_through_dataset(memory_reader):
     n, block = 3000, 10
     labels = np.repeat([0, 1, 2], [2100, 600, 300])  # sorted: pure blocks
     ds = BlockDataset(
@@ -402,7 +389,7 @@ def test_weights_by_class_mapping_and_real_store(stores):
 # ---------------------------------------------------------------- settings and errors
 
 
-def test_spec_settings_are_defaults(tmp_path):
+def test_spec_settings_are_defaults(tmp_path, memory_reader):
     spec = LayoutSpec(
         store=StoreSpec(block_size=4),
         loader=LoaderSettings(batch_size=9, fetch_factor=5, num_workers=2),
@@ -415,7 +402,7 @@ def test_spec_settings_are_defaults(tmp_path):
     assert (ds.batch_size, ds.fetch_factor) == (7, 5)
 
 
-def test_pickle_carries_no_reader(stores):
+def test_pickle_carries_no_reader(stores, indices):
     ds = BlockDataset(stores["original"], batch_size=50, seed=3)
     first = indices(ds)
     state = ds.__getstate__()
@@ -499,12 +486,14 @@ def test_bad_path(stores, tmp_path, kind):
     assert "\n" not in str(e.value)
 
 
-def test_without_torch_numpy_batches(monkeypatch):
+def test_without_torch_numpy_batches(monkeypatch, check_epoch, memory_reader):
     import loader.dataset as D
 
     monkeypatch.setattr(D, "torch_available", lambda: False)
-    ds = BlockDataset(memory_reader(30, block_size=4), batch_size=8, output="csr", obs=("parity",))
-    assert type(ds) is BlockDataset and not isinstance(ds, torch.utils.data.Dataset)
+    ds = D.BlockDataset(
+        memory_reader(30, block_size=4), batch_size=8, output="csr", obs=("parity",)
+    )
+    assert type(ds) is D.BlockDataset and not isinstance(ds, torch.utils.data.Dataset)
     batches = list(ds)
     check_epoch(batches, n_obs=30, batch_size=8)
     import scipy.sparse as sp
@@ -517,12 +506,47 @@ def test_without_torch_numpy_batches(monkeypatch):
         ds.dataloader()
 
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+def test_torch_classes_are_plain_classes_of_loader_torch(memory_reader):
+    from loader import _torch
+    from loader.dataset import BlockDataset as NumpyBlockDataset
+
+    assert BlockDataset is _torch.TorchBlockDataset and BlockDataLoader is _torch.BlockDataLoader
+    ds = BlockDataset(memory_reader(30, block_size=4), batch_size=8)
+    assert type(ds).__module__ == "loader._torch" and type(ds).__qualname__ == "TorchBlockDataset"
+    assert isinstance(ds, torch.utils.data.IterableDataset) and isinstance(ds, NumpyBlockDataset)
+    assert isinstance(next(iter(ds))["X"], torch.Tensor)
+    assert isinstance(ds.dataloader(), _torch.BlockDataLoader)
+    numpy_ds = NumpyBlockDataset(memory_reader(30, block_size=4), batch_size=8)
+    with pytest.raises(InputError, match=r"create it with loader\.BlockDataset\(\.\.\.\)$"):
+        numpy_ds.dataloader()
+
+
+def test_without_torch_loader_names_the_numpy_dataset(monkeypatch):
+    import loader
+    import loader.dataset as D
+    from loader import _torch
+
+    monkeypatch.setattr(_torch, "torch", None)
+    assert loader.BlockDataset is D.BlockDataset
+    with pytest.raises(InputError, match=r"^BlockDataLoader needs torch: pip install sclayout"):
+        loader.BlockDataLoader  # noqa: B018
+
+
+def test_importing_loader_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, loader, loader.dataset; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+SHARED_DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = SHARED_DATA / "sctransform_pbmc3k_402x12572_counts.h5ad"
 
 
 @pytest.mark.skipif(not REAL.exists(), reason="the real-data folder is absent")
-def test_real_h5ad_values_equal_source():
+def test_real_h5ad_values_equal_source(as_numpy, check_epoch):
     """A real 402-cell PBMC count matrix read raw (no conversion), CSR output."""
     import anndata as ad
 

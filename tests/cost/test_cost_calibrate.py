@@ -167,20 +167,22 @@ def test_cpu_with_children_counts_a_live_child():
     assert spent > 0.2  # the busy child's CPU, not this (sleeping) process's
 
 
-def test_calibrate_times_a_local_targets_codecs_with_the_direct_reader(tmp_path, monkeypatch):
+def test_calibrate_times_a_local_targets_codecs_with_the_direct_reader(
+    tmp_path, monkeypatch, make_source, make_store, spy_codec_timing, tiny_plan
+):
     from sclayout.cost.calibrate import calibrate
-    from tests._cost_util import make_source, make_store, spy_codec_timing, tiny_plan
 
     store = make_store(make_source(tmp_path / "a.h5ad"), tmp_path / "a.zarr", block_size=16)
-    seen = spy_codec_timing(monkeypatch)
+    seen = spy_codec_timing
     p = calibrate(store, plan=tiny_plan(), codecs=("blosc-lz4",), evict=False)
     assert seen == [True]  # a local store is read by the direct shard reader
     assert p.kind == "local" and p.codec("blosc-lz4").decode_Bps > 0
 
 
-def test_calibrate_cpu_from_measures_the_storage_only(tmp_path):
+def test_calibrate_cpu_from_measures_the_storage_only(
+    tmp_path, flat_profile, make_source, make_store
+):
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
-    from tests._cost_util import flat_profile, make_source, make_store
 
     store = make_store(make_source(tmp_path / "a.h5ad"), tmp_path / "a.zarr", block_size=16)
     cpu = flat_profile(cores=1.5, cpu_count=2)

@@ -50,7 +50,7 @@ def source(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def forker():
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     proc = subprocess.Popen(
         [sys.executable, str(CHILD)],
         env=env,

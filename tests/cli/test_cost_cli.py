@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from dask.utils import format_bytes
 
 from loader.spec import LayoutSpec
 from loader.store import open_layout
 from sclayout.cost.profile import load_profile
-from tests._cost_util import assert_one_line_error, run_cli, shared_store
 
 SMALL_SPACE = (
     "--block-sizes", "4,8,16", "--fetch-factors", "2,4,8", "--codecs", "blosc-lz4,zstd",
@@ -19,11 +19,11 @@ SMALL_SPACE = (
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory):
-    return shared_store(tmp_path_factory)
+def data(tmp_path_factory, shared_store):
+    return shared_store
 
 
-def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path):
+def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path, run_cli):
     src, _ = data
     spec_path, plot = tmp_path / "spec.json", tmp_path / "front.png"
     r = run_cli(
@@ -41,7 +41,7 @@ def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path):
     assert ranked[0] == {**out["pick"], "rank": 1}
     assert plot.stat().st_size < 300_000 and plot.read_bytes()[:4] == b"\x89PNG"
 
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
     from sclayout.convert.convert import convert
 
     manifest = convert(src, tmp_path / "picked.zarr", spec=spec_path)
@@ -52,7 +52,7 @@ def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path):
     assert (ds.batch_size, ds.fetch_factor) == (spec.loader.batch_size, spec.loader.fetch_factor)
 
 
-def test_recommend_prints_a_ranked_table_and_the_reason(data):
+def test_recommend_prints_a_ranked_table_and_the_reason(data, run_cli):
     src, _ = data
     r = run_cli("recommend", src, "--label", "plate", "--profile", "local-nvme", *SMALL_SPACE)
     assert r.exit_code == 0, r.stderr
@@ -61,7 +61,7 @@ def test_recommend_prints_a_ranked_table_and_the_reason(data):
     assert "pick: #1 — fastest predicted" in r.stdout
 
 
-def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting(data):
+def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting(data, run_cli):
     _, store = data
     r = run_cli(
         "recommend",
@@ -87,7 +87,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         (("--min-diversity", "1.5"), ("--min-diversity=1.5: must be in (0, 1]",)),
         (
             ("--memory-budget", "1KB"),
-            ("--memory-budget=1 KB: too small", "smallest feasible budget is"),
+            (f"--memory-budget={format_bytes(1000)}: too small", "smallest feasible budget is"),
         ),
         (
             ("--profile", "floppy"),
@@ -106,7 +106,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
     ids=["div-0", "div-1.5", "budget", "preset", "label", "block-sizes", "budget-unit",
          "plot-type", "spec-dir", "diversity-unreachable"],
 )  # fmt: skip
-def test_recommend_bad_input(data, args, parts):
+def test_recommend_bad_input(data, args, parts, assert_one_line_error, run_cli):
     src, _ = data
     r = run_cli(
         "recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate", *args
@@ -114,7 +114,7 @@ def test_recommend_bad_input(data, args, parts):
     assert_one_line_error(r, *parts)
 
 
-def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data):
+def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data, run_cli):
     import re
 
     src, _ = data
@@ -132,7 +132,7 @@ def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data):
     assert run_cli(*args, "--memory-budget", budget).exit_code == 0
 
 
-def test_recommend_never_replaces_a_file_unasked(data, tmp_path):
+def test_recommend_never_replaces_a_file_unasked(data, tmp_path, assert_one_line_error, run_cli):
     src, _ = data
     args = ("recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate")
     keep = tmp_path / "mine.json"
@@ -155,7 +155,9 @@ def test_recommend_never_replaces_a_file_unasked(data, tmp_path):
     assert [f.name for f in tmp_path.iterdir() if f.name.startswith(".")] == []  # no temp left
 
 
-def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(data, tmp_path):
+def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(
+    data, tmp_path, assert_one_line_error, run_cli
+):
     src, _ = data
     r = run_cli("recommend", src, "--profile", "local-disk-here", "--orders", "stratified")
     assert_one_line_error(r, "--orders stratified: needs --label COLUMN")
@@ -176,7 +178,9 @@ def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(data, t
     ],
     ids=["curve-str", "curve-short", "curve-nan", "request-bytes", "codecs-list", "cores-inf"],
 )
-def test_malformed_profile_is_a_one_line_error(data, tmp_path, change, part):
+def test_malformed_profile_is_a_one_line_error(
+    data, tmp_path, change, part, assert_one_line_error, run_cli
+):
     from sclayout.cost.profile import get_preset
 
     src, _ = data
@@ -186,7 +190,9 @@ def test_malformed_profile_is_a_one_line_error(data, tmp_path, change, part):
     assert_one_line_error(r, part)
 
 
-def test_recommend_searches_only_the_codecs_its_profile_measured(data, tmp_path):
+def test_recommend_searches_only_the_codecs_its_profile_measured(
+    data, tmp_path, assert_one_line_error, run_cli
+):
     """A profile calibrated before a codec existed: the default codec list skips the
     codec and says so; naming it with --codecs is a one-line error."""
     from sclayout.cost.profile import get_preset
@@ -216,14 +222,14 @@ def test_recommend_searches_only_the_codecs_its_profile_measured(data, tmp_path)
     assert_one_line_error(r, "codec='blosc-lz4hc': not in profile", "sclayout calibrate")
 
 
-def test_unreadable_profile_file(data, tmp_path):
+def test_unreadable_profile_file(data, tmp_path, assert_one_line_error, run_cli):
     src, _ = data
     (tmp_path / "bad.json").write_text("{oops")
     r = run_cli("recommend", src, "--profile", tmp_path / "bad.json", *SMALL_SPACE)
     assert_one_line_error(r, "is not valid JSON")
 
 
-def test_bench_prints_measured_beside_predicted(data):
+def test_bench_prints_measured_beside_predicted(data, run_cli):
     _, store = data
     r = run_cli(
         "bench",
@@ -250,7 +256,7 @@ def test_bench_prints_measured_beside_predicted(data):
     assert out["predicted_diversity"] == pytest.approx(1.0, abs=0.05)
 
 
-def test_calibrate_writes_a_profile(data, tmp_path):
+def test_calibrate_writes_a_profile(data, tmp_path, run_cli):
     _, store = data
     r = run_cli("calibrate", store, "--out", tmp_path / "p.json", "--quick", "--quiet")
     assert r.exit_code == 0, r.stderr
@@ -260,7 +266,9 @@ def test_calibrate_writes_a_profile(data, tmp_path):
     assert "wrote" in r.stdout
 
 
-def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(data, tmp_path):
+def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(
+    data, tmp_path, assert_one_line_error, run_cli
+):
     from sclayout.cost.profile import get_preset, load_profile
 
     _, store = data
@@ -278,7 +286,7 @@ def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(data, tmp_path):
     assert not (tmp_path / "q.json").exists()
 
 
-def test_bench_times_a_dataset_of_one_minibatch_over_several_epochs(data):
+def test_bench_times_a_dataset_of_one_minibatch_over_several_epochs(data, run_cli):
     _, store = data
     r = run_cli(
         "bench", store, "--batch-size", "100000", "--runs", "1", "--seconds", "0.3",
@@ -289,7 +297,9 @@ def test_bench_times_a_dataset_of_one_minibatch_over_several_epochs(data):
     assert out["measured_cells_per_s"] > 0 and out["runs"][0]["batches"] >= 1
 
 
-def test_calibrate_refuses_to_replace_a_file_before_measuring(data, tmp_path):
+def test_calibrate_refuses_to_replace_a_file_before_measuring(
+    data, tmp_path, assert_one_line_error, run_cli
+):
     _, store = data
     keep = tmp_path / "p.json"
     keep.write_text("{}")
@@ -300,12 +310,12 @@ def test_calibrate_refuses_to_replace_a_file_before_measuring(data, tmp_path):
     assert keep.read_text() == "{}"
 
 
-def test_calibrate_bad_target(tmp_path):
+def test_calibrate_bad_target(tmp_path, assert_one_line_error, run_cli):
     r = run_cli("calibrate", tmp_path / "nothing", "--out", tmp_path / "p.json")
     assert_one_line_error(r, "not a file, directory or http(s) URL")
 
 
-def test_recommend_without_profile_calibrates_the_data_location_quickly(data):
+def test_recommend_without_profile_calibrates_the_data_location_quickly(data, run_cli):
     src, _ = data
     r = run_cli("recommend", src, "--label", "plate", *SMALL_SPACE, "--quiet")
     assert r.exit_code == 0, r.stderr

@@ -18,7 +18,6 @@ from sclayout.cost.model import (
     virtual_layout,
 )
 from sclayout.cost.profile import CodecSpeed
-from tests._cost_util import flat_profile, shared_store
 
 STATS = FetchStats(
     rows=1000,
@@ -34,30 +33,36 @@ STATS = FetchStats(
 )
 
 
-def _predict(
-    workers: int = 0,
-    read_ahead: int = 1,
-    output: str = "dense",
-    *,
-    profile=None,
-    stats: FetchStats = STATS,
-    codec: str = "none",
-):
-    return predict_from_stats(
-        stats,
-        n_vars=1000,
-        codec=codec,
-        settings=LoaderSettings(batch_size=100, fetch_factor=10, num_workers=workers),
-        profile=profile or flat_profile(),
-        options=ModelOptions(read_ahead=read_ahead, output=output),
-    )
+@pytest.fixture
+def predict_flat(flat_profile):
+    """``predict_from_stats`` of the round figures, ``flat_profile`` unless told."""
+
+    def predict_flat(
+        workers: int = 0,
+        read_ahead: int = 1,
+        output: str = "dense",
+        *,
+        profile=None,
+        stats: FetchStats = STATS,
+        codec: str = "none",
+    ):
+        return predict_from_stats(
+            stats,
+            n_vars=1000,
+            codec=codec,
+            settings=LoaderSettings(batch_size=100, fetch_factor=10, num_workers=workers),
+            profile=profile or flat_profile(),
+            options=ModelOptions(read_ahead=read_ahead, output=output),
+        )
+
+    return predict_flat
 
 
-def test_one_pipeline_by_hand():
+def test_one_pipeline_by_hand(predict_flat):
     # io: max(10 requests / 1000 per s, (8 MB / ratio 2) / 100 MB/s) = max(10, 40) ms
     # decode: 8 MB / 1 GB/s = 8 ms on 2 threads -> 4 ms wall, in front of the assembly
     # assembly: 1000 x 1000 values x 1 ns = 1 ms scattered from the fetch; overhead 1 ms
-    p = _predict()
+    p = predict_flat()
     assert p.t_io == pytest.approx(0.040)
     assert p.t_decode == pytest.approx(0.008)
     assert p.t_assembly == pytest.approx(0.001)
@@ -70,18 +75,18 @@ def test_one_pipeline_by_hand():
     assert p.peak_memory == 2 * 12_000_000 + CACHE_BYTES + 100 * 1000 * 4
 
 
-def test_csr_output_gathers_instead_of_densifying():
-    assert _predict(output="csr").t_assembly == pytest.approx(0.010)  # 1e6 nnz x 10 ns
+def test_csr_output_gathers_instead_of_densifying(predict_flat):
+    assert predict_flat(output="csr").t_assembly == pytest.approx(0.010)  # 1e6 nnz x 10 ns
 
 
-def test_no_read_ahead_adds_the_stages():
-    assert _predict(read_ahead=0).fetch_s == pytest.approx(0.044 + 0.002)
+def test_no_read_ahead_adds_the_stages(predict_flat):
+    assert predict_flat(read_ahead=0).fetch_s == pytest.approx(0.044 + 0.002)
 
 
-def test_workers_share_the_storage_and_the_cores():
+def test_workers_share_the_storage_and_the_cores(predict_flat):
     # 2 pipelines of max(44, 10 gather + 1 + 8 ms copy in) each -> 22 ms per fetch, but the
     # storage moves 4 MB per fetch at 100 MB/s whatever the parallelism: 40 ms
-    p = _predict(workers=2)
+    p = predict_flat(workers=2)
     assert p.fetch_s == pytest.approx(0.040)
     assert p.bound == "storage"
     # memory: 2 workers x (2 fetches + cache + the minibatch in hand) + 2 x 2 queued
@@ -90,7 +95,7 @@ def test_workers_share_the_storage_and_the_cores():
     assert p.peak_memory == 2 * (2 * 12_000_000 + CACHE_BYTES + batch) + 2 * 2 * batch
 
 
-def test_request_bound_with_many_small_reads():
+def test_request_bound_with_many_small_reads(flat_profile):
     many = FetchStats(**{**STATS.__dict__, "requests": 200})
     p = predict_from_stats(
         many,
@@ -102,7 +107,7 @@ def test_request_bound_with_many_small_reads():
     assert p.t_io == pytest.approx(0.200)  # 200 requests / 1000 per s > 40 ms of bytes
 
 
-def test_shared_cores_bound_the_workers():
+def test_shared_cores_bound_the_workers(flat_profile):
     slow_cpu = flat_profile(cores=1.0, bandwidth_Bps=1e12, gather_s_per_nnz=5e-8)
     p = predict_from_stats(
         STATS,
@@ -116,39 +121,41 @@ def test_shared_cores_bound_the_workers():
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.076, rel=1e-3)
 
 
-def test_a_backend_decoding_responses_as_they_land_overlaps_io_and_decode():
+def test_a_backend_decoding_responses_as_they_land_overlaps_io_and_decode(
+    flat_profile, predict_flat
+):
     # over HTTP tensorstore decodes each response while the others are in flight:
     # max(40 ms io, 8 ms decode / 2 threads) + the last of 10 responses' 0.8 ms decode
-    p = _predict(profile=flat_profile(kind="http"))
+    p = predict_flat(profile=flat_profile(kind="http"))
     assert p.fetch_s == pytest.approx(0.0408)
-    assert _predict().fetch_s == pytest.approx(0.044)  # local direct reads: in series
+    assert predict_flat().fetch_s == pytest.approx(0.044)  # local direct reads: in series
 
 
-def test_measured_worker_figures_replace_the_modelled_copies():
+def test_measured_worker_figures_replace_the_modelled_copies(flat_profile, predict_flat):
     free_io = dict(bandwidth_Bps=1e12, concurrency=((1, 1e9),))
     measured = flat_profile(worker_cores=1.0, worker_cpu_s_per_cell=1e-4, **free_io)
-    p = _predict(workers=2, profile=measured)
+    p = predict_flat(workers=2, profile=measured)
     # CPU per fetch: 8 decode + 1 densify + 1 overhead + 1000 cells x 0.1 ms the
     # worker path adds = 110 ms, on the 1 core the workers were measured to keep busy
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.110)
     # without the figures: 8 + 10 gather + 1 + 1 + 16 ms of copies on 2 cores
-    unmeasured = _predict(workers=2, profile=flat_profile(**free_io))
+    unmeasured = predict_flat(workers=2, profile=flat_profile(**free_io))
     assert unmeasured.fetch_s < p.fetch_s
 
 
-def test_cpu_bound_when_storage_is_free():
+def test_cpu_bound_when_storage_is_free(flat_profile, predict_flat):
     fast = flat_profile(
         latency_s=1e-6, bandwidth_Bps=1e12, concurrency=((1, 1e9),), gather_s_per_nnz=1e-7
     )
-    p = _predict(profile=fast, output="csr")
+    p = predict_flat(profile=fast, output="csr")
     # assembly 1e6 x 100 ns + 1 ms overhead = 101 ms dominates
     assert p.bound == "assembly"
     assert p.fetch_s == pytest.approx(0.101, rel=1e-3)
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    return shared_store(tmp_path_factory)
+def store(tmp_path_factory, shared_store):
+    return shared_store
 
 
 def test_virtual_layout_is_the_layout_convert_writes(store):
@@ -167,7 +174,7 @@ def test_virtual_layout_is_the_layout_convert_writes(store):
         assert (virt.shape, virt.chunks, virt.shards) == (real.shape, real.chunks, real.shards)
 
 
-def test_prediction_uses_the_loaders_plans(store):
+def test_prediction_uses_the_loaders_plans(store, flat_profile):
     _, dst = store
     reader = open_layout(dst)
     settings = LoaderSettings(batch_size=16, fetch_factor=4)
@@ -209,25 +216,27 @@ def test_larger_blocks_need_fewer_requests_per_row(store):
     assert per_row[0] > per_row[1] > per_row[2]
 
 
-def test_the_cpu_of_reading_counts_against_the_cores():
+def test_the_cpu_of_reading_counts_against_the_cores(flat_profile, predict_flat):
     # 10 requests x 1 ms + 4 MB read x 10 ns/B = 50 ms of read CPU per fetch; with
     # 8 decode + 1 assembly + 1 overhead that is 60 ms of CPU on 1 core: CPU-bound
     # (the storage alone would take 40 ms + 4 ms decode)
     busy = flat_profile(cores=1.0, request_cpu_s=1e-3, read_cpu_s_per_byte=1e-8)
-    p = _predict(profile=busy)
+    p = predict_flat(profile=busy)
     assert p.t_overhead == pytest.approx(0.001 + 0.010 + 0.040)
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.060)
 
 
-def test_every_inner_chunk_costs_its_decode_overhead():
+def test_every_inner_chunk_costs_its_decode_overhead(flat_profile, predict_flat):
     # 10 chunks x 0.4 ms on top of 8 ms of bytes: 12 ms of decode, 6 ms on 2 threads
     slow_chunks = flat_profile(codecs={"none": CodecSpeed(2.0, 1e9, chunk_s=4e-4)})
-    p = _predict(profile=slow_chunks)
+    p = predict_flat(profile=slow_chunks)
     assert p.t_decode == pytest.approx(0.012)
     assert p.fetch_s == pytest.approx(0.040 + 0.006)
 
 
-def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads():
+def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads(
+    flat_profile, predict_flat
+):
     # the direct shard reader's decode threads issue blocking reads: 2 in flight, so
     # 200 requests at 100/s per read in flight take 1 s; tensorstore (gzip) keeps 64
     # in flight and is bytes-bound; over HTTP every codec goes through tensorstore
@@ -237,14 +246,14 @@ def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads():
 
     def t_io(codec: str, kind: str) -> float:
         profile = flat_profile(kind=kind, concurrency=curve, codecs=codecs)
-        return _predict(profile=profile, stats=many, codec=codec).t_io
+        return predict_flat(profile=profile, stats=many, codec=codec).t_io
 
     assert t_io("blosc-lz4", "local") == pytest.approx(1.0)
     assert t_io("gzip", "local") == pytest.approx(0.040)  # 4 MB at 100 MB/s > 200/6400 s
     assert t_io("blosc-lz4", "http") == pytest.approx(0.040)
 
 
-def test_a_loopback_servers_cpu_runs_beside_the_loader():
+def test_a_loopback_servers_cpu_runs_beside_the_loader(flat_profile, predict_flat):
     # 50 ms of the fetch's 60 ms of CPU is reading, measured machine-wide (a server on
     # this machine): the loader's own 10 ms bound at 1 core, all 60 ms on 2 cores
     busy = flat_profile(
@@ -256,12 +265,12 @@ def test_a_loopback_servers_cpu_runs_beside_the_loader():
         bandwidth_Bps=1e12,
         concurrency=((1, 1e9),),
     )
-    p = _predict(profile=busy)
+    p = predict_flat(profile=busy)
     assert p.bound == "cpu" and p.fetch_s == pytest.approx(0.030)
-    local = _predict(profile=busy.with_(read_cpu_scope="process"))
+    local = predict_flat(profile=busy.with_(read_cpu_scope="process"))
     assert local.fetch_s == pytest.approx(0.060)  # all of it in the loader's process
 
 
-def test_unknown_read_cpu_scope_is_refused():
+def test_unknown_read_cpu_scope_is_refused(flat_profile):
     with pytest.raises(SpecError, match="read_cpu_scope='disk': unknown; known: process, machine"):
         flat_profile(read_cpu_scope="disk")

@@ -10,7 +10,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
-from _checks_util import rich_adata
 from click.testing import CliRunner
 
 from loader.errors import NotALayoutStoreError
@@ -20,7 +19,7 @@ from sclayout.convert.inspect import inspect_store, render_inspect
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory) -> Path:
+def store(tmp_path_factory, rich_adata) -> Path:
     d = tmp_path_factory.mktemp("inspect")
     src = d / "src.h5ad"
     rich_adata(n_obs=130).write_h5ad(src)
