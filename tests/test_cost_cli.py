@@ -14,7 +14,7 @@ from tests._cost_util import assert_one_line_error, run_cli, shared_store
 
 SMALL_SPACE = (
     "--block-sizes", "4,8,16", "--fetch-factors", "2,4,8", "--codecs", "blosc-lz4,zstd",
-    "--workers", "0", "--batch-size", "16",
+    "--worker-counts", "0", "--batch-size", "16",
 )  # fmt: skip
 
 

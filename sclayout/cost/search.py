@@ -37,7 +37,14 @@ from sclayout.cost.model import (
 from sclayout.cost.profile import Profile
 from sclayout.cost.stats import DatasetStats
 
-__all__ = ["Candidate", "SearchResult", "SearchSpace", "search", "search_loader"]
+__all__ = [
+    "Candidate",
+    "SearchResult",
+    "SearchSpace",
+    "check_targets",
+    "search",
+    "search_loader",
+]
 
 SEARCH_MINIBATCHES = 2048
 """Minibatches per diversity simulation during a search (±0.3 % on 14 plates)."""
@@ -168,7 +175,9 @@ def _predict(
     return settings, pred
 
 
-def _check_targets(min_diversity: float, memory_budget: int) -> None:
+def check_targets(min_diversity: float, memory_budget: int) -> None:
+    """Refuse a diversity target outside (0, 1] or a non-positive memory budget, before
+    any search work (``recommend`` calls it before reading the data)."""
     if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
         raise InputError(
             f"--min-diversity={min_diversity!r}: must be in (0, 1] (1.0 = as diverse as "
@@ -248,7 +257,7 @@ def search(
         (the message names the smallest budget that fits one); no configuration
         reaches ``min_diversity``.
     """
-    _check_targets(min_diversity, memory_budget)
+    check_targets(min_diversity, memory_budget)
     space, _ = measured_codecs(space or SearchSpace(), profile)
     options = options or ModelOptions(seed=seed, sample_fetches=SEARCH_FETCHES)
     orders = [o for o in space.orders if o != "stratified" or stats.labels is not None]
@@ -359,7 +368,7 @@ def search_loader(
     pointer): block sizes that are multiples of the store's, fetch factor, workers."""
     if stats.manifest is None:
         raise InputError(f"{stats.location} is not a layout store; use search()")
-    _check_targets(min_diversity, memory_budget)
+    check_targets(min_diversity, memory_budget)
     options = options or ModelOptions(seed=seed)
     stored_labels = stats.store_labels()
     man0, bp0 = stats.manifest, stats.block_pointer
