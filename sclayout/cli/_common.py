@@ -59,7 +59,8 @@ quiet_option = click.option(
     "--quiet",
     "-q",
     is_flag=True,
-    help="No progress bars, notes or summaries; results, --json and errors still print.",
+    help="No progress bars, and no summary after writing a store or profile; results, "
+    "--json output and errors still print.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 

@@ -501,8 +501,7 @@ def recommend_command(
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str))
         return
-    if not quiet:
-        click.echo(prof_note)
+    click.echo(prof_note)
     click.echo(
         f"{stats.n_obs:,} cells x {stats.n_vars:,} genes, {stats.nnz / stats.n_obs:,.0f} "
         f"nnz/cell; {len(result.candidates)} {what} evaluated"
@@ -511,9 +510,9 @@ def recommend_command(
     click.echo(f"pick: #1 — {result.reason}")
     if "reconvert" in out:
         click.echo(out["reconvert"]["verdict"])
-    if spec_out is not None and not quiet:
+    if spec_out is not None:
         click.echo(f"wrote {spec_out} (use: sclayout convert SRC DST --spec {spec_out})")
-    if plot is not None and not quiet:
+    if plot is not None:
         click.echo(f"wrote {plot}")
 
 
@@ -658,8 +657,7 @@ def bench_command(
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str, allow_nan=False))
         return
-    if not quiet:
-        click.echo(note)
+    click.echo(note)
     regime = "warm" if warm or is_url(source) else "cold, evicted every 0.5 s"
     click.echo(
         f"{source}: batch {batch_size}, fetch factor {fetch_factor}, block "
