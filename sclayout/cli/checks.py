@@ -39,6 +39,7 @@ __all__ = ["inspect_cmd", "verify_cmd"]
     "--memory-budget",
     default="2GB",
     show_default=True,
+    metavar="SIZE",
     help="Memory for streaming X and layers (e.g. 2GB, 512MiB).",
 )
 @click.option(
@@ -88,7 +89,7 @@ def verify_cmd(
 
 @click.command(
     "inspect",
-    epilog=epilog("sclayout inspect store.zarr", "sclayout inspect https://host/store.zarr --json"),
+    epilog=epilog("sclayout inspect store.zarr", "sclayout inspect store.zarr --json"),
 )
 @click.argument("store", type=click.Path(path_type=str))
 @quiet_option
@@ -96,7 +97,7 @@ def verify_cmd(
 def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """Describe layout STORE: blocks, order, per-array chunks/shards/codec, sizes.
 
-    STORE is a path or an http(s) URL. Reading only metadata, it shows no progress bar.
+    It reads metadata only, so it shows no progress bar.
     """
     from sclayout.convert.inspect import inspect_store, render_inspect
 

@@ -62,10 +62,14 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
     default=None,
     help="Layout spec JSON (from `sclayout recommend`); options given here override it.",
 )
-@click.option("--memory-budget", default="2GB", show_default=True, help="Peak memory target.")
+@click.option(
+    "--memory-budget", default="2GB", show_default=True, metavar="SIZE", help="Peak memory target."
+)
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-@click.option("--jobs", type=int, default=None, help="Worker threads [CPUs].")
-@click.option("--scheduler", default=None, help="dask.distributed scheduler address.")
+@click.option("--jobs", type=int, default=None, metavar="N", help="Worker threads [CPUs].")
+@click.option(
+    "--scheduler", default=None, metavar="ADDRESS", help="dask.distributed scheduler address."
+)
 @quiet_option
 @json_option
 def convert_command(

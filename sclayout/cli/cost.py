@@ -333,7 +333,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
     ),
 )
 @click.argument("source", type=str)
-@click.option("--batch-size", type=int, default=64, show_default=True)
+@click.option("--batch-size", type=int, default=64, show_default=True, help="Rows per minibatch.")
 @click.option("--label", default=None, help="obs column whose diversity must stay high.")
 @click.option(
     "--min-diversity",
@@ -343,11 +343,16 @@ def _plot(result: Any, path: Path, title: str) -> None:
     help="Diversity target in (0, 1] (1.0 = true random).",
 )
 @click.option(
-    "--memory-budget", default="4GB", show_default=True, help="Loader memory budget (all workers)."
+    "--memory-budget",
+    default="4GB",
+    show_default=True,
+    metavar="SIZE",
+    help="Loader memory budget (all workers).",
 )
 @click.option(
     "--profile",
     default=None,
+    metavar="FILE|PRESET",
     help="Profile JSON or preset name [quick calibration of the data's location].",
 )
 @click.option(
@@ -384,7 +389,13 @@ def _plot(result: Any, path: Path, title: str) -> None:
     "--worker-counts", default=None, help="DataLoader worker counts to search, e.g. 0,2 [0,2]."
 )
 @click.option("--workers", hidden=True, default=None, help="Deprecated name of --worker-counts.")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the recommended row order and of the simulations.",
+)
 @quiet_option
 @_OVERWRITE
 def recommend_command(
@@ -561,9 +572,23 @@ def _space(
     ),
 )
 @click.argument("source", type=str)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--fetch-factor", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--block-size", type=click.IntRange(min=1), default=None, help="[the store's]")
+@click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Rows per minibatch.",
+)
+@click.option(
+    "--fetch-factor",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Minibatches read per fetch.",
+)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=None, help="Rows per block [the store's]."
+)
 @click.option(
     "--workers",
     type=click.IntRange(min=0),
@@ -571,7 +596,13 @@ def _space(
     show_default=True,
     help="DataLoader worker processes (0: in the main process).",
 )
-@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option(
+    "--runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed runs; the median is reported.",
+)
 @click.option(
     "--seconds",
     type=click.FloatRange(min=0, min_open=True, max=86400),
@@ -580,7 +611,12 @@ def _space(
     help="Per run.",
 )
 @click.option("--label", default=None, help="obs column for the diversity figure.")
-@click.option("--profile", default=None, help="Profile JSON or preset for the prediction.")
+@click.option(
+    "--profile",
+    default=None,
+    metavar="FILE|PRESET",
+    help="Profile JSON or preset for the prediction [quick calibration of SOURCE].",
+)
 @click.option("--warm", is_flag=True, help="Local data: keep the page cache (do not evict it).")
 @json_option
 @quiet_option
