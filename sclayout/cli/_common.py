@@ -43,13 +43,13 @@ _EXIT_TEXT = {
 }
 
 
-def epilog(
-    *examples: str, exit_codes: Iterable[int] = (EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED)
-) -> str:
-    """The help epilog of a command: its examples, then what each exit code means.
+def epilog(*examples: str, check: bool = False) -> str:
+    """The help epilog of a command: its examples, then what each exit code means
+    (``check``: the command can find a difference, exit 1).
 
     ``\\b`` keeps click from rewrapping the lines.
     """
+    exit_codes = (EXIT_OK, *([EXIT_DIFFERS] if check else []), EXIT_USAGE, EXIT_INTERRUPTED)
     ex = "\n".join(f"  {e}" for e in examples)
     codes = "\n".join(f"  {c:<3d} {_EXIT_TEXT[c]}" for c in exit_codes)
     return f"\b\nExamples:\n{ex}\n\n\b\nExit codes:\n{codes}"

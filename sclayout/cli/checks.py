@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 
 import click
 
 from sclayout.cli._common import (
     EXIT_DIFFERS,
-    EXIT_INTERRUPTED,
     EXIT_OK,
-    EXIT_USAGE,
     epilog,
     json_option,
     quiet_option,
@@ -30,7 +29,7 @@ __all__ = ["inspect_cmd", "verify_cmd"]
     epilog=epilog(
         "sclayout verify data.h5ad store.zarr",
         "sclayout verify data.h5ad store.zarr --memory-budget 512MiB --json",
-        exit_codes=(EXIT_OK, EXIT_DIFFERS, EXIT_USAGE, EXIT_INTERRUPTED),
+        check=True,
     ),
 )
 @click.argument("src", type=click.Path(path_type=str))
@@ -43,7 +42,6 @@ __all__ = ["inspect_cmd", "verify_cmd"]
     help="Memory for streaming X and layers (e.g. 2GB, 512MiB).",
 )
 @click.option(
-    # before --quiet: a hidden alias, kept so scripts that pass it still run
     "--progress/--no-progress",
     default=None,
     hidden=True,
@@ -64,26 +62,13 @@ def verify_cmd(
         progress = show_progress(quiet)
     report = verify(src, dst, progress=progress, memory_budget=memory_budget)
     if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "equal": report.equal,
-                    "summary": report.summary(),
-                    "differences": report.differences,
-                    "n_differences": report.n_differences,
-                    "n_checked": report.n_checked,
-                    "n_values": report.n_values,
-                    "skipped": report.skipped,
-                },
-                indent=1,
-            )
-        )
-    else:
-        for line in report.differences:
-            click.echo(line)
-        for line in report.skipped:
-            click.echo(f"skipped: {line}", err=True)
-        click.echo(report.summary())
+        click.echo(json.dumps({**asdict(report), "summary": report.summary()}, indent=1))
+        sys.exit(EXIT_OK if report.equal else EXIT_DIFFERS)
+    for line in report.differences:
+        click.echo(line)
+    for line in report.skipped:
+        click.echo(f"skipped: {line}", err=True)
+    click.echo(report.summary())
     sys.exit(EXIT_OK if report.equal else EXIT_DIFFERS)
 
 
