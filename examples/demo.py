@@ -94,11 +94,19 @@ def make_data(out: Path, *, n_obs: int, n_vars: int) -> tuple[Path, str]:
             f"tile_real({PBMC_FILE}, n_obs={n_obs:,}): real PBMC cells, binomially thinned "
             "copies, sorted by cell type"
         )
-        tile_real([SHARED_DATA / PBMC_FILE], path, n_obs=n_obs, label="Annotation", progress=True)
+        tile_real(
+            [SHARED_DATA / PBMC_FILE],
+            path,
+            n_obs=n_obs,
+            label="Annotation",
+            progress=sys.stderr.isatty(),
+        )
         return path, "Annotation"
     path = out / f"tahoe_like_{n_obs}x{n_vars}.h5ad"
     print(f"{SHARED_DATA} not found: generating the Tahoe-like set ({n_obs:,} x {n_vars})")
-    make_tahoe_like(path, n_obs=n_obs, n_vars=n_vars, nnz_per_cell=n_vars // 4, progress=True)
+    make_tahoe_like(
+        path, n_obs=n_obs, n_vars=n_vars, nnz_per_cell=n_vars // 4, progress=sys.stderr.isatty()
+    )
     # the label the file is sorted by first: with 50 lines in 14 plates, a run of one
     # cell line is only ~3 rows long in the 2,000-cell smoke set, so a plain sequential
     # read already mixes lines (diversity 0.82); it does not mix plates
