@@ -43,6 +43,7 @@ class _Group(click.Group):
         "sclayout convert data.h5ad store.zarr --spec spec.json",
         "sclayout verify data.h5ad store.zarr",
         "sclayout bench store.zarr --fetch-factor 16",
+        check=True,
     ),
 )
 @click.version_option(package_name="sclayout")

@@ -26,6 +26,7 @@ __all__ = ["inspect_cmd", "verify_cmd"]
 
 @click.command(
     "verify",
+    short_help="Prove a store holds its source's values, row for row.",
     epilog=epilog(
         "sclayout verify data.h5ad store.zarr",
         "sclayout verify data.h5ad store.zarr --memory-budget 512MiB --json",
@@ -74,6 +75,7 @@ def verify_cmd(
 
 @click.command(
     "inspect",
+    short_help="Describe a store: blocks, order, chunks, codecs, sizes.",
     epilog=epilog("sclayout inspect store.zarr", "sclayout inspect store.zarr --json"),
 )
 @click.argument("store", type=click.Path(path_type=str))

@@ -37,6 +37,7 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
 
 @click.command(
     "convert",
+    short_help="Write a layout store from an .h5ad or AnnData zarr.",
     epilog=epilog(
         "sclayout convert data.h5ad store.zarr",
         "sclayout convert data.h5ad store.zarr --order stratified --by plate --block-size 32",

@@ -107,6 +107,7 @@ _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace output file
 
 @click.command(
     "calibrate",
+    short_help="Measure a storage profile: latency, bandwidth, decode speeds.",
     epilog=epilog(
         "sclayout calibrate /data/scratch --out nvme.json",
         "sclayout calibrate https://host/store.zarr --out http.json --quick",
@@ -326,6 +327,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
 
 @click.command(
     "recommend",
+    short_help="Pick a layout and loader settings with the cost model.",
     epilog=epilog(
         "sclayout recommend data.h5ad --label cell_type --spec-out spec.json",
         "sclayout recommend data.h5ad --label plate --profile nvme.json --plot front.png",
@@ -565,6 +567,7 @@ def _space(
 
 @click.command(
     "bench",
+    short_help="Measure the loader's cells/s beside the prediction.",
     epilog=epilog(
         "sclayout bench store.zarr --fetch-factor 16 --label plate",
         "sclayout bench store.zarr --profile nvme.json --workers 2 --seconds 20 --json",

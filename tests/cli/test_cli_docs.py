@@ -45,6 +45,12 @@ def test_every_command_has_a_section_and_nothing_else() -> None:
     assert sorted(sections()) == sorted(main.commands)
 
 
+def test_the_command_table_is_the_short_help() -> None:
+    text = DOC.read_text()
+    for name, cmd in main.commands.items():
+        assert f"| [`{name}`](#sclayout-{name}) | {cmd.short_help} |" in text, name
+
+
 @pytest.mark.parametrize("name", sorted(main.commands))
 def test_the_option_table_matches_the_command(name: str) -> None:
     cmd, doc = main.commands[name], documented_options(sections()[name])

@@ -212,6 +212,30 @@ def test_a_missing_extra_is_one_line_with_its_pip_command(
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize(
+    ("flags", "evict", "note"),
+    [((), True, False), (("--warm",), False, False), (("--no-evict",), False, True)],
+    ids=["cold", "warm", "no-evict"],
+)
+def test_calibrate_warm_and_its_deprecated_alias(tmp_path, monkeypatch, flags, evict, note):
+    import sclayout.cost.calibrate as calibrate_mod
+    from sclayout.cost.profile import get_preset
+
+    seen = {}
+
+    def fake(target, **kw):  # the storage is not what this test is about
+        seen.update(kw)
+        return get_preset("local-nvme")
+
+    monkeypatch.setattr(calibrate_mod, "calibrate", fake)
+    (tmp_path / "disk").mkdir()
+    r = run("calibrate", tmp_path / "disk", "--out", tmp_path / "p.json", "-q", *flags)
+    assert r.exit_code == 0, r.stderr
+    assert seen["evict"] is evict and seen["progress"] is False
+    assert ("--no-evict is deprecated; use --warm" in r.stderr) is note
+    assert r.stdout == "" and (tmp_path / "p.json").is_file()
+
+
 def test_recommend_workers_is_a_deprecated_alias_of_worker_counts(synth_h5ad) -> None:
     base = ("recommend", synth_h5ad, "--profile", "local-nvme", "--json", "--block-sizes", "8",
             "--fetch-factors", "4", "--codecs", "blosc-lz4", "--orders", "shuffled")  # fmt: skip
