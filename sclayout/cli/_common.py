@@ -21,6 +21,7 @@ __all__ = [
     "EXIT_USAGE",
     "ChoiceList",
     "LazyChoice",
+    "batch_size_option",
     "codec_names",
     "epilog",
     "json_option",
@@ -63,6 +64,13 @@ quiet_option = click.option(
     "--json output and errors still print.",
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+batch_size_option = click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Rows per minibatch.",
+)
 
 
 def show_progress(quiet: bool) -> bool:

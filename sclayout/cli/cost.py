@@ -16,6 +16,7 @@ import click
 
 from sclayout.cli._common import (
     ChoiceList,
+    batch_size_option,
     codec_names,
     epilog,
     json_option,
@@ -335,7 +336,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
     ),
 )
 @click.argument("source", type=str)
-@click.option("--batch-size", type=int, default=64, show_default=True, help="Rows per minibatch.")
+@batch_size_option
 @click.option("--label", default=None, help="obs column whose diversity must stay high.")
 @click.option(
     "--min-diversity",
@@ -443,8 +444,6 @@ def recommend_command(
         why = str(e).split(": ", 1)[-1]
         raise _input_error(f"--memory-budget {memory_budget!r}: {why}") from None
     check_targets(min_diversity, budget)
-    if batch_size < 1:
-        raise _input_error(f"--batch-size={batch_size}: must be a positive integer")
     _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))
     _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
     if plot is not None:
@@ -575,13 +574,7 @@ def _space(
     ),
 )
 @click.argument("source", type=str)
-@click.option(
-    "--batch-size",
-    type=click.IntRange(min=1),
-    default=64,
-    show_default=True,
-    help="Rows per minibatch.",
-)
+@batch_size_option
 @click.option(
     "--fetch-factor",
     type=click.IntRange(min=1),
