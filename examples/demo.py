@@ -238,7 +238,16 @@ def main(argv: list[str] | None = None) -> None:
         print(f"using profile {profile}")
     else:
         profile = str(out / "profile.json")
-        sclayout("calibrate", str(data), "--quick", "--out", profile, "--overwrite")
+        sclayout(
+            "calibrate",
+            str(data),
+            "--quick",
+            "--name",
+            "demo-quick",
+            "--out",
+            profile,
+            "--overwrite",
+        )
     step("3/8 recommend a layout for this disk and this label")
     sclayout(
         "recommend",
@@ -319,7 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         f"loader throughput, cold cache ({bench['profile']} profile): predicted "
         f"{predicted:,.0f} cells/s, measured {measured:,.0f} cells/s (median of {len(runs)} "
         f"run{'s' * (len(runs) > 1)} of {min(r['seconds'] for r in runs):.1f}+ s after "
-        f"warm-up); measured / predicted = {measured / predicted:.2f}"
+        f"warm-up); measured / predicted = {measured / predicted:.2f} (bench's own "
+        f"prediction for the store as written: {bench['predicted']['cells_per_s']:,.0f})"
     )
     print(
         f"trained {result['steps']} minibatches of {b} in {result['seconds']:.1f} s "
