@@ -1,8 +1,9 @@
-"""What every ``sclayout`` command shares: the flags that mean the same thing everywhere,
-choices taken from the library's own lists, the help epilog (examples and exit codes),
-and the one-line message for a missing optional dependency.
+"""What every ``sclayout`` command shares.
 
-Nothing here imports numpy, zarr or loader at module level: ``sclayout --help`` stays quick.
+The flags that mean the same thing everywhere, choices taken from the library's own
+lists, the help epilog (examples and exit codes), and the one-line message for a missing
+optional dependency. Nothing here imports numpy, zarr or loader at module level, so
+``sclayout --help`` stays quick.
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ _EXIT_TEXT = {
 
 
 def epilog(*examples: str, check: bool = False) -> str:
-    """The help epilog of a command: its examples, then what each exit code means
-    (``check``: the command can find a difference, exit 1).
+    r"""Build the help epilog of a command: its examples, then what each exit code means.
 
-    ``\\b`` keeps click from rewrapping the lines.
+    ``check``: the command can find a difference (exit 1). ``\b`` keeps click from
+    rewrapping the lines.
     """
     exit_codes = (EXIT_OK, *([EXIT_DIFFERS] if check else []), EXIT_USAGE, EXIT_INTERRUPTED)
     ex = "\n".join(f"  {e}" for e in examples)
@@ -74,14 +75,18 @@ batch_size_option = click.option(
 
 
 def show_progress(quiet: bool) -> bool:
-    """Progress bars only for a person watching: not with --quiet, and only when stderr
-    is a terminal (a redirected stderr would fill with bar redraws)."""
+    """Whether to draw progress bars: not with --quiet, and only when stderr is a terminal.
+
+    A redirected stderr (a log file, a CI job) would fill with bar redraws.
+    """
     return not quiet and sys.stderr.isatty()
 
 
 def require(module: str, extra: str, feature: str) -> Any:
-    """Import an optional dependency for ``feature``, or fail with one line saying how to
-    install it (exit 2) instead of a traceback deep inside the command."""
+    """Import an optional dependency for ``feature``, or fail with one line (exit 2).
+
+    The line says how to install it, instead of a traceback deep inside the command.
+    """
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -112,8 +117,10 @@ class LazyChoice(click.Choice):
 
 
 class ChoiceList(LazyChoice):
-    """A comma-separated list of choices (``--orders original,shuffled``), each checked
-    like :class:`LazyChoice`; the value is a tuple."""
+    """A comma-separated list of choices (``--orders original,shuffled``).
+
+    Each item is checked like :class:`LazyChoice`; the value is a tuple.
+    """
 
     name = "choice list"
 
@@ -132,14 +139,14 @@ class ChoiceList(LazyChoice):
 
 
 def order_names() -> tuple[str, ...]:
-    """The row orders a layout store can have (the store format's list)."""
+    """List the row orders a layout store can have (the store format's list)."""
     from loader.layout import ORDER_KINDS
 
     return tuple(ORDER_KINDS)
 
 
 def codec_names() -> tuple[str, ...]:
-    """The codecs the converter can write."""
+    """List the codecs the converter can write."""
     from sclayout.convert.codecs import CODECS
 
     return tuple(CODECS)

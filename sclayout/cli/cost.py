@@ -53,9 +53,11 @@ def _check_output(
     inputs: tuple[str, ...] = (),
     suffixes: tuple[str, ...] = (),
 ) -> None:
-    """Refuse, before any work, an output file that cannot be written or that would
-    replace something: an existing file without ``--overwrite``, a folder, a path
-    equal to or inside one of ``inputs`` (the dataset, the calibrated store)."""
+    """Refuse, before any work, an output file that cannot be written or would replace something.
+
+    That is an existing file without ``--overwrite``, a folder, or a path equal to or
+    inside one of ``inputs`` (the dataset, the calibrated store).
+    """
     if path is None:
         return
     from loader.backends import is_url
@@ -86,8 +88,10 @@ def _check_output(
 
 
 def _write_atomic(path: Path, option: str, write: Any) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then rename it over
-    ``path``: a failed write leaves no half-written file and the old one intact."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
+
+    A failed write leaves no half-written file and the old one intact.
+    """
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         write(tmp)
@@ -146,9 +150,11 @@ def calibrate_command(
     overwrite: bool,
     as_json: bool,
 ) -> None:
-    """Measure a storage profile of TARGET (a local directory, cold cache, or the
-    http(s) URL of a layout store): latency, bandwidth, throughput vs requests in
-    flight, codec decode speeds and assembly cost on this CPU.
+    """Measure a storage profile of TARGET and of this CPU.
+
+    TARGET is a local directory (read with a cold cache) or the http(s) URL of a layout
+    store. The profile holds latency, bandwidth, throughput vs requests in flight,
+    codec decode speeds and assembly cost.
 
     The profile is what `recommend --profile` and `bench --profile` predict with.
     """
@@ -205,7 +211,7 @@ def _profile_summary(p: Any) -> str:
 
 
 def _resolve_profile(profile: str | None, location: str, *, quiet: bool) -> tuple[Any, str]:
-    """The profile to predict with, and a sentence saying where it came from."""
+    """Return the profile to predict with, and a sentence saying where it came from."""
     from sclayout.cost.profile import resolve_profile
 
     if profile is not None:
@@ -422,9 +428,13 @@ def recommend_command(
     quiet: bool,
     overwrite: bool,
 ) -> None:
-    """Recommend a layout (block size, fetch factor, chunk size, codec, row order) and
-    loader settings for SOURCE (.h5ad, AnnData zarr or layout store): the fastest
-    predicted configuration whose minibatches stay diverse enough."""
+    """Recommend a layout and loader settings for SOURCE.
+
+    SOURCE is an .h5ad, an AnnData zarr or a layout store. The pick (block size, fetch
+    factor, chunk size, codec, row order, workers) is the fastest predicted
+    configuration whose minibatches stay diverse enough; for a layout store, the loader
+    settings, and whether re-converting would pay.
+    """
     from dataclasses import replace
 
     from loader.errors import InputError
@@ -630,8 +640,11 @@ def bench_command(
     as_json: bool,
     quiet: bool,
 ) -> None:
-    """Measure real cells/s (cold cache for local data) and diversity of loader
-    settings on SOURCE, beside the cost model's prediction."""
+    """Measure real cells/s and diversity of loader settings on SOURCE, beside the prediction.
+
+    Local data is read with a cold cache, evicted continuously (the regime of data much
+    larger than memory); each run is timed after warm-up minibatches.
+    """
     from loader.backends import is_url
     from loader.spec import LoaderSettings
     from loader.store import open_layout
