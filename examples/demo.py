@@ -1,4 +1,5 @@
-"""sclayout end to end on one dataset: recommend, convert, verify, inspect, then train.
+"""sclayout end to end on one dataset: calibrate, recommend, convert, verify, inspect,
+bench, then train.
 
 ``make demo`` runs this script in a fresh ``.venv``. Each step is the command a user
 would type, printed before it runs::
@@ -14,15 +15,24 @@ Steps
    ``Annotation``, sorted by cell type on disk,
    like most atlases); else the Tahoe-like synthetic set at 20,000 cells (label
    ``cell_line``, sorted by plate then cell line).
-2. ``sclayout recommend`` measures this disk (a quick calibration, unless ``--profile``)
-   and picks the block size, fetch factor, row order, codec and chunking with the best
-   predicted throughput whose minibatches keep ``--min-diversity`` of the label.
-3. ``sclayout convert --spec`` writes the layout store with that pick.
-4. ``sclayout verify`` proves the store holds the source's values, row for row.
-5. ``sclayout inspect`` shows blocks, order, chunks, codecs and sizes.
-6. Train a small MLP from ``loader.BlockDataset(store, spec=spec)`` with a progress
+2. ``sclayout calibrate --quick`` measures this disk and CPU into ``profile.json``
+   (skipped when ``--profile`` names one).
+3. ``sclayout recommend --profile`` picks the block size, fetch factor, row order, codec
+   and chunking with the best predicted throughput whose minibatches keep
+   ``--min-diversity`` of the label.
+4. ``sclayout convert --spec`` writes the layout store with that pick.
+5. ``sclayout verify`` proves the store holds the source's values, row for row.
+6. ``sclayout inspect`` shows blocks, order, chunks, codecs and sizes.
+7. ``sclayout bench`` times the loader on the store with the picked settings, in the
+   regime the prediction is for (cold cache, evicted continuously, as for a dataset much
+   larger than memory) and for long enough to be steady (``--bench-seconds`` per run
+   after warm-up minibatches, median of ``--bench-runs``), with the same profile.
+8. Train a small MLP from ``loader.BlockDataset(store, spec=spec)`` with a progress
    bar (cells/s, loss, running diversity of the label), and compare the diversity
    with what reading the sorted source in order would give.
+
+The summary puts the predicted and the measured loader throughput side by side, with
+their ratio.
 
 All outputs go to ``--out`` (default ``./demo-output``, ignored by git).
 """
@@ -44,7 +54,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_parity import (
     PBMC_FILE,
     SHARED_DATA,
-    Waited,
     log1p_normalise,
     make_mlp,
     remap,
@@ -67,6 +76,15 @@ def sclayout(*args: str) -> None:
         )
 
 
+def sclayout_json(*args: str) -> dict[str, Any]:
+    """Run ``sclayout ARGS --json``, showing the command and its stderr; return the JSON."""
+    print("$ sclayout " + " ".join(args) + " --json", flush=True)
+    res = subprocess.run(sclayout_cmd(*args, "--json"), stdout=subprocess.PIPE, text=True)
+    if res.returncode != 0:
+        sys.exit(f"\ndemo FAILED at `sclayout {args[0]}` (exit code {res.returncode})")
+    return json.loads(res.stdout)
+
+
 def make_data(out: Path, *, n_obs: int, n_vars: int) -> tuple[Path, str]:
     """The demo dataset: tiled real PBMC cells if available, else the Tahoe-like set."""
     from sclayout.testing.datasets import make_tahoe_like, tile_real
@@ -77,11 +95,19 @@ def make_data(out: Path, *, n_obs: int, n_vars: int) -> tuple[Path, str]:
             f"tile_real({PBMC_FILE}, n_obs={n_obs:,}): real PBMC cells, binomially thinned "
             "copies, sorted by cell type"
         )
-        tile_real([SHARED_DATA / PBMC_FILE], path, n_obs=n_obs, label="Annotation", progress=True)
+        tile_real(
+            [SHARED_DATA / PBMC_FILE],
+            path,
+            n_obs=n_obs,
+            label="Annotation",
+            progress=sys.stderr.isatty(),
+        )
         return path, "Annotation"
     path = out / f"tahoe_like_{n_obs}x{n_vars}.h5ad"
     print(f"{SHARED_DATA} not found: generating the Tahoe-like set ({n_obs:,} x {n_vars})")
-    make_tahoe_like(path, n_obs=n_obs, n_vars=n_vars, nnz_per_cell=n_vars // 4, progress=True)
+    make_tahoe_like(
+        path, n_obs=n_obs, n_vars=n_vars, nnz_per_cell=n_vars // 4, progress=sys.stderr.isatty()
+    )
     # the label the file is sorted by first: with 50 lines in 14 plates, a run of one
     # cell line is only ~3 rows long in the 2,000-cell smoke set, so a plain sequential
     # read already mixes lines (diversity 0.82); it does not mix plates
@@ -133,12 +159,17 @@ def train(
     dl = torch.utils.data.DataLoader(ds, batch_size=None)
     seen: list[np.ndarray] = []
     correct = 0
-    bar = tqdm(total=steps * ds.batch_size, unit="cell", unit_scale=True, desc="training")
-    t0, epoch, data_s = time.perf_counter(), 0, 0.0
+    bar = tqdm(
+        total=steps * ds.batch_size,
+        unit="cell",
+        unit_scale=True,
+        desc="training",
+        disable=not sys.stderr.isatty(),  # no bar redraws in a redirected log
+    )
+    t0, epoch = time.perf_counter(), 0
     while len(seen) < steps:
         ds.set_epoch(epoch)
-        batches = Waited(dl)
-        for batch in batches:
+        for batch in dl:
             y = torch.from_numpy(to_source[batch["obs"][label].numpy()])
             logits = model(log1p_normalise(batch["X"]))
             loss = torch.nn.functional.cross_entropy(logits, y)
@@ -153,7 +184,6 @@ def train(
                 bar.set_postfix(loss=f"{loss.item():.3f}", diversity=f"{div:.2f}")
             if len(seen) == steps:
                 break
-        data_s += batches.seconds
         epoch += 1
     bar.close()
     seconds = time.perf_counter() - t0
@@ -163,7 +193,6 @@ def train(
         "cells": cells,
         "seconds": seconds,
         "cells_per_s": cells / seconds,
-        "loader_cells_per_s": cells / data_s,
         "train_accuracy": correct / cells,
         "diversity": diversity_ratio(seen, codes, batch_size=ds.batch_size),
     }
@@ -180,6 +209,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--min-diversity", type=float, default=0.95)
     p.add_argument("--profile", help="storage profile JSON or preset [quick calibration]")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bench-seconds", type=float, default=5.0, help="timed seconds per run")
+    p.add_argument("--bench-runs", type=int, default=3, help="bench runs (the median counts)")
     p.add_argument("--smoke", action="store_true", help="tiny data, a few steps")
     args = p.parse_args(argv)
     if args.h5ad is not None and not args.label:
@@ -187,11 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.smoke:  # a preset instead of a calibration keeps the smoke run short
         args.cells, args.steps = min(args.cells, 2_000), min(args.steps, 20)
         args.profile = args.profile or "local-disk-here"
+        args.bench_seconds, args.bench_runs = min(args.bench_seconds, 0.5), 1
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
-    step("1/6 dataset")
+    step("1/8 dataset")
     if args.h5ad is not None:
         data, label = args.h5ad.resolve(), args.label
         print(f"using {data} (label {label!r})")
@@ -201,8 +233,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{data.name}: {len(codes):,} cells, {len(categories)} values of {label!r}")
 
     spec, store = out / "spec.json", out / "store.zarr"
-    step("2/6 recommend a layout for this disk and this label")
-    profile = ["--profile", args.profile] if args.profile else []
+    step("2/8 calibrate: measure this disk and this CPU")
+    if args.profile:
+        profile = args.profile
+        print(f"using profile {profile}")
+    else:
+        profile = str(out / "profile.json")
+        sclayout(
+            "calibrate",
+            str(data),
+            "--quick",
+            "--name",
+            "demo-quick",
+            "--out",
+            profile,
+            "--overwrite",
+        )
+    step("3/8 recommend a layout for this disk and this label")
     sclayout(
         "recommend",
         str(data),
@@ -212,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
         label,
         "--min-diversity",
         str(args.min_diversity),
-        *profile,
+        "--profile",
+        profile,
         "--top",
         "5",
         "--spec-out",
@@ -221,14 +269,37 @@ def main(argv: list[str] | None = None) -> None:
         str(out / "recommend.png"),
         "--overwrite",  # a re-run of the demo replaces its own outputs
     )
-    step("3/6 convert with the recommended spec")
+    step("4/8 convert with the recommended spec")
     sclayout("convert", str(data), str(store), "--spec", str(spec), "--overwrite")
-    step("4/6 verify: the store equals its source, value for value")
+    step("5/8 verify: the store equals its source, value for value")
     sclayout("verify", str(data), str(store))
-    step("5/6 inspect the store")
+    step("6/8 inspect the store")
     sclayout("inspect", str(store))
 
-    step("6/6 train from the store with loader.BlockDataset")
+    step("7/8 bench: the loader alone, in the regime the prediction is for")
+    picked = json.loads(spec.read_text())
+    ld = picked["loader"]
+    bench = sclayout_json(
+        "bench",
+        str(store),
+        "--batch-size",
+        str(ld["batch_size"]),
+        "--fetch-factor",
+        str(ld["fetch_factor"]),
+        "--workers",
+        str(ld["num_workers"]),
+        "--profile",
+        profile,
+        "--label",
+        label,
+        "--seconds",
+        str(args.bench_seconds),
+        "--runs",
+        str(args.bench_runs),
+    )
+    (out / "bench.json").write_text(json.dumps(bench, indent=1))
+
+    step("8/8 train from the store with loader.BlockDataset")
     from sclayout.cost.diversity import diversity_ratio
 
     b = args.batch_size
@@ -246,19 +317,25 @@ def main(argv: list[str] | None = None) -> None:
     (out / "train.json").write_text(json.dumps({**result, "sequential_diversity": seq_div}))
 
     step("summary")
-    picked = json.loads(spec.read_text())
-    st, ld = picked["store"], picked["loader"]
+    st = picked["store"]
+    predicted = picked["predicted"]["cells_per_s"]
+    measured = bench["measured_cells_per_s"]
     print(
         f"recommended: block_size {st['block_size']}, order {st['order']['kind']}, codec "
-        f"{st['codec']}, fetch_factor {ld['fetch_factor']}; predicted "
-        f"{picked['predicted'].get('cells_per_s', float('nan')):,.0f} cells/s, "
-        f"diversity {picked['predicted'].get('diversity', float('nan')):.2f}"
+        f"{st['codec']}, fetch_factor {ld['fetch_factor']}, workers {ld['num_workers']}"
+    )
+    runs = bench["runs"]
+    print(
+        f"loader throughput, cold cache ({bench['profile']} profile): predicted "
+        f"{predicted:,.0f} cells/s, measured {measured:,.0f} cells/s (median of {len(runs)} "
+        f"run{'s' * (len(runs) > 1)} of {min(r['seconds'] for r in runs):.1f}+ s after "
+        f"warm-up); measured / predicted = {measured / predicted:.2f} (bench's own "
+        f"prediction for the store as written: {bench['predicted']['cells_per_s']:,.0f})"
     )
     print(
-        f"trained {result['steps']} minibatches of {b} in {result['seconds']:.1f} s: "
-        f"{result['cells_per_s']:,.0f} cells/s with the model; the loader alone (time spent "
-        f"waiting for minibatches): {result['loader_cells_per_s']:,.0f} cells/s; "
-        f"training accuracy {result['train_accuracy']:.1%}"
+        f"trained {result['steps']} minibatches of {b} in {result['seconds']:.1f} s "
+        f"({result['cells_per_s']:,.0f} cells/s with the model, start-up included: not the "
+        f"loader's speed); training accuracy {result['train_accuracy']:.1%}"
     )
     print(
         f"diversity of {label!r}: {result['diversity']:.2f} from the store "
@@ -268,9 +345,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nwritten to {out}/:")
     for name, what in (
         (data.name if data.parent == out else None, "the dataset (source .h5ad)"),
+        ("profile.json", "the storage profile (`recommend --profile`, `bench --profile`)"),
         ("spec.json", "the recommended layout spec (`convert --spec`, `BlockDataset(spec=)`)"),
         ("recommend.png", "predicted throughput-diversity front, pick marked"),
         ("store.zarr", f"the layout store ({size / 1e6:.1f} MB; anndata.read_zarr opens it)"),
+        ("bench.json", "measured vs predicted loader throughput (`sclayout bench --json`)"),
         ("train.json", "training throughput and diversity"),
     ):
         if name and (out / name).exists():

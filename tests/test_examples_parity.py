@@ -100,8 +100,16 @@ def test_train_parity_smoke(tmp_path):
 
 def test_demo_smoke(tmp_path):
     res = _run("demo.py", "--smoke", "--out", str(tmp_path), timeout=600)
-    for command in ("recommend", "convert", "verify", "inspect"):
+    for command in ("recommend", "convert", "verify", "inspect", "bench"):
         assert f"$ sclayout {command} " in res.stdout
+    # the summary sets the loader's measured speed (bench, the prediction's regime) beside
+    # the recommended spec's prediction, with their ratio
+    bench = json.loads((tmp_path / "bench.json").read_text())
+    predicted = json.loads((tmp_path / "spec.json").read_text())["predicted"]["cells_per_s"]
+    measured = bench["measured_cells_per_s"]
+    assert measured > 0 and bench["profile"] == "local-disk-here"
+    assert f"predicted {predicted:,.0f} cells/s, measured {measured:,.0f} cells/s" in res.stdout
+    assert f"measured / predicted = {measured / predicted:.2f}" in res.stdout
     train = json.loads((tmp_path / "train.json").read_text())
     assert train["steps"] == 20 and train["cells"] == 20 * 64
     # the recommended store's minibatches are far more diverse than the sorted source's

@@ -118,7 +118,7 @@ def test_recommend_and_bench_read_a_store_over_http(server, run_cli):
         "8,16",
         "--codecs",
         "blosc-lz4",
-        "--workers",
+        "--worker-counts",
         "0",
         "--batch-size",
         "16",

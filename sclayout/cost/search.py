@@ -38,7 +38,14 @@ from sclayout.cost.model import (
 from sclayout.cost.profile import Profile
 from sclayout.cost.stats import DatasetStats
 
-__all__ = ["Candidate", "SearchResult", "SearchSpace", "check_targets", "search", "search_loader"]
+__all__ = [
+    "Candidate",
+    "SearchResult",
+    "SearchSpace",
+    "check_targets",
+    "search",
+    "search_loader",
+]
 
 SEARCH_MINIBATCHES = 2048
 """Minibatches per diversity simulation during a search (±0.3 % on 14 plates)."""
@@ -166,7 +173,8 @@ def _predict(
 
 
 def check_targets(min_diversity: float, memory_budget: int) -> None:
-    """Refuse a diversity target outside (0, 1] or a budget that is not positive."""
+    """Refuse a diversity target outside (0, 1] or a non-positive memory budget, before
+    any search work (``recommend`` calls it before reading the data)."""
     if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
         raise InputError(
             f"--min-diversity={min_diversity!r}: must be in (0, 1] (1.0 = as diverse as "

@@ -14,7 +14,7 @@ from sclayout.cost.profile import load_profile
 
 SMALL_SPACE = (
     "--block-sizes", "4,8,16", "--fetch-factors", "2,4,8", "--codecs", "blosc-lz4,zstd",
-    "--workers", "0", "--batch-size", "16",
+    "--worker-counts", "0", "--batch-size", "16",
 )  # fmt: skip
 
 
@@ -258,12 +258,14 @@ def test_bench_prints_measured_beside_predicted(data, run_cli):
 
 def test_calibrate_writes_a_profile(data, tmp_path, run_cli):
     _, store = data
-    r = run_cli("calibrate", store, "--out", tmp_path / "p.json", "--quick", "--quiet")
+    r = run_cli("calibrate", store, "--out", tmp_path / "p.json", "--quick", "--json")
     assert r.exit_code == 0, r.stderr
     p = load_profile(tmp_path / "p.json")
     assert p.kind == "local" and [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
     assert set(p.codecs) == {"blosc-lz4", "blosc-lz4hc", "blosc-zstd", "zstd", "gzip", "none"}
-    assert "wrote" in r.stdout
+    out = json.loads(r.stdout)  # --json prints the profile just written
+    assert out["out"] == str(tmp_path / "p.json")
+    assert out["profile"] == json.loads((tmp_path / "p.json").read_text())
 
 
 def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(

@@ -1,7 +1,7 @@
 """CLI of the cost model: ``sclayout calibrate``, ``recommend`` and ``bench``.
 
 Thin: parse, call :mod:`sclayout.cost`, print. Library errors become one-line
-messages in :mod:`sclayout.cli`.
+messages in :mod:`sclayout.cli`; numpy and the model load inside each command.
 """
 
 from __future__ import annotations
@@ -14,16 +14,30 @@ from typing import Any
 
 import click
 
-from loader.backends import is_url
-from loader.errors import InputError
+from sclayout.cli._common import (
+    ChoiceList,
+    batch_size_option,
+    codec_names,
+    epilog,
+    json_option,
+    order_names,
+    quiet_option,
+    require,
+    show_progress,
+)
 
-__all__ = ["COMMANDS", "bench_command", "calibrate_command", "recommend_command"]
+__all__ = ["bench_command", "calibrate_command", "recommend_command"]
 
 REWRITE_GAIN = 1.10
 """Predicted speed-up a re-conversion must promise before ``recommend`` on a store
-advises it. Two predictions on one profile compare better than either predicts
-absolutely (the model's ranking has been more reliable than its level,
-docs/cost-model.md), and rewriting a whole dataset is not free."""
+advises it: two predictions on one profile compare better than either predicts
+absolutely (see docs/cost-model.md), and rewriting a whole dataset is not free."""
+
+
+def _input_error(message: str) -> Exception:
+    from loader.errors import InputError  # here: importing loader loads numpy
+
+    return InputError(message)
 
 
 # ------------------------------------------------------------------------ outputs
@@ -39,45 +53,51 @@ def _check_output(
     inputs: tuple[str, ...] = (),
     suffixes: tuple[str, ...] = (),
 ) -> None:
-    """Refuse, before any work, an output file that cannot be written or that would
-    replace something: an existing file without ``--overwrite``, a folder, a path
-    equal to or inside one of ``inputs`` (the dataset, the calibrated store)."""
+    """Refuse, before any work, an output file that cannot be written or would replace something.
+
+    That is an existing file without ``--overwrite``, a folder, or a path equal to or
+    inside one of ``inputs`` (the dataset, the calibrated store).
+    """
     if path is None:
         return
+    from loader.backends import is_url
+
     where = path.resolve()
     for src in inputs:
         if is_url(src):
             continue
         s = Path(src).resolve()
         if where == s or s in where.parents:
-            raise InputError(f"{option} {path}: is (inside) the input {src}; write it elsewhere")
+            raise _input_error(f"{option} {path}: is (inside) the input {src}; write it elsewhere")
     if suffixes and path.suffix.lower() not in suffixes:
-        raise InputError(
+        raise _input_error(
             f"{option} {path}: unknown image type {path.suffix or '(none)'!r}; "
             f"name it with one of {', '.join(suffixes)}"
         )
     if path.is_dir():
-        raise InputError(f"{option} {path}: is a folder; give a file path")
+        raise _input_error(f"{option} {path}: is a folder; give a file path")
     if path.exists() and not overwrite:
-        raise InputError(
+        raise _input_error(
             f"{option} {path}: exists; pass --overwrite to replace it, or choose another path"
         )
     parent = where.parent
     if not parent.is_dir():
-        raise InputError(f"{option} {path}: folder {parent} does not exist; create it first")
+        raise _input_error(f"{option} {path}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
-        raise InputError(f"{option} {path}: folder {parent} is not writable; choose another path")
+        raise _input_error(f"{option} {path}: folder {parent} is not writable; choose another path")
 
 
 def _write_atomic(path: Path, option: str, write: Any) -> None:
-    """``write(tmp)`` into a temporary file beside ``path``, then rename it over
-    ``path``: a failed write leaves no half-written file and the old one intact."""
+    """Call ``write(tmp)`` on a temporary file beside ``path``, then rename it over ``path``.
+
+    A failed write leaves no half-written file and the old one intact.
+    """
     tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
     try:
         write(tmp)
         os.replace(tmp, path)
     except OSError as e:
-        raise InputError(
+        raise _input_error(
             f"{option} {path}: cannot write ({e.strerror or e}); choose a writable path"
         ) from None
     finally:
@@ -90,15 +110,24 @@ _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace output file
 # ------------------------------------------------------------------------ calibrate
 
 
-@click.command("calibrate")
+@click.command(
+    "calibrate",
+    short_help="Measure a storage profile: latency, bandwidth, decode speeds.",
+    epilog=epilog(
+        "sclayout calibrate /data/scratch --out nvme.json",
+        "sclayout calibrate https://host/store.zarr --out http.json --quick",
+        "sclayout calibrate /mnt/nfs/dir --out nfs.json --cpu-from nvme.json --json",
+    ),
+)
 @click.argument("target", type=str)
 @click.option(
     "--out", "out", type=click.Path(path_type=Path), required=True, help="Profile JSON to write."
 )
 @click.option("--name", default=None, help="Profile name [the target].")
 @click.option("--quick", is_flag=True, help="A few seconds instead of about a minute (rougher).")
-@click.option("--no-evict", is_flag=True, help="Local target: keep the page cache (warm).")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--warm", is_flag=True, help="Local target: keep the page cache (do not evict it).")
+@click.option("--no-evict", is_flag=True, hidden=True, help="Deprecated name of --warm.")
+@quiet_option
 @click.option(
     "--cpu-from",
     "cpu_from",
@@ -108,22 +137,32 @@ _OVERWRITE = click.option("--overwrite", is_flag=True, help="Replace output file
     "(JSON or preset) measured on this machine.",
 )
 @_OVERWRITE
+@json_option
 def calibrate_command(
     target: str,
     out: Path,
     name: str | None,
     quick: bool,
+    warm: bool,
     no_evict: bool,
     quiet: bool,
     cpu_from: str | None,
     overwrite: bool,
+    as_json: bool,
 ) -> None:
-    """Measure a storage profile of TARGET (a local directory, cold cache, or the
-    http(s) URL of a layout store): latency, bandwidth, throughput vs requests in
-    flight, codec decode speeds and assembly cost on this CPU."""
+    """Measure a storage profile of TARGET and of this CPU.
+
+    TARGET is a local directory (read with a cold cache) or the http(s) URL of a layout
+    store. The profile holds latency, bandwidth, throughput vs requests in flight,
+    codec decode speeds and assembly cost.
+
+    The profile is what `recommend --profile` and `bench --profile` predict with.
+    """
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from sclayout.cost.profile import resolve_profile
 
+    if no_evict:
+        click.echo("note: --no-evict is deprecated; use --warm", err=True)
     _check_output(out, "--out", overwrite=overwrite, inputs=(target,))
     cpu = resolve_profile(cpu_from) if cpu_from else None
     t0 = time.perf_counter()
@@ -131,13 +170,16 @@ def calibrate_command(
         target,
         name=name,
         plan=CalibrationPlan.quick() if quick else None,
-        evict=not no_evict,
-        progress=not quiet,
+        evict=not (warm or no_evict),
+        progress=show_progress(quiet),
         cpu_from=cpu,
     )
     _write_atomic(out, "--out", profile.save)
-    click.echo(_profile_summary(profile))
-    click.echo(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
+    if as_json:
+        click.echo(json.dumps({"out": str(out), "profile": profile.to_dict()}, indent=1))
+    elif not quiet:
+        click.echo(_profile_summary(profile))
+        click.echo(f"wrote {out} in {time.perf_counter() - t0:.0f} s")
 
 
 def _profile_summary(p: Any) -> str:
@@ -169,7 +211,7 @@ def _profile_summary(p: Any) -> str:
 
 
 def _resolve_profile(profile: str | None, location: str, *, quiet: bool) -> tuple[Any, str]:
-    """The profile to predict with, and a sentence saying where it came from."""
+    """Return the profile to predict with, and a sentence saying where it came from."""
     from sclayout.cost.profile import resolve_profile
 
     if profile is not None:
@@ -180,7 +222,9 @@ def _resolve_profile(profile: str | None, location: str, *, quiet: bool) -> tupl
 
     target = location
     t0 = time.perf_counter()
-    p = calibrate(target, name=f"quick:{target}", plan=CalibrationPlan.quick(), progress=not quiet)
+    p = calibrate(
+        target, name=f"quick:{target}", plan=CalibrationPlan.quick(), progress=show_progress(quiet)
+    )
     return p, (
         f"profile: quick calibration of {target} ({time.perf_counter() - t0:.0f} s; pass "
         "--profile FILE|PRESET for a full one, see `sclayout calibrate`)"
@@ -288,9 +332,17 @@ def _plot(result: Any, path: Path, title: str) -> None:
     plt.close(fig)
 
 
-@click.command("recommend")
+@click.command(
+    "recommend",
+    short_help="Pick a layout and loader settings with the cost model.",
+    epilog=epilog(
+        "sclayout recommend data.h5ad --label cell_type --spec-out spec.json",
+        "sclayout recommend data.h5ad --label plate --profile nvme.json --plot front.png",
+        "sclayout recommend store.zarr --profile local-nvme --worker-counts 0,2,4 --json",
+    ),
+)
 @click.argument("source", type=str)
-@click.option("--batch-size", type=int, default=64, show_default=True)
+@batch_size_option
 @click.option("--label", default=None, help="obs column whose diversity must stay high.")
 @click.option(
     "--min-diversity",
@@ -300,17 +352,22 @@ def _plot(result: Any, path: Path, title: str) -> None:
     help="Diversity target in (0, 1] (1.0 = true random).",
 )
 @click.option(
-    "--memory-budget", default="4GB", show_default=True, help="Loader memory budget (all workers)."
+    "--memory-budget",
+    default="4GB",
+    show_default=True,
+    metavar="SIZE",
+    help="Loader memory budget (all workers).",
 )
 @click.option(
     "--profile",
     default=None,
+    metavar="FILE|PRESET",
     help="Profile JSON or preset name [quick calibration of the data's location].",
 )
 @click.option(
     "--top", type=click.IntRange(min=1), default=10, show_default=True, help="Rows of the table."
 )
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 @click.option(
     "--plot",
     type=click.Path(path_type=Path),
@@ -325,16 +382,30 @@ def _plot(result: Any, path: Path, title: str) -> None:
 )
 @click.option("--block-sizes", default=None, help="Block sizes to search, e.g. 16,32,64.")
 @click.option("--fetch-factors", default=None, help="Fetch factors to search, e.g. 4,16,64.")
-@click.option("--orders", default=None, help="Row orders to search [original,shuffled,stratified].")
+@click.option(
+    "--orders",
+    type=ChoiceList(order_names),
+    default=None,
+    help="Row orders to search [all; stratified needs --label].",
+)
 @click.option(
     "--codecs",
+    type=ChoiceList(codec_names),
     default=None,
-    help="Codecs to search [blosc-lz4,blosc-lz4hc,blosc-zstd,zstd,gzip,none: those the "
-    "profile measured].",
+    help="Codecs to search [those the profile measured].",
 )
-@click.option("--workers", default=None, help="DataLoader worker counts to search [0,2].")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--worker-counts", default=None, help="DataLoader worker counts to search, e.g. 0,2 [0,2]."
+)
+@click.option("--workers", hidden=True, default=None, help="Deprecated name of --worker-counts.")
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="Seed of the recommended row order and of the simulations.",
+)
+@quiet_option
 @_OVERWRITE
 def recommend_command(
     source: str,
@@ -349,35 +420,44 @@ def recommend_command(
     spec_out: Path | None,
     block_sizes: str | None,
     fetch_factors: str | None,
-    orders: str | None,
-    codecs: str | None,
+    orders: tuple[str, ...] | None,
+    codecs: tuple[str, ...] | None,
+    worker_counts: str | None,
     workers: str | None,
     seed: int,
     quiet: bool,
     overwrite: bool,
 ) -> None:
-    """Recommend a layout (block size, fetch factor, chunk size, codec, row order) and
-    loader settings for SOURCE (.h5ad, AnnData zarr or layout store): the fastest
-    predicted configuration whose minibatches stay diverse enough."""
+    """Recommend a layout and loader settings for SOURCE.
+
+    SOURCE is an .h5ad, an AnnData zarr or a layout store. The pick (block size, fetch
+    factor, chunk size, codec, row order, workers) is the fastest predicted
+    configuration whose minibatches stay diverse enough; for a layout store, the loader
+    settings, and whether re-converting would pay.
+    """
     from dataclasses import replace
 
+    from loader.errors import InputError
     from sclayout.convert.plan import parse_memory_budget
     from sclayout.cost.search import check_targets, measured_codecs, search, search_loader
     from sclayout.cost.stats import read_dataset_stats
 
-    space = _space(block_sizes, fetch_factors, orders, codecs, workers)
+    if workers is not None:
+        click.echo("note: recommend --workers is deprecated; use --worker-counts", err=True)
+        worker_counts = worker_counts or workers
+    space = _space(block_sizes, fetch_factors, orders, codecs, worker_counts)
     if "stratified" in (orders or "") and label is None:
-        raise InputError("--orders stratified: needs --label COLUMN (the column to stratify by)")
+        raise _input_error("--orders stratified: needs --label COLUMN (the column to stratify by)")
     try:
         budget = parse_memory_budget(memory_budget)
     except InputError as e:
         why = str(e).split(": ", 1)[-1]
-        raise InputError(f"--memory-budget {memory_budget!r}: {why}") from None
+        raise _input_error(f"--memory-budget {memory_budget!r}: {why}") from None
     check_targets(min_diversity, budget)
-    if batch_size < 1:
-        raise InputError(f"--batch-size={batch_size}: must be a positive integer")
     _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))
     _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
+    if plot is not None:
+        require("matplotlib", "plot", "--plot")
     stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
     space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
@@ -461,12 +541,10 @@ def recommend_command(
 def _space(
     block_sizes: str | None,
     fetch_factors: str | None,
-    orders: str | None,
-    codecs: str | None,
-    workers: str | None,
+    orders: tuple[str, ...] | None,
+    codecs: tuple[str, ...] | None,
+    worker_counts: str | None,
 ) -> Any:
-    from loader.layout import ORDER_KINDS
-    from sclayout.convert.codecs import CODECS
     from sclayout.cost.search import SearchSpace
 
     def ints(value: str | None, name: str, minimum: int) -> tuple[int, ...] | None:
@@ -477,20 +555,8 @@ def _space(
         except ValueError:
             out = ()
         if not out or min(out) < minimum:
-            raise InputError(
+            raise _input_error(
                 f"--{name}={value!r}: must be a comma-separated list of integers >= {minimum}"
-            )
-        return out
-
-    def names(value: str | None, name: str, known: Any) -> tuple[str, ...] | None:
-        if value is None:
-            return None
-        out = tuple(v.strip() for v in value.split(",") if v.strip())
-        bad = [v for v in out if v not in known]
-        if bad or not out:
-            raise InputError(
-                f"--{name}={value!r}: unknown {bad[0] if bad else 'value'}; known: "
-                f"{', '.join(sorted(known))}"
             )
         return out
 
@@ -498,23 +564,51 @@ def _space(
     return SearchSpace(
         block_sizes=ints(block_sizes, "block-sizes", 1) or d.block_sizes,
         fetch_factors=ints(fetch_factors, "fetch-factors", 1) or d.fetch_factors,
-        orders=names(orders, "orders", ORDER_KINDS) or d.orders,
-        codecs=names(codecs, "codecs", CODECS) or d.codecs,
+        orders=orders or d.orders,
+        codecs=codecs or d.codecs,
         chunk_blocks=d.chunk_blocks,
-        workers=ints(workers, "workers", 0) or d.workers,
+        workers=ints(worker_counts, "worker-counts", 0) or d.workers,
     )
 
 
 # ------------------------------------------------------------------------ bench
 
 
-@click.command("bench")
+@click.command(
+    "bench",
+    short_help="Measure the loader's cells/s beside the prediction.",
+    epilog=epilog(
+        "sclayout bench store.zarr --fetch-factor 16 --label plate",
+        "sclayout bench store.zarr --profile nvme.json --workers 2 --seconds 20 --json",
+        "sclayout bench https://host/store.zarr --profile http.json --warm",
+    ),
+)
 @click.argument("source", type=str)
-@click.option("--batch-size", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--fetch-factor", type=click.IntRange(min=1), default=16, show_default=True)
-@click.option("--block-size", type=click.IntRange(min=1), default=None, help="[the store's]")
-@click.option("--workers", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("--runs", type=click.IntRange(min=1), default=3, show_default=True)
+@batch_size_option
+@click.option(
+    "--fetch-factor",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Minibatches read per fetch.",
+)
+@click.option(
+    "--block-size", type=click.IntRange(min=1), default=None, help="Rows per block [the store's]."
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="DataLoader worker processes (0: in the main process).",
+)
+@click.option(
+    "--runs",
+    type=click.IntRange(min=1),
+    default=3,
+    show_default=True,
+    help="Timed runs; the median is reported.",
+)
 @click.option(
     "--seconds",
     type=click.FloatRange(min=0, min_open=True, max=86400),
@@ -523,9 +617,15 @@ def _space(
     help="Per run.",
 )
 @click.option("--label", default=None, help="obs column for the diversity figure.")
-@click.option("--profile", default=None, help="Profile JSON or preset for the prediction.")
-@click.option("--warm", is_flag=True, help="Do not evict the page cache.")
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--profile",
+    default=None,
+    metavar="FILE|PRESET",
+    help="Profile JSON or preset for the prediction [quick calibration of SOURCE].",
+)
+@click.option("--warm", is_flag=True, help="Local data: keep the page cache (do not evict it).")
+@json_option
+@quiet_option
 def bench_command(
     source: str,
     batch_size: int,
@@ -538,17 +638,24 @@ def bench_command(
     profile: str | None,
     warm: bool,
     as_json: bool,
+    quiet: bool,
 ) -> None:
-    """Measure real cells/s (cold cache for local data) and diversity of loader
-    settings on SOURCE, beside the cost model's prediction."""
+    """Measure real cells/s and diversity of loader settings on SOURCE, beside the prediction.
+
+    Local data is read with a cold cache, evicted continuously (the regime of data much
+    larger than memory); each run is timed after warm-up minibatches.
+    """
+    from loader.backends import is_url
     from loader.spec import LoaderSettings
     from loader.store import open_layout
     from sclayout.cost.bench import measure_runs
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
 
+    if workers > 0:
+        require("torch", "torch", f"--workers {workers}")
     reader = open_layout(source, block_size=block_size)
-    prof, note = _resolve_profile(profile, source, quiet=as_json)
+    prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
     settings = LoaderSettings(
         batch_size=batch_size,
         fetch_factor=fetch_factor,
@@ -559,7 +666,7 @@ def bench_command(
     pred_div = None
     if label:
         if label not in reader.obs_columns():
-            raise InputError(
+            raise _input_error(
                 f"--label {label!r}: no such obs column; available: "
                 f"{', '.join(reader.obs_columns())}"
             )
@@ -610,6 +717,3 @@ def bench_command(
             f"  diversity measured {out['measured_diversity']:10.3f}   predicted "
             f"{pred_div:10.3f}   ({label})"
         )
-
-
-COMMANDS = [calibrate_command, recommend_command, bench_command]

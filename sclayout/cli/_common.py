@@ -1,0 +1,152 @@
+"""What every ``sclayout`` command shares.
+
+The flags that mean the same thing everywhere, choices taken from the library's own
+lists, the help epilog (examples and exit codes), and the one-line message for a missing
+optional dependency. Nothing here imports numpy, zarr or loader at module level, so
+``sclayout --help`` stays quick.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import click
+
+__all__ = [
+    "EXIT_DIFFERS",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "ChoiceList",
+    "LazyChoice",
+    "batch_size_option",
+    "codec_names",
+    "epilog",
+    "json_option",
+    "order_names",
+    "quiet_option",
+    "require",
+    "show_progress",
+]
+
+EXIT_OK = 0
+EXIT_DIFFERS = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
+
+_EXIT_TEXT = {
+    EXIT_OK: "done",
+    EXIT_DIFFERS: "the check failed: the store differs from its source (differences listed)",
+    EXIT_USAGE: "bad input or usage (one line on stderr naming the problem and the fix)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C); nothing written",
+}
+
+
+def epilog(*examples: str, check: bool = False) -> str:
+    r"""Build the help epilog of a command: its examples, then what each exit code means.
+
+    ``check``: the command can find a difference (exit 1). ``\b`` keeps click from
+    rewrapping the lines.
+    """
+    exit_codes = (EXIT_OK, *([EXIT_DIFFERS] if check else []), EXIT_USAGE, EXIT_INTERRUPTED)
+    ex = "\n".join(f"  {e}" for e in examples)
+    codes = "\n".join(f"  {c:<3d} {_EXIT_TEXT[c]}" for c in exit_codes)
+    return f"\b\nExamples:\n{ex}\n\n\b\nExit codes:\n{codes}"
+
+
+quiet_option = click.option(
+    "--quiet",
+    "-q",
+    is_flag=True,
+    help="No progress bars, and no summary after writing a store or profile; results, "
+    "--json output and errors still print.",
+)
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+batch_size_option = click.option(
+    "--batch-size",
+    type=click.IntRange(min=1),
+    default=64,
+    show_default=True,
+    help="Rows per minibatch.",
+)
+
+
+def show_progress(quiet: bool) -> bool:
+    """Whether to draw progress bars: not with --quiet, and only when stderr is a terminal.
+
+    A redirected stderr (a log file, a CI job) would fill with bar redraws.
+    """
+    return not quiet and sys.stderr.isatty()
+
+
+def require(module: str, extra: str, feature: str) -> Any:
+    """Import an optional dependency for ``feature``, or fail with one line (exit 2).
+
+    The line says how to install it, instead of a traceback deep inside the command.
+    """
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        from loader.errors import InputError
+
+        raise InputError(
+            f"{feature} needs {module}, which is not installed: pip install 'sclayout[{extra}]'"
+        ) from None
+
+
+class LazyChoice(click.Choice):
+    """A :class:`click.Choice` whose choices come from a library list, read on first use.
+
+    The lists live in modules that import numpy or zarr; reading them only when a
+    command parses or shows its help keeps ``sclayout --help`` free of those imports.
+    """
+
+    def __init__(self, load: Callable[[], Iterable[str]]) -> None:
+        self._load = load
+        self._choices: tuple[str, ...] | None = None
+        self.case_sensitive = True
+
+    @property
+    def choices(self) -> tuple[str, ...]:  # type: ignore[override]
+        if self._choices is None:
+            self._choices = tuple(self._load())
+        return self._choices
+
+
+class ChoiceList(LazyChoice):
+    """A comma-separated list of choices (``--orders original,shuffled``).
+
+    Each item is checked like :class:`LazyChoice`; the value is a tuple.
+    """
+
+    name = "choice list"
+
+    def get_metavar(self, param: click.Parameter, ctx: click.Context | None = None) -> str:
+        # click >= 8.2 passes ctx; 8.1 does not
+        base = super().get_metavar(param, ctx) if ctx is not None else super().get_metavar(param)
+        return f"{base},..."
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None):
+        if isinstance(value, tuple):
+            return value
+        items = [v.strip() for v in str(value).split(",") if v.strip()]
+        if not items:
+            self.fail(f"{value!r}: give at least one of {', '.join(self.choices)}", param, ctx)
+        return tuple(super(ChoiceList, self).convert(v, param, ctx) for v in items)
+
+
+def order_names() -> tuple[str, ...]:
+    """List the row orders a layout store can have (the store format's list)."""
+    from loader.layout import ORDER_KINDS
+
+    return tuple(ORDER_KINDS)
+
+
+def codec_names() -> tuple[str, ...]:
+    """List the codecs the converter can write."""
+    from sclayout.convert.codecs import CODECS
+
+    return tuple(CODECS)
