@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, LayoutError, ReadError
 
 __all__ = [
@@ -80,11 +81,13 @@ class Backend(Protocol):
 BACKENDS: dict[str, Callable[..., Backend]] = {}
 
 
+@typechecked
 def register_backend(name: str, factory: Callable[..., Backend]) -> None:
     """Register a backend factory ``factory(location, **options) -> Backend``."""
     BACKENDS[name] = factory
 
 
+@typechecked
 def get_backend(name: str) -> Callable[..., Backend]:
     """The factory registered under ``name``.
 

@@ -68,6 +68,7 @@ import numpy as np
 
 from loader import sampler as S
 from loader._pipeline import run_plan
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import parse_block_size
 
@@ -229,6 +230,7 @@ class BlockDataset:
             cls = _torch_dataset_class()
         return super().__new__(cls)
 
+    @typechecked
     def __init__(
         self,
         path: Any,
@@ -730,7 +732,13 @@ def _row_weights(
             )
         per_class = np.array([float(weights.get(k, 0.0)) for k in cats] + [0.0])
         return per_class[codes[class_column]]  # code -1 (missing) -> the trailing 0
-    w_source = np.asarray(weights, dtype=np.float64)
+    try:
+        w_source = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(
+            f"weights={weights!r:.60}: not numbers; give one weight per row (source order) "
+            "or a {category: weight} mapping with class_column="
+        ) from None
     if w_source.shape != (reader.n_obs,):
         got = f"{w_source.size} values" if w_source.ndim == 1 else f"shape {w_source.shape}"
         raise InputError(

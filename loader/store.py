@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.assemble import (
     CSRRows,
     DenseOrder,
@@ -774,6 +775,7 @@ class Fetched:
         }
 
 
+@typechecked
 def open_layout(
     path_or_url: str | os.PathLike[str],
     *,

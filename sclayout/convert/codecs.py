@@ -22,6 +22,7 @@ from typing import Any
 
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+from loader.argtypes import typechecked
 from loader.errors import SpecError
 
 __all__ = ["CODECS", "get_codec", "register_codec"]
@@ -40,11 +41,13 @@ GZIP_LEVEL = 5
 """Middle gzip level; gzip is here for compatibility, not speed."""
 
 
+@typechecked
 def register_codec(name: str, factory: CodecFactory) -> None:
     """Register ``factory`` under ``name`` (replaces an existing entry)."""
     CODECS[name] = factory
 
 
+@typechecked
 def get_codec(name: str) -> tuple[Any, ...]:
     """The zarr v3 compressors for codec ``name``.
 

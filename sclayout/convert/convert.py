@@ -26,6 +26,7 @@ import pandas as pd
 import scipy.sparse as sp
 import zarr
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import (
     MANIFEST_KEY,
@@ -161,6 +162,7 @@ def resolve_options(
     )
 
 
+@typechecked
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,

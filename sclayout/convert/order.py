@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 
 __all__ = [
@@ -29,11 +30,13 @@ OrderFn = Callable[..., np.ndarray]
 ORDERS: dict[str, OrderFn] = {}
 
 
+@typechecked
 def register_order(name: str, fn: OrderFn) -> None:
     """Register a row order under ``name`` (replaces an existing entry)."""
     ORDERS[name] = fn
 
 
+@typechecked
 def get_order(name: str) -> OrderFn:
     """The order function registered as ``name``.
 

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
+from loader.argtypes import typechecked
 from loader.errors import LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
@@ -539,6 +540,7 @@ def open_store_root(dst: Path, *, hint: str) -> Any:
         ) from None
 
 
+@typechecked
 def verify(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.backends import http_context_spec, is_url
 from loader.errors import InputError
 from sclayout.cost.profile import CodecSpeed, Profile
@@ -725,6 +726,7 @@ def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple
     return fit_costs(samples)
 
 
+@typechecked
 def calibrate(
     target: str | os.PathLike[str],
     *,

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import RowOrder
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
@@ -227,6 +228,7 @@ def _feasible_fetch(stats: DatasetStats, batch_size: int, fetch_factor: int, b: 
     return k * b >= batch_size and (stats.n_obs // b) >= 2 * k
 
 
+@typechecked
 def search(
     stats: DatasetStats,
     *,
@@ -341,6 +343,7 @@ def search(
     )
 
 
+@typechecked
 def search_loader(
     stats: DatasetStats,
     *,
