@@ -2,8 +2,8 @@
 
 Commands live next to the library code they call (``sclayout/convert/cli.py``,
 ``sclayout/cost/cli.py``) and are registered here. Every :class:`SclayoutError`
-becomes one line on stderr and a non-zero exit; anything else is a bug and keeps its
-traceback.
+becomes one line on stderr and a non-zero exit, Ctrl-C one line and exit 130; anything
+else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +17,10 @@ from loader.errors import SclayoutError
 __all__ = ["main"]
 
 
+INTERRUPTED_EXIT = 130
+"""Exit code after Ctrl-C: 128 + SIGINT, as shells report a process stopped by it."""
+
+
 class _Group(click.Group):
     def invoke(self, ctx: click.Context):  # one place turns library errors into exits
         try:
@@ -24,6 +28,9 @@ class _Group(click.Group):
         except SclayoutError as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
+        except KeyboardInterrupt:  # every command writes its output last, or not at all
+            click.echo("error: interrupted; nothing written", err=True)
+            sys.exit(INTERRUPTED_EXIT)
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
