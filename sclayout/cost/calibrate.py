@@ -137,6 +137,20 @@ class CalibrationPlan:
             workers=0.0,
         )
 
+    @classmethod
+    def smoke(cls) -> CalibrationPlan:
+        """A few hundredths of a second per step, no workers: the shape of a
+        calibration, not its figures (tests and benchmark smoke runs)."""
+        return cls(
+            latency=0.05,
+            per_in_flight=0.02,
+            bandwidth=0.05,
+            per_codec=0.02,
+            assembly=0.05,
+            pipeline=0.05,
+            workers=0.0,
+        )
+
 
 # ---------------------------------------------------------------- target files
 
