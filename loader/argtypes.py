@@ -46,7 +46,9 @@ def _check_for(hint: Any) -> _Check | None:
         if any(p is None for p in parts):
             return None
         checks = [p for p in parts if p is not None]
-        return (lambda v: any(c(v) for c, _ in checks)), " or ".join(d for _, d in checks)
+        # None is the default of such arguments: the words name what a value must be
+        words = " or ".join(d for _, d in checks if d != "None")
+        return (lambda v: any(c(v) for c, _ in checks)), words
     if origin is typing.Literal:
         return (lambda v: any(v == a for a in args)), "one of " + ", ".join(map(repr, args))
     if hint is bool:
@@ -106,17 +108,19 @@ def _short(value: Any) -> str:
 
 def _apply(name: str, value: Any, check: _Check) -> None:
     if not check[0](value):
-        raise InputError(
-            f"{name}={_short(value)}: must be {check[1]} (got {type(value).__name__}); "
-            "pass a value of that type"
-        )
+        raise InputError(f"{name}={_short(value)}: must be {check[1]}")
 
 
-def typechecked(fn: F) -> F:
+def typechecked(fn: F | None = None, *, own_checks: tuple[str, ...] = ()) -> Any:
     """Check the types of ``fn``'s arguments against its annotations on every call.
 
-    An unknown keyword or a missing argument is an :class:`InputError` too.
+    ``own_checks`` names arguments the function validates itself, more leniently than
+    their annotation says (block sizes also come as ``"64"`` or ``64.0``). An unknown
+    keyword or a missing argument is an :class:`InputError` too. Use as ``@typechecked``
+    or ``@typechecked(own_checks=(...))``.
     """
+    if fn is None:
+        return functools.partial(typechecked, own_checks=own_checks)
     sig = inspect.signature(fn)
     checks: dict[str, _Check] | None = None
     skip = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
@@ -128,7 +132,7 @@ def typechecked(fn: F) -> F:
             hints = _hints(fn)
             checks = {}
             for p in sig.parameters.values():
-                if p.kind in skip or p.name not in hints:
+                if p.kind in skip or p.name not in hints or p.name in own_checks:
                     continue
                 c = _check_for(hints[p.name])
                 if c is not None:

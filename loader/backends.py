@@ -380,7 +380,8 @@ class _TensorstorePending:
         for key, fut in self._futures.items():
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out[key] = fut.result(timeout=left)
+                # the direct reader's futures (local files) take no timeout
+                out[key] = fut.result() if left is None else fut.result(timeout=left)
             except TimeoutError:
                 for f in self._futures.values():
                     f.cancel()

@@ -230,7 +230,7 @@ class BlockDataset:
             cls = _torch_dataset_class()
         return super().__new__(cls)
 
-    @typechecked
+    @typechecked(own_checks=("batch_size", "fetch_factor", "block_size"))
     def __init__(
         self,
         path: Any,

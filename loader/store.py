@@ -782,7 +782,7 @@ class Fetched:
         }
 
 
-@typechecked
+@typechecked(own_checks=("block_size",))
 def open_layout(
     path_or_url: str | os.PathLike[str],
     *,

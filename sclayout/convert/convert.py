@@ -167,7 +167,7 @@ def resolve_options(
     )
 
 
-@typechecked
+@typechecked(own_checks=("block_size",))
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
