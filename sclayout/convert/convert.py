@@ -255,8 +255,7 @@ def convert(
     try:
         with open_group(src_p) as root:
             source = Source(root, src_p)
-            with explain_read_errors(src_p, errors=(OSError, RuntimeError, KeyError, ValueError)):
-                need = estimate_store_bytes(source, opts.codec)
+            need = estimate_store_bytes(source, opts.codec)
             check_free_space(dst_p, need)  # the old DST stays until the rename: not free
             manifest = _convert_into(source, tmp, opts, runner)
         _install(tmp, dst_p, overwrite=overwrite)

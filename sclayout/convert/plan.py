@@ -12,7 +12,6 @@ import math
 import re
 from dataclasses import dataclass
 
-from loader.argtypes import typechecked
 from loader.errors import InputError
 
 __all__ = [
@@ -78,7 +77,6 @@ _UNITS = {
 }
 
 
-@typechecked
 def parse_memory_budget(value: str | int) -> int:
     """Bytes from ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G`` or a plain number of bytes.
 

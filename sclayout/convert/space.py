@@ -19,10 +19,14 @@ import numpy as np
 import zarr
 
 from loader.errors import InputError
+from sclayout.convert.checks import explain_read_errors
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.source import MatrixInfo, Source
 
 __all__ = ["check_free_space", "estimate_store_bytes", "is_no_space", "no_space_error"]
+
+_READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+"""What a damaged source chunk raises through h5py or zarr."""
 
 SAMPLE_ELEMENTS = 1 << 18
 """Values per array compressed to measure the codec's ratio: about a megabyte, a few
@@ -62,7 +66,8 @@ def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
     row = int(np.prod(node.shape[1:], dtype=np.int64)) if len(node.shape) > 1 else 1
     take = max(1, min(n, SAMPLE_ELEMENTS // max(row, 1)))
     start = max(0, n // 2 - take // 2)
-    sample = np.ascontiguousarray(node[start : start + take])
+    with explain_read_errors(source.path, what=key, errors=_READ_ERRORS):
+        sample = np.ascontiguousarray(node[start : start + take])
     if sample.nbytes == 0:
         return 1.0
     arr = zarr.create_array(
