@@ -23,7 +23,13 @@ from sclayout.convert.checks import explain_read_errors
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.source import MatrixInfo, Source
 
-__all__ = ["check_free_space", "estimate_store_bytes", "is_no_space", "no_space_error"]
+__all__ = [
+    "check_free_space",
+    "device_of",
+    "estimate_store_bytes",
+    "is_no_space",
+    "no_space_error",
+]
 
 _READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
 """What a damaged source chunk raises through h5py or zarr."""
