@@ -118,7 +118,7 @@ def _source(smoke: bool) -> Path:
     from sclayout.testing.datasets import cached_tahoe_like
 
     if smoke:
-        return cached_tahoe_like(n_obs=4000, n_vars=2000, nnz_per_cell=200)
+        return cached_tahoe_like(n_obs=4000, n_vars=500, nnz_per_cell=50)
     return cached_tahoe_like(progress=True)
 
 
@@ -234,7 +234,7 @@ def run_profile(
             return server.url + p.name if server else str(p)
 
         first = stores[CONFIGS[0][0]]
-        plan = CalibrationPlan.quick() if smoke else None
+        plan = CalibrationPlan.smoke() if smoke else None
         # Rounds: every round calibrates the profile afresh, then measures each
         # configuration once, predicting it from that round's profile. On a shared
         # machine the CPU time of the same loader run moves within a minute: one
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         plot(doc["rows"], doc["picks"], RESULTS / f"costmodel{tag}.png")
         return
-    runs, seconds = (1, 0.3) if args.smoke else (args.runs, args.seconds)
+    runs, seconds = (1, 0.15) if args.smoke else (args.runs, args.seconds)
     src = _source(args.smoke)
     root = _cache()
     stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in STORES}

@@ -36,12 +36,14 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, LayoutError, ReadError
 from loader.location import is_url
 
@@ -50,12 +52,14 @@ __all__ = [
     "Backend",
     "PendingReads",
     "TensorstoreSettings",
+    "check_timeout",
     "get_backend",
     "http_context_spec",
     "is_url",
     "read_error",
     "register_backend",
     "ts_kvstore",
+    "timed_out",
 ]
 
 Request = Mapping[str, tuple[str, np.ndarray]]
@@ -82,11 +86,13 @@ class Backend(Protocol):
 BACKENDS: dict[str, Callable[..., Backend]] = {}
 
 
+@typechecked
 def register_backend(name: str, factory: Callable[..., Backend]) -> None:
     """Register a backend factory ``factory(location, **options) -> Backend``."""
     BACKENDS[name] = factory
 
 
+@typechecked
 def get_backend(name: str) -> Callable[..., Backend]:
     """The factory registered under ``name``.
 
@@ -131,6 +137,12 @@ class TensorstoreSettings:
     waiting more than a minute with no message (it was stopped there)."""
     HTTP_RETRY_DELAY = 0.5
     """First back-off, seconds."""
+    HTTP_TIMEOUT = 60.0
+    """Seconds one remote wait may last (a fetch's reads, the manifest, an array's
+    metadata) before it fails with :class:`loader.errors.ReadError` naming the URL;
+    set it per reader with ``open_layout(url, http_timeout=...)``. Without it, a server
+    that accepts connections but never answers holds a loader for the stall watchdog
+    times the retries (minutes), with no message."""
     HTTP_STALL_SECONDS = 30
     """A request that receives no byte for this long is abandoned (and retried):
     without it, a server that accepts connections but never answers hangs a read
@@ -174,6 +186,21 @@ def http_context_spec(
     }
 
 
+def check_timeout(timeout: float) -> float:
+    """``timeout`` as seconds, or :class:`InputError` unless it is a number > 0."""
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise InputError(f"http_timeout={timeout!r}: pass a number of seconds > 0")
+    return float(timeout)
+
+
+def timed_out(location: str, path: str, timeout: float) -> ReadError:
+    """The one-line error of a remote read that got no answer within ``timeout``."""
+    return ReadError(
+        f"reading {location.rstrip('/')}/{path} failed: no answer within {timeout:g} s; "
+        "check that the server is up and answers, or allow longer with http_timeout="
+    )
+
+
 def ts_kvstore(location: str, path: str) -> dict[str, Any]:
     """The tensorstore kvstore spec of ``path`` inside the store at ``location``."""
     if is_url(location):
@@ -197,11 +224,13 @@ class TensorstoreBackend:
         whole_array_bytes: int | None = None,
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
+        http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
         **_: Any,
     ) -> None:
         self.location = location
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
+        self._timeout = check_timeout(http_timeout) if is_url(location) else None
         self.options = {
             "file_io_concurrency": file_io_concurrency,
             "data_copy_concurrency": data_copy_concurrency,
@@ -243,8 +272,12 @@ class TensorstoreBackend:
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
             }
+            opening = ts.open(spec, read=True, context=self._context)
             try:
-                arr = ts.open(spec, read=True, context=self._context).result()
+                arr = opening.result(timeout=self._timeout)
+            except TimeoutError:
+                opening.cancel()
+                raise timed_out(self.location, path, self._timeout or 0) from None
             except ValueError as e:
                 raise LayoutError(
                     f"array {path!r} of store {self.location} cannot be opened by "
@@ -296,11 +329,15 @@ class TensorstoreBackend:
                     empty[key] = g
                 else:
                     futures[key] = g
-        return _TensorstorePending(futures, empty, self.location, request)
+        return _TensorstorePending(futures, empty, self.location, request, self._timeout)
 
     def read_array(self, path: str) -> np.ndarray:
+        reading = self._array(path).read()
         try:
-            return np.asarray(self._array(path).read().result())
+            return np.asarray(reading.result(timeout=self._timeout))
+        except TimeoutError:
+            reading.cancel()
+            raise timed_out(self.location, path, self._timeout or 0) from None
         except ValueError as e:  # tensorstore's I/O errors
             raise read_error(self.location, path, e) from e
 
@@ -325,17 +362,28 @@ class _TensorstorePending:
         done: dict[str, np.ndarray],
         location: str,
         request: Request,
+        timeout: float | None = None,
     ) -> None:
         self._futures = futures
         self._done = done
         self._location = location
         self._request = request
+        self._timeout = timeout
+        """Seconds the whole fetch may take (remote stores), from the first wait."""
 
     def result(self) -> dict[str, np.ndarray]:
         out = dict(self._done)
+        deadline = None if self._timeout is None else time.monotonic() + self._timeout
         for key, fut in self._futures.items():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                out[key] = fut.result()
+                # the direct reader's futures (local files) take no timeout
+                out[key] = fut.result() if left is None else fut.result(timeout=left)
+            except TimeoutError:
+                for f in self._futures.values():
+                    f.cancel()
+                path = self._request[key][0]
+                raise timed_out(self._location, path, self._timeout or 0) from None
             except ValueError as e:  # tensorstore's I/O errors
                 raise read_error(self._location, self._request[key][0], e) from e
         return out

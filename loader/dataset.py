@@ -69,6 +69,7 @@ import numpy as np
 
 from loader import sampler as S
 from loader._pipeline import run_plan
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import parse_block_size
 
@@ -214,6 +215,7 @@ class BlockDataset:
     block arrive together, so counts vary more than under row-by-row sampling.
     """
 
+    @typechecked(own_checks=("batch_size", "fetch_factor", "block_size"))
     def __init__(
         self,
         path: Any,
@@ -731,7 +733,13 @@ def _row_weights(
             )
         per_class = np.array([float(weights.get(k, 0.0)) for k in cats] + [0.0])
         return per_class[codes[class_column]]  # code -1 (missing) -> the trailing 0
-    w_source = np.asarray(weights, dtype=np.float64)
+    try:
+        w_source = np.asarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise InputError(
+            f"weights={weights!r:.60}: not numbers; give one weight per row (source order) "
+            "or a {category: weight} mapping with class_column="
+        ) from None
     if w_source.shape != (reader.n_obs,):
         got = f"{w_source.size} values" if w_source.ndim == 1 else f"shape {w_source.shape}"
         raise InputError(

@@ -17,6 +17,7 @@ from typing import NamedTuple, TypedDict
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout
 
@@ -76,7 +77,7 @@ def _as_blocks(blocks: object, n_blocks: int) -> np.ndarray:
     if arr.size == 0:
         return np.zeros(0, dtype=np.int64)
     if not np.issubdtype(arr.dtype, np.integer):
-        raise InputError(f"blocks of dtype {arr.dtype}: must be integer block ids")
+        raise InputError(f"blocks={blocks!r:.60} of dtype {arr.dtype}: must be integer block ids")
     arr = np.unique(arr.astype(np.int64, copy=False))
     if arr[0] < 0 or arr[-1] >= n_blocks:
         bad = arr[0] if arr[0] < 0 else arr[-1]
@@ -183,6 +184,7 @@ def needed_ranges(
     return {"values": bounds}
 
 
+@typechecked
 def plan_fetch(
     blocks: object,
     *,

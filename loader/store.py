@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.assemble import (
     CSRRows,
     DenseOrder,
@@ -43,10 +44,12 @@ from loader.assemble import (
 )
 from loader.backends import (
     TensorstoreSettings,
+    check_timeout,
     get_backend,
     http_context_spec,
     is_url,
     read_error,
+    timed_out,
 )
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
@@ -155,14 +158,19 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
 
 def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = None) -> str:
     """Text of ``key`` in the store; over HTTP with the retries of ``http`` (keywords
-    of :func:`loader.backends.http_context_spec`)."""
+    of :func:`loader.backends.http_context_spec`, and ``timeout``)."""
     if is_url(location):
         import tensorstore as ts
 
-        context = ts.Context(http_context_spec(**(http or {})))
+        http = dict(http or {})
+        timeout = check_timeout(http.pop("timeout", TensorstoreSettings.HTTP_TIMEOUT))
+        context = ts.Context(http_context_spec(**http))
         spec = {"driver": "http", "base_url": location + "/"}
         try:
-            got = ts.KvStore.open(spec, context=context).result().read(key).result()
+            reading = ts.KvStore.open(spec, context=context).result(timeout=timeout).read(key)
+            got = reading.result(timeout=timeout)
+        except TimeoutError:
+            raise timed_out(location, key, timeout) from None
         except ValueError as e:
             fix = "check that the server is up and the URL names a layout store"
             raise read_error(location, key, e, fix=fix) from e
@@ -387,7 +395,7 @@ class LayoutReader:
             opts = dict(settings.backend_options)
             http = {
                 name: opts[f"http_{name}"]
-                for name in ("retries", "retry_delay")
+                for name in ("retries", "retry_delay", "timeout")
                 if f"http_{name}" in opts
             }
             stored = read_manifest(location, http)
@@ -768,6 +776,7 @@ class Fetched:
         }
 
 
+@typechecked(own_checks=("block_size",))
 def open_layout(
     path_or_url: str | os.PathLike[str],
     *,
@@ -796,7 +805,11 @@ def open_layout(
         rather than page-faulting fresh ones; process-wide, see there). ``None``
         (default): only if the environment sets ``SCLAYOUT_TUNE_MALLOC=1``.
     **backend_options
-        Passed to the backend (e.g. tensorstore's ``file_io_concurrency``).
+        Passed to the backend (e.g. tensorstore's ``file_io_concurrency``). For a URL:
+        ``http_timeout`` (seconds one remote wait may last before a
+        :class:`~loader.errors.ReadError` naming the URL; default
+        :attr:`~loader.backends.TensorstoreSettings.HTTP_TIMEOUT`), ``http_retries``
+        and ``http_retry_delay``.
     """
     if block_size is not None:
         block_size = parse_block_size(block_size)

@@ -17,6 +17,7 @@ from typing import Protocol
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.errors import InputError
 
 __all__ = [
@@ -120,6 +121,7 @@ class Strategy:
 _STRATEGIES: dict[str, Strategy] = {}
 
 
+@typechecked
 def register_strategy(strategy: Strategy) -> Strategy:
     """Add a strategy to the registry (replacing one of the same name)."""
     _STRATEGIES[strategy.name] = strategy

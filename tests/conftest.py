@@ -357,11 +357,11 @@ def spy_codec_timing(monkeypatch) -> list[bool]:
 def _tiny_plan(**changes):
     """A ``CalibrationPlan`` of a few hundredths of a second per step, no workers: the
     shape of a calibration, not its figures."""
+    from dataclasses import replace
+
     from sclayout.cost.calibrate import CalibrationPlan
 
-    plan = dict(latency=0.05, per_in_flight=0.02, bandwidth=0.05, per_codec=0.02)
-    plan.update(assembly=0.05, pipeline=0.05, workers=0.0)
-    return CalibrationPlan(**{**plan, **changes})
+    return replace(CalibrationPlan.smoke(), **changes)
 
 
 @pytest.fixture(scope="session")

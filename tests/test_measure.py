@@ -5,13 +5,21 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
 
 from loader.errors import InputError
 from sclayout.pagecache import Evictor, evict, resident_fraction, tree_bytes
-from sclayout.testing.measure import Timer, check_eviction, median_of, peak_rss_of_child, run_child
+from sclayout.testing.measure import (
+    EvictionCheck,
+    Timer,
+    check_eviction,
+    median_of,
+    peak_rss_of_child,
+    run_child,
+)
 
 
 @pytest.fixture
@@ -35,13 +43,33 @@ def test_evict_drops_pages_of_files_and_folders(data_file, tmp_path):
 
 
 def test_check_eviction_returns_figures(data_file):
-    check = check_eviction(data_file.parent)  # a folder: its largest file
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check = check_eviction(data_file.parent)  # a folder: its largest file
     assert check.path == str(data_file)
     assert check.bytes_read == data_file.stat().st_size
     assert check.cold_mb_s > 0 and check.warm_mb_s > 0
     if check.resident_after_evict is not None:
         assert check.resident_after_evict < 0.05
     assert "eviction check on blob.bin" in str(check)
+    # cold slower than warm is a timing: either way on a loaded machine; the warning
+    # follows the verdict
+    messages = [str(w.message) for w in caught]
+    if check.ok:
+        assert messages == []
+    else:
+        assert messages == [
+            f"page-cache eviction not verified ({check}); cold-cache figures may be warm"
+        ]
+
+
+@pytest.mark.parametrize(
+    ("cold", "warm", "resident", "ok"),
+    [(2.0, 1.0, 0.0, True), (1.0, 2.0, 0.0, False), (2.0, 1.0, 0.5, False), (2.0, 1.0, None, True)],
+    ids=["evicted", "cold-not-slower", "still-resident", "mincore-unknown"],
+)
+def test_eviction_check_verdict(cold, warm, resident, ok):
+    assert EvictionCheck("f", 10**6, cold, warm, resident).ok is ok
 
 
 def test_evictor_keeps_evicting(data_file):

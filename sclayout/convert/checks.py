@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -38,7 +37,6 @@ __all__ = [
     "check_destination",
     "check_obs_columns",
     "check_source",
-    "estimate_store_bytes",
     "explain_read_errors",
     "inspect_source",
 ]
@@ -460,24 +458,6 @@ def explain_read_errors(
 # ---------------------------------------------------------------------- destination
 
 
-def estimate_store_bytes(src: str | os.PathLike[str]) -> int:
-    """Bytes the layout store is expected to take: the source's own size on disk.
-
-    The converter keeps every element and compresses X with blosc-lz4, which on count
-    matrices compresses about 2x or more (docs/benchmarks.md, codecs), so a compressed
-    source gives a close estimate and an uncompressed one an upper bound.
-    """
-    path = Path(src)
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for dirpath, _dirs, files in os.walk(path):
-        for f in files:
-            with contextlib.suppress(OSError):
-                total += os.stat(os.path.join(dirpath, f)).st_size
-    return total
-
-
 def _is_zarr_dir(p: Path) -> bool:
     return (p / "zarr.json").is_file() or (p / ".zgroup").is_file()
 
@@ -488,16 +468,11 @@ def _same_or_inside(a: Path, b: Path) -> bool:
     return a == b or b in a.parents
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
-
-
 def check_destination(
     dst: str | os.PathLike[str],
     *,
     overwrite: bool,
     src: str | os.PathLike[str] | None = None,
-    need_bytes: int | None = None,
 ) -> None:
     """Raise :class:`InputError` unless a store can be written at DST.
 
@@ -511,10 +486,6 @@ def check_destination(
         things, so a typo cannot delete a home folder.
     src
         The source: DST must be neither SRC nor inside it, nor contain it.
-    need_bytes
-        Estimated size of the store (see :func:`estimate_store_bytes`); if given,
-        the free space of DST's file system must cover it (the old DST, if any,
-        stays until the final rename, so it does not count as free).
     """
     path = Path(dst)
     if src is not None and Path(src).exists():
@@ -552,10 +523,3 @@ def check_destination(
             f"DST {path}: cannot write in {parent} ({e.strerror}): choose a writable DST"
         ) from None
     os.rmdir(probe)
-    if need_bytes is not None:
-        free = shutil.disk_usage(parent).free
-        if free < need_bytes:
-            raise _fail(
-                f"not enough disk space: need ~{_gb(need_bytes)} at {parent}, have "
-                f"{_gb(free)}; free space or choose another DST"
-            )

@@ -19,6 +19,7 @@ from typing import Any
 
 from zarr.codecs import BloscCodec, GzipCodec, ZstdCodec
 
+from loader.argtypes import typechecked
 from loader.errors import SpecError
 
 __all__ = ["CODECS", "get_codec"]
@@ -34,6 +35,7 @@ GZIP_LEVEL = 5
 """Middle gzip level; gzip is here for compatibility, not speed."""
 
 
+@typechecked
 def get_codec(name: str) -> tuple[Any, ...]:
     """The zarr v3 compressors for codec ``name``.
 

@@ -26,6 +26,7 @@ import pandas as pd
 import scipy.sparse as sp
 import zarr
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import (
     MANIFEST_KEY,
@@ -43,7 +44,6 @@ from sclayout.convert._buffers import release_scratch
 from sclayout.convert.checks import (
     check_destination,
     check_obs_columns,
-    estimate_store_bytes,
     explain_read_errors,
     inspect_source,
 )
@@ -67,6 +67,12 @@ from sclayout.convert.source import (
     open_group,
     prefer_direct_io,
     read_slice,
+)
+from sclayout.convert.space import (
+    check_free_space,
+    estimate_store_bytes,
+    is_no_space,
+    no_space_error,
 )
 from sclayout.convert.write import (
     CopyJob,
@@ -161,6 +167,7 @@ def resolve_options(
     )
 
 
+@typechecked(own_checks=("block_size",))
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -242,20 +249,20 @@ def convert(
             f"file system allows {NAME_MAX}); choose a shorter name"
         )
     _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
-    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
+    check_destination(dst_p, overwrite=overwrite, src=src_p)
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+    need = 0
     try:
         with open_group(src_p) as root:
             source = Source(root, src_p)
+            need = estimate_store_bytes(source, opts.codec)
+            check_free_space(dst_p, need)  # the old DST stays until the rename: not free
             manifest = _convert_into(source, tmp, opts, runner)
         _install(tmp, dst_p, overwrite=overwrite)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise InputError(
-                f"no space left on the device of {dst_p.parent} while writing: "
-                "free space or choose another DST"
-            ) from None
+        if is_no_space(e):
+            raise no_space_error(dst_p, need) from None
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
             raise InputError(
                 f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
@@ -267,8 +274,10 @@ def convert(
             ) from None
         with explain_read_errors(src_p):  # anything else: the source failed to read
             raise
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, Exception) and is_no_space(e):  # tensorstore's RESOURCE_EXHAUSTED
+            raise no_space_error(dst_p, need) from None
         raise
     finally:
         runner.close()

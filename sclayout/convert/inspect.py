@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert.verify import codec_name, open_store_root
 
@@ -36,6 +37,7 @@ def _open(dst: Path) -> tuple[Any, Manifest]:
     return root, Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
 
 
+@typechecked
 def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
     """Describe the layout store at ``dst``.
 

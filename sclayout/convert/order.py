@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pandas as pd
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 
 __all__ = [
@@ -26,6 +27,7 @@ OrderFn = Callable[..., np.ndarray]
 """``fn(n_obs, *, obs, by, seed) -> perm``."""
 
 
+@typechecked
 def get_order(name: str) -> OrderFn:
     """The order function registered as ``name``.
 

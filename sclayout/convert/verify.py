@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from loader.errors import LayoutError, NotALayoutStoreError, SpecError
+from loader.argtypes import typechecked
+from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
     MAX_ROWS_SPELT_OUT,
@@ -202,6 +204,30 @@ class _Rows:
         )
 
 
+DST_READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError)
+"""What a damaged chunk of DST raises through zarr (checksum, decompression, truncation)."""
+
+
+def _unreadable(what: str, e: BaseException) -> LayoutError:
+    """A DST chunk that cannot be read: the comparison cannot run (exit 2), which is
+    not the same as "differs" (exit 1)."""
+    detail = " ".join(str(e).split())[:200]
+    return LayoutError(
+        f"DST {what}: a chunk cannot be read ({type(e).__name__}: {detail}); the store is "
+        "damaged: reconvert it with `sclayout convert --overwrite`"
+    )
+
+
+@contextmanager
+def _dst_reads(what: str) -> Iterator[None]:
+    try:
+        yield
+    except SclayoutError:
+        raise
+    except DST_READ_ERRORS as e:
+        raise _unreadable(what, e) from None
+
+
 def _window(rows: _Rows, budget: int) -> int:
     return max(1, budget // WINDOW_SHARE // rows.row_bytes)
 
@@ -273,7 +299,7 @@ def _compare_rowwise(
     )
     bad_found: list[str] = []
     n_bad = 0
-    with _progress(n, f"verify {name}", progress) as bar:
+    with _progress(n, f"verify {name}", progress) as bar, _dst_reads(name):
         for rows, d_sel, s_sel in parts:
             d_sel, s_sel = _as_same_kind(d_sel, s_sel)
             out.n_values += int(d_sel.nnz if sp.issparse(d_sel) else d_sel.size)
@@ -519,6 +545,7 @@ def open_store_root(dst: Path, *, hint: str) -> Any:
         ) from None
 
 
+@typechecked
 def verify(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
@@ -576,6 +603,9 @@ def verify(
     )
 
     def read(node: Any, what: str) -> Any:
+        if getattr(node, "store", None) is dst_root.store:  # a DST element: DST's errors
+            with _dst_reads(what):
+                return anndata.io.read_elem(node)
         with explain_read_errors(src_path, what=what):
             return anndata.io.read_elem(node)
 
@@ -641,6 +671,10 @@ def verify(
             k for k in top_s ^ top_d if not _children(src_root, k) and not _children(dst_root, k)
         }
         out.add(_key_diffs("root", top_d - empty, top_s - empty))
+    except SclayoutError:
+        raise
+    except DST_READ_ERRORS as e:  # SRC reads are InputErrors by now: this is DST
+        raise _unreadable(str(dst_path), e) from None
     finally:
         if info.kind == "hdf5":
             src_root.close()

@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.backends import http_context_spec, is_url
 from loader.errors import InputError
 from sclayout.cost.profile import CodecSpeed, Profile
@@ -130,6 +131,20 @@ class CalibrationPlan:
             assembly=0.5,
             sample_elems=2**18,
             pipeline=0.5,
+            workers=0.0,
+        )
+
+    @classmethod
+    def smoke(cls) -> CalibrationPlan:
+        """A few hundredths of a second per step, no workers: the shape of a
+        calibration, not its figures (tests and benchmark smoke runs)."""
+        return cls(
+            latency=0.05,
+            per_in_flight=0.02,
+            bandwidth=0.05,
+            per_codec=0.02,
+            assembly=0.05,
+            pipeline=0.05,
             workers=0.0,
         )
 
@@ -723,6 +738,7 @@ def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple
     return fit_costs(samples)
 
 
+@typechecked
 def calibrate(
     target: str | os.PathLike[str],
     *,

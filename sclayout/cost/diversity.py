@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import special, stats
 
+from loader.argtypes import typechecked
 from loader.errors import InputError
 
 __all__ = [
@@ -71,6 +72,7 @@ def _log_comb(n: float, k: float) -> float:
     return special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1)
 
 
+@typechecked
 def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
     """Expected number of distinct blocks in a minibatch, exactly.
 
@@ -306,6 +308,7 @@ def _sample_minibatches(
     return rows, rows // b
 
 
+@typechecked
 def simulate_diversity(
     labels: np.ndarray,
     *,
@@ -406,6 +409,7 @@ class DiversityEstimate:
     distinct_blocks: float
 
 
+@typechecked
 def predict_diversity(
     *,
     batch_size: int,

@@ -50,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.argtypes import typechecked
 from loader.dataset import DEFAULT_PREFETCH
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
@@ -179,6 +180,7 @@ def store_codec(manifest: Manifest, matrix: str = "X") -> str:
     )
 
 
+@typechecked
 def virtual_layout(
     row_nnz: np.ndarray,
     *,
@@ -472,6 +474,7 @@ def _output_bytes(rows: float, nnz: float, n_vars: int, output: str) -> float:
     return nnz * 8.0 + (rows + 1) * 8.0
 
 
+@typechecked
 def predict(
     manifest: Manifest,
     block_pointer: np.ndarray | None,

@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from loader.argtypes import typechecked
 from loader.errors import FormatVersionError, SpecError
 
 __all__ = [
@@ -344,6 +345,7 @@ class Profile:
         Path(path).write_text(self.to_json() + "\n")
 
 
+@typechecked
 def load_profile(path: str | Path) -> Profile:
     """Read a profile JSON file.
 
@@ -373,6 +375,7 @@ def list_presets() -> list[str]:
     return sorted(p.name.removesuffix(".json") for p in root.iterdir() if p.name.endswith(".json"))
 
 
+@typechecked
 def get_preset(name: str) -> Profile:
     """The preset profile ``name``; the error lists the known presets."""
     known = list_presets()
@@ -382,6 +385,7 @@ def get_preset(name: str) -> Profile:
     return Profile.from_dict(json.loads(text), where=f"preset {name}")
 
 
+@typechecked
 def resolve_profile(value: str | Path | Profile) -> Profile:
     """A profile from a :class:`Profile`, a JSON file path or a preset name."""
     if isinstance(value, Profile):

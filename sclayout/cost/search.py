@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 from dask.utils import format_bytes
 
+from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
 from loader.layout import RowOrder
 from loader.spec import LayoutSpec, LoaderSettings, StoreSpec
@@ -226,6 +227,7 @@ def _feasible_fetch(stats: DatasetStats, batch_size: int, fetch_factor: int, b: 
     return k * b >= batch_size and (stats.n_obs // b) >= 2 * k
 
 
+@typechecked
 def search(
     stats: DatasetStats,
     *,
@@ -340,6 +342,7 @@ def search(
     )
 
 
+@typechecked
 def search_loader(
     stats: DatasetStats,
     *,

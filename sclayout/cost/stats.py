@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from loader.argtypes import typechecked
 from loader.backends import is_url
 from loader.errors import InputError, NotALayoutStoreError
 from loader.layout import Manifest
@@ -151,6 +152,7 @@ def _store_stats(location: str, label: str | None) -> DatasetStats:
     )
 
 
+@typechecked
 def read_dataset_stats(path: str | os.PathLike[str], *, label: str | None = None) -> DatasetStats:
     """Read what the cost model needs from ``path``.
 

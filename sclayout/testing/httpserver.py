@@ -63,6 +63,8 @@ class _Server(ThreadingHTTPServer):
     delay: float
     stats: HttpStats
     slots: threading.BoundedSemaphore
+    frozen: threading.Event
+    stopped: threading.Event
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -91,6 +93,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.server.stats.add(ranged=False, nbytes=0)
 
     def _serve(self) -> None:
+        if self.server.frozen.is_set():  # hang without a byte of answer until stopped
+            self.server.stopped.wait()
+            self.close_connection = True
+            return
         with self.server.slots:
             if self.server.delay > 0:
                 time.sleep(self.server.delay)
@@ -184,6 +190,8 @@ class ServedDirectory:
         self._server.delay = float(delay)
         self._server.stats = HttpStats()
         self._server.slots = threading.BoundedSemaphore(max_connections)
+        self._server.frozen = threading.Event()
+        self._server.stopped = threading.Event()
         self.stats = self._server.stats
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}/"
         self._thread = threading.Thread(
@@ -199,11 +207,17 @@ class ServedDirectory:
         """URL of ``relative`` (a path under the served directory)."""
         return self.url + urllib.parse.quote(str(relative).lstrip("/"))
 
+    def freeze(self) -> None:
+        """From now on, accept requests (also on open connections) and never answer
+        them, as a hung server does, until :meth:`stop`."""
+        self._server.frozen.set()
+
     def stop(self) -> None:
         """Stop serving and close the socket (idempotent)."""
         if self._stopped:
             return
         self._stopped = True
+        self._server.stopped.set()
         self._timer.cancel()
         self._server.shutdown()
         self._server.server_close()

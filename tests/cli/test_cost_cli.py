@@ -256,7 +256,16 @@ def test_bench_prints_measured_beside_predicted(data, run_cli):
     assert out["predicted_diversity"] == pytest.approx(1.0, abs=0.05)
 
 
-def test_calibrate_writes_a_profile(data, tmp_path, run_cli):
+@pytest.fixture
+def smoke_quick(monkeypatch):
+    """``--quick`` calibrations at the smoke plan's length: the same steps and output,
+    hundredths of a second each (figures are not asserted)."""
+    from sclayout.cost.calibrate import CalibrationPlan
+
+    monkeypatch.setattr(CalibrationPlan, "quick", classmethod(lambda cls: cls.smoke()))
+
+
+def test_calibrate_writes_a_profile(data, tmp_path, run_cli, smoke_quick):
     _, store = data
     r = run_cli("calibrate", store, "--out", tmp_path / "p.json", "--quick", "--json")
     assert r.exit_code == 0, r.stderr
@@ -317,7 +326,7 @@ def test_calibrate_bad_target(tmp_path, assert_one_line_error, run_cli):
     assert_one_line_error(r, "not a file, directory or http(s) URL")
 
 
-def test_recommend_without_profile_calibrates_the_data_location_quickly(data, run_cli):
+def test_recommend_without_profile_calibrates_the_data_location_quickly(data, run_cli, smoke_quick):
     src, _ = data
     r = run_cli("recommend", src, "--label", "plate", *SMALL_SPACE, "--quiet")
     assert r.exit_code == 0, r.stderr

@@ -4,6 +4,8 @@ byte-identical, no temporary sibling is left behind)."""
 
 from __future__ import annotations
 
+import errno
+import importlib
 import os
 import shutil
 import subprocess
@@ -15,7 +17,7 @@ from click.testing import CliRunner
 
 from loader.errors import InputError
 from sclayout.cli import main
-from sclayout.convert import checks
+from sclayout.convert import checks, space
 from sclayout.convert.checks import check_destination, check_source
 
 BAD_SOURCES = [
@@ -207,12 +209,131 @@ def test_not_enough_disk_space(tmp_path: Path, good_h5ad: Path, monkeypatch) -> 
     def tiny(path):
         return type("usage", (), {"total": 10**6, "used": 10**6 - 1000, "free": 1000})()
 
-    monkeypatch.setattr(checks.shutil, "disk_usage", tiny)
+    monkeypatch.setattr(space.shutil, "disk_usage", tiny)
     dst = tmp_path / "out.zarr"
     code, out, err = run_cli("convert", good_h5ad, dst)
     assert_one_line_error(code, out, err, "not enough disk space: need ~")
-    assert "have 0.0 GB; free space or choose another DST" in err
+    assert "have 0.0 MB; free space or choose another DST" in err
     assert not list(tmp_path.iterdir())
+
+
+def _du(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+@pytest.fixture(scope="module")
+def plain_and_gzip(tmp_path_factory, small_adata) -> tuple[Path, Path]:
+    """One dataset written twice: uncompressed and gzip (a 2.7x smaller file)."""
+    root = tmp_path_factory.mktemp("space")
+    a = small_adata(3000, 400)
+    a.write_h5ad(root / "plain.h5ad")
+    a.write_h5ad(root / "gzip.h5ad", compression="gzip")
+    return root / "plain.h5ad", root / "gzip.h5ad"
+
+
+def _estimate(src: Path, codec: str) -> int:
+    from sclayout.convert.source import Source, open_group
+
+    with open_group(src) as root:
+        return space.estimate_store_bytes(Source(root, src), codec)
+
+
+@pytest.mark.parametrize("codec", ["blosc-lz4", "zstd", "none"])
+def test_store_size_estimate_follows_the_values_and_codec_not_the_source_file(
+    tmp_path: Path, plain_and_gzip, codec: str
+) -> None:
+    plain, gz = plain_and_gzip
+    assert plain.stat().st_size > 2 * gz.stat().st_size
+    est_plain, est_gz = _estimate(plain, codec), _estimate(gz, codec)
+    assert abs(est_plain - est_gz) < 0.15 * est_plain  # the same values: the same store
+    dst = tmp_path / "out.zarr"
+    code, _, err = run_cli("convert", gz, dst, "--codec", codec, "--quiet")
+    assert code == 0, err
+    assert 0.7 * _du(dst) < est_gz < 1.6 * _du(dst)
+
+
+def test_store_size_estimate_sees_the_codec_ratio(plain_and_gzip) -> None:
+    plain, _ = plain_and_gzip
+    raw = _estimate(plain, "none")
+    assert _estimate(plain, "zstd") < 0.6 * raw  # small integer counts compress well
+    # uncompressed: 8 bytes per stored value (float32 + int32 index) at least
+    import h5py
+
+    with h5py.File(plain) as f:
+        nnz = f["X/data"].shape[0]
+    assert raw >= 8 * nnz
+
+
+TS_NO_SPACE = (
+    'RESOURCE_EXHAUSTED: Error writing local file "{path}/c/0": Failed writing: '
+    '"{path}/c/0.__lock": Failed to write 3479808 bytes to file 3: No space left on '
+    "device [os_error_code='28']"
+)
+"""What tensorstore raises (a ValueError) when a shard write hits a full disk."""
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        lambda path: ValueError(TS_NO_SPACE.format(path=path)),
+        lambda path: OSError(errno.ENOSPC, "No space left on device", path),
+    ],
+    ids=["tensorstore", "oserror"],
+)
+@pytest.mark.parametrize("existing", [False, True], ids=["new", "overwrite"])
+def test_disk_full_mid_write_is_one_line_exit_2_and_leaves_nothing(
+    tmp_path: Path, good_h5ad: Path, good_store: Path, monkeypatch, error, existing: bool, snapshot
+) -> None:
+    from sclayout.convert import write
+
+    dst = tmp_path / "out.zarr"
+    if existing:
+        shutil.copytree(good_store, dst)
+    before = snapshot(tmp_path)
+    opener, _ = write.WRITERS["tensorstore"]
+
+    def full(arr, start, values):
+        raise error(str(tmp_path))
+
+    monkeypatch.setitem(write.WRITERS, "tensorstore", (opener, full))
+    args = ("convert", good_h5ad, dst, "--block-size", "16", "--overwrite", "--quiet")
+    code, out, err = run_cli(*args)
+    assert code == 2
+    assert_one_line_error(code, out, err, f"no space left on {space.device_of(tmp_path)} ")
+    assert f"while writing {dst} (needs about 0.0 MB): free space or choose another DST" in err
+    assert snapshot(tmp_path) == before  # no temporary sibling; an old DST untouched
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):
+    """A real 512 KB file system (tmpfs) under tmp_path; skips where mounting is not
+    allowed (not root, no tmpfs)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True
+    )
+    if mount.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mount.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_a_real_full_disk(small_fs: Path, plain_and_gzip, monkeypatch) -> None:
+    plain, _ = plain_and_gzip  # a store of ~0.7 MB: more than the 512 KB
+    dst = small_fs / "out.zarr"
+    code, out, err = run_cli("convert", plain, dst, "--quiet")
+    assert_one_line_error(code, out, err, "not enough disk space: need ~")  # the pre-check
+    assert list(small_fs.iterdir()) == []
+    # the pre-check passed, as when another process fills the disk after it
+    convert_mod = importlib.import_module("sclayout.convert.convert")
+    monkeypatch.setattr(convert_mod, "check_free_space", lambda dst, need: None)
+    code, out, err = run_cli("convert", plain, dst, "--quiet")
+    assert code == 2
+    assert_one_line_error(code, out, err, f"no space left on {small_fs} while writing {dst}")
+    assert list(small_fs.iterdir()) == []  # the temporary store removed
 
 
 def test_real_process_exit_code_and_no_traceback(tmp_path: Path, bad_truncated) -> None:
@@ -286,5 +407,5 @@ def test_check_destination_overwrite_replaces_only_stores(tmp_path: Path) -> Non
     afile.write_text("x")
     with pytest.raises(InputError, match="exists and is not a zarr store"):
         check_destination(afile, overwrite=True)
-    check_destination(tmp_path / "new.zarr", overwrite=False, need_bytes=1)
+    check_destination(tmp_path / "new.zarr", overwrite=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "f.h5ad", "old.zarr"]

@@ -537,6 +537,67 @@ def test_cli_errors_are_one_line(tmp_path, synth_h5ad, args, message):
     assert list(tmp_path.iterdir()) == []
 
 
+_SLOW_COPY = """
+import importlib, pathlib, sys, time
+convert = importlib.import_module("sclayout.convert.convert")
+real = convert.copy_sparse
+
+def slow(job):  # the first task says it started, then takes a second: Ctrl-C lands mid-write
+    pathlib.Path(sys.argv[1]).touch()
+    time.sleep(1.0)
+    return real(job)
+
+convert.copy_sparse = slow
+from sclayout.cli import main
+main(sys.argv[2:])
+"""
+
+
+def test_ctrl_c_during_convert_is_one_line_exit_130_and_writes_nothing(tmp_path, synth_h5ad):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    started, dst = tmp_path / "started", tmp_path / "out" / "o.zarr"
+    dst.parent.mkdir()
+    cmd = [sys.executable, "-c", _SLOW_COPY, str(started), "convert", str(synth_h5ad), str(dst)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert started.exists(), proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip().splitlines()[-1] == "error: interrupted; nothing written"
+    assert "Traceback" not in err and out == ""
+    assert list(dst.parent.iterdir()) == []  # no DST, no temporary sibling
+
+
+@pytest.mark.parametrize("command", sorted(main.commands))
+def test_ctrl_c_in_every_command_is_one_line_exit_130(command, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    import click
+
+    cmd = main.commands[command]
+    args = [command]
+    for p in cmd.params:  # every required argument and option, with a dummy value
+        if isinstance(p, click.Argument):
+            args.append("x")
+        elif p.required:
+            args += [p.opts[0], "x"]
+    monkeypatch.setattr(cmd, "callback", interrupted)
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert r.exit_code == 130, r.output
+    assert r.stderr == "error: interrupted; nothing written\n"
+
+
 # -- real data -------------------------------------------------------------------------------
 
 

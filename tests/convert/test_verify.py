@@ -274,6 +274,34 @@ def test_verify_errors_are_one_line(tmp_path: Path, sources) -> None:
     assert r.stderr.startswith("error: DST ") and r.stderr.count("\n") == 1
 
 
+def _truncate_first_chunk(store: Path, array: str) -> str:
+    """Cut the first chunk (or shard) file of ``array`` in half; returns its path."""
+    chunk = sorted(p for p in (store / array).rglob("*") if p.is_file() and p.name != "zarr.json")[
+        0
+    ]
+    chunk.write_bytes(chunk.read_bytes()[: chunk.stat().st_size // 2])
+    return str(chunk)
+
+
+@pytest.mark.parametrize(
+    ("array", "named"),
+    [("X/data", "DST X: "), ("X/indices", "DST X: "), ("obs/name", "DST obs: ")],
+    ids=["data", "indices", "obs"],
+)
+def test_an_unreadable_dst_chunk_is_one_line_exit_2(
+    tmp_path: Path, sources, shuffled_store: Path, array: str, named: str
+) -> None:
+    dst = _copy(shuffled_store, tmp_path)
+    _truncate_first_chunk(dst, array)
+    r = CliRunner().invoke(main, ["verify", str(sources["csr"]), str(dst)])
+    assert r.exit_code == 2, r.output  # could not compare: not 1, "differs"
+    assert (
+        r.stderr.startswith(f"error: {named}a chunk cannot be read (") and r.stderr.count("\n") == 1
+    )
+    assert "the store is damaged: reconvert it" in r.stderr
+    assert "Traceback" not in r.output
+
+
 def test_report_summary() -> None:
     r = VerifyReport(equal=False, differences=["a"], n_differences=3)
     assert r.summary() == "NOT equal: 3 differences (2 more not shown)"

@@ -157,7 +157,7 @@ def test_empty_fetch_and_empty_blocks():
     [
         ({"blocks": [4]}, "block id 4 out of range: the store has 4 blocks"),
         ({"blocks": [-1]}, "block id -1 out of range: the store has 4 blocks"),
-        ({"blocks": [0.5]}, "blocks of dtype float64: must be integer block ids"),
+        ({"blocks": [0.5]}, r"blocks=\[0.5\] of dtype float64: must be integer block ids"),
         ({"blocks": [0], "max_gap_chunks": -1}, "max_gap_chunks=-1: must be an integer >= 0"),
         ({"blocks": [0], "matrix": "layers/x"}, "matrix='layers/x': not in the store; "),
         ({"blocks": [0], "block_pointer": None}, "a CSR matrix needs its block_pointer"),

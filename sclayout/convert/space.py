@@ -1,0 +1,161 @@
+"""Disk space: what the store will take, and one line when a write runs out of it.
+
+The converter refuses to start when DST's file system lacks room for the *store*
+(not the source: a gzip ``.h5ad`` may grow, a dense one shrink), estimated from the
+number of stored values and the ratio the chosen codec reaches on a sample of them.
+A write that still runs out of space (another process filled the disk) becomes
+:func:`no_space_error`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from loader.errors import InputError
+from sclayout.convert.checks import explain_read_errors
+from sclayout.convert.codecs import get_codec
+from sclayout.convert.source import MatrixInfo, Source
+
+__all__ = [
+    "check_free_space",
+    "device_of",
+    "estimate_store_bytes",
+    "is_no_space",
+    "no_space_error",
+]
+
+_READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
+"""What a damaged source chunk raises through h5py or zarr."""
+
+SAMPLE_ELEMENTS = 1 << 18
+"""Values per array compressed to measure the codec's ratio: about a megabyte, a few
+milliseconds of encoding, and large enough for blosc's blocks to reach their ratio."""
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for dirpath, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def _stored_in_source(source: Source, key: str) -> int:
+    """Bytes element ``key`` takes in the source (HDF5 storage or zarr files)."""
+    node = source.root[key]
+    if hasattr(node, "id") and hasattr(node.id, "get_storage_size"):  # h5py dataset
+        return int(node.id.get_storage_size())
+    if hasattr(node, "keys") and not hasattr(node, "dtype"):  # a group: its arrays
+        return sum(_stored_in_source(source, f"{key}/{k}") for k in node.keys())
+    return _tree_bytes(Path(source.path, key))
+
+
+def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
+    """Stored bytes per raw byte of ``key`` with the codec, on a sample from its middle."""
+    node = source.root[key]
+    row = int(np.prod(node.shape[1:], dtype=np.int64)) if len(node.shape) > 1 else 1
+    take = max(1, min(n, SAMPLE_ELEMENTS // max(row, 1)))
+    start = max(0, n // 2 - take // 2)
+    with explain_read_errors(source.path, what=key, errors=_READ_ERRORS):
+        sample = np.ascontiguousarray(node[start : start + take])
+    if sample.nbytes == 0:
+        return 1.0
+    arr = zarr.create_array(
+        zarr.storage.MemoryStore(),
+        shape=sample.shape,
+        dtype=sample.dtype,
+        chunks=sample.shape,
+        compressors=compressors,
+        fill_value=0,
+    )
+    arr[...] = sample
+    meta = zarr.create_array(
+        zarr.storage.MemoryStore(), shape=sample.shape, dtype=sample.dtype, chunks=sample.shape
+    ).nbytes_stored()  # the metadata document alone: no chunk was written
+    return max(arr.nbytes_stored() - meta, 1) / sample.nbytes
+
+
+def _matrix_bytes(source: Source, info: MatrixInfo, compressors: Any) -> int:
+    n_obs, n_vars = info.shape
+    if info.encoding == "dense":
+        return int(n_obs * n_vars * info.itemsize * _ratio(source, info.path, n_obs, compressors))
+    nnz = info.nnz
+    parts = [("data", info.itemsize), ("indices", np.dtype(info.index_dtype).itemsize)]
+    total = (n_obs + 1) * 8  # indptr: int64, compresses well, counted raw
+    for part, itemsize in parts:
+        total += int(nnz * itemsize * _ratio(source, f"{info.path}/{part}", nnz, compressors))
+    return total
+
+
+def estimate_store_bytes(source: Source, codec: str) -> int:
+    """Bytes the layout store of ``source`` is expected to take with ``codec``.
+
+    Row-aligned matrices (X, layers, raw/X): their stored values (``nnz`` values and
+    indices, or every cell of a dense matrix) times the ratio the codec reaches on a
+    sample. Every other element (obs, var, obsm, uns...) is copied and counted at its
+    size in the source.
+    """
+    compressors = get_codec(codec)
+    matrices = source.row_matrices()
+    in_source = sum(_stored_in_source(source, m.path) for m in matrices)
+    other = max(0, _tree_bytes(Path(source.path)) - in_source)
+    return other + sum(_matrix_bytes(source, m, compressors) for m in matrices)
+
+
+def device_of(path: Path) -> str:
+    """The mount point of the file system holding ``path`` (an existing directory)."""
+    p = path.resolve()
+    while not os.path.ismount(p) and p != p.parent:
+        p = p.parent
+    return str(p)
+
+
+def check_free_space(dst: Path, need_bytes: int) -> None:
+    """Raise :class:`InputError` unless DST's file system has ``need_bytes`` free."""
+    parent = dst.absolute().parent
+    free = shutil.disk_usage(parent).free
+    if free < need_bytes:
+        raise InputError(
+            f"not enough disk space: need ~{_size(need_bytes)} at {parent}, have {_size(free)}; "
+            "free space or choose another DST"
+        )
+
+
+def is_no_space(e: BaseException) -> bool:
+    """Whether ``e`` (or what caused it) is a write that ran out of space or quota:
+    ``OSError`` ENOSPC/EDQUOT, or tensorstore's ``RESOURCE_EXHAUSTED`` for the same."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, OSError) and cur.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(cur)
+        if "No space left on device" in text or "Disk quota exceeded" in text:
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
+def no_space_error(dst: Path, need_bytes: int) -> InputError:
+    """The one-line error of a conversion whose writes ran out of space."""
+    return InputError(
+        f"no space left on {device_of(dst.absolute().parent)} while writing {dst} "
+        f"(needs about {_size(need_bytes)}): free space or choose another DST"
+    )
