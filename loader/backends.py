@@ -200,9 +200,11 @@ class TensorstoreBackend:
         whole_array_bytes: int | None = None,
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
+        require_chunks: bool = False,
         **_: Any,
     ) -> None:
         self.location = location
+        self.require_chunks = bool(require_chunks)
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self.options = {
@@ -245,6 +247,8 @@ class TensorstoreBackend:
                 "kvstore": _ts_kvstore(self.location, path),
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
+                # a store whose manifest says every chunk is stored: absent is an error
+                "fill_missing_data_reads": not self.require_chunks,
             }
             try:
                 arr = ts.open(spec, read=True, context=self._context).result()
@@ -265,7 +269,9 @@ class TensorstoreBackend:
             from loader._shards import SMALL_ARRAY_BYTES, open_direct
 
             whole = SMALL_ARRAY_BYTES if self.whole_array_bytes is None else self.whole_array_bytes
-            self._direct[path] = open_direct(self.location, path, whole_array_bytes=whole)
+            self._direct[path] = open_direct(
+                self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
+            )
         return self._direct[path]
 
     def submit(self, request: Request) -> PendingReads:
@@ -308,7 +314,24 @@ class TensorstoreBackend:
             raise read_error(self.location, path, e) from e
 
 
-def read_error(location: str, path: str, e: Exception, *, fix: str | None = None) -> ReadError:
+_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "checksum", "decod", "Missing", "missing", "corrupt")
+"""Words of a tensorstore error that mean the store's bytes are damaged or absent
+(a crc32c mismatch, an undecodable chunk, a chunk or shard that is not there)."""
+
+
+def read_error(
+    location: str, path: str, e: Exception, *, fix: str | None = None
+) -> ReadError | LayoutError:
+    """A one-line error for a failed tensorstore read of ``path`` in the store at
+    ``location``: :class:`LayoutError` when the bytes are damaged or missing (the
+    message names the store, the array and tensorstore's chunk key), else
+    :class:`ReadError` (``fix``: what to do; by default, per kind of location)."""
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    if fix is None and any(word in cause for word in _DAMAGE):
+        return LayoutError(
+            f"store {location.rstrip('/')}, array {path}: a chunk is damaged or missing "
+            f"({cause}); restore the store from a good copy or reconvert it"
+        )
     """A one-line :class:`ReadError` for a failed tensorstore read of ``path`` in the
     store at ``location`` (``fix``: what to do; by default, per kind of location)."""
     if fix is None:
@@ -317,7 +340,6 @@ def read_error(location: str, path: str, e: Exception, *, fix: str | None = None
             if is_url(location)
             else "check that the store was not moved, removed or rewritten while loading"
         )
-    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     return ReadError(f"reading {location.rstrip('/')}/{path} failed: {cause}; {fix}")
 
 
@@ -355,14 +377,16 @@ class ZarrBackend:
 
     kinds = ("store",)
 
-    def __init__(self, location: str, **_: Any) -> None:
+    def __init__(self, location: str, *, require_chunks: bool = False, **_: Any) -> None:
         if is_url(location):
             raise InputError(
                 f"backend='zarr' reads local stores only; for {location} use backend='tensorstore'"
             )
         self.location = location
+        self.require_chunks = bool(require_chunks)
         self._pid = -1
         self._arrays: dict[str, Any] = {}
+        self._indexes: dict[str, Any] = {}
 
     def _array(self, path: str) -> Any:
         if self._pid != os.getpid():
@@ -376,21 +400,41 @@ class ZarrBackend:
             self._arrays[path] = arr
         return arr
 
+    def _check_present(self, path: str, ranges: np.ndarray) -> None:
+        """zarr-python reads an absent chunk as the fill value: in a store whose
+        manifest says every chunk is stored, look in the shard indexes first."""
+        if not self.require_chunks:
+            return
+        if path not in self._indexes:
+            from loader._shards import open_index
+
+            self._indexes[path] = open_index(self.location, path)
+        index = self._indexes[path]
+        if index is not None:
+            index.check_present(ranges)
+
     def submit(self, request: Request) -> PendingReads:
         from zarr.core.sync import _get_loop
 
         jobs: list[tuple[str, Any, np.ndarray]] = []
         for key, (path, ranges) in request.items():
-            jobs.append((key, self._array(path), _nonempty(ranges)))
+            ranges = _nonempty(ranges)
+            arr = self._array(path)
+            self._check_present(path, ranges)
+            jobs.append((key, arr, ranges))
+        location = self.location
 
         async def _all() -> dict[str, np.ndarray]:
             async def _one(arr: Any, ranges: np.ndarray) -> np.ndarray:
                 aa = arr._async_array
                 if ranges.shape[0] == 0:
                     return np.zeros((0, *arr.shape[1:]), dtype=arr.dtype)
-                parts = await asyncio.gather(
-                    *(aa.getitem(slice(int(a), int(b))) for a, b in ranges)
-                )
+                try:
+                    parts = await asyncio.gather(
+                        *(aa.getitem(slice(int(a), int(b))) for a, b in ranges)
+                    )
+                except (ValueError, RuntimeError, TypeError) as e:
+                    raise _zarr_damage(location, arr, ranges, e) from None
                 return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
             res = await asyncio.gather(*(_one(a, r) for _, a, r in jobs))
@@ -399,7 +443,26 @@ class ZarrBackend:
         return asyncio.run_coroutine_threadsafe(_all(), _get_loop())
 
     def read_array(self, path: str) -> np.ndarray:
-        return np.asarray(self._array(path)[...])
+        arr = self._array(path)
+        whole = np.array([[0, arr.shape[0]]], dtype=np.int64)
+        self._check_present(path, whole)
+        try:
+            return np.asarray(arr[...])
+        except (ValueError, RuntimeError, TypeError) as e:
+            raise _zarr_damage(self.location, arr, whole, e) from None
+
+
+def _zarr_damage(location: str, arr: Any, ranges: np.ndarray, e: Exception) -> LayoutError:
+    """The one-line error of a zarr-python read that failed on the stored bytes (a
+    crc32c mismatch, a chunk that does not decode): names store, array and chunks."""
+    rows = int(arr.chunks[0]) if arr.chunks else 1
+    lo, hi = int(ranges[:, 0].min()) // rows, (int(ranges[:, 1].max()) - 1) // rows
+    chunks = f"chunk {lo}" if lo == hi else f"one of chunks {lo}..{hi}"
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return LayoutError(
+        f"store {location}, array {arr.path}, {chunks}: cannot be read ({cause}); the store "
+        "is damaged: restore it from a good copy or reconvert it"
+    )
 
 
 register_backend("zarr", ZarrBackend)

@@ -124,7 +124,7 @@ def test_corrupted_chunk_is_a_clear_error(tmp_path):
     with pytest.raises(LayoutError, match=r"chunk 4 decodes to 123 bytes, expected 80"):
         _read(direct, [[80, 100]])
     shard.write_bytes(bytes(raw[: off + 10]) + bytes(raw[-INDEX_BYTES:]))
-    with pytest.raises(LayoutError, match="shard 1 ends before byte"):
+    with pytest.raises(LayoutError, match=r"\(shard 1\): the shard ends before byte"):
         _read(_direct(folder), [[80, 100]])
 
 
@@ -136,7 +136,9 @@ def test_corrupted_shard_index_fails_its_checksum(tmp_path):
     shard.write_bytes(bytes(raw))
     direct = _direct(folder)
     assert np.array_equal(_read(direct, [[0, 80]]), v[:80])  # other shards still read
-    with pytest.raises(LayoutError, match=r"shard 2's index fails its crc32c checksum.*reconvert"):
+    with pytest.raises(
+        LayoutError, match=r"\(shard 2\): the shard index fails its crc32c checksum.*reconvert"
+    ):
         _read(direct, [[170, 190]])
 
 

@@ -1,7 +1,9 @@
 """``sclayout verify`` and ``sclayout inspect``: thin click wrappers.
 
-Exit codes: 0 equal / inspected, 1 verify found differences, 2 an error (bad SRC,
-DST not a layout store: one line on stderr, printed by :mod:`sclayout.cli`).
+Exit codes: 0 equal or sound / inspected, 1 verify found differences or damage
+(inspect: missing chunks), 2 could not run (bad SRC, DST not a layout store, with a
+source: a DST chunk that cannot be read; one line on stderr, printed by
+:mod:`sclayout.cli`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,7 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
 
 
 @click.command("verify")
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option(
     "--memory-budget",
     default="2GB",
@@ -28,15 +29,50 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
     default=None,
     help="Progress bars (default: on when stderr is a terminal).",
 )
-def verify_cmd(src: str, dst: str, memory_budget: str, progress: bool | None) -> None:
-    """Check that layout store DST holds exactly the data of SRC, value for value.
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option(
+    "--quick", is_flag=True, help="DST alone: check structure and shard indexes only (fast)."
+)
+def verify_cmd(
+    paths: tuple[str, ...],
+    memory_budget: str,
+    progress: bool | None,
+    quiet: bool,
+    quick: bool,
+) -> None:
+    """Check layout store DST: alone, or against its source SRC value for value.
 
-    Exits 0 when equal, 1 (listing what differs) otherwise.
+    \b
+    sclayout verify DST           structure, every checksum, indices, indptr,
+                                  block pointer, source_index a permutation
+    sclayout verify --quick DST   structure and shard indexes only
+    sclayout verify SRC DST       also every value equal to SRC
+
+    Exits 0 when sound (and equal), 1 listing what is damaged or differs, 2 when
+    it could not run (not a layout store; with SRC: a DST chunk unreadable).
     """
-    from sclayout.convert.verify import verify
+    from loader.errors import InputError
 
+    if len(paths) > 2:
+        raise InputError(f"verify takes DST or SRC DST, got {len(paths)} paths")
     if progress is None:
         progress = sys.stderr.isatty()
+    progress = progress and not quiet
+    if len(paths) == 1:
+        from sclayout.convert.verify_store import check_store
+
+        store = check_store(paths[0], quick=quick, progress=progress)
+        for line in store.findings:
+            click.echo(line)
+        for line in store.notes:
+            click.echo(f"note: {line}", err=True)
+        click.echo(store.summary())
+        sys.exit(0 if store.sound else 1)
+    if quick:
+        raise InputError("--quick checks DST alone: drop SRC, or drop --quick")
+    from sclayout.convert.verify import verify
+
+    src, dst = paths
     report = verify(src, dst, progress=progress, memory_budget=memory_budget)
     for line in report.differences:
         click.echo(line)
@@ -50,11 +86,16 @@ def verify_cmd(src: str, dst: str, memory_budget: str, progress: bool | None) ->
 @click.argument("dst", type=click.Path(path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for machines.")
 def inspect_cmd(dst: str, as_json: bool) -> None:
-    """Describe layout store DST: blocks, order, per-array chunks/shards/codec, sizes."""
+    """Describe layout store DST: blocks, order, per-array chunks/shards/codec, sizes.
+
+    Warns when chunks are missing (exit 1) or the store carries no chunk checksums.
+    """
     from sclayout.convert.inspect import inspect_store, render_inspect
 
     info = inspect_store(dst)
     click.echo(json.dumps(info, indent=1) if as_json else render_inspect(info))
+    if info["missing_chunks"]:
+        sys.exit(1)
 
 
 COMMANDS = [verify_cmd, inspect_cmd]
