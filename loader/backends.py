@@ -49,6 +49,7 @@ __all__ = [
     "Backend",
     "PendingReads",
     "TensorstoreSettings",
+    "damage_cause",
     "get_backend",
     "http_context_spec",
     "is_url",
@@ -314,7 +315,7 @@ class TensorstoreBackend:
             raise read_error(self.location, path, e) from e
 
 
-_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "checksum", "decod", "Missing", "missing", "corrupt")
+_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "shard entry", "checksum", "decod", "corrupt")
 """Words of a tensorstore error that mean the store's bytes are damaged or absent
 (a crc32c mismatch, an undecodable chunk, a chunk or shard that is not there)."""
 
@@ -423,9 +424,10 @@ class ZarrBackend:
             self._check_present(path, ranges)
             jobs.append((key, arr, ranges))
         location = self.location
+        paths = {key: path for key, (path, _) in request.items()}
 
         async def _all() -> dict[str, np.ndarray]:
-            async def _one(arr: Any, ranges: np.ndarray) -> np.ndarray:
+            async def _one(key: str, arr: Any, ranges: np.ndarray) -> np.ndarray:
                 aa = arr._async_array
                 if ranges.shape[0] == 0:
                     return np.zeros((0, *arr.shape[1:]), dtype=arr.dtype)
@@ -433,11 +435,12 @@ class ZarrBackend:
                     parts = await asyncio.gather(
                         *(aa.getitem(slice(int(a), int(b))) for a, b in ranges)
                     )
-                except (ValueError, RuntimeError, TypeError) as e:
-                    raise _zarr_damage(location, arr, ranges, e) from None
+                except _DECODE_ERRORS as e:
+                    chunk = await _first_bad_chunk(aa, ranges)
+                    raise _zarr_damage(location, paths[key], chunk, e) from None
                 return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-            res = await asyncio.gather(*(_one(a, r) for _, a, r in jobs))
+            res = await asyncio.gather(*(_one(k, a, r) for k, a, r in jobs))
             return {k: np.asarray(v) for (k, _, _), v in zip(jobs, res, strict=True)}
 
         return asyncio.run_coroutine_threadsafe(_all(), _get_loop())
@@ -448,21 +451,43 @@ class ZarrBackend:
         self._check_present(path, whole)
         try:
             return np.asarray(arr[...])
-        except (ValueError, RuntimeError, TypeError) as e:
-            raise _zarr_damage(self.location, arr, whole, e) from None
+        except _DECODE_ERRORS as e:
+            raise _zarr_damage(self.location, path, None, e) from None
 
 
-def _zarr_damage(location: str, arr: Any, ranges: np.ndarray, e: Exception) -> LayoutError:
+_DECODE_ERRORS = (ValueError, RuntimeError, TypeError)
+"""What zarr-python raises on bytes it cannot use: a crc32c mismatch (ValueError), a
+blosc or zstd stream that does not decode (RuntimeError), a wrong decoded size."""
+
+
+async def _first_bad_chunk(aa: Any, ranges: np.ndarray) -> int | None:
+    """The first inner chunk of ``ranges`` that fails to read (the error path only:
+    one read per chunk, in order)."""
+    rows = int(aa.chunks[0]) if aa.chunks else 1
+    for a, b in ranges.tolist():
+        for c in range(a // rows, (b - 1) // rows + 1):
+            try:
+                await aa.getitem(slice(c * rows, min((c + 1) * rows, int(aa.shape[0]))))
+            except _DECODE_ERRORS:
+                return c
+    return None
+
+
+def _zarr_damage(location: str, path: str, chunk: int | None, e: Exception) -> LayoutError:
     """The one-line error of a zarr-python read that failed on the stored bytes (a
-    crc32c mismatch, a chunk that does not decode): names store, array and chunks."""
-    rows = int(arr.chunks[0]) if arr.chunks else 1
-    lo, hi = int(ranges[:, 0].min()) // rows, (int(ranges[:, 1].max()) - 1) // rows
-    chunks = f"chunk {lo}" if lo == hi else f"one of chunks {lo}..{hi}"
-    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    crc32c mismatch, a chunk that does not decode): names store, array and chunk."""
+    where = f"store {location}, array {path}" + ("" if chunk is None else f", chunk {chunk}")
     return LayoutError(
-        f"store {location}, array {arr.path}, {chunks}: cannot be read ({cause}); the store "
-        "is damaged: restore it from a good copy or reconvert it"
+        f"{where}: cannot be read ({damage_cause(e)}); the store is damaged: restore it "
+        "from a good copy or reconvert it"
     )
+
+
+def damage_cause(e: Exception) -> str:
+    """The first sentence of a decoding error (zarr's checksum message goes on to
+    print the raw checksum bytes)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text.split(". Stored:", 1)[0].rstrip(".")
 
 
 register_backend("zarr", ZarrBackend)

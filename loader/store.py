@@ -44,6 +44,7 @@ from loader.assemble import (
 )
 from loader.backends import (
     TensorstoreSettings,
+    damage_cause,
     get_backend,
     http_context_spec,
     is_url,
@@ -487,9 +488,9 @@ class LayoutReader:
             try:
                 return np.asarray(arr[...])
             except (ValueError, RuntimeError, TypeError) as e:  # crc32c, decoding
-                cause = str(e).splitlines()[0] if str(e) else type(e).__name__
                 raise LayoutError(
-                    f"store {self.location}, array {path}: cannot be read ({cause}); {fix}"
+                    f"store {self.location}, array {path}: cannot be read "
+                    f"({damage_cause(e)}); {fix}"
                 ) from None
         return self._io.read_array(path)
 

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from loader._shards import missing_chunk, open_index
+from loader.backends import damage_cause
 from loader.errors import LayoutError, SclayoutError
 from loader.layout import MANIFEST_KEY, Manifest
 
@@ -161,6 +162,9 @@ def _check_shards(location: Path, path: str, manifest: Manifest, report: StoreRe
             report.add(f"array {path}: {gone} is missing")
 
 
+_READ_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
+
+
 def _read_slices(
     arr: Any, path: str, report: StoreReport, tick: Callable[[int], None]
 ) -> Iterator[tuple[int, np.ndarray]]:
@@ -177,12 +181,12 @@ def _read_slices(
         b = min(n, a + step)
         try:
             values = np.asarray(arr[a:b])
-        except (ValueError, RuntimeError, TypeError, OSError) as e:
-            cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-            report.add(
-                f"array {path}: rows {a}..{b} (chunks {a // chunk}..{(b - 1) // chunk}) "
-                f"cannot be read: {cause}"
-            )
+        except _READ_ERRORS:
+            for c in range(a // chunk, (b - 1) // chunk + 1):  # name the chunk(s)
+                try:
+                    arr[c * chunk : min((c + 1) * chunk, n)]
+                except _READ_ERRORS as e:
+                    report.add(f"array {path}: chunk {c} cannot be read ({damage_cause(e)})")
             continue
         tick(values.nbytes)
         report.n_bytes += values.nbytes
