@@ -432,7 +432,13 @@ class _Ctx:
 
 
 def _quiet_write(group: Any, key: str, value: Any, kwargs: dict[str, Any]) -> None:
-    with warnings.catch_warnings(), ad.settings.override(zarr_write_format=3):
+    # anndata reopens each array to fill it, so the array's own config is lost: every
+    # chunk is stored only with zarr's default set for the duration of the write
+    with (
+        warnings.catch_warnings(),
+        ad.settings.override(zarr_write_format=3),
+        zarr.config.set({"array.write_empty_chunks": True}),
+    ):
         warnings.simplefilter("ignore")
         ad.io.write_elem(group, key, value, dataset_kwargs=kwargs)
 

@@ -136,8 +136,10 @@ class _Collector:
 
 
 def codec_name(array: Any) -> str:
-    """The sclayout codec name (``blosc-lz4``, ``zstd``, ...) of a zarr array."""
+    """The sclayout codec name (``blosc-lz4``, ``zstd``, ...) of a zarr array (its
+    ``crc32c`` checksum, a format-2 store's last codec, is not part of the name)."""
     compressors = tuple(getattr(array, "compressors", ()) or ())
+    compressors = tuple(c for c in compressors if "crc32c" not in type(c).__name__.lower())
     if not compressors:
         return "none"
     c = compressors[0]

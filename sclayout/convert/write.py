@@ -130,10 +130,8 @@ def checksum_codecs(enabled: bool) -> tuple[Any, ...]:
 
 def anndata_dataset_kwargs(checksums: bool) -> dict[str, Any]:
     """``dataset_kwargs`` for anndata's writer of the small elements (obs, var, uns,
-    ``source_index`` ...): zarr's default compressor followed by ``crc32c``, and every
-    chunk stored even when it equals the fill value."""
-    compressors = (ZstdCodec(level=0), *checksum_codecs(checksums))
-    return {"compressors": compressors, "config": {"write_empty_chunks": True}}
+    ``source_index`` ...): zarr's default compressor followed by ``crc32c``."""
+    return {"compressors": (ZstdCodec(level=0), *checksum_codecs(checksums))}
 
 
 def _create_array(
