@@ -27,7 +27,11 @@ decoded) are read and decoded whole on first use and served from memory.
 Anything else (other codecs, HTTP, index at an unknown place, chunks that do not
 span the trailing dimensions) is left to tensorstore: :func:`open_direct` returns
 ``None`` for it. A shard index's ``crc32c`` checksum (sclayout's stores have one) is
-verified when the index is first read, as zarr-python and tensorstore do.
+verified when the index is first read, and so is an inner chunk's ``crc32c`` (format
+version 2: the last codec of every inner chunk) before it is decoded, as zarr-python
+and tensorstore do. With ``require_chunks`` (a store whose manifest says every chunk
+is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill value;
+:func:`open_index` serves the same shard-index check to the zarr backend.
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =

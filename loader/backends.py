@@ -407,9 +407,17 @@ class ZarrBackend:
         if not self.require_chunks:
             return
         if path not in self._indexes:
-            from loader._shards import open_index
+            from loader._shards import missing_chunk, open_index
 
-            self._indexes[path] = open_index(self.location, path)
+            index = open_index(self.location, path)
+            if index is None:  # not sharded (anndata's arrays): every chunk file, once
+                gone = missing_chunk(self.location, path)
+                if gone is not None:
+                    raise LayoutError(
+                        f"store {self.location}, array {path}, {gone} is missing; the store "
+                        "is damaged: restore it from a good copy or reconvert it"
+                    )
+            self._indexes[path] = index
         index = self._indexes[path]
         if index is not None:
             index.check_present(ranges)
