@@ -345,17 +345,22 @@ def fetch_rows(
 
 
 def check_indices(indices: np.ndarray, n_vars: int, where: str) -> None:
-    """Raise :class:`LayoutError` unless every column id lies in ``[0, n_vars)``
-    (one vectorised min/max pass; the scatter writes out of bounds otherwise)."""
+    """Raise :class:`LayoutError` unless every column id lies in ``[0, n_vars)``.
+
+    One vectorised pass: signed ids are compared as unsigned, so a negative id is a
+    huge one and a single ``max`` finds both kinds (the scatter writes out of bounds
+    otherwise)."""
     if indices.size == 0:
         return
-    lo, hi = int(indices.min()), int(indices.max())
-    if lo < 0 or hi >= n_vars:
-        bad = lo if lo < 0 else hi
-        raise LayoutError(
-            f"{where}: column index {bad} outside [0, {n_vars}) in its indices; the store is "
-            "damaged: run `sclayout verify DST`, restore or reconvert it"
-        )
+    kind = indices.dtype
+    flat = indices.view(f"u{kind.itemsize}") if kind.kind == "i" else indices
+    if int(flat.max()) < n_vars:
+        return
+    bad = int(indices[(indices < 0) | (indices >= n_vars)][0])
+    raise LayoutError(
+        f"{where}: column index {bad} outside [0, {n_vars}) in its indices; the store is "
+        "damaged: run `sclayout verify DST`, restore or reconvert it"
+    )
 
 
 def check_source_ids(index: np.ndarray, n_obs: int, where: str, path: str) -> None:
