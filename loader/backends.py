@@ -315,9 +315,11 @@ class TensorstoreBackend:
             raise read_error(self.location, path, e) from e
 
 
-_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "shard entry", "checksum", "decod", "corrupt")
+_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "checksum", "decod")
 """Words of a tensorstore error that mean the store's bytes are damaged or absent
-(a crc32c mismatch, an undecodable chunk, a chunk or shard that is not there)."""
+(a crc32c mismatch, an undecodable chunk, a chunk or shard that is not there)..."""
+_TRANSPORT = ("CURL", "retry attempts", "UNAVAILABLE", "DEADLINE_EXCEEDED", "onnect")
+"""... unless the read never got the bytes (a server gone or not answering)."""
 
 
 def read_error(
@@ -328,7 +330,8 @@ def read_error(
     message names the store, the array and tensorstore's chunk key), else
     :class:`ReadError` (``fix``: what to do; by default, per kind of location)."""
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-    if fix is None and any(word in cause for word in _DAMAGE):
+    damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
+    if fix is None and damaged:
         return LayoutError(
             f"store {location.rstrip('/')}, array {path}: a chunk is damaged or missing "
             f"({cause}); restore the store from a good copy or reconvert it"
