@@ -91,7 +91,7 @@ def _values(draw, store) -> None:
 
 
 @settings(
-    max_examples=6,
+    max_examples=5,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
