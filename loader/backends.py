@@ -316,10 +316,12 @@ class TensorstoreBackend:
 
 
 _DAMAGE = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "checksum", "decod")
-"""Words of a tensorstore error that mean the store's bytes are damaged or absent
-(a crc32c mismatch, an undecodable chunk, a chunk or shard that is not there)..."""
+"""Words of a tensorstore error that mean the store's bytes are damaged or absent (a
+crc32c mismatch, an undecodable chunk, a chunk or shard that is not there), unless a
+word of :data:`_TRANSPORT` says the read never got the bytes."""
 _TRANSPORT = ("CURL", "retry attempts", "UNAVAILABLE", "DEADLINE_EXCEEDED", "onnect")
-"""... unless the read never got the bytes (a server gone or not answering)."""
+"""Words of a tensorstore error about the transport (a server gone or not answering):
+a :class:`ReadError`, whatever else the message says."""
 
 
 def read_error(

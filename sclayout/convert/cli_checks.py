@@ -62,24 +62,26 @@ def verify_cmd(
         from sclayout.convert.verify_store import check_store
 
         store = check_store(paths[0], quick=quick, progress=progress)
-        for line in store.findings:
-            click.echo(line)
-        for line in store.notes:
-            click.echo(f"note: {line}", err=True)
-        click.echo(store.summary())
-        sys.exit(0 if store.sound else 1)
+        _finish(store.findings, [f"note: {n}" for n in store.notes], store.summary(), store.sound)
     if quick:
         raise InputError("--quick checks DST alone: drop SRC, or drop --quick")
     from sclayout.convert.verify import verify
 
     src, dst = paths
     report = verify(src, dst, progress=progress, memory_budget=memory_budget)
-    for line in report.differences:
+    skipped = [f"skipped: {line}" for line in report.skipped]
+    _finish(report.differences, skipped, report.summary(), report.equal)
+
+
+def _finish(findings: list[str], remarks: list[str], summary: str, ok: bool) -> None:
+    """Print one line per finding (stdout), the remarks (stderr), the summary; exit
+    0 when ``ok``, else 1."""
+    for line in findings:
         click.echo(line)
-    for line in report.skipped:
-        click.echo(f"skipped: {line}", err=True)
-    click.echo(report.summary())
-    sys.exit(0 if report.equal else 1)
+    for line in remarks:
+        click.echo(line, err=True)
+    click.echo(summary)
+    sys.exit(0 if ok else 1)
 
 
 @click.command("inspect")
