@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -334,8 +335,11 @@ def read_error(
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
     if fix is None and damaged:
+        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD"
+        m = re.search(r"shard entry \{(\d+)\}/\{(\d+)\} in .*?/c/(\d+)", cause)
+        chunk = f", chunk {int(m[3]) * int(m[2]) + int(m[1])}" if m else ""
         return LayoutError(
-            f"store {location.rstrip('/')}, array {path}: a chunk is damaged or missing "
+            f"store {location.rstrip('/')}, array {path}{chunk}: damaged or missing "
             f"({cause}); restore the store from a good copy or reconvert it"
         )
     """A one-line :class:`ReadError` for a failed tensorstore read of ``path`` in the
