@@ -17,7 +17,9 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
 
 
 @click.command("verify")
-@click.argument("paths", nargs=-1, required=True, type=click.Path(path_type=str))
+@click.argument(
+    "paths", nargs=-1, required=True, metavar="[SRC] DST", type=click.Path(path_type=str)
+)
 @click.option(
     "--memory-budget",
     default="2GB",
