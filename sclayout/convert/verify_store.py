@@ -111,9 +111,8 @@ def _check_structure(location: Path, manifest: Manifest, report: StoreReport) ->
     import zarr
 
     named: list[tuple[str, Any]] = []
-    for _mname, m in manifest.matrices.items():
-        for _part, a in m.arrays.items():
-            named.append((a.path, a))
+    for m in manifest.matrices.values():
+        named += [(a.path, a) for a in m.arrays.values()]
         if m.block_pointer is not None:
             named.append((m.block_pointer, None))
     named.append((manifest.source_index, None))
