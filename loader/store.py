@@ -839,6 +839,8 @@ def open_layout(
         rather than page-faulting fresh ones; process-wide, see there).
     **backend_options
         Passed to the backend (e.g. tensorstore's ``file_io_concurrency``).
+        ``require_chunks`` (an absent chunk or shard is a :class:`LayoutError`, not
+        the fill value) defaults to the manifest's ``all_chunks_stored``.
     """
     if block_size is not None:
         block_size = parse_block_size(block_size)
