@@ -19,7 +19,7 @@ import numpy as np
 
 from loader.assemble import CSRRows, DenseRows
 from loader.dataset import BlockDataset
-from loader.errors import InputError, LayoutError
+from loader.errors import InputError, LayoutError, SclayoutError
 
 __all__ = [
     "dataloader_class",
@@ -254,6 +254,17 @@ def unpack_group(item: dict[str, Any], *, output: str, done: Any = None) -> list
 _LAZY: dict[str, Any] = {}
 
 
+def worker_error(e: SclayoutError) -> SclayoutError:
+    """The error a DataLoader worker raised, with its own one-line message: torch
+    re-raises it in the main process as ``Caught X in DataLoader worker process N``
+    followed by the worker's traceback."""
+    text = str(e)
+    if not text.startswith("Caught "):
+        return e
+    last = text.rstrip().splitlines()[-1]
+    return type(e)(last.split(f"{type(e).__name__}: ", 1)[-1])
+
+
 def torch_dataset_class() -> type:
     if "TorchBlockDataset" not in _LAZY:
         from torch.utils.data import IterableDataset
@@ -347,7 +358,10 @@ def dataloader_class() -> type:
                     while not remaining[p]:
                         p = (p + 1) % n
                     while not queues[p]:
-                        item = next(items, None)
+                        try:
+                            item = next(items, None)
+                        except SclayoutError as e:  # torch put the traceback in it
+                            raise worker_error(e) from None
                         if item is None or not isinstance(item, dict) or _GROUP not in item:
                             raise LayoutError(
                                 f"BlockDataLoader: worker {p} stopped {remaining[p]} "

@@ -248,3 +248,16 @@ def test_csr_output_of_an_out_of_range_index_is_an_error(stores, tmp_path):
     reader = open_layout(store)
     with pytest.raises(LayoutError, match=r"column index 50 outside \[0, 50\)"):
         reader.submit(np.arange(reader.n_blocks)).result().take(np.arange(3), output="csr")
+
+
+def test_damage_found_in_a_dataloader_worker_is_one_line(stores, tmp_path):
+    from loader import BlockDataset
+
+    store = tmp_path / "s"
+    shutil.copytree(stores["blosc-lz4"], store)
+    DAMAGE["flip16-data"](store)
+    dataset = BlockDataset(str(store), batch_size=32)
+    with pytest.raises(LayoutError) as e:
+        for _ in dataset.dataloader(num_workers=1):
+            pass
+    assert "\n" not in str(e.value) and "fails its crc32c checksum" in str(e.value)
