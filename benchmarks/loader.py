@@ -112,28 +112,48 @@ QUICK = {
 
 
 def _stores(
-    src: Path, work: Path, orders: Sequence[str], block_size: int, codecs: Sequence[str] = CODECS
+    src: Path,
+    work: Path,
+    orders: Sequence[str],
+    block_size: int,
+    codecs: Sequence[str] = CODECS,
+    checksums: Sequence[bool] = (True,),
 ) -> dict[str, Path]:
-    """The converted stores (``ORDER`` or, for several codecs, ``ORDER/CODEC`` ->
-    path), built on first use and cached in ``work``."""
+    """The converted stores (``ORDER``, or ``ORDER/CODEC`` for several codecs, with
+    ``/no-crc`` for a store written without chunk checksums -> path), built on first
+    use and cached in ``work``."""
     from sclayout.convert import convert
 
     out = {}
-    for order, codec in itertools.product(orders, codecs):
-        dst = work / f"{src.stem}-{order}-b{block_size}-{codec}.zarr"
+    for order, codec, crc in itertools.product(orders, codecs, checksums):
+        tag = "" if crc else "-nocrc"
+        dst = work / f"{src.stem}-{order}-b{block_size}-{codec}{tag}.zarr"
         if dst.exists():
             try:
-                open_layout(dst)  # complete: the manifest is written last
+                old = open_layout(dst).manifest.chunk_checksum is None  # written last
             except Exception:
                 print(f"{dst.name} is incomplete: converting again", flush=True)
                 shutil.rmtree(dst)
+            else:
+                if crc and old:  # written before chunk checksums: convert again
+                    shutil.rmtree(dst)
         if not dst.exists():
             print(f"converting {src.name} -> {dst.name} ...", flush=True)
             by = ("plate", "cell_line") if order == "stratified" else ()
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                convert(src, dst, block_size=block_size, order=order, by=by, seed=0, codec=codec)
-        out[order if len(codecs) == 1 else f"{order}/{codec}"] = dst
+                convert(
+                    src,
+                    dst,
+                    block_size=block_size,
+                    order=order,
+                    by=by,
+                    seed=0,
+                    codec=codec,
+                    checksums=crc,
+                )
+        key = order if len(codecs) == 1 else f"{order}/{codec}"
+        out[key if crc else f"{key}/no-crc"] = dst
     return out
 
 
@@ -453,6 +473,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--codecs", default=",".join(CODECS), help="codecs of the stores, comma-separated"
     )
+    p.add_argument(
+        "--checksums",
+        default="on",
+        help="stores with chunk checksums (on), without (off) or both (on,off) [on]",
+    )
     args = p.parse_args(argv)
     d = QUICK if args.quick else FULL
     args.repeat = args.repeat or d["repeat"]
@@ -475,6 +500,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if bad:
         p.error(f"--codecs: unknown {bad[0]}; known: {', '.join(sorted(KNOWN))}")
     args.cold_ff = ints(args.cold_ff) if args.cold_ff else d.get("cold_ff", (16,))
+    flags = {"on": True, "off": False}
+    words = [w for w in args.checksums.split(",") if w]
+    if not words or any(w not in flags for w in words):
+        p.error(f"--checksums {args.checksums!r}: give on, off or on,off")
+    args.checksums = tuple(flags[w] for w in words)
     return args
 
 
@@ -498,7 +528,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         with h5py.File(src, "r") as f:
             n_obs, n_vars = (int(v) for v in f["X"].attrs["shape"])
-        stores = _stores(src, work, args.orders, store_bs, args.codecs)
+        stores = _stores(src, work, args.orders, store_bs, args.codecs, args.checksums)
         labels = _plate_labels(src)
         check = check_eviction(src)
         print(check, flush=True)
@@ -566,6 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "seconds_cap": args.seconds,
             "store_block_size": store_bs,
             "codecs": list(args.codecs),
+            "checksums": list(args.checksums),
             "store_bytes": store_bytes,
             "source": {
                 "name": src.name,

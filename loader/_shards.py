@@ -27,7 +27,11 @@ decoded) are read and decoded whole on first use and served from memory.
 Anything else (other codecs, HTTP, index at an unknown place, chunks that do not
 span the trailing dimensions) is left to tensorstore: :func:`open_direct` returns
 ``None`` for it. A shard index's ``crc32c`` checksum (sclayout's stores have one) is
-verified when the index is first read, as zarr-python and tensorstore do.
+verified when the index is first read, and so is an inner chunk's ``crc32c`` (format
+version 2: the last codec of every inner chunk) before it is decoded, as zarr-python
+and tensorstore do. With ``require_chunks`` (a store whose manifest says every chunk
+is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill value;
+:func:`open_index` serves the same shard-index check to the zarr backend.
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
@@ -39,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -53,7 +58,9 @@ __all__ = [
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
+    "missing_chunk",
     "open_direct",
+    "open_index",
     "share_decode_threads",
 ]
 
@@ -100,6 +107,9 @@ class _Meta:
     index_crc: bool
     key_prefix: str
     key_suffix: str
+    chunk_crc: bool = False
+    decodable: bool = True
+    """Whether this module decodes the inner chunks (else it only reads shard indexes)."""
 
     @property
     def row_bytes(self) -> int:
@@ -110,8 +120,12 @@ class _Meta:
         return self.shard_rows // self.chunk_rows
 
 
+_DECODABLE = (["bytes"], ["bytes", "blosc"])
+
+
 def _parse(meta: dict) -> _Meta | None:
-    """The parts of a zarr v3 array's metadata the direct path needs, or ``None``."""
+    """The parts of a zarr v3 array's metadata the direct path needs, or ``None``
+    (not sharded by rows, or a shard index this module cannot read)."""
     try:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
             return None
@@ -129,11 +143,10 @@ def _parse(meta: dict) -> _Meta | None:
         if shard[1:] != shape[1:] or inner[1:] != shape[1:] or shard[0] % inner[0]:
             return None
         names = [c["name"] for c in conf["codecs"]]
-        if names not in (["bytes"], ["bytes", "blosc"]):
-            return None
+        chunk_crc = names[-1:] == ["crc32c"]
+        body = names[:-1] if chunk_crc else names
         endian = conf["codecs"][0].get("configuration", {}).get("endian", "little")
-        if endian != "little" and np.dtype(dtype).itemsize > 1:
-            return None
+        decodable = body in _DECODABLE and (endian == "little" or np.dtype(dtype).itemsize == 1)
         index = [c["name"] for c in conf.get("index_codecs", [])]
         if index not in (["bytes"], ["bytes", "crc32c"]):
             return None
@@ -165,37 +178,93 @@ def _parse(meta: dict) -> _Meta | None:
             fill=fill,
             shard_rows=shard[0],
             chunk_rows=inner[0],
-            blosc=names[-1] == "blosc",
+            blosc=body[-1] == "blosc",
             index_at_end=where == "end",
             index_crc=index[-1] == "crc32c",
             key_prefix=prefix,
             key_suffix=suffix,
+            chunk_crc=chunk_crc,
+            decodable=decodable,
         )
     except (KeyError, TypeError, ValueError, IndexError, AttributeError):
         return None
 
 
+def _open_meta(location: str, path: str) -> _Meta | None:
+    if is_url(location):
+        return None
+    try:
+        with open(os.path.join(location, path, "zarr.json")) as f:
+            return _parse(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
 def open_direct(
-    location: str, path: str, *, whole_array_bytes: int = SMALL_ARRAY_BYTES
+    location: str,
+    path: str,
+    *,
+    whole_array_bytes: int = SMALL_ARRAY_BYTES,
+    require_chunks: bool = False,
 ) -> DirectArray | None:
     """A :class:`DirectArray` for array ``path`` of the local store at ``location``,
     or ``None`` when the direct path does not apply (the caller uses tensorstore).
 
     Arrays of at most ``whole_array_bytes`` decoded bytes are read whole on first use.
+    ``require_chunks``: an absent chunk or shard raises :class:`LayoutError` (a store
+    whose manifest says every chunk is stored) instead of reading as the fill value.
     """
-    if is_url(location):
-        return None
     try:
         import numcodecs.blosc  # noqa: F401
     except ImportError:  # pragma: no cover - numcodecs comes with zarr
         return None
+    meta = _open_meta(location, path)
+    if meta is None or not meta.decodable:
+        return None
+    return DirectArray(
+        location, path, meta, whole_array_bytes=whole_array_bytes, require_chunks=require_chunks
+    )
+
+
+def missing_chunk(location: str, path: str) -> str | None:
+    """The first chunk of the local zarr v3 array ``path`` that is not stored (``"chunk
+    N"``, ``"chunk (i, j)"``), or ``None`` when every chunk of the grid exists.
+
+    Sharded by rows: reads shard indexes; otherwise (arrays anndata writes) checks that
+    every chunk file of the regular grid exists.
+    """
+    import itertools
+
+    meta = _open_meta(location, path)
+    if meta is not None:
+        array = DirectArray(location, path, meta, require_chunks=True)
+        chunk = array.first_missing(np.array([[0, meta.shape[0]]], dtype=np.int64))
+        return None if chunk is None else f"chunk {chunk}"
     folder = os.path.join(location, path)
     try:
         with open(os.path.join(folder, "zarr.json")) as f:
-            meta = _parse(json.load(f))
-    except (OSError, ValueError):
-        return None
-    return None if meta is None else DirectArray(folder, meta, whole_array_bytes=whole_array_bytes)
+            doc = json.load(f)
+        shape = [int(s) for s in doc["shape"]]
+        grid = [int(c) for c in doc["chunk_grid"]["configuration"]["chunk_shape"]]
+        enc = doc.get("chunk_key_encoding", {"name": "default"})
+        default_sep = "/" if enc["name"] == "default" else "."
+        sep = enc.get("configuration", {}).get("separator", default_sep)
+        prefix = f"c{sep}" if enc["name"] == "default" else ""
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # not a plain zarr v3 array: nothing this check can say
+    counts = [-(-n // c) for n, c in zip(shape, grid, strict=True)]
+    for ids in itertools.product(*(range(n) for n in counts)):
+        key = prefix + sep.join(map(str, ids)) if ids else prefix.rstrip(sep) or "c"
+        if not os.path.exists(os.path.join(folder, *key.split("/"))):
+            return f"chunk {ids[0] if len(ids) == 1 else ids}"
+    return None
+
+
+def open_index(location: str, path: str) -> DirectArray | None:
+    """A :class:`DirectArray` of a local sharded array used only for
+    :meth:`DirectArray.check_present` (any inner codecs), or ``None``."""
+    meta = _open_meta(location, path)
+    return None if meta is None else DirectArray(location, path, meta, require_chunks=True)
 
 
 class _Pool:
@@ -249,10 +318,19 @@ class DirectArray:
     """One sharded zarr v3 array read by byte range (see the module docstring)."""
 
     def __init__(
-        self, folder: str, meta: _Meta, *, whole_array_bytes: int = SMALL_ARRAY_BYTES
+        self,
+        location: str,
+        path: str,
+        meta: _Meta,
+        *,
+        whole_array_bytes: int = SMALL_ARRAY_BYTES,
+        require_chunks: bool = False,
     ) -> None:
-        self.folder = folder
+        self.location = location
+        self.path = path
+        self.folder = os.path.join(location, path)
         self.meta = meta
+        self.require_chunks = bool(require_chunks)
         self.whole_array_bytes = int(whole_array_bytes)
         self.shape = meta.shape
         self.dtype = meta.dtype
@@ -264,10 +342,80 @@ class DirectArray:
         self._small = meta.shape[0] * meta.row_bytes <= self.whole_array_bytes
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"folder": self.folder, "meta": self.meta, "whole": self.whole_array_bytes}
+        return {
+            "location": self.location,
+            "path": self.path,
+            "meta": self.meta,
+            "whole": self.whole_array_bytes,
+            "require": self.require_chunks,
+        }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["folder"], state["meta"], whole_array_bytes=state["whole"])  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]
+            state["location"],
+            state["path"],
+            state["meta"],
+            whole_array_bytes=state["whole"],
+            require_chunks=state["require"],
+        )
+
+    def _where(self, chunk: int | None = None, shard: int | None = None) -> str:
+        """``store S, array A, chunk C`` for error messages."""
+        what = f"store {self.location}, array {self.path}"
+        if chunk is not None:
+            what += f", chunk {chunk}"
+        if shard is not None:
+            what += f" (shard {shard})"
+        return what
+
+    def _missing(self, chunk: int, shard: int) -> LayoutError:
+        gone = "its shard file is missing" if self._fd(shard) is None else "it is not in its shard"
+        return LayoutError(
+            f"{self._where(chunk, shard)} is missing ({gone}); the store is damaged: "
+            "restore it from a good copy or reconvert it"
+        )
+
+    def check_present(self, ranges: np.ndarray) -> None:
+        """Raise :class:`LayoutError` naming the first absent inner chunk (or shard)
+        that rows ``ranges`` (``(n, 2)``) touch; reads only shard indexes."""
+        chunk = self.first_missing(ranges)
+        if chunk is not None:
+            raise self._missing(chunk, chunk // self.meta.chunks_per_shard)
+
+    def shard_entries(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """``(shard, file size, (n, 2) offset/nbytes of its stored chunks)`` of every
+        shard file that exists (for checks of the whole array)."""
+        self._check_pid()
+        n_shards = -(-self.shape[0] // self.meta.shard_rows)
+        for shard in range(n_shards):
+            index = self._shard_index(shard)
+            fd = self._fd(shard)
+            if index is None or fd is None:
+                continue
+            yield shard, os.fstat(fd).st_size, index[index[:, 0] != _MISSING]
+
+    def first_missing(self, ranges: np.ndarray) -> int | None:
+        """The first inner chunk that rows ``ranges`` touch and that is not stored."""
+        self._check_pid()
+        C = self.meta.chunk_rows
+        ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
+        ranges = ranges[ranges[:, 1] > ranges[:, 0]]
+        if ranges.shape[0] == 0:
+            return
+        first, last = ranges[:, 0] // C, (ranges[:, 1] - 1) // C
+        counts = last - first + 1
+        chunks = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+        chunks = np.unique(chunks)
+        per = self.meta.chunks_per_shard
+        for shard in np.unique(chunks // per).tolist():
+            index = self._shard_index(shard)
+            mine = chunks[chunks // per == shard] - shard * per
+            if index is None:
+                return int(mine[0]) + shard * per
+            absent = mine[index[mine, 0] == _MISSING]
+            if absent.size:
+                return int(absent[0]) + shard * per
+        return None
 
     # -- files and shard indexes (per process)
     def _check_pid(self) -> None:
@@ -304,14 +452,19 @@ class DirectArray:
                     end = os.fstat(fd).st_size
                     if end < size:
                         raise LayoutError(
-                            f"{self.folder}: shard {shard} is {end} bytes, shorter than its "
-                            "index; reconvert the store"
+                            f"{self._where(shard=shard)}: the shard is {end} bytes, shorter "
+                            "than its index (truncated); restore it or reconvert the store"
                         )
                     raw = os.pread(fd, size, end - size)
                 else:
                     raw = os.pread(fd, size, 0)
+                if len(raw) < size:
+                    raise LayoutError(
+                        f"{self._where(shard=shard)}: the shard is shorter than its index "
+                        "(truncated); restore it or reconvert the store"
+                    )
                 if self.meta.index_crc:
-                    _check_crc32c(raw, f"{self.folder}: shard {shard}'s index")
+                    _check_crc32c(raw, f"{self._where(shard=shard)}: the shard index")
                 index = np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
             self._index[shard] = index
             return index
@@ -379,6 +532,8 @@ class DirectArray:
                 cur[3][-1][3].append((lo, hi, d))
                 continue
             index = self._shard_index(shard)
+            if (index is None or index[k, 0] == _MISSING) and self.require_chunks:
+                raise self._missing(c, shard)
             if index is None or index[k, 0] == _MISSING:
                 tasks.append((shard, -1, 0, [(0, 0, c, [(lo, hi, d)])]))
                 cur = None
@@ -421,8 +576,9 @@ class DirectArray:
         got = os.preadv(fd, [raw], start)
         if got != length:
             raise LayoutError(
-                f"{self.folder}: shard {shard} ends before byte {start + length} its index "
-                "names; reconvert the store"
+                f"{self._where(chunks[-1][2], shard)}: the shard ends before byte "
+                f"{start + length} its index names (truncated); restore it or reconvert "
+                "the store"
             )
         for off, nb, c, parts in chunks:
             src = raw[off : off + nb]
@@ -440,11 +596,19 @@ class DirectArray:
                     ]
 
     def _decode(self, src: np.ndarray, target: np.ndarray, chunk: int, nbytes: int) -> None:
+        """Check chunk ``chunk``'s crc32c (if it has one) and decode it into ``target``."""
+        if self.meta.chunk_crc:
+            if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
+                raise LayoutError(
+                    f"{self._where(chunk)} fails its crc32c checksum: the file is corrupt "
+                    "or changed while read; restore it from a good copy or reconvert the store"
+                )
+            src = src[:-4]
         if not self.meta.blosc:
             if src.nbytes != nbytes:
                 raise LayoutError(
-                    f"{self.folder}: chunk {chunk} holds {src.nbytes} bytes, expected "
-                    f"{nbytes}; reconvert the store"
+                    f"{self._where(chunk)} holds {src.nbytes} bytes, expected {nbytes}; "
+                    "the store is damaged: restore it or reconvert the store"
                 )
             target[:] = src
             return
@@ -453,10 +617,16 @@ class DirectArray:
         size = int.from_bytes(src[4:8].tobytes(), "little") if src.nbytes >= _BLOSC_HEADER else -1
         if size != nbytes:
             raise LayoutError(
-                f"{self.folder}: chunk {chunk} decodes to {size} bytes, expected {nbytes}; "
-                "reconvert the store"
+                f"{self._where(chunk)} decodes to {size} bytes, expected {nbytes}; "
+                "the store is damaged: restore it or reconvert the store"
             )
-        blosc.decompress(src, target)
+        try:
+            blosc.decompress(src, target)
+        except RuntimeError as e:
+            raise LayoutError(
+                f"{self._where(chunk)} cannot be decoded ({e}); the store is damaged: "
+                "restore it or reconvert the store"
+            ) from None
 
 
 def submit_reads(
@@ -495,13 +665,17 @@ def _announce(runs: list[tuple[int, int, int]]) -> None:
             pass
 
 
+def _crc32c(data: Any) -> int:
+    import google_crc32c  # zarr-python's own dependency for this codec
+
+    return google_crc32c.value(data)
+
+
 def _check_crc32c(raw: bytes, what: str) -> None:
     """Raise :class:`LayoutError` unless the last 4 bytes of ``raw`` are the
     little-endian crc32c of the rest (zarr v3's ``crc32c`` codec)."""
-    import google_crc32c  # zarr-python's own dependency for this codec
-
     stored = int.from_bytes(raw[-4:], "little")
-    if len(raw) < 4 or google_crc32c.value(raw[:-4]) != stored:
+    if len(raw) < 4 or _crc32c(raw[:-4]) != stored:
         raise LayoutError(
             f"{what} fails its crc32c checksum: the file is corrupt or was changed "
             "while read; restore it or reconvert the store"

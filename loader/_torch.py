@@ -14,7 +14,7 @@ from typing import Any
 
 from loader._workers import GROUP_KEY, GROUP_SLOTS, to_torch, unpack_group, worker_context
 from loader.dataset import BlockDataset
-from loader.errors import InputError, LayoutError
+from loader.errors import InputError, LayoutError, SclayoutError
 
 try:
     import torch
@@ -23,7 +23,18 @@ try:
 except ImportError:  # torch is an extra: loader works without it (numpy batches)
     torch = None
 
-__all__ = ["BlockDataLoader", "TorchBlockDataset"]
+__all__ = ["BlockDataLoader", "TorchBlockDataset", "worker_error"]
+
+
+def worker_error(e: SclayoutError) -> SclayoutError:
+    """The error a DataLoader worker raised, with its own one-line message: torch
+    re-raises it in the main process as ``Caught X in DataLoader worker process N``
+    followed by the worker's traceback."""
+    text = str(e)
+    if not text.startswith("Caught "):
+        return e
+    last = text.rstrip().splitlines()[-1]
+    return type(e)(last.split(f"{type(e).__name__}: ", 1)[-1])
 
 
 if torch is not None:
@@ -105,7 +116,10 @@ if torch is not None:
                 while not remaining[p]:
                     p = (p + 1) % n
                 while not queues[p]:
-                    item = next(items, None)
+                    try:
+                        item = next(items, None)
+                    except SclayoutError as e:  # torch put the worker's traceback in it
+                        raise worker_error(e) from None
                     if item is None or not isinstance(item, dict) or GROUP_KEY not in item:
                         raise LayoutError(
                             f"BlockDataLoader: worker {p} stopped {remaining[p]} "

@@ -37,6 +37,8 @@ __all__ = [
     "CSRRows",
     "DenseOrder",
     "DenseRows",
+    "check_indices",
+    "check_source_ids",
     "fetch_rows",
     "get_output",
 ]
@@ -290,8 +292,15 @@ def fetch_rows(
     indptr_parts: np.ndarray,
     row_ranges: np.ndarray,
     n_vars: int,
+    where: str = "store",
 ) -> CSRRows:
     """All rows of a fetch as one :class:`CSRRows`.
+
+    The decoded pointers and column ids are checked first (vectorised, one pass
+    each): ``indptr`` never decreases within the fetch and every column id lies in
+    ``[0, n_vars)``. A damaged store (a flipped bit in a store without checksums, a
+    value written by other tools) then raises :class:`LayoutError` instead of
+    crashing the dense scatter or yielding an invalid CSR tensor.
 
     Parameters
     ----------
@@ -304,6 +313,8 @@ def fetch_rows(
         ``(n, 2)`` stored-row ranges, in the order of the parts.
     n_vars
         Number of columns.
+    where
+        What the rows come from (``store S, matrix X``), for error messages.
     """
     sizes = row_ranges[:, 1] - row_ranges[:, 0]
     n_rows = int(sizes.sum())
@@ -312,18 +323,51 @@ def fetch_rows(
     # those sit at positions cumsum(sizes + 1) - 1 for all but the last part.
     if sizes.size > 1:
         step = np.delete(step, np.cumsum(sizes + 1)[:-1] - 1)
+    fix = "the store is damaged: run `sclayout verify DST`, restore or reconvert it"
+    if step.size and int(step.min()) < 0:
+        row = int(row_ranges[0, 0]) if sizes.size == 1 else None
+        at = f" (near stored row {row + int(np.argmin(step))})" if row is not None else ""
+        raise LayoutError(f"{where}: indptr decreases within a fetch{at}; {fix}")
     total = int(step.sum()) if step.size else 0
     if total != data.shape[0] or data.shape[0] != indices.shape[0]:
         raise LayoutError(
-            f"store is inconsistent: indptr says {total} values for the fetch, "
-            f"read {data.shape[0]} data and {indices.shape[0]} indices; run "
-            "`sclayout verify` and reconvert"
+            f"{where} is inconsistent: indptr says {total} values for the fetch, "
+            f"read {data.shape[0]} data and {indices.shape[0]} indices; {fix}"
         )
+    check_indices(indices, n_vars, where)
     idx_dtype = np.int32 if max(total, n_vars) < 2**31 else np.int64
     indptr = np.empty(n_rows + 1, dtype=idx_dtype)
     indptr[0] = 0
     np.cumsum(step, out=indptr[1:])
     return CSRRows(data, indices.astype(idx_dtype, copy=False), indptr, int(n_vars))
+
+
+def check_indices(indices: np.ndarray, n_vars: int, where: str) -> None:
+    """Raise :class:`LayoutError` unless every column id lies in ``[0, n_vars)``.
+
+    One vectorised pass: signed ids are compared as unsigned, so a negative id is a
+    huge one and a single ``max`` finds both kinds (the scatter writes out of bounds
+    otherwise)."""
+    if indices.size == 0:
+        return
+    kind = indices.dtype
+    flat = indices.view(f"u{kind.itemsize}") if kind.kind == "i" else indices
+    if int(flat.max()) < n_vars:
+        return
+    bad = int(indices[(indices < 0) | (indices >= n_vars)][0])
+    raise LayoutError(
+        f"{where}: column index {bad} outside [0, {n_vars}) in its indices; the store is "
+        "damaged: run `sclayout verify DST`, restore or reconvert it"
+    )
+
+
+def check_source_ids(index: np.ndarray, n_obs: int, where: str, path: str) -> None:
+    """Raise :class:`LayoutError` unless every source row id lies in ``[0, n_obs)``."""
+    if index.size and (int(index.min()) < 0 or int(index.max()) >= n_obs):
+        raise LayoutError(
+            f"store {where}, array {path}: a source row id outside [0, {n_obs}); the store "
+            "is damaged: run `sclayout verify DST`, restore or reconvert it"
+        )
 
 
 Rows = CSRRows | DenseRows

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ __all__ = [
     "PendingReads",
     "TensorstoreSettings",
     "check_timeout",
+    "damage_cause",
     "get_backend",
     "http_context_spec",
     "is_url",
@@ -225,9 +227,11 @@ class TensorstoreBackend:
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
+        require_chunks: bool = False,
         **_: Any,
     ) -> None:
         self.location = location
+        self.require_chunks = bool(require_chunks)
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self._timeout = check_timeout(http_timeout) if is_url(location) else None
@@ -271,6 +275,8 @@ class TensorstoreBackend:
                 "kvstore": ts_kvstore(self.location, path),
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
+                # a store whose manifest says every chunk is stored: absent is an error
+                "fill_missing_data_reads": not self.require_chunks,
             }
             opening = ts.open(spec, read=True, context=self._context)
             try:
@@ -295,7 +301,9 @@ class TensorstoreBackend:
             from loader._shards import SMALL_ARRAY_BYTES, open_direct
 
             whole = SMALL_ARRAY_BYTES if self.whole_array_bytes is None else self.whole_array_bytes
-            self._direct[path] = open_direct(self.location, path, whole_array_bytes=whole)
+            self._direct[path] = open_direct(
+                self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
+            )
         return self._direct[path]
 
     def submit(self, request: Request) -> PendingReads:
@@ -342,7 +350,32 @@ class TensorstoreBackend:
             raise read_error(self.location, path, e) from e
 
 
-def read_error(location: str, path: str, e: Exception, *, fix: str | None = None) -> ReadError:
+_DAMAGE = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "checksum", "decod")
+"""Words of a tensorstore error that mean the store's bytes are damaged or absent (a
+crc32c mismatch, an undecodable chunk, a chunk or shard that is not there), unless a
+word of :data:`_TRANSPORT` says the read never got the bytes."""
+_TRANSPORT = ("CURL", "retry attempts", "UNAVAILABLE", "DEADLINE_EXCEEDED", "onnect")
+"""Words of a tensorstore error about the transport (a server gone or not answering):
+a :class:`ReadError`, whatever else the message says."""
+
+
+def read_error(
+    location: str, path: str, e: Exception, *, fix: str | None = None
+) -> ReadError | LayoutError:
+    """A one-line error for a failed tensorstore read of ``path`` in the store at
+    ``location``: :class:`LayoutError` when the bytes are damaged or missing (the
+    message names the store, the array and tensorstore's chunk key), else
+    :class:`ReadError` (``fix``: what to do; by default, per kind of location)."""
+    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+    damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
+    if fix is None and damaged:
+        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD"
+        m = re.search(r"shard entry \{(\d+)\}/\{(\d+)\} in .*?/c/(\d+)", cause)
+        chunk = f", chunk {int(m[3]) * int(m[2]) + int(m[1])}" if m else ""
+        return LayoutError(
+            f"store {location.rstrip('/')}, array {path}{chunk}: damaged or missing "
+            f"({cause}); restore the store from a good copy or reconvert it"
+        )
     """A one-line :class:`ReadError` for a failed tensorstore read of ``path`` in the
     store at ``location`` (``fix``: what to do; by default, per kind of location)."""
     if fix is None:
@@ -351,7 +384,6 @@ def read_error(location: str, path: str, e: Exception, *, fix: str | None = None
             if is_url(location)
             else "check that the store was not moved, removed or rewritten while loading"
         )
-    cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     return ReadError(f"reading {location.rstrip('/')}/{path} failed: {cause}; {fix}")
 
 
@@ -400,14 +432,16 @@ class ZarrBackend:
 
     kinds = ("store",)
 
-    def __init__(self, location: str, **_: Any) -> None:
+    def __init__(self, location: str, *, require_chunks: bool = False, **_: Any) -> None:
         if is_url(location):
             raise InputError(
                 f"backend='zarr' reads local stores only; for {location} use backend='tensorstore'"
             )
         self.location = location
+        self.require_chunks = bool(require_chunks)
         self._pid = -1
         self._arrays: dict[str, Any] = {}
+        self._indexes: dict[str, Any] = {}
 
     def _array(self, path: str) -> Any:
         if self._pid != os.getpid():
@@ -421,30 +455,101 @@ class ZarrBackend:
             self._arrays[path] = arr
         return arr
 
+    def _check_present(self, path: str, ranges: np.ndarray) -> None:
+        """zarr-python reads an absent chunk as the fill value: in a store whose
+        manifest says every chunk is stored, look in the shard indexes first."""
+        if not self.require_chunks:
+            return
+        if path not in self._indexes:
+            from loader._shards import missing_chunk, open_index
+
+            index = open_index(self.location, path)
+            if index is None:  # not sharded (anndata's arrays): every chunk file, once
+                gone = missing_chunk(self.location, path)
+                if gone is not None:
+                    raise LayoutError(
+                        f"store {self.location}, array {path}, {gone} is missing; the store "
+                        "is damaged: restore it from a good copy or reconvert it"
+                    )
+            self._indexes[path] = index
+        index = self._indexes[path]
+        if index is not None:
+            index.check_present(ranges)
+
     def submit(self, request: Request) -> PendingReads:
         from zarr.core.sync import _get_loop
 
         jobs: list[tuple[str, Any, np.ndarray]] = []
         for key, (path, ranges) in request.items():
-            jobs.append((key, self._array(path), _nonempty(ranges)))
+            ranges = _nonempty(ranges)
+            arr = self._array(path)
+            self._check_present(path, ranges)
+            jobs.append((key, arr, ranges))
+        location = self.location
+        paths = {key: path for key, (path, _) in request.items()}
 
         async def _all() -> dict[str, np.ndarray]:
-            async def _one(arr: Any, ranges: np.ndarray) -> np.ndarray:
+            async def _one(key: str, arr: Any, ranges: np.ndarray) -> np.ndarray:
                 aa = arr._async_array
                 if ranges.shape[0] == 0:
                     return np.zeros((0, *arr.shape[1:]), dtype=arr.dtype)
-                parts = await asyncio.gather(
-                    *(aa.getitem(slice(int(a), int(b))) for a, b in ranges)
-                )
+                try:
+                    parts = await asyncio.gather(
+                        *(aa.getitem(slice(int(a), int(b))) for a, b in ranges)
+                    )
+                except _DECODE_ERRORS as e:
+                    chunk = await _first_bad_chunk(aa, ranges)
+                    raise _zarr_damage(location, paths[key], chunk, e) from None
                 return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
-            res = await asyncio.gather(*(_one(a, r) for _, a, r in jobs))
+            res = await asyncio.gather(*(_one(k, a, r) for k, a, r in jobs))
             return {k: np.asarray(v) for (k, _, _), v in zip(jobs, res, strict=True)}
 
         return asyncio.run_coroutine_threadsafe(_all(), _get_loop())
 
     def read_array(self, path: str) -> np.ndarray:
-        return np.asarray(self._array(path)[...])
+        arr = self._array(path)
+        whole = np.array([[0, arr.shape[0]]], dtype=np.int64)
+        self._check_present(path, whole)
+        try:
+            return np.asarray(arr[...])
+        except _DECODE_ERRORS as e:
+            raise _zarr_damage(self.location, path, None, e) from None
+
+
+_DECODE_ERRORS = (ValueError, RuntimeError, TypeError)
+"""What zarr-python raises on bytes it cannot use: a crc32c mismatch (ValueError), a
+blosc or zstd stream that does not decode (RuntimeError), a wrong decoded size."""
+
+
+async def _first_bad_chunk(aa: Any, ranges: np.ndarray) -> int | None:
+    """The first inner chunk of ``ranges`` that fails to read (the error path only:
+    one read per chunk, in order)."""
+    rows = int(aa.chunks[0]) if aa.chunks else 1
+    for a, b in ranges.tolist():
+        for c in range(a // rows, (b - 1) // rows + 1):
+            try:
+                await aa.getitem(slice(c * rows, min((c + 1) * rows, int(aa.shape[0]))))
+            except _DECODE_ERRORS:
+                return c
+    return None
+
+
+def _zarr_damage(location: str, path: str, chunk: int | None, e: Exception) -> LayoutError:
+    """The one-line error of a zarr-python read that failed on the stored bytes (a
+    crc32c mismatch, a chunk that does not decode): names store, array and chunk."""
+    where = f"store {location}, array {path}" + ("" if chunk is None else f", chunk {chunk}")
+    return LayoutError(
+        f"{where}: cannot be read ({damage_cause(e)}); the store is damaged: restore it "
+        "from a good copy or reconvert it"
+    )
+
+
+def damage_cause(e: Exception) -> str:
+    """The first sentence of a decoding error (zarr's checksum message goes on to
+    print the raw checksum bytes)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    return text.split(". Stored:", 1)[0].rstrip(".")
 
 
 register_backend("zarr", ZarrBackend)

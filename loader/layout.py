@@ -23,6 +23,17 @@ Root attribute ``sclayout``::
      "source": {fingerprint of the source file},
      "created": ISO-8601 time}
 
+Format version 2
+----------------
+Version 1 plus two integrity fields (``docs/store-format.md`` has the contract)::
+
+    {..., "version": 2, "chunk_checksum": "crc32c", "all_chunks_stored": true}
+
+``chunk_checksum``: every inner chunk of every array the converter wrote ends with
+this checksum (zarr v3's ``crc32c`` codec), so every reader verifies it.
+``all_chunks_stored``: every chunk of every array the manifest names exists, even one
+equal to the fill value, so a missing chunk or shard is damage, never zeros.
+
 ``source_index`` (int64, one per stored row) is the original row position of each
 stored row. For a CSR matrix the *block pointer* (int64, ``n_blocks + 1``) is the
 ``indptr`` value at every block boundary, so a reader finds a block's nnz range
@@ -41,6 +52,7 @@ from typing import Any
 from loader.errors import FormatVersionError, NotALayoutStoreError, SpecError
 
 __all__ = [
+    "CHUNK_CHECKSUMS",
     "FORMAT",
     "FORMAT_VERSION",
     "MANIFEST_KEY",
@@ -56,8 +68,10 @@ __all__ = [
 ]
 
 FORMAT = "sclayout-layout"
-FORMAT_VERSION = 1
-"""Version of the manifest this package writes and the newest it reads."""
+FORMAT_VERSION = 2
+"""Version of the manifest this package writes and the newest it reads (1 still reads)."""
+CHUNK_CHECKSUMS = ("crc32c",)
+"""Chunk checksums a version-2 manifest may name (zarr v3 codecs every reader has)."""
 MANIFEST_KEY = "sclayout"
 """Root attribute holding the manifest."""
 SCLAYOUT_UNS = "uns/sclayout"
@@ -249,9 +263,19 @@ class Manifest:
     created: str = ""
     format: str = FORMAT
     version: int = FORMAT_VERSION
+    chunk_checksum: str | None = None
+    """``"crc32c"``: every inner chunk ends with its checksum (version 2); ``None``:
+    chunks carry none (version 1, read without chunk checks)."""
+    all_chunks_stored: bool = False
+    """Every chunk of every listed array exists (version 2): an absent one is damage."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_block_size(self.block_size))
+        if self.chunk_checksum is not None and self.chunk_checksum not in CHUNK_CHECKSUMS:
+            raise FormatVersionError(
+                f"chunk_checksum={self.chunk_checksum!r} is not known to sclayout "
+                f"{_TOOL_VERSION}; upgrade with `pip install -U sclayout`"
+            )
         if self.n_obs < 0 or self.n_vars < 0:
             raise SpecError(f"n_obs={self.n_obs}, n_vars={self.n_vars}: must be >= 0")
         if "X" not in self.matrices:
@@ -269,7 +293,13 @@ class Manifest:
         return self.matrices["X"]
 
     def to_dict(self) -> dict[str, Any]:
+        integrity = (
+            {"chunk_checksum": self.chunk_checksum, "all_chunks_stored": self.all_chunks_stored}
+            if self.version >= 2
+            else {}
+        )
         return {
+            **integrity,
             "format": self.format,
             "version": self.version,
             "tool_version": self.tool_version,
@@ -297,7 +327,7 @@ class Manifest:
         if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
             raise FormatVersionError(
                 f"layout store format version {version!r} is not readable by sclayout "
-                f"{_TOOL_VERSION} (reads version {FORMAT_VERSION}); the store was written by "
+                f"{_TOOL_VERSION} (reads versions 1 to {FORMAT_VERSION}); the store was written by "
                 f"sclayout {d.get('tool_version', '?')}: upgrade with "
                 "`pip install -U sclayout`"
             )
@@ -314,6 +344,8 @@ class Manifest:
                 matrices={k: MatrixLayout.from_dict(m) for k, m in d["matrices"].items()},
                 source_index=str(d.get("source_index", f"{SCLAYOUT_UNS}/source_index")),
                 source=dict(d.get("source", {})),
+                chunk_checksum=d.get("chunk_checksum") if version >= 2 else None,
+                all_chunks_stored=bool(d.get("all_chunks_stored")) if version >= 2 else False,
             )
         except (KeyError, TypeError) as e:
             raise NotALayoutStoreError(

@@ -39,12 +39,14 @@ from loader.assemble import (
     CSRRows,
     DenseOrder,
     DenseRows,
+    check_source_ids,
     fetch_rows,
     get_output,
 )
 from loader.backends import (
     TensorstoreSettings,
     check_timeout,
+    damage_cause,
     get_backend,
     http_context_spec,
     is_url,
@@ -425,6 +427,9 @@ class LayoutReader:
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
         options = dict(settings.backend_options)
+        if kind == "store":
+            # a version-2 store stores every chunk: an absent one is damage, not zeros
+            options.setdefault("require_chunks", m.all_chunks_stored)
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0
@@ -466,12 +471,28 @@ class LayoutReader:
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
+            from loader._shards import missing_chunk
+
+            fix = "restore the store from a good copy or reconvert it"
             try:
-                return np.asarray(zarr.open_array(os.path.join(self.location, path), mode="r")[...])
+                arr = zarr.open_array(os.path.join(self.location, path), mode="r")
             except (FileNotFoundError, KeyError) as e:
                 raise LayoutError(
                     f"{self.location}: array {path!r} named by the manifest is missing ({e}); "
                     "reconvert with `sclayout convert --overwrite`"
+                ) from None
+            if self.manifest.all_chunks_stored:
+                gone = missing_chunk(self.location, path)
+                if gone is not None:
+                    raise LayoutError(
+                        f"store {self.location}, array {path}, {gone} is missing; {fix}"
+                    )
+            try:
+                return np.asarray(arr[...])
+            except (ValueError, RuntimeError, TypeError) as e:  # crc32c, decoding
+                raise LayoutError(
+                    f"store {self.location}, array {path}: cannot be read "
+                    f"({damage_cause(e)}); {fix}"
                 ) from None
         return self._io.read_array(path)
 
@@ -517,7 +538,21 @@ class LayoutReader:
             if self.kind == "h5ad":
                 self._source_index = np.arange(self.n_obs, dtype=np.int64)
             else:
-                self._source_index = self.read_array(self.manifest.source_index).astype(np.int64)
+                index = self.read_array(self.manifest.source_index).astype(np.int64)
+                if index.shape != (self.n_obs,):
+                    raise LayoutError(
+                        f"store {self.location}, array {self.manifest.source_index}: "
+                        f"{index.shape} values for {self.n_obs} rows; the store is damaged: "
+                        "restore it or reconvert it"
+                    )
+                check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)
+                if self.n_obs and int(np.bincount(index, minlength=self.n_obs).max()) > 1:
+                    raise LayoutError(
+                        f"store {self.location}, array {self.manifest.source_index}: a source "
+                        "row appears twice (not a permutation); the store is damaged: "
+                        "restore it or reconvert it"
+                    )
+                self._source_index = index
         return self._source_index
 
     def obs_columns(self) -> list[str]:
@@ -620,11 +655,13 @@ class LayoutReader:
                 indptr_parts=got["indptr"],
                 row_ranges=bounds,
                 n_vars=self.n_vars,
+                where=f"store {self.location}, matrix {self.matrix}",
             )
         else:
             values = DenseRows(got["values"])
         if "source_index" in got:
             index = got["source_index"].astype(np.int64, copy=False)
+            check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)
         else:  # an .h5ad (identity), or a store whose source index is in memory
             index = self.source_index()[rows] if self.kind == "store" else rows
         if order is None:
@@ -810,6 +847,8 @@ def open_layout(
         :class:`~loader.errors.ReadError` naming the URL; default
         :attr:`~loader.backends.TensorstoreSettings.HTTP_TIMEOUT`), ``http_retries``
         and ``http_retry_delay``.
+        ``require_chunks`` (an absent chunk or shard is a :class:`LayoutError`, not
+        the fill value) defaults to the manifest's ``all_chunks_stored``.
     """
     if block_size is not None:
         block_size = parse_block_size(block_size)

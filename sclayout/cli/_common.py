@@ -39,7 +39,7 @@ EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 _EXIT_TEXT = {
     EXIT_OK: "done",
-    EXIT_DIFFERS: "the check failed: the store differs from its source (differences listed)",
+    EXIT_DIFFERS: "the check failed: the store is damaged or differs from its source (listed)",
     EXIT_USAGE: "bad input or usage (one line on stderr naming the problem and the fix)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C); nothing written",
 }

@@ -1,7 +1,9 @@
 """``sclayout verify`` and ``sclayout inspect``: parse, call the library, print.
 
-Exit codes: 0 equal / inspected, 1 verify found differences, 2 an error (bad SRC,
-STORE not a layout store: one line on stderr, printed by :mod:`sclayout.cli`).
+Exit codes: 0 sound or equal / inspected, 1 verify found damage or differences
+(inspect: missing chunks), 2 could not run (bad SRC, STORE not a layout store, with a
+source: a STORE chunk that cannot be read; one line on stderr, printed by
+:mod:`sclayout.cli`).
 """
 
 from __future__ import annotations
@@ -26,21 +28,27 @@ __all__ = ["inspect_cmd", "verify_cmd"]
 
 @click.command(
     "verify",
-    short_help="Prove a store holds its source's values, row for row.",
+    short_help="Check a store: alone, or against its sources value for value.",
     epilog=epilog(
+        "sclayout verify store.zarr",
+        "sclayout verify --quick store.zarr",
         "sclayout verify data.h5ad store.zarr",
-        "sclayout verify data.h5ad store.zarr --memory-budget 512MiB --json",
+        "sclayout verify plate*.h5ad atlas.zarr --memory-budget 512MiB --json",
         check=True,
     ),
 )
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument(
+    "paths", nargs=-1, required=True, metavar="[SRC ...] DST", type=click.Path(path_type=str)
+)
 @click.option(
     "--memory-budget",
     default="2GB",
     show_default=True,
     metavar="SIZE",
     help="Memory for streaming X and layers (e.g. 2GB, 512MiB).",
+)
+@click.option(
+    "--quick", is_flag=True, help="DST alone: check structure and shard indexes only (fast)."
 )
 @click.option(
     "--progress/--no-progress",
@@ -51,32 +59,68 @@ __all__ = ["inspect_cmd", "verify_cmd"]
 @quiet_option
 @json_option
 def verify_cmd(
-    src: str, dst: str, memory_budget: str, progress: bool | None, quiet: bool, as_json: bool
+    paths: tuple[str, ...],
+    memory_budget: str,
+    quick: bool,
+    progress: bool | None,
+    quiet: bool,
+    as_json: bool,
 ) -> None:
-    """Check that layout store DST holds exactly the data of SRC, value for value.
+    """Check layout store DST: alone, or against its sources SRC value for value.
 
-    Prints what differs and a summary; exits 1 when anything differs.
+    \b
+    sclayout verify DST            structure, every checksum, column ids, indptr,
+                                   block pointer, source_index a permutation
+    sclayout verify --quick DST    structure and shard indexes only
+    sclayout verify SRC... DST     also every value equal to its source (several
+                                   sources: through the store's provenance)
     """
-    from sclayout.convert.verify import verify
+    from loader.errors import InputError
 
     if progress is None or quiet:
         progress = show_progress(quiet)
-    report = verify(src, dst, progress=progress, memory_budget=memory_budget)
-    if as_json:
-        click.echo(json.dumps({**asdict(report), "summary": report.summary()}, indent=1))
-        sys.exit(EXIT_OK if report.equal else EXIT_DIFFERS)
-    for line in report.differences:
-        click.echo(line)
-    for line in report.skipped:
-        click.echo(f"skipped: {line}", err=True)
-    click.echo(report.summary())
-    sys.exit(EXIT_OK if report.equal else EXIT_DIFFERS)
+    if len(paths) == 1:
+        from sclayout.convert.verify_store import check_store
+
+        store = check_store(paths[0], quick=quick, progress=progress)
+        result = {**asdict(store), "summary": store.summary()}
+        notes = [f"note: {n}" for n in store.notes]
+        _finish(store.findings, notes, store.summary(), store.sound, result if as_json else None)
+    if quick:
+        raise InputError("--quick checks DST alone: drop SRC, or drop --quick")
+    from sclayout.convert.verify import verify
+    from sclayout.convert.verify_sources import needs_sources_verify, verify_sources
+
+    srcs, dst = list(paths[:-1]), paths[-1]
+    if len(srcs) > 1 or needs_sources_verify(srcs[0], dst):
+        report = verify_sources(srcs, dst, progress=progress, memory_budget=memory_budget)
+    else:
+        report = verify(srcs[0], dst, progress=progress, memory_budget=memory_budget)
+    skipped = [f"skipped: {line}" for line in report.skipped]
+    result = {**asdict(report), "summary": report.summary()}
+    _finish(report.differences, skipped, report.summary(), report.equal, result if as_json else None)
+
+
+def _finish(
+    findings: list[str], remarks: list[str], summary: str, ok: bool, as_json: dict | None
+) -> None:
+    """Print one line per finding (stdout), the remarks (stderr) and the summary, or the
+    JSON result; exit 0 when ``ok``, else 1."""
+    if as_json is not None:
+        click.echo(json.dumps(as_json, indent=1, default=str))
+    else:
+        for line in findings:
+            click.echo(line)
+        for line in remarks:
+            click.echo(line, err=True)
+        click.echo(summary)
+    sys.exit(EXIT_OK if ok else EXIT_DIFFERS)
 
 
 @click.command(
     "inspect",
     short_help="Describe a store: blocks, order, chunks, codecs, sizes.",
-    epilog=epilog("sclayout inspect store.zarr", "sclayout inspect store.zarr --json"),
+    epilog=epilog("sclayout inspect store.zarr", "sclayout inspect store.zarr --json", check=True),
 )
 @click.argument("store", type=click.Path(path_type=str))
 @quiet_option
@@ -84,9 +128,12 @@ def verify_cmd(
 def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """Describe layout STORE: blocks, order, per-array chunks/shards/codec, sizes.
 
-    It reads metadata only, so it shows no progress bar.
+    It reads metadata only, so it shows no progress bar. Warns when chunks are missing
+    (exit 1) or the store carries no chunk checksums.
     """
     from sclayout.convert.inspect import inspect_store, render_inspect
 
     info = inspect_store(store)
     click.echo(json.dumps(info, indent=1) if as_json else render_inspect(info))
+    if info["missing_chunks"]:
+        sys.exit(EXIT_DIFFERS)

@@ -9,6 +9,7 @@ reorder otherwise); write ``uns/sclayout``; write the manifest last; rename into
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import os
@@ -77,6 +78,8 @@ from sclayout.convert.space import (
 from sclayout.convert.write import (
     CopyJob,
     Runner,
+    anndata_dataset_kwargs,
+    checksum_codecs,
     close_dst,
     copy_dense,
     copy_sparse,
@@ -116,6 +119,7 @@ class ConvertOptions:
     chunk_blocks: int = 1
     csr_chunk_nnz: int | None = None
     shard_chunks: int | None = None
+    checksums: bool = True
 
 
 def resolve_options(
@@ -183,6 +187,7 @@ def convert(
     jobs: int | None = None,
     scheduler: str | None = None,
     progress: bool = False,
+    checksums: bool = True,
 ) -> Manifest:
     """Convert an AnnData source (.h5ad or zarr v2/v3) into a layout store.
 
@@ -216,6 +221,9 @@ def convert(
         Address of a dask.distributed scheduler to run the tasks on.
     progress
         Show progress bars.
+    checksums
+        End every inner chunk with its crc32c (format version 2's ``chunk_checksum``),
+        which every reader verifies. ``False`` only to measure what the check costs.
 
     Returns
     -------
@@ -237,6 +245,9 @@ def convert(
         codec=codec,
         memory_budget=memory_budget,
     )
+    if not isinstance(checksums, bool):
+        raise InputError(f"checksums={checksums!r}: pass True or False")
+    opts = dataclasses.replace(opts, checksums=checksums)
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
     src_p, dst_p = Path(src), Path(os.path.abspath(dst))
@@ -383,7 +394,8 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
     tmp.mkdir()
     root = zarr.open_group(tmp, mode="w", zarr_format=3)
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-    _write_small(source, root, obs, perm)
+    small = anndata_dataset_kwargs(opts.checksums)
+    _write_small(source, root, obs, perm, small)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     work = working_memory(opts.memory_budget, n_obs=n_obs)
@@ -394,7 +406,7 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
         if pointer is not None:
             pointers[info.path] = pointer
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
-    _write_uns_sclayout(root, perm, pointers)
+    _write_uns_sclayout(root, perm, pointers, small)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
@@ -403,6 +415,8 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
         matrices=matrices,
         source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=matrices["X"].nnz),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
+        chunk_checksum="crc32c" if opts.checksums else None,
+        all_chunks_stored=True,
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
@@ -426,10 +440,16 @@ class _Ctx:
         return self.runner.jobs
 
 
-def _quiet_write(group: Any, key: str, value: Any) -> None:
-    with warnings.catch_warnings(), ad.settings.override(zarr_write_format=3):
+def _quiet_write(group: Any, key: str, value: Any, kwargs: dict[str, Any]) -> None:
+    # anndata reopens each array to fill it, so the array's own config is lost: every
+    # chunk is stored only with zarr's default set for the duration of the write
+    with (
+        warnings.catch_warnings(),
+        ad.settings.override(zarr_write_format=3),
+        zarr.config.set({"array.write_empty_chunks": True}),
+    ):
         warnings.simplefilter("ignore")
-        ad.io.write_elem(group, key, value)
+        ad.io.write_elem(group, key, value, dataset_kwargs=kwargs)
 
 
 def _take_rows(value: Any, perm: np.ndarray) -> Any:
@@ -438,25 +458,30 @@ def _take_rows(value: Any, perm: np.ndarray) -> Any:
     return value[perm]
 
 
-def _write_small(source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray) -> None:
-    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer."""
-    _quiet_write(root, "obs", obs.iloc[perm])
-    _quiet_write(root, "var", source.read_elem("var"))
+def _write_small(
+    source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray, kw: dict[str, Any]
+) -> None:
+    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer
+    (``kw``: its ``dataset_kwargs``)."""
+    _quiet_write(root, "obs", obs.iloc[perm], kw)
+    _quiet_write(root, "var", source.read_elem("var"), kw)
     obsm = source.read_elem("obsm") if source.has("obsm") else {}
-    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in obsm.items()})
+    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in obsm.items()}, kw)
     for key in ("varm", "varp"):
-        _quiet_write(root, key, source.read_elem(key) if source.has(key) else {})
+        _quiet_write(root, key, source.read_elem(key) if source.has(key) else {}, kw)
     obsp = source.read_elem("obsp") if source.has("obsp") else {}
-    _quiet_write(root, "obsp", {k: _permute_pairwise(v, perm) for k, v in obsp.items()})
+    _quiet_write(root, "obsp", {k: _permute_pairwise(v, perm) for k, v in obsp.items()}, kw)
     uns = source.read_elem("uns") if source.has("uns") else {}
     uns.pop("sclayout", None)  # a layout store as source: its own arrays are rebuilt
-    _quiet_write(root, "uns", uns)
-    _quiet_write(root, "layers", {})
+    _quiet_write(root, "uns", uns, kw)
+    _quiet_write(root, "layers", {}, kw)
     if source.has("raw") and source.has("raw/X"):
         raw = root.require_group("raw")
         raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
-        _quiet_write(raw, "var", source.read_elem("raw/var"))
-        _quiet_write(raw, "varm", source.read_elem("raw/varm") if source.has("raw/varm") else {})
+        _quiet_write(raw, "var", source.read_elem("raw/var"), kw)
+        _quiet_write(
+            raw, "varm", source.read_elem("raw/varm") if source.has("raw/varm") else {}, kw
+        )
 
 
 def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
@@ -466,13 +491,15 @@ def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
     return np.asarray(value)[np.ix_(perm, perm)]
 
 
-def _write_uns_sclayout(root: zarr.Group, perm: np.ndarray, pointers: dict) -> None:
+def _write_uns_sclayout(
+    root: zarr.Group, perm: np.ndarray, pointers: dict, kw: dict[str, Any]
+) -> None:
     uns = root["uns"]
     payload = {
         "source_index": perm.astype(np.int64),
         "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
     }
-    _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
+    _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
 
 
 def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
@@ -488,7 +515,7 @@ def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
 
 def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarray | None]:
     opts = ctx.opts
-    compressors = get_codec(opts.codec)
+    compressors = get_codec(opts.codec) + checksum_codecs(opts.checksums)
     n_obs, n_vars = info.shape
     shard_bytes = shard_bytes_for_budget(opts.memory_budget)
     root = zarr.open_group(ctx.dst, mode="r+", zarr_format=3)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from loader._shards import missing_chunk
 from loader.argtypes import typechecked
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert.verify import codec_name, open_store_root
@@ -49,7 +50,11 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         stored and uncompressed bytes, compression ratio, files), ``files``,
         ``total_bytes``, ``other`` (files and bytes of everything else: obs, var, obsm,
         uns, metadata), ``bytes_per_cell``, ``source`` (the fingerprint) and the
-        manifest's ``format``/``version``/``tool_version``/``created``.
+        manifest's ``format``/``version``/``tool_version``/``created``,
+        ``chunk_checksum``, ``missing_chunks`` (one line per array with an absent chunk,
+        checked from the shard indexes and chunk files; a version-1 store may omit chunks
+        equal to the fill value, so only absent arrays and shards count there) and
+        ``warnings`` (the damage and a store without chunk checksums).
 
     Raises
     ------
@@ -95,6 +100,24 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
             "ratio": round(raw / stored, 3) if stored else None,
             "arrays": arrays,
         }
+    missing = []
+    named = [a.path for m in manifest.matrices.values() for a in m.arrays.values()]
+    named += [m.block_pointer for m in manifest.matrices.values() if m.block_pointer]
+    for array_path in [*named, manifest.source_index]:
+        if not (path / array_path).is_dir():
+            gone: str | None = "the array"
+        elif manifest.all_chunks_stored:
+            gone = missing_chunk(str(path), array_path)
+        else:
+            gone = None
+        if gone is not None:
+            missing.append(f"{array_path}: {gone} is missing")
+    warnings = [f"damaged: {line}; restore the store or reconvert it" for line in missing]
+    if manifest.chunk_checksum is None:
+        warnings.append(
+            f"no chunk checksums (format version {manifest.version}): damage inside a chunk "
+            "is found only by `sclayout verify SRC DST`; reconvert to add them"
+        )
     files, total = _tree_bytes(path)
     in_matrices = [a for m in matrices.values() for a in m["arrays"].values()]
     other = {
@@ -118,6 +141,9 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "other": other,
         "bytes_per_cell": round(total / manifest.n_obs, 1) if manifest.n_obs else None,
         "source": dict(manifest.source),
+        "chunk_checksum": manifest.chunk_checksum,
+        "missing_chunks": missing,
+        "warnings": warnings,
     }
 
 
@@ -172,6 +198,8 @@ def render_inspect(info: dict[str, Any]) -> str:
         f"  {'other elements (obs, var, obsm, uns, metadata)':<47} "
         f"{_size(other['stored_bytes']):>60} {'':>17} {other['files']:>6}"
     )
+    if info.get("warnings"):
+        lines += [""] + [f"  warning: {w}" for w in info["warnings"]]
     if info["source"]:
         lines += ["", "  source fingerprint"]
         lines += [f"    {k}: {v}" for k, v in sorted(info["source"].items())]

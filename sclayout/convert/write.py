@@ -22,6 +22,7 @@ import numpy as np
 # seconds on a loaded machine, stalling every other task
 import tensorstore as ts
 import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
 
 from loader.errors import InputError
 from sclayout.convert._buffers import release_scratch
@@ -31,6 +32,8 @@ from sclayout.convert.source import MatrixInfo, read_slice
 __all__ = [
     "CopyJob",
     "Runner",
+    "anndata_dataset_kwargs",
+    "checksum_codecs",
     "create_matrix",
     "open_dst",
     "submit_region",
@@ -42,7 +45,9 @@ _arrays: dict[tuple, Any] = {}
 
 
 def _open_zarr(path: str) -> Any:
-    return zarr.open_array(store=path, mode="r+", zarr_format=3)
+    return zarr.open_array(
+        store=path, mode="r+", zarr_format=3, config={"write_empty_chunks": True}
+    )
 
 
 def _write_zarr(arr: Any, start: int, values: np.ndarray) -> Future:
@@ -53,7 +58,13 @@ def _write_zarr(arr: Any, start: int, values: np.ndarray) -> Future:
 
 
 def _open_tensorstore(path: str) -> Any:
-    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": path}}
+    # every chunk is stored, even one equal to the fill value: a version-2 store
+    # promises that an absent chunk is damage (loader.layout.Manifest.all_chunks_stored)
+    spec = {
+        "driver": "zarr3",
+        "kvstore": {"driver": "file", "path": path},
+        "store_data_equal_to_fill_value": True,
+    }
     return ts.open(spec, open=True).result()
 
 
@@ -109,6 +120,19 @@ def close_dst() -> None:
         _arrays.clear()
 
 
+def checksum_codecs(enabled: bool) -> tuple[Any, ...]:
+    """The codecs appended after an array's compressors: zarr v3's ``crc32c`` (every
+    inner chunk then ends with its checksum, which zarr-python, tensorstore and
+    :mod:`loader._shards` verify on read), or none."""
+    return (Crc32cCodec(),) if enabled else ()
+
+
+def anndata_dataset_kwargs(checksums: bool) -> dict[str, Any]:
+    """``dataset_kwargs`` for anndata's writer of the small elements (obs, var, uns,
+    ``source_index`` ...): zarr's default compressor followed by ``crc32c``."""
+    return {"compressors": (ZstdCodec(level=0), *checksum_codecs(checksums))}
+
+
 def _create_array(
     group: zarr.Group, name: str, *, shape, dtype, plan: ArrayPlan, compressors
 ) -> zarr.Array:
@@ -122,6 +146,7 @@ def _create_array(
             shards=plan.shards,
             compressors=compressors,
             fill_value=0,
+            config={"write_empty_chunks": True},
         )
 
 

@@ -21,7 +21,8 @@ from sclayout.cli import main
 from sclayout.convert import CODECS, convert, get_order, parse_memory_budget
 from sclayout.convert import external as ext
 
-GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
+GOLDEN = Path(__file__).parent / "golden" / "manifest_v2.json"
+GOLDEN_V1 = Path(__file__).parent / "golden" / "manifest_v1.json"
 DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
 
@@ -100,6 +101,15 @@ def test_golden_manifest(tmp_path, make_adata, write_source):
     if os.environ.get("SCLAYOUT_UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     assert got == json.loads(GOLDEN.read_text())
+
+
+def test_golden_version_1_manifest_still_reads():
+    """Stores written before chunk checksums keep opening: no checksum, chunks may be
+    absent (read as the fill value), and the manifest round-trips as version 1."""
+    d = json.loads(GOLDEN_V1.read_text())
+    m = Manifest.from_dict(d)
+    assert (m.version, m.chunk_checksum, m.all_chunks_stored) == (1, None, False)
+    assert json.loads(m.to_json()) == d
 
 
 # -- orders --------------------------------------------------------------------------------

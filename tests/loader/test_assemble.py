@@ -13,6 +13,8 @@ import pytest
 import scipy.sparse as sp
 
 from loader import assemble as A
+from loader.assemble import fetch_rows
+from loader.errors import LayoutError
 
 
 def rows_of(n_rows: int, n_vars: int, *, dtype=np.float32, seed: int = 0) -> A.CSRRows:
@@ -106,3 +108,38 @@ def test_dense_slice_not_prepared_for_orders_that_mostly_rise():
     rows = rows_of(60, 40)
     assert rows.prepare_dense(np.arange(60)) is None
     assert rows.prepare_dense(np.arange(60)[::-1]) is not None
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "uint16", "uint32"])
+@pytest.mark.parametrize(
+    "bad, message",
+    [(-1, r"column index -1 outside \[0, 6\)"), (6, r"column index 6 outside \[0, 6\)")],
+    ids=["negative", "n_vars"],
+)
+def test_fetch_rows_refuses_column_ids_out_of_bounds(dtype, bad, message):
+    if bad < 0 and np.dtype(dtype).kind == "u":
+        bad, message = np.iinfo(dtype).max, rf"column index {np.iinfo(dtype).max} outside"
+    indices = np.array([0, 5, bad, 2], dtype=dtype)
+    args = {
+        "data": np.ones(4, dtype=np.float32),
+        "indptr_parts": np.array([10, 12, 14]),
+        "row_ranges": np.array([[3, 5]]),
+        "n_vars": 6,
+        "where": "store S, matrix X",
+    }
+    with pytest.raises(LayoutError, match=r"^store S, matrix X: " + message):
+        fetch_rows(indices=indices, **args)
+    indices[2] = 1
+    rows = fetch_rows(indices=indices, **args)
+    assert rows.indptr.tolist() == [0, 2, 4]
+
+
+def test_fetch_rows_refuses_an_indptr_that_decreases():
+    with pytest.raises(LayoutError, match=r"indptr decreases within a fetch \(near stored row 4\)"):
+        fetch_rows(
+            data=np.ones(2, dtype=np.float32),
+            indices=np.zeros(2, dtype=np.int32),
+            indptr_parts=np.array([10, 13, 12]),
+            row_ranges=np.array([[3, 5]]),
+            n_vars=6,
+        )

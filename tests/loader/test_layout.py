@@ -61,6 +61,29 @@ def test_manifest_json_round_trip():
     assert json.loads(again.to_json()) == json.loads(m.to_json())
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"chunk_checksum": "crc32c", "all_chunks_stored": True},
+        {"chunk_checksum": None, "all_chunks_stored": True},
+        {"version": 1},
+    ],
+    ids=["v2-crc32c", "v2-no-checksum", "v1"],
+)
+def test_integrity_fields_round_trip_and_version_1_has_none(fields):
+    m = _manifest(**fields)
+    d = json.loads(m.to_json())
+    assert Manifest.from_dict(d) == m
+    assert ("chunk_checksum" in d) == (m.version >= 2)
+
+
+def test_manifest_refuses_an_unknown_chunk_checksum():
+    d = _manifest(chunk_checksum="crc32c").to_dict()
+    d["chunk_checksum"] = "md5"
+    with pytest.raises(FormatVersionError, match=r"chunk_checksum='md5' .* `pip install -U"):
+        Manifest.from_dict(d)
+
+
 def test_manifest_refuses_newer_version_and_names_upgrade():
     d = _manifest().to_dict()
     d["version"] = 99

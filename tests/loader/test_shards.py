@@ -124,7 +124,7 @@ def test_corrupted_chunk_is_a_clear_error(tmp_path):
     with pytest.raises(LayoutError, match=r"chunk 4 decodes to 123 bytes, expected 80"):
         _read(direct, [[80, 100]])
     shard.write_bytes(bytes(raw[: off + 10]) + bytes(raw[-INDEX_BYTES:]))
-    with pytest.raises(LayoutError, match="shard 1 ends before byte"):
+    with pytest.raises(LayoutError, match=r"\(shard 1\): the shard ends before byte"):
         _read(_direct(folder), [[80, 100]])
 
 
@@ -136,7 +136,9 @@ def test_corrupted_shard_index_fails_its_checksum(tmp_path):
     shard.write_bytes(bytes(raw))
     direct = _direct(folder)
     assert np.array_equal(_read(direct, [[0, 80]]), v[:80])  # other shards still read
-    with pytest.raises(LayoutError, match=r"shard 2's index fails its crc32c checksum.*reconvert"):
+    with pytest.raises(
+        LayoutError, match=r"\(shard 2\): the shard index fails its crc32c checksum.*reconvert"
+    ):
         _read(direct, [[170, 190]])
 
 
@@ -187,3 +189,35 @@ def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypa
     assert calls, "no run was announced"
     assert all(name.startswith("sclayout-decode") for name, _ in calls)
     assert {fd for _, fd in calls} == set(a._fds.values()) | set(b._fds.values())
+
+
+@pytest.mark.parametrize("compress", [True, False], ids=["blosc", "raw"])
+def test_chunk_checksums_are_verified_before_decoding(tmp_path, compress):
+    v = np.arange(400, dtype=np.float32)
+    codecs = (BLOSC, zarr.codecs.Crc32cCodec()) if compress else (zarr.codecs.Crc32cCodec(),)
+    zarr.create_array(
+        tmp_path / "a", shape=v.shape, dtype=v.dtype, chunks=(20,), shards=(80,), compressors=codecs
+    )[...] = v
+    direct = _direct(tmp_path / "a")
+    assert direct.meta.chunk_crc
+    assert np.array_equal(_read(direct, [[0, 400]]), v)
+    shard = tmp_path / "a" / "c" / "1"
+    raw = bytearray(shard.read_bytes())
+    raw[30] ^= 0x04  # one bit of shard 1's first chunk
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(LayoutError, match=r"array a, chunk 4 fails its crc32c checksum"):
+        _read(_direct(tmp_path / "a"), [[90, 95]])
+    assert np.array_equal(_read(_direct(tmp_path / "a"), [[0, 80]]), v[:80])
+
+
+def test_absent_chunks_are_an_error_only_when_every_chunk_must_exist(arrays):
+    folder, values = arrays["sparse-1d"]  # chunks of zeros were never written
+    lenient = _shards.open_direct(str(folder.parent), folder.name, whole_array_bytes=0)
+    assert np.array_equal(_read(lenient, [[0, 600]]), values)
+    strict = _shards.open_direct(
+        str(folder.parent), folder.name, whole_array_bytes=0, require_chunks=True
+    )
+    with pytest.raises(LayoutError, match=r"array s1, chunk 0 \(shard 0\) is missing"):
+        _read(strict, [[0, 600]])
+    assert np.array_equal(_read(strict, [[100, 140]]), values[100:140])
+    assert _shards.missing_chunk(str(folder.parent), folder.name) == "chunk 0"

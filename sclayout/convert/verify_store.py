@@ -1,0 +1,330 @@
+"""``sclayout verify DST``: check a layout store from its own bytes, without a source.
+
+What is checked (``docs/store-format.md`` lists the invariants):
+
+- *structure* (also with ``quick``): the manifest parses; every array it names
+  exists with the shape, dtype, chunks and shards it states; every shard file is
+  there, its index is whole and passes its crc32c, and its entries point inside the
+  file; in a version-2 store every chunk of every array exists;
+- *contents* (not with ``quick``): every array of the store is read once, in slices
+  along its first axis, so every chunk's crc32c is verified and every chunk is
+  decoded; CSR ``indptr`` starts at 0, never decreases and ends at ``nnz``; column
+  ids lie in ``[0, n_vars)``; the block pointer equals ``indptr`` at every block
+  boundary; ``source_index`` is a permutation of the rows.
+
+Findings are one line each (at most :data:`MAX_FINDINGS` kept). A store written
+before checksums (format version 1) is checked too, without chunk checksums: the
+report says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loader._shards import missing_chunk, open_index
+from loader.backends import damage_cause
+from loader.errors import LayoutError, SclayoutError
+from loader.layout import MANIFEST_KEY, Manifest
+
+__all__ = ["MAX_FINDINGS", "StoreReport", "check_store"]
+
+MAX_FINDINGS = 50
+"""Finding lines kept in a report; the rest are only counted."""
+SLICE_BYTES = 64 * 2**20
+"""Decoded bytes read per slice of an array: large sequential reads (disk speed),
+bounded memory."""
+
+
+@dataclass
+class StoreReport:
+    """The outcome of :func:`check_store`.
+
+    Attributes
+    ----------
+    findings
+        One line per problem (at most :data:`MAX_FINDINGS`; ``n_findings`` counts all).
+    notes
+        What was not checked and why (a version-1 store has no chunk checksums).
+    n_arrays, n_bytes
+        Arrays checked and decoded bytes read.
+    """
+
+    findings: list[str] = field(default_factory=list)
+    n_findings: int = 0
+    notes: list[str] = field(default_factory=list)
+    n_arrays: int = 0
+    n_bytes: int = 0
+    quick: bool = False
+
+    @property
+    def sound(self) -> bool:
+        return self.n_findings == 0
+
+    def add(self, line: str) -> None:
+        self.n_findings += 1
+        if len(self.findings) < MAX_FINDINGS:
+            self.findings.append(line)
+
+    def summary(self) -> str:
+        what = "structure and shard indexes" if self.quick else "every byte"
+        if self.sound:
+            return f"sound: {self.n_arrays} arrays checked ({what})"
+        more = self.n_findings - len(self.findings)
+        tail = f" ({more} more not shown)" if more > 0 else ""
+        return f"DAMAGED: {self.n_findings} findings{tail}"
+
+
+def _arrays(location: Path) -> Iterator[str]:
+    """Paths (relative, ``/``-separated) of every zarr v3 array under the store."""
+    for dirpath, dirs, names in os.walk(location):
+        dirs.sort()
+        if "zarr.json" not in names or Path(dirpath) == location:
+            continue
+        try:
+            with open(os.path.join(dirpath, "zarr.json")) as f:
+                node = json.load(f).get("node_type")
+        except (OSError, ValueError, AttributeError):
+            yield os.path.relpath(dirpath, location).replace(os.sep, "/")
+            continue
+        if node == "array":
+            dirs.clear()  # chunks below: not nodes
+            yield os.path.relpath(dirpath, location).replace(os.sep, "/")
+
+
+def _open_manifest(location: Path) -> Manifest:
+    from sclayout.convert.verify import open_store_root
+
+    root = open_store_root(location, hint="convert one with `sclayout convert SRC DST`")
+    return Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
+
+
+def _check_structure(location: Path, manifest: Manifest, report: StoreReport) -> list[str]:
+    """Arrays named by the manifest: present, as described, shards whole; returns the
+    array paths to read."""
+    import zarr
+
+    named: list[tuple[str, Any]] = []
+    for m in manifest.matrices.values():
+        named += [(a.path, a) for a in m.arrays.values()]
+        if m.block_pointer is not None:
+            named.append((m.block_pointer, None))
+    named.append((manifest.source_index, None))
+    for path, layout in named:
+        try:
+            arr = zarr.open_array(str(location / path), mode="r")
+        except (FileNotFoundError, KeyError, ValueError, OSError):
+            report.add(f"array {path}: named by the manifest but missing or unreadable")
+            continue
+        if layout is not None:
+            found = (tuple(arr.shape), tuple(arr.chunks))
+            want = (layout.shape, layout.chunks)
+            if found != want or np.dtype(arr.dtype) != np.dtype(layout.dtype):
+                report.add(
+                    f"array {path}: shape/chunks/dtype {found[0]}/{found[1]}/{arr.dtype} on "
+                    f"disk, {want[0]}/{want[1]}/{layout.dtype} in the manifest"
+                )
+    for path in _arrays(location):
+        try:
+            _check_shards(location, path, manifest, report)
+        except LayoutError as e:
+            report.add(str(e))
+    return list(_arrays(location))
+
+
+def _check_shards(location: Path, path: str, manifest: Manifest, report: StoreReport) -> None:
+    """Every shard's index (crc32c, entries inside the file) and, in a version-2
+    store, every chunk present."""
+    index = open_index(str(location), path)
+    if index is not None:
+        # every shard index is read here (its crc32c checked as it is read)
+        bad = index.first_missing(np.array([[0, index.shape[0]]], dtype=np.int64))
+        if bad is not None and manifest.all_chunks_stored:
+            report.add(f"array {path}: chunk {bad} is missing")
+        for shard, size, entries in index.shard_entries():
+            ends = entries[:, 0] + entries[:, 1]
+            if ends.size and int(ends.max()) > size:
+                report.add(
+                    f"array {path}: shard {shard} is {size} bytes but its index names bytes up "
+                    f"to {int(ends.max())} (truncated)"
+                )
+        return
+    if manifest.all_chunks_stored:
+        gone = missing_chunk(str(location), path)
+        if gone is not None:
+            report.add(f"array {path}: {gone} is missing")
+
+
+_READ_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
+
+
+def _read_slices(
+    arr: Any, path: str, report: StoreReport, tick: Callable[[int], None]
+) -> Iterator[tuple[int, np.ndarray]]:
+    """``(start, values)`` slices of ``arr`` along axis 0; a slice that cannot be read
+    (crc32c mismatch, undecodable chunk) is a finding."""
+    n = int(arr.shape[0]) if arr.shape else 1
+    row = int(np.prod(arr.shape[1:], dtype=np.int64)) * np.dtype(arr.dtype).itemsize or 1
+    chunk = int(arr.chunks[0]) if arr.chunks else 1
+    step = max(chunk, SLICE_BYTES // max(row, 1) // chunk * chunk)
+    if not arr.shape:
+        yield 0, np.asarray(arr[...])
+        return
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        try:
+            values = np.asarray(arr[a:b])
+        except _READ_ERRORS:
+            for c in range(a // chunk, (b - 1) // chunk + 1):  # name the chunk(s)
+                try:
+                    arr[c * chunk : min((c + 1) * chunk, n)]
+                except _READ_ERRORS as e:
+                    report.add(f"array {path}: chunk {c} cannot be read ({damage_cause(e)})")
+            continue
+        tick(values.nbytes)
+        report.n_bytes += values.nbytes
+        yield a, values
+
+
+def _check_csr(
+    location: Path,
+    mname: str,
+    m: Any,
+    manifest: Manifest,
+    report: StoreReport,
+    tick: Callable[[int], None],
+) -> None:
+    import zarr
+
+    root = zarr.open_group(str(location), mode="r", use_consolidated=False)
+    try:
+        indptr = np.asarray(root[m.arrays["indptr"].path][...], dtype=np.int64)
+    except (KeyError, ValueError, RuntimeError, TypeError):
+        return  # already a finding of the structure or slice pass
+    path = m.arrays["indptr"].path
+    if indptr.shape != (manifest.n_obs + 1,):
+        report.add(f"array {path}: {indptr.shape[0]} values, expected n_obs + 1")
+        return
+    steps = np.diff(indptr)
+    if indptr[0] != 0 or (steps.size and int(steps.min()) < 0) or int(indptr[-1]) != m.nnz:
+        where = np.flatnonzero(steps < 0)
+        at = f", first decrease at row {int(where[0])}" if where.size else ""
+        report.add(
+            f"array {path}: not a valid row pointer (starts at {int(indptr[0])}, ends at "
+            f"{int(indptr[-1])} for nnz {m.nnz}{at})"
+        )
+    try:
+        ind = root[m.arrays["indices"].path]
+    except KeyError:
+        return
+    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick):
+        if values.size and (int(values.min()) < 0 or int(values.max()) >= manifest.n_vars):
+            bad = np.flatnonzero((values < 0) | (values >= manifest.n_vars))
+            report.add(
+                f"array {m.arrays['indices'].path}: column index {int(values[bad[0]])} at "
+                f"element {a + int(bad[0])} outside [0, {manifest.n_vars})"
+            )
+    if m.block_pointer is None or m.block_pointer not in root:
+        return
+    try:
+        bp = np.asarray(root[m.block_pointer][...], dtype=np.int64)
+    except (ValueError, RuntimeError, TypeError):
+        return
+    bounds = np.r_[np.arange(0, manifest.n_obs, manifest.block_size), manifest.n_obs]
+    if bp.shape != bounds.shape or not np.array_equal(bp, indptr[bounds]):
+        report.add(f"array {m.block_pointer}: block pointer differs from {path} at block bounds")
+
+
+def _check_source_index(location: Path, manifest: Manifest, report: StoreReport) -> None:
+    import zarr
+
+    path = manifest.source_index
+    try:
+        si = np.asarray(zarr.open_array(str(location / path), mode="r")[...])
+    except (FileNotFoundError, KeyError, ValueError, RuntimeError, TypeError):
+        return
+    n = manifest.n_obs
+    if si.shape != (n,) or si.dtype.kind not in "iu":
+        report.add(f"array {path}: shape {si.shape}, dtype {si.dtype}; expected ({n},) integers")
+        return
+    si = si.astype(np.int64, copy=False)
+    bad = np.flatnonzero((si < 0) | (si >= n))
+    if bad.size:
+        report.add(f"array {path}: stored row {int(bad[0])} names source row {int(si[bad[0]])}")
+        return
+    counts = np.bincount(si, minlength=n)
+    if n and int(counts.max()) > 1:
+        report.add(
+            f"array {path}: not a permutation (source row {int(np.argmax(counts))} appears "
+            f"{int(counts.max())} times)"
+        )
+
+
+def check_store(
+    dst: str | os.PathLike[str], *, quick: bool = False, progress: bool = False
+) -> StoreReport:
+    """Check the layout store ``dst`` from its own bytes (see the module docstring).
+
+    Parameters
+    ----------
+    dst
+        The layout store (a local directory).
+    quick
+        Check the structure and shard indexes only (no chunk is decoded).
+    progress
+        Show a progress bar over the bytes read.
+
+    Raises
+    ------
+    NotALayoutStoreError
+        ``dst`` is not a layout store (nothing to check: exit 2 on the CLI).
+    """
+    import zarr
+
+    location = Path(dst)
+    manifest = _open_manifest(location)
+    report = StoreReport(quick=quick)
+    if manifest.chunk_checksum is None:
+        report.notes.append(
+            f"format version {manifest.version}: chunks carry no checksums, so bit flips "
+            "inside a chunk are found only by `sclayout verify SRC DST`; reconvert to add them"
+        )
+    paths = _check_structure(location, manifest, report)
+    report.n_arrays = len(paths)
+    if quick:
+        return report
+    from tqdm.auto import tqdm
+
+    total = 0
+    for path in paths:
+        try:
+            arr = zarr.open_array(str(location / path), mode="r")
+            total += int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
+        except (ValueError, TypeError, KeyError, OSError, SclayoutError):
+            continue
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc="verify", disable=not progress)
+    try:
+        indices = {m.arrays["indices"].path for m in manifest.matrices.values() if m.is_csr}
+        for path in paths:
+            if path in indices:
+                continue  # read (and bounds-checked) by _check_csr
+            try:
+                arr = zarr.open_array(str(location / path), mode="r")
+            except (ValueError, TypeError, KeyError, OSError) as e:
+                report.add(f"array {path}: cannot be opened ({type(e).__name__})")
+                continue
+            for _ in _read_slices(arr, path, report, bar.update):
+                pass
+        for mname, m in manifest.matrices.items():
+            if m.is_csr:
+                _check_csr(location, mname, m, manifest, report, bar.update)
+        _check_source_index(location, manifest, report)
+    finally:
+        bar.close()
+    return report
