@@ -60,8 +60,8 @@ __all__ = [
     "is_url",
     "read_error",
     "register_backend",
-    "ts_kvstore",
     "timed_out",
+    "ts_kvstore",
 ]
 
 Request = Mapping[str, tuple[str, np.ndarray]]

@@ -98,7 +98,9 @@ def verify_cmd(
         report = verify(srcs[0], dst, progress=progress, memory_budget=memory_budget)
     skipped = [f"skipped: {line}" for line in report.skipped]
     result = {**asdict(report), "summary": report.summary()}
-    _finish(report.differences, skipped, report.summary(), report.equal, result if as_json else None)
+    _finish(
+        report.differences, skipped, report.summary(), report.equal, result if as_json else None
+    )
 
 
 def _finish(

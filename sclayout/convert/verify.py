@@ -34,7 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from loader.argtypes import typechecked
-from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
+from loader.errors import LayoutError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
     MAX_ROWS_SPELT_OUT,
@@ -48,6 +48,7 @@ from sclayout.convert._compare import (
 )
 from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
 from sclayout.convert.plan import parse_memory_budget
+from sclayout.convert.verify_store import check_store, open_store_root
 
 __all__ = ["VerifyReport", "codec_name", "verify"]
 
@@ -528,25 +529,6 @@ def _key_diffs(name: str, dst: set, src: set) -> list[str]:
     return out
 
 
-def open_store_root(dst: Path, *, hint: str) -> Any:
-    """Open the zarr group at ``dst`` read-only, or raise :class:`NotALayoutStoreError`.
-
-    ``hint`` ends the message when ``dst`` is a directory zarr cannot open.
-    """
-    import zarr
-
-    if not dst.is_dir():
-        raise NotALayoutStoreError(
-            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
-        )
-    try:
-        return zarr.open_group(str(dst), mode="r", use_consolidated=False)
-    except Exception as e:
-        raise NotALayoutStoreError(
-            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): {hint}"
-        ) from None
-
-
 @typechecked
 def verify(
     src: str | os.PathLike[str],
@@ -582,9 +564,6 @@ def verify(
     NotALayoutStoreError
         DST is not a zarr store at all.
     """
-    import anndata.io
-    import h5py
-    import zarr
 
     budget = parse_memory_budget(memory_budget)
     src_path, dst_path = Path(src), Path(dst)
@@ -596,7 +575,6 @@ def verify(
     except (LayoutError, SpecError) as e:
         out.add([str(e)])
         return VerifyReport(equal=False, differences=out.lines, n_differences=out.count)
-    from sclayout.convert.verify_store import check_store
 
     structure = check_store(dst_path, quick=True)  # absent chunks read as zeros otherwise
     if not structure.sound:

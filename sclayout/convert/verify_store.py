@@ -30,7 +30,7 @@ import numpy as np
 
 from loader._shards import missing_chunk, open_index
 from loader.backends import damage_cause
-from loader.errors import LayoutError, SclayoutError
+from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError
 from loader.layout import MANIFEST_KEY, Manifest
 
 __all__ = ["MAX_FINDINGS", "StoreReport", "check_store"]
@@ -98,9 +98,26 @@ def _arrays(location: Path) -> Iterator[str]:
             yield os.path.relpath(dirpath, location).replace(os.sep, "/")
 
 
-def _open_manifest(location: Path) -> Manifest:
-    from sclayout.convert.verify import open_store_root
+def open_store_root(dst: Path, *, hint: str) -> Any:
+    """Open the zarr group at ``dst`` read-only, or raise :class:`NotALayoutStoreError`.
 
+    ``hint`` ends the message when ``dst`` is a directory zarr cannot open.
+    """
+    import zarr
+
+    if not dst.is_dir():
+        raise NotALayoutStoreError(
+            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
+        )
+    try:
+        return zarr.open_group(str(dst), mode="r", use_consolidated=False)
+    except Exception as e:
+        raise NotALayoutStoreError(
+            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): {hint}"
+        ) from None
+
+
+def _open_manifest(location: Path) -> Manifest:
     root = open_store_root(location, hint="convert one with `sclayout convert SRC DST`")
     return Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
 

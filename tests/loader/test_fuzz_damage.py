@@ -19,8 +19,7 @@ from hypothesis import strategies as st
 
 from loader.spec import LayoutSpec, StoreSpec
 from sclayout.convert import convert
-from tests._damage import chunk_files
-from tests._loader_util import make_adata, write_h5ad
+from sclayout.testing.damage import chunk_files
 
 ARRAYS = ("X/data", "X/indices", "X/indptr", "uns/sclayout/source_index")
 
@@ -50,9 +49,9 @@ READ = textwrap.dedent(
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
+def store(tmp_path_factory, reader_adata, write_h5ad):
     d = tmp_path_factory.mktemp("fuzz")
-    adata = make_adata(200, 40)
+    adata = reader_adata(200, 40)
     src = write_h5ad(adata, d / "src.h5ad")
     spec = StoreSpec(block_size=16, csr_chunk_nnz=64, shard_chunks=4, codec="blosc-lz4")
     convert(src, d / "store", spec=LayoutSpec(store=spec))

@@ -60,7 +60,7 @@ def test_range_head_and_404(tmp_path):
 
 
 def test_injected_delay_is_per_request(tmp_path, monkeypatch):
-    import sclayout.httpserver as httpserver
+    import sclayout.testing.httpserver as httpserver
 
     slept = []
     monkeypatch.setattr(httpserver.time, "sleep", slept.append)

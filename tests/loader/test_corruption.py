@@ -20,9 +20,8 @@ from loader.errors import LayoutError, SclayoutError
 from loader.spec import LayoutSpec, StoreSpec
 from sclayout.cli import main
 from sclayout.convert import convert
-from sclayout.httpserver import serve_directory
-from tests._damage import DAMAGE
-from tests._loader_util import make_adata, write_h5ad, write_store
+from sclayout.testing.damage import DAMAGE
+from sclayout.testing.httpserver import serve_directory
 
 CODECS = ("blosc-lz4", "zstd", "none")
 BACKENDS = ("default", "zarr", "http")
@@ -44,9 +43,9 @@ NAMES = {  # what the error (and the verify finding) must name
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
+def source(tmp_path_factory, reader_adata, write_h5ad):
     d = tmp_path_factory.mktemp("corrupt-src")
-    adata = make_adata(300, 50)
+    adata = reader_adata(300, 50)
     return write_h5ad(adata, d / "src.h5ad"), adata.X.toarray()
 
 
@@ -148,10 +147,10 @@ def test_every_array_the_converter_writes_has_chunk_checksums(stores):
         assert codecs[-1]["name"] == "crc32c", a
 
 
-def test_chunks_equal_to_the_fill_value_are_stored(tmp_path):
+def test_chunks_equal_to_the_fill_value_are_stored(tmp_path, reader_adata, write_h5ad):
     import scipy.sparse as sp
 
-    adata = make_adata(200, 30)
+    adata = reader_adata(200, 30)
     X = sp.lil_matrix(adata.X)
     for r in range(100):  # one value each, in gene 0: the first indices chunks are all
         X.rows[r], X.data[r] = [0], [1.0]  # zeros (the fill value), which zarr and
@@ -167,8 +166,10 @@ def test_chunks_equal_to_the_fill_value_are_stored(tmp_path):
     assert np.array_equal(got, adata.X.toarray()[index])
 
 
-def test_version_1_store_reads_without_chunk_checks_and_says_so(tmp_path):
-    adata = make_adata(120, 20)
+def test_version_1_store_reads_without_chunk_checks_and_says_so(
+    tmp_path, reader_adata, write_store
+):
+    adata = reader_adata(120, 20)
     store = write_store(adata, tmp_path / "v1")
     meta = json.loads((store / "zarr.json").read_text())
     meta["attributes"]["sclayout"]["version"] = 1
