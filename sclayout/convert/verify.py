@@ -34,7 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from loader.argtypes import typechecked
-from loader.errors import LayoutError, SclayoutError, SpecError
+from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
     MAX_ROWS_SPELT_OUT,
