@@ -27,6 +27,16 @@ Root attribute ``sclayout``::
 stored row. For a CSR matrix the *block pointer* (int64, ``n_blocks + 1``) is the
 ``indptr`` value at every block boundary, so a reader finds a block's nnz range
 without loading the whole ``indptr``.
+
+Format version 2
+----------------
+Version 1 plus optional keys (a version-1 manifest reads as version 2 without them):
+``sources`` (one entry per source, in order: ``name``, ``row0``, ``n_obs``, ``n_vars``,
+``genes_present``, ``fingerprint``), ``genes`` (``join``, ``n_vars``,
+``var_conflicts``), ``provenance`` (paths of the per-row ``source_number`` and
+``source_row`` arrays, several sources only) and ``notes``. With several sources
+``source_index`` counts rows of the sources' concatenation in the given order.
+docs/store-format.md describes every version.
 """
 
 from __future__ import annotations
@@ -53,10 +63,11 @@ __all__ = [
     "block_pointer_path",
     "block_rows",
     "parse_block_size",
+    "source_rows",
 ]
 
 FORMAT = "sclayout-layout"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Version of the manifest this package writes and the newest it reads."""
 MANIFEST_KEY = "sclayout"
 """Root attribute holding the manifest."""
@@ -249,6 +260,15 @@ class Manifest:
     created: str = ""
     format: str = FORMAT
     version: int = FORMAT_VERSION
+    sources: tuple[Mapping[str, Any], ...] = ()
+    """Version 2: the sources in order (name, row0, n_obs, n_vars, genes_present,
+    fingerprint); empty for a version-1 store (its one source is ``source``)."""
+    genes: Mapping[str, Any] = field(default_factory=dict)
+    """Version 2: how the store's genes were chosen (join, n_vars, var_conflicts)."""
+    provenance: Mapping[str, str] = field(default_factory=dict)
+    """Version 2, several sources: paths of the per-row source_number and source_row."""
+    notes: tuple[str, ...] = ()
+    """Version 2: what the conversion left out or changed (dropped elements, upcasts)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_block_size(self.block_size))
@@ -281,6 +301,10 @@ class Manifest:
             "matrices": {k: m.to_dict() for k, m in self.matrices.items()},
             "source_index": self.source_index,
             "source": dict(self.source),
+            "sources": [dict(x) for x in self.sources],
+            "genes": dict(self.genes),
+            "provenance": dict(self.provenance),
+            "notes": list(self.notes),
         }
 
     def to_json(self) -> str:
@@ -314,6 +338,10 @@ class Manifest:
                 matrices={k: MatrixLayout.from_dict(m) for k, m in d["matrices"].items()},
                 source_index=str(d.get("source_index", f"{SCLAYOUT_UNS}/source_index")),
                 source=dict(d.get("source", {})),
+                sources=tuple(dict(x) for x in d.get("sources", ())),
+                genes=dict(d.get("genes", {})),
+                provenance={str(k): str(v) for k, v in d.get("provenance", {}).items()},
+                notes=tuple(str(n) for n in d.get("notes", ())),
             )
         except (KeyError, TypeError) as e:
             raise NotALayoutStoreError(
@@ -324,6 +352,24 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         return cls.from_dict(json.loads(text))
+
+
+def source_rows(manifest: Manifest, index: Any) -> tuple[list[str], Any]:
+    """Map a batch's ``index`` (rows of the sources' concatenation) to (file, row).
+
+    Returns the source path of every index and its row within that source (int64).
+    Pure: needs only the manifest, so a training loop can call it per batch.
+    """
+    import numpy as np
+
+    idx = np.asarray(index, dtype=np.int64)
+    entries = list(manifest.sources) or [{"row0": 0, "fingerprint": dict(manifest.source)}]
+    starts = np.array([int(e["row0"]) for e in entries], dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= manifest.n_obs):
+        raise IndexError(f"index out of range for a store of {manifest.n_obs} rows")
+    number = np.searchsorted(starts, idx, side="right") - 1
+    paths = [str(e.get("fingerprint", {}).get("path", e.get("name", ""))) for e in entries]
+    return [paths[k] for k in number.tolist()], idx - starts[number]
 
 
 def block_rows(block: int, *, block_size: int, n_obs: int) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import itertools
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,14 +41,15 @@ from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
 from sclayout.convert._buffers import release_scratch
 from sclayout.convert.checks import (
+    SourceInfo,
     check_destination,
     check_obs_columns,
     estimate_store_bytes,
     explain_read_errors,
-    inspect_source,
 )
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.order import get_order, inverse_permutation
+from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
     DEFAULT_BLOCK_SIZE,
     MatrixPlan,
@@ -68,6 +69,14 @@ from sclayout.convert.source import (
     prefer_direct_io,
     read_slice,
 )
+from sclayout.convert.sources import (
+    Combined,
+    check_destination_apart,
+    check_sources,
+    combine,
+    read_var_names,
+    source_names,
+)
 from sclayout.convert.write import (
     CopyJob,
     Runner,
@@ -75,6 +84,7 @@ from sclayout.convert.write import (
     copy_dense,
     copy_sparse,
     create_matrix,
+    index_dtype_for,
     shard_ranges,
     write_region,
 )
@@ -87,9 +97,11 @@ index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
 ASSEMBLE_INDEX_BYTES = 16
 """Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
 and its sorted copy."""
-DRIVER_BYTES_PER_ROW = 48
+DRIVER_BYTES_PER_ROW = 64
 """Driver-side arrays per row: permutation, its inverse, source and output indptr,
-block pointer, stratum keys (int64 each)."""
+block pointer, stratum keys (int64 each), and with several sources the per-row
+source number and row (provenance). The obs table is counted as it is read: the
+working memory is what the budget leaves beside the process's resident size."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 TMP_TAG = "sclayout-tmp"
@@ -162,9 +174,13 @@ def resolve_options(
 
 
 def convert(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Sequence[str | os.PathLike],
     dst: str | os.PathLike,
     *,
+    join: str | None = None,
+    var_names: Sequence[str] | str | os.PathLike | None = None,
+    source_key: str = "source",
+    strict: bool = False,
     spec: LayoutSpec | str | os.PathLike | None = None,
     block_size: int | None = None,
     order: str = "original",
@@ -177,14 +193,25 @@ def convert(
     scheduler: str | None = None,
     progress: bool = False,
 ) -> Manifest:
-    """Convert an AnnData source (.h5ad or zarr v2/v3) into a layout store.
+    """Convert one or several AnnData sources (.h5ad or zarr v2/v3) into a layout store.
 
     Parameters
     ----------
     src
-        The source dataset.
+        The source dataset, or a list of them: the store holds their rows in this
+        order (before ``order`` reorders them), see docs/convert.md.
     dst
         The layout store to create (a directory).
+    join
+        Sources whose genes differ: ``"inner"`` (genes in every source) or
+        ``"outer"`` (their union; a gene a source lacks is a structural zero).
+    var_names
+        The store's genes, exactly (a list, or a file with one gene a line): genes a
+        source lacks are zeros, genes not listed are dropped.
+    source_key
+        obs column naming each row's source when there are several (``""``: none).
+    strict
+        Refuse, instead of dropping with a note, a layer or obsm not in every source.
     spec
         A :class:`~loader.spec.LayoutSpec` or the path of its JSON; arguments left at
         their defaults take the spec's values, explicit ones override it.
@@ -220,7 +247,10 @@ def convert(
     InputError
         Bad source, bad option, DST exists without ``overwrite``, DST not writable.
     """
-    src_info = inspect_source(src)  # the metadata checks of check_source
+    srcs = [src] if isinstance(src, str | os.PathLike) else list(src)
+    infos = check_sources(srcs)  # the metadata checks of check_source, per source
+    if isinstance(var_names, str | os.PathLike):
+        var_names = read_var_names(var_names)
     opts = resolve_options(
         spec=spec,
         block_size=block_size,
@@ -232,8 +262,12 @@ def convert(
     )
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
-    src_p, dst_p = Path(src), Path(os.path.abspath(dst))
-    check_obs_columns(src_p, opts.order.columns, info=src_info)
+    src_p, dst_p = Path(srcs[0]), Path(os.path.abspath(dst))
+    several = len(srcs) > 1 or infos[0].legacy or var_names is not None
+    if several:
+        _check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
+    else:
+        check_obs_columns(src_p, opts.order.columns, info=infos[0])
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
     longest = max(len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode()))
     if longest > NAME_MAX:
@@ -242,12 +276,19 @@ def convert(
             f"file system allows {NAME_MAX}); choose a shorter name"
         )
     _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
-    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=estimate_store_bytes(src_p))
+    check_destination_apart(dst_p, srcs)
+    need = sum(estimate_store_bytes(s) for s in srcs)
+    check_destination(dst_p, overwrite=overwrite, src=src_p, need_bytes=need)
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     try:
-        with open_group(src_p) as root:
-            source = Source(root, src_p)
-            manifest = _convert_into(source, tmp, opts, runner)
+        if several:
+            inp = _sources_input(
+                srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
+            )
+            manifest = _convert_into(inp, tmp, opts, runner)
+        else:
+            with open_group(src_p) as root:
+                manifest = _convert_into(_single_input(Source(root, src_p)), tmp, opts, runner)
         _install(tmp, dst_p, overwrite=overwrite)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -356,9 +397,156 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
 # -- the conversion ----------------------------------------------------------------------
 
 
-def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
-    n_obs, n_vars = source.n_obs, source.n_vars
+@dataclass(frozen=True)
+class _Input:
+    """What a conversion writes, from one source or several.
+
+    ``matrices``: each output matrix (its path, shape, dtype) with one part per
+    source; ``write_small`` writes the small elements with rows in stored order;
+    ``row_source``: the source number of every row of the concatenation (several
+    sources only).
+    """
+
+    n_obs: int
+    n_vars: int
+    obs: pd.DataFrame
+    write_small: Callable[[zarr.Group, np.ndarray], None]
+    matrices: list[tuple[MatrixInfo, list[Part]]]
+    sources: list[dict[str, Any]]
+    genes: dict[str, Any]
+    notes: list[str]
+    row_source: np.ndarray | None = None
+
+
+def _single_input(source: Source) -> _Input:
     obs = source.read_elem("obs")
+    matrices = []
+    for info in source.row_matrices():
+        idt = info.index_dtype if info.index_dtype is not None else index_dtype_for(info.shape[1])
+        part = Part(source.path, info, 0, info.shape[1], info.dtype, idt)
+        matrices.append((info, [part]))
+    x = matrices[0][0]
+    nnz = x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1]
+    entry = {
+        "name": source_names([source.path])[0],
+        "row0": 0,
+        "n_obs": source.n_obs,
+        "n_vars": source.n_vars,
+        "genes_present": source.n_vars,
+        "fingerprint": fingerprint(source.path, n_obs=source.n_obs, n_vars=source.n_vars, nnz=nnz),
+    }
+    return _Input(
+        n_obs=source.n_obs,
+        n_vars=source.n_vars,
+        obs=obs,
+        write_small=lambda root, perm: _write_small(source, root, obs, perm),
+        matrices=matrices,
+        sources=[entry],
+        genes={"join": "same", "n_vars": source.n_vars, "var_conflicts": {}},
+        notes=[],
+    )
+
+
+def _check_by(srcs, infos: list[SourceInfo], columns, source_key: str) -> None:
+    """``--by`` columns must be in some source's obs, or be the source column."""
+    available = [source_key] if source_key else []
+    for info in infos:
+        available += [c for c in info.obs_columns if c not in available]
+    missing = [c for c in columns if c not in available]
+    if missing:
+        raise InputError(
+            f"--by {missing[0]!r}: no such obs column in any source; available: "
+            f"{', '.join(available) or '(none)'}"
+        )
+
+
+def _sources_input(
+    srcs, infos: list[SourceInfo], *, join, var_names, source_key: str, strict: bool
+) -> _Input:
+    """The merged tables and the per-source parts of every output matrix."""
+    names = source_names(srcs)
+    key = source_key if len(srcs) > 1 else ""
+    comb = combine(srcs, names, join=join, var_names=var_names, source_key=key, strict=strict)
+    genes = comb.genes
+    n_vars = len(genes.var_names)
+    sizes = [i.n_obs for i in infos]
+    row0 = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    matrices: list[tuple[MatrixInfo, list[Part]]] = []
+    entries = []
+    for k, s in enumerate(srcs):
+        with open_group(s) as root:
+            src = Source(root, s)
+            mats = [src.matrix_info("X")] + [src.matrix_info(f"layers/{n}") for n in comb.layers]
+            x = mats[0]
+            nnz = x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1]
+            entries.append(
+                {
+                    "name": names[k],
+                    "row0": int(row0[k]),
+                    "n_obs": int(sizes[k]),
+                    "n_vars": int(x.shape[1]),
+                    "genes_present": int(genes.present[k]),
+                    "fingerprint": fingerprint(s, n_obs=sizes[k], n_vars=x.shape[1], nnz=nnz),
+                }
+            )
+        for j, info in enumerate(mats):
+            if k == 0:
+                matrices.append((info, []))
+            matrices[j][1].append(info)
+    out: list[tuple[MatrixInfo, list[Part]]] = []
+    idt = index_dtype_for(n_vars)
+    for first, per_source in matrices:
+        dtype = np.result_type(*[i.dtype for i in per_source])
+        enc = "dense" if all(i.encoding == "dense" for i in per_source) else "csr"
+        target = MatrixInfo(first.path, enc, (int(row0[-1]), n_vars), dtype, idt, 0)
+        parts = [
+            Part(
+                str(Path(s).resolve()),
+                info,
+                int(row0[k]),
+                n_vars,
+                dtype,
+                idt,
+                genes.colmaps[k],
+                genes.monotonic[k],
+            )
+            for k, (s, info) in enumerate(zip(srcs, per_source, strict=True))
+        ]
+        out.append((target, parts))
+    if len({i.encoding for i in matrices[0][1]}) > 1 and out[0][0].encoding == "csr":
+        comb.notes.append("dense and sparse X mixed: stored as CSR")
+    return _Input(
+        n_obs=int(row0[-1]),
+        n_vars=n_vars,
+        obs=comb.obs,
+        write_small=lambda root, perm: _write_combined(comb, root, perm),
+        matrices=out,
+        sources=entries,
+        genes={
+            "join": genes.join,
+            "n_vars": n_vars,
+            "var_conflicts": dict(comb.var_conflicts),
+        },
+        notes=list(comb.notes),
+        row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes) if len(srcs) > 1 else None,
+    )
+
+
+def _write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray) -> None:
+    """obs/var/obsm/uns of several sources (layers are filled as matrices)."""
+    _quiet_write(root, "obs", comb.obs.iloc[perm])
+    _quiet_write(root, "var", comb.var)
+    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in comb.obsm.items()})
+    for key in ("varm", "varp", "obsp", "layers"):
+        _quiet_write(root, key, {})
+    uns = dict(comb.uns)
+    uns.pop("sclayout", None)
+    _quiet_write(root, "uns", uns)
+
+
+def _convert_into(inp: _Input, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
+    n_obs, n_vars = inp.n_obs, inp.n_vars
+    obs = inp.obs
     missing = [c for c in opts.order.columns if c not in obs.columns]
     if missing:
         raise InputError(
@@ -374,26 +562,30 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
     tmp.mkdir()
     root = zarr.open_group(tmp, mode="w", zarr_format=3)
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
-    _write_small(source, root, obs, perm)
+    inp.write_small(root, perm)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     work = working_memory(opts.memory_budget, n_obs=n_obs)
-    ctx = _Ctx(source, str(tmp), opts, block_size, runner, perm, inv, identity, work)
-    for info in source.row_matrices():
-        layout, pointer = _convert_matrix(ctx, info)
-        matrices[info.path] = layout
+    ctx = _Ctx(str(tmp), opts, block_size, runner, perm, inv, identity, work)
+    for target, parts in inp.matrices:
+        layout, pointer = _convert_matrix(ctx, target, parts)
+        matrices[target.path] = layout
         if pointer is not None:
-            pointers[info.path] = pointer
+            pointers[target.path] = pointer
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
-    _write_uns_sclayout(root, perm, pointers)
+    provenance = _write_uns_sclayout(root, perm, pointers, inp)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
         block_size=block_size,
         order=opts.order,
         matrices=matrices,
-        source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=matrices["X"].nnz),
+        source=inp.sources[0]["fingerprint"] if len(inp.sources) == 1 else {},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
+        sources=tuple(inp.sources),
+        genes=inp.genes,
+        provenance=provenance,
+        notes=tuple(inp.notes),
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
@@ -401,7 +593,6 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
 
 @dataclass(frozen=True)
 class _Ctx:
-    source: Source
     dst: str
     opts: ConvertOptions
     block_size: int
@@ -457,13 +648,26 @@ def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
     return np.asarray(value)[np.ix_(perm, perm)]
 
 
-def _write_uns_sclayout(root: zarr.Group, perm: np.ndarray, pointers: dict) -> None:
+def _write_uns_sclayout(
+    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: _Input
+) -> dict[str, str]:
+    """source_index, block pointers and, with several sources, the per-row provenance
+    (source number, row in that source); returns the provenance paths."""
     uns = root["uns"]
-    payload = {
+    payload: dict[str, Any] = {
         "source_index": perm.astype(np.int64),
         "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
     }
+    provenance: dict[str, str] = {}
+    if inp.row_source is not None:
+        number = inp.row_source[perm]
+        row0 = np.array([e["row0"] for e in inp.sources], dtype=np.int64)
+        n_src = len(inp.sources)
+        payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
+        payload["source_row"] = perm.astype(np.int64) - row0[number]
+        provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
     _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
+    return provenance
 
 
 def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
@@ -477,7 +681,10 @@ def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
     )
 
 
-def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarray | None]:
+def _convert_matrix(
+    ctx: _Ctx, info: MatrixInfo, parts: list[Part]
+) -> tuple[MatrixLayout, np.ndarray | None]:
+    """Write output matrix ``info`` (path, shape, dtype) from its per-source parts."""
     opts = ctx.opts
     compressors = get_codec(opts.codec)
     n_obs, n_vars = info.shape
@@ -494,7 +701,7 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
             shard_chunks=opts.shard_chunks,
         )
         arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors)
-        _fill_dense(ctx, info, plan)
+        _fill_dense(ctx, info, plan, parts)
         layout = MatrixLayout(
             encoding="dense",
             shape=(n_obs, n_vars),
@@ -503,11 +710,17 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
             arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
         )
         return layout, None
-    src_ptr = ctx.source.indptr(info)  # row pointer (csr) or column pointer (csc)
-    if info.encoding == "csr":
-        row_nnz = np.diff(src_ptr)
-    else:
-        row_nnz = _csc_row_counts(ctx, info, src_ptr)
+    # row pointer (csr) or column pointer (csc) of every sparse part
+    ptrs = [
+        None
+        if p.encoding == "dense"
+        else read_slice(p.src, f"{p.path}/indptr", 0, p.shape[p.encoding == "csc"] + 1).astype(
+            np.int64
+        )
+        for p in parts
+    ]
+    step = max(1, ctx.work // (4 * 8))
+    row_nnz = np.concatenate([p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)])
     out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
     np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
     nnz = int(out_ptr[-1])
@@ -521,10 +734,11 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
         shard_chunks=opts.shard_chunks,
     )
     arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors)
-    if info.encoding == "csr" and ctx.identity:
-        _copy_csr(ctx, info, plan, src_ptr, nnz)
+    one = parts[0]
+    if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
+        _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
     else:
-        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+        _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
     ptr_shard = plan.arrays["indptr"].shards[0]
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
@@ -543,64 +757,63 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
     return layout, pointer
 
 
-def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, src_ptr, nnz: int) -> None:
-    start = int(src_ptr[0])
-    if start != 0:  # an indptr that does not start at 0: route through the general path
-        out_ptr = src_ptr - start
-        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr, out_ptr, nnz):
+    if int(src_ptr[0]) != 0:  # an indptr that does not start at 0: the general path
+        _reorder_sparse(ctx, info, plan, [part], [src_ptr], out_ptr, nnz)
         return
     jobs = [
-        CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+        CopyJob(part.src, info.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
     ]
     ctx.runner.run(copy_sparse, jobs, desc=f"copy {info.path}")
 
 
-def _csc_row_counts(ctx: _Ctx, info: MatrixInfo, col_ptr: np.ndarray) -> np.ndarray:
-    """nnz of every row of a CSC matrix, from its indices read in slices."""
-    counts = np.zeros(info.shape[0], dtype=np.int64)
-    step = max(1, ctx.work // (4 * 8))
-    off = int(col_ptr[0])
-    for a, b in shard_ranges(int(col_ptr[-1]) - off, step):
-        rows = read_slice(ctx.source.path, f"{info.path}/indices", a + off, b + off)
-        counts += np.bincount(rows, minlength=info.shape[0])
-    return counts
+def _row_cuts(part: Part, ptr: np.ndarray | None, elems: int) -> list[int]:
+    """Row (CSR, dense) or column (CSC) boundaries of slices of about ``elems`` values."""
+    if ptr is not None:
+        return _cuts(ptr, elems)
+    n = part.shape[0]
+    rows = max(1, elems // max(1, part.shape[1]))
+    return sorted({0, n, *range(rows, n, rows)})
 
 
-def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
-    """Bucketed two-pass reorder of a CSR or CSC source into CSR output."""
+def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
+    """Bucketed two-pass reorder of CSR, CSC and dense parts into CSR output.
+
+    All-CSR/dense parts route rows (the fast path); any CSC part routes entries.
+    """
+    coo = any(p.encoding == "csc" for p in parts)
     elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
     shard = plan.elements_per_shard
-    per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES
+    per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES + (8 if coo else 0)
     bucket = ctx.work // (ctx.jobs * per_elem)
     bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
-    cuts = _cuts(src_ptr, read_elems)
-    src = ctx.source.path
-    direct = prefer_direct_io(src, nbytes=nnz * elem_bytes)
-    if info.encoding == "csr":
-        fn = ext.route_rows
-        jobs = [
-            ext.RouteRowsJob(
-                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, task, direct
-            )
-            for task, (a, b) in enumerate(itertools.pairwise(cuts))
-        ]
-        kind = "rows"
-    else:
-        fn = ext.route_csc
-        jobs = [
-            ext.RouteCscJob(
-                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, info.index_dtype
-            )
-            for a, b in itertools.pairwise(cuts)
-        ]
-        kind = "csc"
-    tables = ctx.runner.run(fn, jobs, desc=f"route {info.path}")
+    direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
+    jobs: list[Any] = []
+    for p, ptr in zip(parts, ptrs, strict=True):
+        native = "csc" if coo else "csr"
+        part = None if p.plain and p.encoding == native else p
+        for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
+            if coo:
+                jobs.append(
+                    ext.RouteCscJob(
+                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                        info.index_dtype, part,
+                    )
+                )  # fmt: skip
+            else:
+                jobs.append(
+                    ext.RouteRowsJob(
+                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                        len(jobs), direct, part,
+                    )
+                )  # fmt: skip
+    kind = "csc" if coo else "rows"
+    tables = ctx.runner.run(ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}")
     n_buckets = len(bounds) - 1
     segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
-    index_dtype = info.index_dtype
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
     assemble = [
         ext.AssembleJob(
@@ -614,7 +827,7 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
             info.path,
             shard,
             info.dtype,
-            index_dtype,
+            info.index_dtype,
             info.shape[1],
             segments[b],
             direct,
@@ -641,12 +854,12 @@ def _cuts(ptr: np.ndarray, step: int) -> list[int]:
     return sorted({0, n, *(int(i) for i in inner if 0 < i < n)})
 
 
-def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
+def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, parts: list[Part]) -> None:
     n_obs, n_vars = info.shape
     shard_rows = plan.elements_per_shard
-    if ctx.identity:
+    if len(parts) == 1 and parts[0].plain and ctx.identity:
         jobs = [
-            CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+            CopyJob(parts[0].src, info.path, ctx.dst, info.path, a, b)
             for a, b in shard_ranges(n_obs, shard_rows)
         ]
         ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")
@@ -657,8 +870,9 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
     read_rows = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * row_bytes))
     jobs = [
-        ext.RouteDenseJob(ctx.source.path, info.path, a, b, ctx.inv, bounds, workdir)
-        for a, b in shard_ranges(n_obs, read_rows)
+        ext.RouteDenseJob(p.src, p.path, a, b, ctx.inv, bounds, workdir, None if p.plain else p)
+        for p in parts
+        for a, b in shard_ranges(p.shape[0], read_rows)
     ]
     ctx.runner.run(ext.route_dense, jobs, desc=f"route {info.path}")
     assemble = [
