@@ -22,7 +22,8 @@ from sclayout.cli import main
 from sclayout.convert import CODECS, convert, get_order, parse_memory_budget
 from sclayout.convert import external as ext
 
-GOLDEN = Path(__file__).parent / "golden" / "manifest_v1.json"
+GOLDEN = Path(__file__).parent / "golden" / "manifest_v2.json"
+GOLDEN_V1 = Path(__file__).parent / "golden" / "manifest_v1.json"
 DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
 
@@ -87,7 +88,17 @@ def _normalised(m: Manifest) -> dict:
     d["created"] = "<created>"
     d["tool_version"] = "<version>"
     d["source"] = {k: d["source"][k] for k in ("n_obs", "n_vars", "nnz")}
+    for e in d.get("sources", []):
+        e["fingerprint"] = {k: e["fingerprint"][k] for k in ("n_obs", "n_vars", "nnz")}
     return d
+
+
+def test_version_1_manifest_still_reads():
+    """Stores written before version 2 open: the new keys take their empty defaults."""
+    d = json.loads(GOLDEN_V1.read_text())
+    m = Manifest.from_dict(d)
+    assert m.version == 1 and m.sources == () and m.provenance == {}
+    assert m.n_obs == d["n_obs"] and set(m.matrices) == set(d["matrices"])
 
 
 def test_golden_manifest(tmp_path):
