@@ -15,8 +15,7 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
 
 
 @click.command("verify")
-@click.argument("src", type=click.Path(path_type=str))
-@click.argument("dst", type=click.Path(path_type=str))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str))
 @click.option(
     "--memory-budget",
     default="2GB",
@@ -28,16 +27,31 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
     default=None,
     help="Progress bars (default: on when stderr is a terminal).",
 )
-def verify_cmd(src: str, dst: str, memory_budget: str, progress: bool | None) -> None:
+def verify_cmd(paths: tuple[str, ...], memory_budget: str, progress: bool | None) -> None:
     """Check that layout store DST holds exactly the data of SRC, value for value.
 
+    With several sources (SRC [SRC ...] DST, in the order converted), every source's
+    rows are checked through the store's provenance, gene mapping included.
     Exits 0 when equal, 1 (listing what differs) otherwise.
-    """
-    from sclayout.convert.verify import verify
 
+    \b
+    Examples:
+      sclayout verify pbmc.h5ad pbmc.layout
+      sclayout verify plate*.h5ad atlas.layout
+    """
+    from loader.errors import InputError
+    from sclayout.convert.verify import verify
+    from sclayout.convert.verify_sources import needs_sources_verify, verify_sources
+
+    if len(paths) < 2:
+        raise InputError("usage: sclayout verify SRC [SRC ...] DST")
+    srcs, dst = list(paths[:-1]), paths[-1]
     if progress is None:
         progress = sys.stderr.isatty()
-    report = verify(src, dst, progress=progress, memory_budget=memory_budget)
+    if len(srcs) > 1 or needs_sources_verify(srcs[0], dst):
+        report = verify_sources(srcs, dst, progress=progress, memory_budget=memory_budget)
+    else:
+        report = verify(srcs[0], dst, progress=progress, memory_budget=memory_budget)
     for line in report.differences:
         click.echo(line)
     for line in report.skipped:

@@ -416,6 +416,7 @@ class _Input:
     genes: dict[str, Any]
     notes: list[str]
     row_source: np.ndarray | None = None
+    source_key: str = ""
 
 
 def _single_input(source: Source) -> _Input:
@@ -529,6 +530,7 @@ def _sources_input(
         },
         notes=list(comb.notes),
         row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes) if len(srcs) > 1 else None,
+        source_key=key,
     )
 
 
@@ -666,6 +668,7 @@ def _write_uns_sclayout(
         payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
         payload["source_row"] = perm.astype(np.int64) - row0[number]
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
+        provenance["obs_key"] = inp.source_key
     _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
     return provenance
 
