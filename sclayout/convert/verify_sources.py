@@ -39,8 +39,10 @@ WINDOW_SHARE = 8
 class _DstRows:
     """Rows of one DST matrix (CSR or dense) read in runs of consecutive rows."""
 
-    def __init__(self, node: Any) -> None:
+    def __init__(self, node: Any, *, span: int) -> None:
         self.node = node
+        self.span = span
+        """Most elements read at once to cover several runs of rows."""
         self.sparse = isinstance(node, zarr.Group)
         if self.sparse:
             self.ptr = np.asarray(node["indptr"][...], dtype=np.int64)
@@ -55,10 +57,19 @@ class _DstRows:
             parts = [np.asarray(self.node[int(a) : int(b)]) for a, b in zip(starts, stops, strict=True)]
             return np.concatenate(parts) if parts else np.asarray(self.node[0:0])
         data, idx = [], []
-        for a, b in zip(starts, stops, strict=True):
-            lo, hi = int(self.ptr[a]), int(self.ptr[b])
-            data.append(np.asarray(self.node["data"][lo:hi]))
-            idx.append(np.asarray(self.node["indices"][lo:hi]))
+        lo_el, hi_el = self.ptr[starts], self.ptr[stops]
+        i = 0
+        while i < starts.size:  # runs closer than the span limit: one read, then cut
+            j = i + 1
+            while j < starts.size and hi_el[j] - lo_el[i] <= self.span:
+                j += 1
+            lo, hi = int(lo_el[i]), int(hi_el[j - 1])
+            d = np.asarray(self.node["data"][lo:hi])
+            x = np.asarray(self.node["indices"][lo:hi])
+            for a, b in zip(lo_el[i:j] - lo, hi_el[i:j] - lo, strict=True):
+                data.append(d[a:b])
+                idx.append(x[a:b])
+            i = j
         counts = self.ptr[rows + 1] - self.ptr[rows]
         ptr = np.r_[0, np.cumsum(counts)].astype(np.int64)
         return sp.csr_matrix(
@@ -212,7 +223,10 @@ def verify_sources(
                     colmap,
                     True,
                 )
-                got_lines, n = _compare_matrix(m, part, _DstRows(root[m]), inv, budget, names[k])
+                got_lines, n = _compare_matrix(
+                    m, part, _DstRows(root[m], span=budget // (WINDOW_SHARE * 12)), inv, budget,
+                    names[k],
+                )
                 lines += got_lines
                 values += n
                 checked += 1
