@@ -419,3 +419,23 @@ def test_real_var_names_matches_concat(real_atlas):
     expect = sp.hstack([x[:, [c]] if c >= 0 else zero for c in cols]).tocsr()
     assert (got.X != expect).nnz == 0
     assert _cli("verify", *files, tmp / "panel").exit_code == 0
+
+
+# -- recommend over several sources ------------------------------------------------------
+
+
+def test_recommend_statistics_cover_every_source(tmp_path):
+    from sclayout.cost.stats import read_sources_stats
+
+    a = _adata(30, ["g1", "g2", "g3"], seed=1)
+    b = _adata(20, ["g3", "g4"], enc="csc", seed=2)
+    paths = [_write(a, tmp_path / "a.h5ad"), _write(b, tmp_path / "b.zarr")]
+    st = read_sources_stats(paths, label="cell_type")
+    assert (st.n_obs, st.n_vars) == (50, 4)
+    want = np.r_[np.diff(a.X.indptr), np.diff(sp.csr_matrix(b.X).indptr)]
+    np.testing.assert_array_equal(st.row_nnz, want)
+    values = np.r_[a.obs["cell_type"].to_numpy(), b.obs["cell_type"].to_numpy()]
+    _, expect = np.unique(values, return_inverse=True)
+    assert len(set(zip(st.labels, expect, strict=True))) == len(set(values))  # same partition
+    by_source = read_sources_stats(paths, label="source")
+    np.testing.assert_array_equal(by_source.labels, np.r_[np.zeros(30), np.ones(20)])

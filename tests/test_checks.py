@@ -20,7 +20,6 @@ from _checks_util import (
     bad_encoding,
     bad_encoding_version,
     bad_hdf5_not_anndata,
-    bad_legacy,
     bad_missing,
     bad_plain_dir,
     bad_text_as_h5ad,
@@ -55,7 +54,6 @@ BAD_SOURCES = [
     pytest.param(bad_corrupt, "damaged", id="corrupt"),
     pytest.param(bad_encoding, "unsupported encoding-type 'bsr_matrix'", id="encoding"),
     pytest.param(bad_encoding_version, "version '9.0.0', newer than", id="encoding-version"),
-    pytest.param(bad_legacy, "anndata < 0.7 layout", id="legacy"),
     pytest.param(bad_empty_cells, "is empty (0 cells x 5 genes)", id="empty-cells"),
     pytest.param(bad_empty_genes, "is empty (5 cells x 0 genes)", id="empty-genes"),
 ]

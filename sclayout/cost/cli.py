@@ -289,7 +289,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
 
 
 @click.command("recommend")
-@click.argument("source", type=str)
+@click.argument("sources", nargs=-1, required=True, type=str)
 @click.option("--batch-size", type=int, default=64, show_default=True)
 @click.option("--label", default=None, help="obs column whose diversity must stay high.")
 @click.option(
@@ -337,7 +337,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @_OVERWRITE
 def recommend_command(
-    source: str,
+    sources: tuple[str, ...],
     batch_size: int,
     label: str | None,
     min_diversity: float,
@@ -358,12 +358,22 @@ def recommend_command(
 ) -> None:
     """Recommend a layout (block size, fetch factor, chunk size, codec, row order) and
     loader settings for SOURCE (.h5ad, AnnData zarr or layout store): the fastest
-    predicted configuration whose minibatches stay diverse enough."""
+    predicted configuration whose minibatches stay diverse enough. Several SOURCEs
+    (the files of one atlas) are counted together, as `convert` would combine them;
+    --label source then means the file each row comes from.
+
+    \b
+    Examples:
+      sclayout recommend pbmc.h5ad --label cell_type --profile local-nvme
+      sclayout recommend plate*.h5ad --label source --spec-out spec.json
+    """
     from dataclasses import replace
 
     from sclayout.convert.plan import parse_memory_budget
     from sclayout.cost.search import _check_targets, measured_codecs, search, search_loader
-    from sclayout.cost.stats import read_dataset_stats
+    from sclayout.cost.stats import read_dataset_stats, read_sources_stats
+
+    source = sources[0]
 
     space = _space(block_sizes, fetch_factors, orders, codecs, workers)
     if "stratified" in (orders or "") and label is None:
@@ -376,9 +386,12 @@ def recommend_command(
     _check_targets(min_diversity, budget)
     if batch_size < 1:
         raise InputError(f"--batch-size={batch_size}: must be a positive integer")
-    _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))
-    _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
-    stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
+    _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=sources)
+    _check_output(plot, "--plot", overwrite=overwrite, inputs=sources, suffixes=PLOT_SUFFIXES)
+    if len(sources) > 1:
+        stats = read_sources_stats(list(sources), label=label)
+    else:
+        stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
     space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
     if unknown:
@@ -394,6 +407,8 @@ def recommend_command(
         seed=seed,
     )
     out: dict[str, Any] = {"source": source, "profile": prof.name, "profile_note": prof_note}
+    if len(sources) > 1:
+        out["sources"] = list(sources)
     if stats.manifest is not None:
         result = search_loader(
             stats, fetch_factors=space.fetch_factors, workers=space.workers, **kw
