@@ -327,7 +327,9 @@ def test_sources_from_file(tmp_path):
 # -- property: random splits -------------------------------------------------------------
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     data=st.data(),
     n_sources=st.integers(1, 6),
@@ -386,7 +388,7 @@ def real_atlas(real_data_dir, tmp_path_factory):
     genes = tmp / "panel.txt"
     adatas = [ad.read_h5ad(f) for f in files]
     union = ad.concat(adatas, join="outer", index_unique="-").var_names
-    panel = list(union[::7][:3000]) + ["NOT_A_GENE"]
+    panel = [*union[::7][:3000], "NOT_A_GENE"]
     genes.write_text("\n".join(panel) + "\n")
     convert(files, tmp / "outer", join="outer", order="stratified", by=["source"], block_size=64)
     convert(files, tmp / "panel", var_names=genes, order="shuffled", seed=2)
@@ -399,9 +401,7 @@ def test_real_outer_matches_concat(real_atlas):
     want = ad.concat(adatas, join="outer", label="source", keys=keys, merge="first")
     got = _store_in_source_order(tmp / "outer")
     assert want.obs_names.is_unique  # these barcodes do not repeat: names kept as they are
-    assert list(got.var_names) == list(want.var_names) or set(got.var_names) == set(
-        want.var_names
-    )
+    assert list(got.var_names) == list(want.var_names) or set(got.var_names) == set(want.var_names)
     want = want[:, got.var_names]
     assert (got.X != want.X).nnz == 0 and got.X.nnz == want.X.nnz
     pd.testing.assert_frame_equal(got.obs, want.obs, check_categorical=False, check_dtype=False)

@@ -529,7 +529,9 @@ def _sources_input(
             "var_conflicts": dict(comb.var_conflicts),
         },
         notes=list(comb.notes),
-        row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes) if len(srcs) > 1 else None,
+        row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes)
+        if len(srcs) > 1
+        else None,
         source_key=key,
     )
 
@@ -723,7 +725,9 @@ def _convert_matrix(
         for p in parts
     ]
     step = max(1, ctx.work // (4 * 8))
-    row_nnz = np.concatenate([p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)])
+    row_nnz = np.concatenate(
+        [p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)]
+    )
     out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
     np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
     nnz = int(out_ptr[-1])
@@ -814,7 +818,9 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
                     )
                 )  # fmt: skip
     kind = "csc" if coo else "rows"
-    tables = ctx.runner.run(ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}")
+    tables = ctx.runner.run(
+        ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
+    )
     n_buckets = len(bounds) - 1
     segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1

@@ -536,8 +536,12 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
                     "var": adata.var.copy(),
                     "obsm": {k: np.asarray(v) for k, v in adata.obsm.items()},
                     "uns": dict(adata.uns),
-                    "has": {"raw": adata.raw is not None, "varm": len(adata.varm) > 0,
-                            "varp": False, "obsp": False},
+                    "has": {
+                        "raw": adata.raw is not None,
+                        "varm": len(adata.varm) > 0,
+                        "varp": False,
+                        "obsp": False,
+                    },
                     "x_dtype": x_dtype,
                 }
             finally:
@@ -552,8 +556,7 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
         "var": src.read_elem("var"),
         "obsm": get("obsm"),
         "uns": get("uns"),
-        "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")}
-        | {"raw": src.has("raw/X")},
+        "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")} | {"raw": src.has("raw/X")},
         "x_dtype": x_dtype,
     }
 

@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -62,9 +61,7 @@ def check_sources(srcs: Sequence[str | os.PathLike]) -> list[SourceInfo]:
         p = Path(s)
         key = p.resolve() if p.exists() else p.absolute()
         if key in seen:
-            raise InputError(
-                f"SRC {s} is given twice (also as {seen[key]}): pass each source once"
-            )
+            raise InputError(f"SRC {s} is given twice (also as {seen[key]}): pass each source once")
         seen[key] = str(s)
     return [inspect_source(s) for s in srcs]
 
@@ -97,7 +94,9 @@ def read_var_names(path: str | os.PathLike) -> list[str]:
     try:
         names = [line.strip() for line in p.read_text().splitlines()]
     except OSError as e:
-        raise InputError(f"--var-names {p}: cannot read it ({e.strerror}); check the path") from None
+        raise InputError(
+            f"--var-names {p}: cannot read it ({e.strerror}); check the path"
+        ) from None
     names = [n for n in names if n]
     if not names:
         raise InputError(f"--var-names {p}: no gene names in it; write one gene a line")
@@ -144,7 +143,9 @@ def plan_genes(
     if join is not None and join not in JOINS:
         raise InputError(f"--join {join!r}: unknown; choose one of {', '.join(JOINS)}")
     if join is not None and var_names is not None:
-        raise InputError("--join and --var-names both given: pass one (--var-names fixes the genes)")
+        raise InputError(
+            "--join and --var-names both given: pass one (--var-names fixes the genes)"
+        )
     if len(var_indexes) > 1 or var_names is not None:
         for idx, name in zip(var_indexes, names, strict=True):
             _duplicates(idx, name)
@@ -237,7 +238,9 @@ def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
         f = f.copy()
         for c, categories in cats.items():
             if c in f.columns:
-                values = f[c].astype(object) if not isinstance(f[c].dtype, pd.CategoricalDtype) else f[c]
+                values = (
+                    f[c].astype(object) if not isinstance(f[c].dtype, pd.CategoricalDtype) else f[c]
+                )
                 f[c] = pd.Categorical(values, categories=categories)
             else:
                 f[c] = pd.Categorical([None] * len(f), categories=categories)

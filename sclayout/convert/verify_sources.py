@@ -17,7 +17,6 @@ from typing import Any
 
 import anndata as ad
 import numpy as np
-import pandas as pd
 import scipy.sparse as sp
 import zarr
 
@@ -54,7 +53,9 @@ class _DstRows:
         starts = rows[np.r_[0, runs]] if rows.size else rows
         stops = rows[np.r_[runs - 1, rows.size - 1]] + 1 if rows.size else rows
         if not self.sparse:
-            parts = [np.asarray(self.node[int(a) : int(b)]) for a, b in zip(starts, stops, strict=True)]
+            parts = [
+                np.asarray(self.node[int(a) : int(b)]) for a, b in zip(starts, stops, strict=True)
+            ]
             return np.concatenate(parts) if parts else np.asarray(self.node[0:0])
         data, idx = [], []
         lo_el, hi_el = self.ptr[starts], self.ptr[stops]
@@ -192,7 +193,9 @@ def verify_sources(
             colmap = d_var.index.get_indexer(tables["var"].index).astype(np.int64)
             present = int((colmap >= 0).sum())
             if present != int(entry.get("genes_present", present)):
-                lines.append(f"{names[k]}: {present} of DST's genes, manifest says {entry['genes_present']}")
+                lines.append(
+                    f"{names[k]}: {present} of DST's genes, manifest says {entry['genes_present']}"
+                )
             stored = inv[row0[k] : row0[k] + info.n_obs]
             s_obs = tables["obs"]
             sub = d_obs.iloc[stored]
@@ -224,7 +227,11 @@ def verify_sources(
                     True,
                 )
                 got_lines, n = _compare_matrix(
-                    m, part, _DstRows(root[m], span=budget // (WINDOW_SHARE * 12)), inv, budget,
+                    m,
+                    part,
+                    _DstRows(root[m], span=budget // (WINDOW_SHARE * 12)),
+                    inv,
+                    budget,
                     names[k],
                 )
                 lines += got_lines
