@@ -72,7 +72,9 @@ def check_destination_apart(dst: Path, srcs: Sequence[str | os.PathLike]) -> Non
     for s in srcs:
         p = Path(s).resolve()
         if d == p or p in d.parents or d in p.parents:
-            raise InputError(f"DST {dst} is SRC {s}, inside it or contains it: choose another DST")
+            raise InputError(
+                f"DST {dst} is SRC, inside it or contains it (SRC {s}): choose another DST"
+            )
 
 
 def source_names(srcs: Sequence[str | os.PathLike]) -> list[str]:
