@@ -235,6 +235,9 @@ def write_legacy(path: Path, n: int = 40, genes=("g1", "g2", "g3", "g4", "g5"), 
         f.create_dataset("uns/cell_type_categories", data=np.array([b"B", b"NK", b"T"]))
         f.create_dataset("raw.X", data=x.toarray())
         f.create_dataset("raw.var", data=var)
+        obsm = np.zeros(n, dtype=[("X_pca", "f4", (2,))])
+        obsm["X_pca"] = rng.random((n, 2))
+        f.create_dataset("obsm", data=obsm)
     return path
 
 
@@ -252,6 +255,9 @@ def test_legacy_files_convert_and_verify(tmp_path):
     want = ad.read_h5ad(p[0])
     np.testing.assert_array_equal(_dense(got.X), _dense(want.X))
     pd.testing.assert_frame_equal(got.obs, want.obs)
+    np.testing.assert_array_equal(_dense(got.raw.X), _dense(want.raw.X))  # raw kept
+    assert list(got.raw.var_names) == list(want.raw.var_names)
+    np.testing.assert_array_equal(got.obsm["X_pca"], want.obsm["X_pca"])
     assert _cli("verify", p[0], tmp_path / "single").exit_code == 0
     convert(p, tmp_path / "both", join="outer", order="shuffled")
     both = _store_in_source_order(tmp_path / "both")

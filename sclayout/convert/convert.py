@@ -13,17 +13,13 @@ import errno
 import itertools
 import os
 import shutil
-import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
 import numpy as np
-import pandas as pd
-import scipy.sparse as sp
 import zarr
 
 from loader.errors import InputError, SpecError
@@ -41,13 +37,13 @@ from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
 from sclayout.convert._buffers import release_scratch
 from sclayout.convert.checks import (
-    SourceInfo,
     check_destination,
     check_obs_columns,
     estimate_store_bytes,
     explain_read_errors,
 )
 from sclayout.convert.codecs import get_codec
+from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
 from sclayout.convert.order import get_order, inverse_permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
@@ -64,18 +60,14 @@ from sclayout.convert.source import (
     MatrixInfo,
     Source,
     close_handles,
-    fingerprint,
     open_group,
     prefer_direct_io,
     read_slice,
 )
 from sclayout.convert.sources import (
-    Combined,
     check_destination_apart,
     check_sources,
-    combine,
     read_var_names,
-    source_names,
 )
 from sclayout.convert.write import (
     CopyJob,
@@ -84,7 +76,6 @@ from sclayout.convert.write import (
     copy_dense,
     copy_sparse,
     create_matrix,
-    index_dtype_for,
     shard_ranges,
     write_region,
 )
@@ -265,7 +256,7 @@ def convert(
     src_p, dst_p = Path(srcs[0]), Path(os.path.abspath(dst))
     several = len(srcs) > 1 or infos[0].legacy or var_names is not None
     if several:
-        _check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
+        check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
     else:
         check_obs_columns(src_p, opts.order.columns, info=infos[0])
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
@@ -282,13 +273,13 @@ def convert(
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     try:
         if several:
-            inp = _sources_input(
+            inp = sources_input(
                 srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
             )
             manifest = _convert_into(inp, tmp, opts, runner)
         else:
             with open_group(src_p) as root:
-                manifest = _convert_into(_single_input(Source(root, src_p)), tmp, opts, runner)
+                manifest = _convert_into(single_input(Source(root, src_p)), tmp, opts, runner)
         _install(tmp, dst_p, overwrite=overwrite)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -397,158 +388,7 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
 # -- the conversion ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class _Input:
-    """What a conversion writes, from one source or several.
-
-    ``matrices``: each output matrix (its path, shape, dtype) with one part per
-    source; ``write_small`` writes the small elements with rows in stored order;
-    ``row_source``: the source number of every row of the concatenation (several
-    sources only).
-    """
-
-    n_obs: int
-    n_vars: int
-    obs: pd.DataFrame
-    write_small: Callable[[zarr.Group, np.ndarray], None]
-    matrices: list[tuple[MatrixInfo, list[Part]]]
-    sources: list[dict[str, Any]]
-    genes: dict[str, Any]
-    notes: list[str]
-    row_source: np.ndarray | None = None
-    source_key: str = ""
-
-
-def _single_input(source: Source) -> _Input:
-    obs = source.read_elem("obs")
-    matrices = []
-    for info in source.row_matrices():
-        idt = info.index_dtype if info.index_dtype is not None else index_dtype_for(info.shape[1])
-        part = Part(source.path, info, 0, info.shape[1], info.dtype, idt)
-        matrices.append((info, [part]))
-    x = matrices[0][0]
-    nnz = x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1]
-    entry = {
-        "name": source_names([source.path])[0],
-        "row0": 0,
-        "n_obs": source.n_obs,
-        "n_vars": source.n_vars,
-        "genes_present": source.n_vars,
-        "fingerprint": fingerprint(source.path, n_obs=source.n_obs, n_vars=source.n_vars, nnz=nnz),
-    }
-    return _Input(
-        n_obs=source.n_obs,
-        n_vars=source.n_vars,
-        obs=obs,
-        write_small=lambda root, perm: _write_small(source, root, obs, perm),
-        matrices=matrices,
-        sources=[entry],
-        genes={"join": "same", "n_vars": source.n_vars, "var_conflicts": {}},
-        notes=[],
-    )
-
-
-def _check_by(srcs, infos: list[SourceInfo], columns, source_key: str) -> None:
-    """``--by`` columns must be in some source's obs, or be the source column."""
-    available = [source_key] if source_key else []
-    for info in infos:
-        available += [c for c in info.obs_columns if c not in available]
-    missing = [c for c in columns if c not in available]
-    if missing:
-        raise InputError(
-            f"--by {missing[0]!r}: no such obs column in any source; available: "
-            f"{', '.join(available) or '(none)'}"
-        )
-
-
-def _sources_input(
-    srcs, infos: list[SourceInfo], *, join, var_names, source_key: str, strict: bool
-) -> _Input:
-    """The merged tables and the per-source parts of every output matrix."""
-    names = source_names(srcs)
-    key = source_key if len(srcs) > 1 else ""
-    comb = combine(srcs, names, join=join, var_names=var_names, source_key=key, strict=strict)
-    genes = comb.genes
-    n_vars = len(genes.var_names)
-    sizes = [i.n_obs for i in infos]
-    row0 = np.r_[0, np.cumsum(sizes)].astype(np.int64)
-    matrices: list[tuple[MatrixInfo, list[Part]]] = []
-    entries = []
-    for k, s in enumerate(srcs):
-        with open_group(s) as root:
-            src = Source(root, s)
-            mats = [src.matrix_info("X")] + [src.matrix_info(f"layers/{n}") for n in comb.layers]
-            x = mats[0]
-            nnz = x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1]
-            entries.append(
-                {
-                    "name": names[k],
-                    "row0": int(row0[k]),
-                    "n_obs": int(sizes[k]),
-                    "n_vars": int(x.shape[1]),
-                    "genes_present": int(genes.present[k]),
-                    "fingerprint": fingerprint(s, n_obs=sizes[k], n_vars=x.shape[1], nnz=nnz),
-                }
-            )
-        for j, info in enumerate(mats):
-            if k == 0:
-                matrices.append((info, []))
-            matrices[j][1].append(info)
-    out: list[tuple[MatrixInfo, list[Part]]] = []
-    idt = index_dtype_for(n_vars)
-    for first, per_source in matrices:
-        dtype = np.result_type(*[i.dtype for i in per_source])
-        enc = "dense" if all(i.encoding == "dense" for i in per_source) else "csr"
-        target = MatrixInfo(first.path, enc, (int(row0[-1]), n_vars), dtype, idt, 0)
-        parts = [
-            Part(
-                str(Path(s).resolve()),
-                info,
-                int(row0[k]),
-                n_vars,
-                dtype,
-                idt,
-                genes.colmaps[k],
-                genes.monotonic[k],
-            )
-            for k, (s, info) in enumerate(zip(srcs, per_source, strict=True))
-        ]
-        out.append((target, parts))
-    if len({i.encoding for i in matrices[0][1]}) > 1 and out[0][0].encoding == "csr":
-        comb.notes.append("dense and sparse X mixed: stored as CSR")
-    return _Input(
-        n_obs=int(row0[-1]),
-        n_vars=n_vars,
-        obs=comb.obs,
-        write_small=lambda root, perm: _write_combined(comb, root, perm),
-        matrices=out,
-        sources=entries,
-        genes={
-            "join": genes.join,
-            "n_vars": n_vars,
-            "var_conflicts": dict(comb.var_conflicts),
-        },
-        notes=list(comb.notes),
-        row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes)
-        if len(srcs) > 1
-        else None,
-        source_key=key,
-    )
-
-
-def _write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray) -> None:
-    """obs/var/obsm/uns of several sources (layers are filled as matrices)."""
-    _quiet_write(root, "obs", comb.obs.iloc[perm])
-    _quiet_write(root, "var", comb.var)
-    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in comb.obsm.items()})
-    for key in ("varm", "varp", "obsp", "layers"):
-        _quiet_write(root, key, {})
-    uns = dict(comb.uns)
-    uns.pop("sclayout", None)
-    _quiet_write(root, "uns", uns)
-
-
-def _convert_into(inp: _Input, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
+def _convert_into(inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
     n_obs, n_vars = inp.n_obs, inp.n_vars
     obs = inp.obs
     missing = [c for c in opts.order.columns if c not in obs.columns]
@@ -612,48 +452,8 @@ class _Ctx:
         return self.runner.jobs
 
 
-def _quiet_write(group: Any, key: str, value: Any) -> None:
-    with warnings.catch_warnings(), ad.settings.override(zarr_write_format=3):
-        warnings.simplefilter("ignore")
-        ad.io.write_elem(group, key, value)
-
-
-def _take_rows(value: Any, perm: np.ndarray) -> Any:
-    if isinstance(value, pd.DataFrame):
-        return value.iloc[perm]
-    return value[perm]
-
-
-def _write_small(source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray) -> None:
-    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer."""
-    _quiet_write(root, "obs", obs.iloc[perm])
-    _quiet_write(root, "var", source.read_elem("var"))
-    obsm = source.read_elem("obsm") if source.has("obsm") else {}
-    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in obsm.items()})
-    for key in ("varm", "varp"):
-        _quiet_write(root, key, source.read_elem(key) if source.has(key) else {})
-    obsp = source.read_elem("obsp") if source.has("obsp") else {}
-    _quiet_write(root, "obsp", {k: _permute_pairwise(v, perm) for k, v in obsp.items()})
-    uns = source.read_elem("uns") if source.has("uns") else {}
-    uns.pop("sclayout", None)  # a layout store as source: its own arrays are rebuilt
-    _quiet_write(root, "uns", uns)
-    _quiet_write(root, "layers", {})
-    if source.has("raw") and source.has("raw/X"):
-        raw = root.require_group("raw")
-        raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
-        _quiet_write(raw, "var", source.read_elem("raw/var"))
-        _quiet_write(raw, "varm", source.read_elem("raw/varm") if source.has("raw/varm") else {})
-
-
-def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
-    if sp.issparse(value):
-        fmt = value.format
-        return value[perm][:, perm].asformat(fmt)
-    return np.asarray(value)[np.ix_(perm, perm)]
-
-
 def _write_uns_sclayout(
-    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: _Input
+    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input
 ) -> dict[str, str]:
     """source_index, block pointers and, with several sources, the per-row provenance
     (source number, row in that source); returns the provenance paths."""
@@ -671,7 +471,7 @@ def _write_uns_sclayout(
         payload["source_row"] = perm.astype(np.int64) - row0[number]
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
         provenance["obs_key"] = inp.source_key
-    _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
+    quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload)
     return provenance
 
 
@@ -769,7 +569,7 @@ def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr
         _reorder_sparse(ctx, info, plan, [part], [src_ptr], out_ptr, nnz)
         return
     jobs = [
-        CopyJob(part.src, info.path, ctx.dst, info.path, a, b)
+        CopyJob(part.src, part.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
     ]
     ctx.runner.run(copy_sparse, jobs, desc=f"copy {info.path}")
@@ -868,7 +668,7 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, parts: list[Part]
     shard_rows = plan.elements_per_shard
     if len(parts) == 1 and parts[0].plain and ctx.identity:
         jobs = [
-            CopyJob(parts[0].src, info.path, ctx.dst, info.path, a, b)
+            CopyJob(parts[0].src, parts[0].path, ctx.dst, info.path, a, b)
             for a, b in shard_ranges(n_obs, shard_rows)
         ]
         ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")

@@ -522,8 +522,9 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
     """A source's small elements read whole: obs, var, obsm, uns; ``has`` says which of
     raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
 
-    A legacy (anndata < 0.7) file is read through anndata in backed mode: its tables
-    are built in memory, X stays on disk.
+    ``raw_x`` is the key of raw's X (``raw/X``, or ``raw.X`` in a legacy file) or None,
+    ``raw_var`` raw's var. A legacy (anndata < 0.7) file is read through anndata in
+    backed mode: its tables are built in memory, X stays on disk.
     """
     x_dtype = Source(root, path).matrix_info("X").dtype
     if is_legacy(root):
@@ -543,6 +544,8 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
                         "obsp": False,
                     },
                     "x_dtype": x_dtype,
+                    "raw_x": "raw.X" if "raw.X" in root else None,
+                    "raw_var": adata.raw.var.copy() if adata.raw is not None else None,
                 }
             finally:
                 adata.file.close()
@@ -558,6 +561,8 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
         "uns": get("uns"),
         "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")} | {"raw": src.has("raw/X")},
         "x_dtype": x_dtype,
+        "raw_x": "raw/X" if src.has("raw/X") else None,
+        "raw_var": src.read_elem("raw/var") if src.has("raw/X") and src.has("raw/var") else None,
     }
 
 

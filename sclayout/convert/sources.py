@@ -18,7 +18,8 @@ The rules (docs/convert.md):
   ``obs_names`` repeat across sources, every name gets ``-<source name>`` appended.
 - **Other elements.** layers and obsm present in every source are concatenated;
   others are dropped with a note (``strict`` refuses instead). ``uns`` comes from the
-  first source; ``raw``, ``varm``, ``varp`` and ``obsp`` are dropped with a note.
+  first source; ``raw``, ``varm``, ``varp`` and ``obsp`` are dropped with a note
+  (one source keeps its raw as it is).
 """
 
 from __future__ import annotations
@@ -223,6 +224,9 @@ class Combined:
     """Layers present in every source (concatenated like X)."""
     var_conflicts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    raw_x: str | None = None
+    """One source only: the source key of raw's X, kept as it is (its own genes)."""
+    raw_var: pd.DataFrame | None = None
 
 
 def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
@@ -360,8 +364,9 @@ def combine(
             notes.append(f"obsm {k!r} dropped: its width differs between sources")
         else:
             obsm[k] = _stack(values)
+    one = len(tables) == 1 and tables[0]["raw_x"] is not None and tables[0]["raw_var"] is not None
     for key in ("raw", "varm", "varp", "obsp"):
-        if any(t["has"].get(key) for t in tables):
+        if any(t["has"].get(key) for t in tables) and not (key == "raw" and one):
             notes.append(f"{key} dropped: not combined across sources")
     dtypes = {str(t["x_dtype"]) for t in tables}
     if strict and notes:
@@ -377,6 +382,8 @@ def combine(
         layers=sorted(common_layers),
         var_conflicts=conflicts,
         notes=notes,
+        raw_x=tables[0]["raw_x"] if one else None,
+        raw_var=tables[0]["raw_var"] if one else None,
     )
 
 

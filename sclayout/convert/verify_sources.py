@@ -189,7 +189,10 @@ def verify_sources(
             with open_group(s) as sroot:
                 tables = source_tables(sroot, s)
                 src = Source(sroot, s)
-                mats = {m: src.matrix_info(m) for m in matrices if m == "X" or m in sroot}
+                keys = {m: m for m in matrices if m == "X" or m in sroot}
+                if "raw/X" in matrices and tables["raw_x"] is not None:
+                    keys["raw/X"] = tables["raw_x"]  # legacy files: raw.X
+                mats = {m: src.matrix_info(k) for m, k in keys.items()}
             colmap = d_var.index.get_indexer(tables["var"].index).astype(np.int64)
             present = int((colmap >= 0).sum())
             if present != int(entry.get("genes_present", present)):
@@ -223,7 +226,7 @@ def verify_sources(
                     dinfo.shape[1],
                     np.dtype(dinfo.dtype),
                     np.dtype(np.int64),
-                    colmap,
+                    None if m == "raw/X" else colmap,  # raw keeps its own genes
                     True,
                 )
                 got_lines, n = _compare_matrix(
