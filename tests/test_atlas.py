@@ -343,9 +343,10 @@ def test_sources_from_file(tmp_path):
 )
 def test_random_splits_equal_the_concatenation(tmp_path_factory, data, n_sources, join):
     tmp = tmp_path_factory.mktemp("split")
-    n_obs, n_vars = 60, 12
+    # > 4096 stored values (the smallest shard): a tiny budget then gives several buckets
+    n_obs, n_vars = 500, 30
     rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    full = ((rng.random((n_obs, n_vars)) < 0.3) * rng.integers(1, 50, (n_obs, n_vars))).astype(
+    full = ((rng.random((n_obs, n_vars)) < 0.4) * rng.integers(1, 50, (n_obs, n_vars))).astype(
         np.float32
     )
     genes = np.array([f"g{j}" for j in range(n_vars)])
@@ -366,7 +367,9 @@ def test_random_splits_equal_the_concatenation(tmp_path_factory, data, n_sources
     if n_sources == 1 and join != "var_names":
         kw = {}
     order = data.draw(st.sampled_from(["original", "shuffled"]))
-    convert(paths, tmp / "out", order=order, block_size=7, **kw)
+    # a tiny budget cuts every source into many slices and the output into many buckets
+    budget = data.draw(st.sampled_from(["2GB", "100KB"]))
+    convert(paths, tmp / "out", order=order, block_size=7, memory_budget=budget, **kw)
     got = _store_in_source_order(tmp / "out")
     outer = ad.concat(adatas, join="outer")
     expect = pd.DataFrame(_dense(outer.X), columns=outer.var_names)
@@ -445,3 +448,15 @@ def test_recommend_statistics_cover_every_source(tmp_path):
     assert len(set(zip(st.labels, expect, strict=True))) == len(set(values))  # same partition
     by_source = read_sources_stats(paths, label="source")
     np.testing.assert_array_equal(by_source.labels, np.r_[np.zeros(30), np.ones(20)])
+
+
+def test_categories_unified_with_a_source_that_stores_strings(tmp_path):
+    a = _adata(6, ["g1"], seed=1)
+    b = _adata(4, ["g1"], seed=2)
+    a.obs["lab"] = pd.Categorical(list("xxyyxy"))
+    b.obs["lab"] = np.array(["z", "x", "z", "x"], dtype=object)  # plain strings here
+    paths = [_write(a, tmp_path / "a.h5ad"), _write(b, tmp_path / "b.h5ad")]
+    convert(paths, tmp_path / "out", order="stratified", by=["only2"], block_size=4)
+    got = _store_in_source_order(tmp_path / "out")
+    assert list(got.obs["lab"].cat.categories) == ["x", "y", "z"]
+    assert list(got.obs["lab"].astype(str)) == list("xxyyxyzxzx")

@@ -236,9 +236,14 @@ def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
     for f in frames:
         for c in f.columns:
             if isinstance(f[c].dtype, pd.CategoricalDtype):
-                known = cats.setdefault(c, [])
-                seen = set(known)
-                known.extend(x for x in f[c].cat.categories if x not in seen)
+                cats.setdefault(c, [])
+    for f in frames:  # a column categorical somewhere: every source's values are categories
+        for c in cats.keys() & set(f.columns):
+            col = f[c]
+            values = col.cat.categories if isinstance(col.dtype, pd.CategoricalDtype) else None
+            values = values if values is not None else pd.unique(col.dropna())
+            seen = set(cats[c])
+            cats[c].extend(x for x in values if x not in seen)
     out = []
     for f in frames:
         f = f.copy()
