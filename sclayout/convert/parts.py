@@ -153,17 +153,14 @@ class Part:
         for e0 in range(0, total, max(1, step)):
             e1 = min(total, e0 + max(1, step))
             idx = read_slice(self.src, f"{self.path}/indices", e0 + off, e1 + off)
-            if self.encoding == "csr":  # the row of every element: from the pointer
-                first = int(np.searchsorted(ptr, e0 + off, side="right")) - 1
-                last = int(np.searchsorted(ptr, e1 + off - 1, side="right")) - 1
-                bounds = np.clip(ptr[first : last + 2] - off, e0, e1) - e0
-                rows = np.repeat(np.arange(first, last + 1), np.diff(bounds))
-                counts += np.bincount(rows[kept[idx]], minlength=n_obs)
-            else:  # CSC: indices are rows; the column of every element from the pointer
-                first = int(np.searchsorted(ptr, e0 + off, side="right")) - 1
-                last = int(np.searchsorted(ptr, e1 + off - 1, side="right")) - 1
-                bounds = np.clip(ptr[first : last + 2] - off, e0, e1) - e0
-                cols = np.repeat(np.arange(first, last + 1), np.diff(bounds))
-                sel = idx if kept is None else idx[kept[cols]]
+            # the pointer's row (CSR) or column (CSC) of every element read
+            first = int(np.searchsorted(ptr, e0 + off, side="right")) - 1
+            last = int(np.searchsorted(ptr, e1 + off - 1, side="right")) - 1
+            bounds = np.clip(ptr[first : last + 2] - off, e0, e1) - e0
+            owner = np.repeat(np.arange(first, last + 1), np.diff(bounds))
+            if self.encoding == "csr":
+                counts += np.bincount(owner[kept[idx]], minlength=n_obs)
+            else:  # CSC: the indices are the rows
+                sel = idx if kept is None else idx[kept[owner]]
                 counts += np.bincount(sel, minlength=n_obs)
         return counts
