@@ -461,3 +461,25 @@ def test_categories_unified_with_a_source_that_stores_strings(tmp_path):
     got = _store_in_source_order(tmp_path / "out")
     assert list(got.obs["lab"].cat.categories) == ["x", "y", "z"]
     assert list(got.obs["lab"].astype(str)) == list("xxyyxyzxzx")
+
+
+def test_loader_batches_map_back_to_their_source_rows(tmp_path):
+    from loader import BlockDataset, open_layout
+
+    genes = [f"g{j}" for j in range(6)]
+    adatas = [_adata(40, genes[k : k + 4], seed=k) for k in range(3)]
+    paths = [_write(a, tmp_path / f"s{k}.h5ad") for k, a in enumerate(adatas)]
+    convert(paths, tmp_path / "out", join="outer", order="shuffled", block_size=8)
+    manifest = open_layout(tmp_path / "out").manifest
+    var = list(ad.read_zarr(tmp_path / "out").var_names)
+    seen = []
+    for batch in BlockDataset(tmp_path / "out", batch_size=16, seed=0):
+        files, rows = source_rows(manifest, batch["index"])
+        x = _dense(batch["X"])
+        for i, (f, r) in enumerate(zip(files, rows, strict=True)):
+            a = adatas[[str(p.resolve()) for p in paths].index(f)]
+            want = np.zeros(len(var), dtype=x.dtype)
+            want[[var.index(g) for g in a.var_names]] = _dense(a.X[r]).ravel()
+            np.testing.assert_array_equal(x[i], want)
+        seen.append(batch["index"])
+    assert sorted(np.concatenate(seen).tolist()) == list(range(120))  # every row once
