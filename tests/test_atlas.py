@@ -483,3 +483,28 @@ def test_loader_batches_map_back_to_their_source_rows(tmp_path):
             np.testing.assert_array_equal(x[i], want)
         seen.append(batch["index"])
     assert sorted(np.concatenate(seen).tolist()) == list(range(120))  # every row once
+
+
+def _scanpy_pbmc68k() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("scanpy")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "datasets" / "10x_pbmc68k_reduced.h5ad"
+    return path if path.exists() else None
+
+
+@pytest.mark.filterwarnings("ignore:.*without encoding metadata")
+@pytest.mark.filterwarnings("ignore:.*very old version of AnnData")
+def test_scanpy_pbmc68k_reduced_converts(tmp_path):
+    """scanpy's bundled file is in the anndata < 0.7 layout (skipped without scanpy)."""
+    src = _scanpy_pbmc68k()
+    if src is None:
+        pytest.skip("scanpy (with its bundled pbmc68k_reduced.h5ad) is not installed")
+    convert(src, tmp_path / "pbmc68k", order="shuffled")
+    assert _cli("verify", src, tmp_path / "pbmc68k").exit_code == 0
+    got, want = _store_in_source_order(tmp_path / "pbmc68k"), ad.read_h5ad(src)
+    np.testing.assert_array_equal(_dense(got.X), _dense(want.X))
+    np.testing.assert_array_equal(got.varm["PCs"], want.varm["PCs"])
+    assert set(got.uns) - {"sclayout"} == set(want.uns)

@@ -51,9 +51,11 @@ class Input:
     notes: list[str]
     row_source: np.ndarray | None = None
     source_key: str = ""
+    """The obs column naming each row's source ("" when there is none)."""
 
 
 def single_input(source: Source) -> Input:
+    """One modern source as it is: every element kept, every matrix one plain part."""
     obs = source.read_elem("obs")
     matrices = []
     for info in source.row_matrices():
@@ -185,7 +187,8 @@ def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray) -> None:
     quiet_write(root, "obs", comb.obs.iloc[perm])
     quiet_write(root, "var", comb.var)
     quiet_write(root, "obsm", {k: take_rows(v, perm) for k, v in comb.obsm.items()})
-    for key in ("varm", "varp", "obsp", "layers"):
+    quiet_write(root, "varm", comb.varm)
+    for key in ("varp", "obsp", "layers"):
         quiet_write(root, key, {})
     uns = dict(comb.uns)
     uns.pop("sclayout", None)

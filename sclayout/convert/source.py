@@ -519,7 +519,7 @@ def is_legacy(root: Any) -> bool:
 
 
 def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """A source's small elements read whole: obs, var, obsm, uns; ``has`` says which of
+    """A source's small elements read whole: obs, var, obsm, varm, uns; ``has`` says which of
     raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
 
     ``raw_x`` is the key of raw's X (``raw/X``, or ``raw.X`` in a legacy file) or None,
@@ -544,6 +544,7 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
                         "obsp": False,
                     },
                     "x_dtype": x_dtype,
+                    "varm": {k: np.asarray(v) for k, v in adata.varm.items()},
                     "raw_x": "raw.X" if "raw.X" in root else None,
                     "raw_var": adata.raw.var.copy() if adata.raw is not None else None,
                 }
@@ -561,6 +562,7 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
         "uns": get("uns"),
         "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")} | {"raw": src.has("raw/X")},
         "x_dtype": x_dtype,
+        "varm": get("varm"),
         "raw_x": "raw/X" if src.has("raw/X") else None,
         "raw_var": src.read_elem("raw/var") if src.has("raw/X") and src.has("raw/var") else None,
     }

@@ -19,7 +19,7 @@ The rules (docs/convert.md):
 - **Other elements.** layers and obsm present in every source are concatenated;
   others are dropped with a note (``strict`` refuses instead). ``uns`` comes from the
   first source; ``raw``, ``varm``, ``varp`` and ``obsp`` are dropped with a note
-  (one source keeps its raw as it is).
+  (one source keeps its raw as it is, and its varm when its genes are kept).
 """
 
 from __future__ import annotations
@@ -224,6 +224,8 @@ class Combined:
     """Layers present in every source (concatenated like X)."""
     var_conflicts: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    varm: dict[str, Any] = field(default_factory=dict)
+    """One source with its own genes only: its varm."""
     raw_x: str | None = None
     """One source only: the source key of raw's X, kept as it is (its own genes)."""
     raw_var: pd.DataFrame | None = None
@@ -370,8 +372,10 @@ def combine(
         else:
             obsm[k] = _stack(values)
     one = len(tables) == 1 and tables[0]["raw_x"] is not None and tables[0]["raw_var"] is not None
+    keep_varm = len(tables) == 1 and genes.join == "same"  # var-aligned: same genes only
     for key in ("raw", "varm", "varp", "obsp"):
-        if any(t["has"].get(key) for t in tables) and not (key == "raw" and one):
+        kept = (key == "raw" and one) or (key == "varm" and keep_varm)
+        if any(t["has"].get(key) for t in tables) and not kept:
             notes.append(f"{key} dropped: not combined across sources")
     dtypes = {str(t["x_dtype"]) for t in tables}
     if strict and notes:
@@ -387,6 +391,7 @@ def combine(
         layers=sorted(common_layers),
         var_conflicts=conflicts,
         notes=notes,
+        varm=dict(tables[0]["varm"]) if keep_varm else {},
         raw_x=tables[0]["raw_x"] if one else None,
         raw_var=tables[0]["raw_var"] if one else None,
     )
