@@ -54,7 +54,7 @@ def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[lis
 
 
 @click.command("convert")
-@click.argument("paths", nargs=-1, type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="SRC... DST")
 @click.option(
     "--sources-from",
     type=click.Path(path_type=Path),

@@ -15,7 +15,7 @@ __all__ = ["COMMANDS", "inspect_cmd", "verify_cmd"]
 
 
 @click.command("verify")
-@click.argument("paths", nargs=-1, type=click.Path(path_type=str))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str), metavar="SRC... DST")
 @click.option(
     "--memory-budget",
     default="2GB",
