@@ -508,3 +508,16 @@ def test_scanpy_pbmc68k_reduced_converts(tmp_path):
     np.testing.assert_array_equal(_dense(got.X), _dense(want.X))
     np.testing.assert_array_equal(got.varm["PCs"], want.varm["PCs"])
     assert set(got.uns) - {"sclayout"} == set(want.uns)
+
+
+def test_verify_finds_a_changed_value_and_a_wrong_source_list(tmp_path, mixed):
+    import zarr
+
+    paths, _ = mixed
+    convert(paths, tmp_path / "out", join="outer", order="shuffled")
+    data = zarr.open_array(tmp_path / "out" / "X" / "data", mode="r+")
+    data[5] = data[5] + 1
+    report = verify_sources(paths, tmp_path / "out")
+    assert not report.equal and any("differs in DST row" in d for d in report.differences)
+    r = _cli("verify", *paths[:2], tmp_path / "out")
+    assert r.exit_code == 1 and "built from 3 sources, 2 given" in r.stdout
