@@ -189,12 +189,10 @@ def plan_genes(
             )
         target, kind = first[keep], "inner"
     else:
-        parts, seen = [], set()
-        for idx in var_indexes:
-            new = [g for g in idx if g not in seen]
-            seen.update(new)
-            parts.extend(new)
-        target, kind = pd.Index(parts), "outer"
+        target = first
+        for idx in var_indexes[1:]:  # each source's new genes, in its order
+            target = target.append(idx[~idx.isin(target)])
+        kind = "outer"
     colmaps: list[np.ndarray | None] = []
     monotonic, present = [], []
     for idx in var_indexes:

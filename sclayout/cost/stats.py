@@ -189,6 +189,8 @@ def read_sources_stats(
     ``label="source"`` (with no such obs column) labels each row by its source, as the
     converter's source column does.
     """
+    from anndata.io import read_elem
+
     from sclayout.convert.source import open_group
     from sclayout.convert.sources import check_sources
 
@@ -202,8 +204,6 @@ def read_sources_stats(
             lab = None if by_source or label is None else label
             if lab is not None:
                 values.append(_obs_values(root, lab, str(p)))
-            from anndata.io import read_elem
-
             genes.update(read_elem(root["var"]).index)
         st = _source_stats(Path(p), "zarr" if Path(p).is_dir() else "h5ad", None)
         if by_source:
