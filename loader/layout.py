@@ -38,6 +38,16 @@ equal to the fill value, so a missing chunk or shard is damage, never zeros.
 stored row. For a CSR matrix the *block pointer* (int64, ``n_blocks + 1``) is the
 ``indptr`` value at every block boundary, so a reader finds a block's nnz range
 without loading the whole ``indptr``.
+
+Format version 2
+----------------
+Version 1 plus optional keys (a version-1 manifest reads as version 2 without them):
+``sources`` (one entry per source, in order: ``name``, ``row0``, ``n_obs``, ``n_vars``,
+``genes_present``, ``fingerprint``), ``genes`` (``join``, ``n_vars``,
+``var_conflicts``), ``provenance`` (paths of the per-row ``source_number`` and
+``source_row`` arrays, several sources only) and ``notes``. With several sources
+``source_index`` counts rows of the sources' concatenation in the given order.
+docs/store-format.md describes every version.
 """
 
 from __future__ import annotations
@@ -65,6 +75,7 @@ __all__ = [
     "block_pointer_path",
     "block_rows",
     "parse_block_size",
+    "source_rows",
 ]
 
 FORMAT = "sclayout-layout"
@@ -268,6 +279,15 @@ class Manifest:
     chunks carry none (version 1, read without chunk checks)."""
     all_chunks_stored: bool = False
     """Every chunk of every listed array exists (version 2): an absent one is damage."""
+    sources: tuple[Mapping[str, Any], ...] = ()
+    """Version 2: the sources in order (name, row0, n_obs, n_vars, genes_present,
+    fingerprint); empty for a version-1 store (its one source is ``source``)."""
+    genes: Mapping[str, Any] = field(default_factory=dict)
+    """Version 2: how the store's genes were chosen (join, n_vars, var_conflicts)."""
+    provenance: Mapping[str, str] = field(default_factory=dict)
+    """Version 2, several sources: paths of the per-row source_number and source_row."""
+    notes: tuple[str, ...] = ()
+    """Version 2: what the conversion left out or changed (dropped elements, upcasts)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_block_size(self.block_size))
@@ -293,13 +313,20 @@ class Manifest:
         return self.matrices["X"]
 
     def to_dict(self) -> dict[str, Any]:
-        integrity = (
-            {"chunk_checksum": self.chunk_checksum, "all_chunks_stored": self.all_chunks_stored}
+        version_2 = (  # what version 2 added; a version-1 manifest round-trips as it was
+            {
+                "chunk_checksum": self.chunk_checksum,
+                "all_chunks_stored": self.all_chunks_stored,
+                "sources": [dict(x) for x in self.sources],
+                "genes": dict(self.genes),
+                "provenance": dict(self.provenance),
+                "notes": list(self.notes),
+            }
             if self.version >= 2
             else {}
         )
         return {
-            **integrity,
+            **version_2,
             "format": self.format,
             "version": self.version,
             "tool_version": self.tool_version,
@@ -346,6 +373,10 @@ class Manifest:
                 source=dict(d.get("source", {})),
                 chunk_checksum=d.get("chunk_checksum") if version >= 2 else None,
                 all_chunks_stored=bool(d.get("all_chunks_stored")) if version >= 2 else False,
+                sources=tuple(dict(x) for x in d.get("sources", ())),
+                genes=dict(d.get("genes", {})),
+                provenance={str(k): str(v) for k, v in d.get("provenance", {}).items()},
+                notes=tuple(str(n) for n in d.get("notes", ())),
             )
         except (KeyError, TypeError) as e:
             raise NotALayoutStoreError(
@@ -356,6 +387,24 @@ class Manifest:
     @classmethod
     def from_json(cls, text: str) -> Manifest:
         return cls.from_dict(json.loads(text))
+
+
+def source_rows(manifest: Manifest, index: Any) -> tuple[list[str], Any]:
+    """Map a batch's ``index`` (rows of the sources' concatenation) to (file, row).
+
+    Returns the source path of every index and its row within that source (int64).
+    Pure: needs only the manifest, so a training loop can call it per batch.
+    """
+    import numpy as np
+
+    idx = np.asarray(index, dtype=np.int64)
+    entries = list(manifest.sources) or [{"row0": 0, "fingerprint": dict(manifest.source)}]
+    starts = np.array([int(e["row0"]) for e in entries], dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= manifest.n_obs):
+        raise IndexError(f"index out of range for a store of {manifest.n_obs} rows")
+    number = np.searchsorted(starts, idx, side="right") - 1
+    paths = [str(e.get("fingerprint", {}).get("path", e.get("name", ""))) for e in entries]
+    return [paths[k] for k in number.tolist()], idx - starts[number]
 
 
 def block_rows(block: int, *, block_size: int, n_obs: int) -> tuple[int, int]:

@@ -5,8 +5,9 @@ Data
     ``real_data_dir``: the real-data folder, ``shared/data`` beside the checkout (skips
     when absent). ``synth_h5ad`` / ``synth_adata``: a 600 × 80 synthetic dataset
     (CSR X, layers, obsm/obsp/uns, raw; rows sorted by plate) as .h5ad and in memory;
-    ``synth_store``: it converted (stratified by plate, block size 16). ``shared_store``: a source .h5ad and a
-    layout store (block 8, shuffled) for the cost and CLI tests.
+    ``synth_store``: it converted (stratified by plate, block size 16).
+    ``shared_store``: a source .h5ad and a layout store (block 8, shuffled) for the
+    cost and CLI tests.
 Helpers (fixtures that return a function)
     ``make_adata`` builds data shaped like real single-cell sets (rows sorted by plate,
     then cell line; categoricals, strings, NaN, nullable columns; layers, obsm, obsp,

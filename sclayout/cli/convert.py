@@ -35,18 +35,74 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
     return total, files
 
 
+def read_sources_file(path: Path) -> list[Path]:
+    """A ``--sources-from`` file: one source path a line (blank lines and ``#`` comments
+    skipped); relative paths are relative to the file's folder."""
+    from loader.errors import InputError
+
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise InputError(f"--sources-from {path}: cannot read it ({e.strerror})") from None
+    out = [Path(x.strip()) for x in lines if x.strip() and not x.strip().startswith("#")]
+    if not out:
+        raise InputError(f"--sources-from {path}: lists no source; write one path a line")
+    return [p if p.is_absolute() else path.parent / p for p in out]
+
+
+def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[list[Path], Path]:
+    """``SRC [SRC ...] DST`` (DST last, as with ``cp``) plus ``--sources-from``."""
+    from loader.errors import InputError
+
+    if not paths:
+        raise InputError("missing DST: sclayout convert SRC [SRC ...] DST")
+    srcs = list(paths[:-1]) + (read_sources_file(sources_from) if sources_from else [])
+    if not srcs:
+        raise InputError(
+            "missing SRC: sclayout convert SRC [SRC ...] DST (or --sources-from FILE DST)"
+        )
+    return srcs, paths[-1]
+
+
 @click.command(
     "convert",
-    short_help="Write a layout store from an .h5ad or AnnData zarr.",
+    short_help="Write a layout store from .h5ad or AnnData zarr sources.",
     epilog=epilog(
         "sclayout convert data.h5ad store.zarr",
         "sclayout convert data.h5ad store.zarr --order stratified --by plate --block-size 32",
         "sclayout convert data.h5ad store.zarr --spec spec.json --overwrite",
+        "sclayout convert plate*.h5ad atlas.zarr --order stratified --by source --by cell_type",
+        "sclayout convert --sources-from files.txt atlas.zarr --join outer",
+        "sclayout convert a.h5ad b.zarr panel.zarr --var-names genes.txt",
         "sclayout convert data.zarr store.zarr --scheduler tcp://10.0.0.5:8786 --json",
     ),
 )
-@click.argument("src", type=click.Path(path_type=Path))
-@click.argument("dst", type=click.Path(path_type=Path))
+@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="SRC... DST")
+@click.option(
+    "--sources-from",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="File listing sources, one path a line (added after any SRC).",
+)
+@click.option(
+    "--join",
+    type=click.Choice(["inner", "outer"]),
+    default=None,
+    help="Sources with different genes: keep the common ones (inner) or the union (outer).",
+)
+@click.option(
+    "--var-names",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="File with the store's genes, one a line: missing genes are zero, others dropped.",
+)
+@click.option(
+    "--source-key",
+    default="source",
+    show_default=True,
+    help="obs column naming each row's source (several sources; '' for none).",
+)
+@click.option("--strict", is_flag=True, help="Refuse to drop a layer or obsm not in every source.")
 @click.option("--block-size", type=str, default=None, help="Rows per block [spec, else 64].")
 @click.option(
     "--order",
@@ -74,8 +130,12 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
 @quiet_option
 @json_option
 def convert_command(
-    src: Path,
-    dst: Path,
+    paths: tuple[Path, ...],
+    sources_from: Path | None,
+    join: str | None,
+    var_names: Path | None,
+    source_key: str,
+    strict: bool,
     block_size: str | None,
     order: str | None,
     by: tuple[str, ...],
@@ -89,7 +149,8 @@ def convert_command(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Convert SRC (.h5ad or AnnData zarr) into the layout store DST.
+    """Convert SRC (.h5ad or AnnData zarr; several: their rows in order) into the
+    layout store DST.
 
     DST appears only when the conversion is complete: it is written into a temporary
     sibling and renamed at the end.
@@ -98,6 +159,8 @@ def convert_command(
     from loader.layout import RowOrder, parse_block_size
     from loader.spec import LayoutSpec
     from sclayout.convert import convert
+
+    srcs, dst = split_paths(paths, sources_from)
 
     size = parse_block_size(block_size, name="--block-size") if block_size is not None else None
     kwargs = {"block_size": size, "order": order, "by": by, "seed": seed, "codec": codec}
@@ -125,8 +188,12 @@ def convert_command(
         require("distributed", "distributed", "--scheduler")
     t0 = time.perf_counter()
     manifest = convert(
-        src,
+        srcs[0] if len(srcs) == 1 else srcs,
         dst,
+        join=join,
+        var_names=var_names,
+        source_key=source_key,
+        strict=strict,
         spec=layout_spec,
         memory_budget=memory_budget,
         overwrite=overwrite,
@@ -139,11 +206,13 @@ def convert_command(
     if quiet and not as_json:
         return
     written, files = _dir_bytes(dst)
-    src_bytes = manifest.source.get("size", 0)
+    sources = manifest.sources or ({"fingerprint": manifest.source},)
+    src_bytes = sum(e["fingerprint"].get("size", 0) for e in sources)
     arrays = sum(len(m.arrays) for m in manifest.matrices.values())
+    what = srcs[0] if len(srcs) == 1 else f"{len(srcs)} sources"
     if as_json:
         summary = {
-            "source": str(src),
+            "sources": [str(x) for x in srcs],
             "store": str(dst),
             "n_obs": manifest.n_obs,
             "n_vars": manifest.n_vars,
@@ -158,8 +227,12 @@ def convert_command(
         }
         click.echo(json.dumps(summary, indent=1))
         return
+    for note in manifest.notes:
+        click.echo(f"note: {note}")
+    if len(srcs) > 1 or manifest.genes.get("join") not in (None, "same"):
+        click.echo(f"genes: {manifest.n_vars} ({manifest.genes.get('join')})")
     click.echo(
-        f"converted {src} -> {dst}: {manifest.n_obs} rows x {manifest.n_vars} vars, "
+        f"converted {what} -> {dst}: {manifest.n_obs} rows x {manifest.n_vars} vars, "
         f"{manifest.n_blocks} blocks of {manifest.block_size}, order {manifest.order.kind}, "
         f"{len(manifest.matrices)} matrices ({arrays} arrays), "
         f"{written / 1e6:.1f} MB in {files} files, {seconds:.1f} s, "

@@ -339,9 +339,10 @@ def _plot(result: Any, path: Path, title: str) -> None:
         "sclayout recommend data.h5ad --label cell_type --spec-out spec.json",
         "sclayout recommend data.h5ad --label plate --profile nvme.json --plot front.png",
         "sclayout recommend store.zarr --profile local-nvme --worker-counts 0,2,4 --json",
+        "sclayout recommend plate*.h5ad --label source --spec-out spec.json",
     ),
 )
-@click.argument("source", type=str)
+@click.argument("sources", nargs=-1, required=True, type=str, metavar="SOURCE...")
 @batch_size_option
 @click.option("--label", default=None, help="obs column whose diversity must stay high.")
 @click.option(
@@ -408,7 +409,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
 @quiet_option
 @_OVERWRITE
 def recommend_command(
-    source: str,
+    sources: tuple[str, ...],
     batch_size: int,
     label: str | None,
     min_diversity: float,
@@ -428,19 +429,23 @@ def recommend_command(
     quiet: bool,
     overwrite: bool,
 ) -> None:
-    """Recommend a layout and loader settings for SOURCE.
+    """Recommend a layout and loader settings for SOURCE (or several).
 
     SOURCE is an .h5ad, an AnnData zarr or a layout store. The pick (block size, fetch
     factor, chunk size, codec, row order, workers) is the fastest predicted
     configuration whose minibatches stay diverse enough; for a layout store, the loader
-    settings, and whether re-converting would pay.
+    settings, and whether re-converting would pay. Several SOURCEs (the files of one
+    atlas) are counted together, as `convert` would combine them; --label source then
+    means the file each row comes from.
     """
     from dataclasses import replace
 
     from loader.errors import InputError
     from sclayout.convert.plan import parse_memory_budget
     from sclayout.cost.search import check_targets, measured_codecs, search, search_loader
-    from sclayout.cost.stats import read_dataset_stats
+    from sclayout.cost.stats import read_dataset_stats, read_sources_stats
+
+    source = sources[0]
 
     if workers is not None:
         click.echo("note: recommend --workers is deprecated; use --worker-counts", err=True)
@@ -454,11 +459,14 @@ def recommend_command(
         why = str(e).split(": ", 1)[-1]
         raise _input_error(f"--memory-budget {memory_budget!r}: {why}") from None
     check_targets(min_diversity, budget)
-    _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=(source,))
-    _check_output(plot, "--plot", overwrite=overwrite, inputs=(source,), suffixes=PLOT_SUFFIXES)
+    _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=sources)
+    _check_output(plot, "--plot", overwrite=overwrite, inputs=sources, suffixes=PLOT_SUFFIXES)
     if plot is not None:
         require("matplotlib", "plot", "--plot")
-    stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
+    if len(sources) > 1:
+        stats = read_sources_stats(list(sources), label=label)
+    else:
+        stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json)
     space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
     if unknown:
@@ -474,6 +482,8 @@ def recommend_command(
         seed=seed,
     )
     out: dict[str, Any] = {"source": source, "profile": prof.name, "profile_note": prof_note}
+    if len(sources) > 1:
+        out["sources"] = list(sources)
     if stats.manifest is not None:
         result = search_loader(
             stats, fetch_factors=space.fetch_factors, workers=space.workers, **kw

@@ -12,8 +12,9 @@ Decisions recorded here (and in docs/quickstart.md, "When the input is wrong"):
 - An empty dataset (0 cells or 0 genes) is **refused**: a layout store exists to be
   sampled by blocks, and one with no rows or no columns has nothing to sample.
 - Files written by anndata < 0.7 (no ``encoding-type`` metadata: ``obs`` as an HDF5
-  compound dataset, sparse X tagged ``h5sparse_format``) are refused with the
-  one-line command that rewrites them with a current anndata.
+  compound dataset, sparse X tagged ``h5sparse_format``) are converted when the
+  installed anndata reads them: their small tables through anndata, X streamed as
+  any other. Zarr stores of that age are refused with the command that rewrites them.
 - Values are never judged: NaN or negative counts are converted as they are (verify
   compares NaN equal to NaN).
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,6 +194,8 @@ class SourceInfo:
     x_encoding: str
     """``csr_matrix``, ``csc_matrix`` or ``array``."""
     obs_columns: tuple[str, ...]
+    legacy: bool = False
+    """Written by anndata < 0.7 (read through anndata; see :func:`_inspect_legacy`)."""
 
 
 def _legacy(path: Path, what: str) -> InputError:
@@ -348,10 +352,10 @@ def _inspect_root(path: Path, kind: str, root: Any) -> SourceInfo:
     obs, var = root["obs"], root["var"]
     for name, node in (("obs", obs), ("var", var)):
         if not _is_group(node):
-            raise _legacy(path, f"{name} stored as a compound dataset")
+            return _inspect_legacy(path, kind, f"{name} stored as a compound dataset")
         net, _ = _encoding(node)
         if net is None:
-            raise _legacy(path, f"{name} has no encoding-type")
+            return _inspect_legacy(path, kind, f"{name} has no encoding-type")
         if net != "dataframe":
             raise _fail(
                 f"SRC {path}: {name} has encoding {net!r}, expected 'dataframe': "
@@ -400,6 +404,46 @@ def _inspect_root(path: Path, kind: str, root: Any) -> SourceInfo:
         x_encoding=x_enc,
         obs_columns=tuple(c.decode() if isinstance(c, bytes) else str(c) for c in columns),
     )
+
+
+def _inspect_legacy(path: Path, kind: str, what: str) -> SourceInfo:
+    """A file in the anndata < 0.7 layout: accepted when the installed anndata reads
+    it (backed, so X stays on disk); its small tables are then read through anndata."""
+    import anndata as ad
+
+    if kind != "hdf5":
+        raise _legacy(path, what)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adata = ad.read_h5ad(path, backed="r")
+    except Exception as e:  # anndata raises many types on files it cannot read
+        raise _fail(
+            f"SRC {path} uses the anndata < 0.7 layout ({what}) and anndata cannot read it "
+            f"({type(e).__name__}: {_one_line(e)}): the file is damaged or not AnnData"
+        ) from None
+    try:
+        n_obs, n_vars = adata.shape
+        x = adata.file["X"]
+        x_enc = "array" if hasattr(x, "dtype") else f"{_attr_str(x, 'h5sparse_format')}_matrix"
+        columns = tuple(str(c) for c in adata.obs.columns)
+    finally:
+        adata.file.close()
+    if x_enc not in MATRIX_ENCODINGS:
+        raise _fail(f"SRC {path}: X has legacy encoding {x_enc!r}, which sclayout cannot convert")
+    if n_obs == 0 or n_vars == 0:
+        raise _fail(
+            f"SRC {path} is empty ({n_obs} cells x {n_vars} genes): a layout store needs at "
+            "least one cell and one gene; nothing to convert"
+        )
+    return SourceInfo(
+        kind=kind, n_obs=n_obs, n_vars=n_vars, x_encoding=x_enc, obs_columns=columns, legacy=True
+    )
+
+
+def _attr_str(node: Any, key: str) -> str:
+    v = node.attrs.get(key, "")
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def check_source(src: str | os.PathLike[str]) -> None:

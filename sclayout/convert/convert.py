@@ -14,17 +14,13 @@ import errno
 import itertools
 import os
 import shutil
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
 import numpy as np
-import pandas as pd
-import scipy.sparse as sp
 import zarr
 
 from loader.argtypes import typechecked
@@ -46,10 +42,11 @@ from sclayout.convert.checks import (
     check_destination,
     check_obs_columns,
     explain_read_errors,
-    inspect_source,
 )
 from sclayout.convert.codecs import get_codec
+from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
 from sclayout.convert.order import get_order, inverse_permutation
+from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
     DEFAULT_BLOCK_SIZE,
     MatrixPlan,
@@ -64,10 +61,14 @@ from sclayout.convert.source import (
     MatrixInfo,
     Source,
     close_handles,
-    fingerprint,
     open_group,
     prefer_direct_io,
     read_slice,
+)
+from sclayout.convert.sources import (
+    check_destination_apart,
+    check_sources,
+    read_var_names,
 )
 from sclayout.convert.space import (
     check_free_space,
@@ -87,6 +88,7 @@ from sclayout.convert.write import (
     shard_ranges,
     write_region,
 )
+from sclayout.pagecache import tree_bytes
 
 __all__ = ["ConvertOptions", "convert", "resolve_options"]
 
@@ -96,9 +98,11 @@ index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
 ASSEMBLE_INDEX_BYTES = 16
 """Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
 and its sorted copy."""
-DRIVER_BYTES_PER_ROW = 48
+DRIVER_BYTES_PER_ROW = 64
 """Driver-side arrays per row: permutation, its inverse, source and output indptr,
-block pointer, stratum keys (int64 each)."""
+block pointer, stratum keys (int64 each), and with several sources the per-row
+source number and row (provenance). The obs table is counted as it is read: the
+working memory is what the budget leaves beside the process's resident size."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 TMP_TAG = "sclayout-tmp"
@@ -173,9 +177,13 @@ def resolve_options(
 
 @typechecked(own_checks=("block_size",))
 def convert(
-    src: str | os.PathLike,
+    src: str | os.PathLike | Sequence[str | os.PathLike],
     dst: str | os.PathLike,
     *,
+    join: str | None = None,
+    var_names: Sequence[str] | str | os.PathLike | None = None,
+    source_key: str = "source",
+    strict: bool = False,
     spec: LayoutSpec | str | os.PathLike | None = None,
     block_size: int | None = None,
     order: str = "original",
@@ -189,14 +197,25 @@ def convert(
     progress: bool = False,
     checksums: bool = True,
 ) -> Manifest:
-    """Convert an AnnData source (.h5ad or zarr v2/v3) into a layout store.
+    """Convert one or several AnnData sources (.h5ad or zarr v2/v3) into a layout store.
 
     Parameters
     ----------
     src
-        The source dataset.
+        The source dataset, or a list of them: the store holds their rows in this
+        order (before ``order`` reorders them), see docs/convert.md.
     dst
         The layout store to create (a directory).
+    join
+        Sources whose genes differ: ``"inner"`` (genes in every source) or
+        ``"outer"`` (their union; a gene a source lacks is a structural zero).
+    var_names
+        The store's genes, exactly (a list, or a file with one gene a line): genes a
+        source lacks are zeros, genes not listed are dropped.
+    source_key
+        obs column naming each row's source when there are several (``""``: none).
+    strict
+        Refuse, instead of dropping with a note, a layer or obsm not in every source.
     spec
         A :class:`~loader.spec.LayoutSpec` or the path of its JSON; arguments left at
         their defaults take the spec's values, explicit ones override it.
@@ -235,7 +254,10 @@ def convert(
     InputError
         Bad source, bad option, DST exists without ``overwrite``, DST not writable.
     """
-    src_info = inspect_source(src)  # the metadata checks of check_source
+    srcs = [src] if isinstance(src, str | os.PathLike) else list(src)
+    infos = check_sources(srcs)  # the metadata checks of check_source, per source
+    if isinstance(var_names, str | os.PathLike):
+        var_names = read_var_names(var_names)
     opts = resolve_options(
         spec=spec,
         block_size=block_size,
@@ -250,8 +272,12 @@ def convert(
     opts = dataclasses.replace(opts, checksums=checksums)
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
-    src_p, dst_p = Path(src), Path(os.path.abspath(dst))
-    check_obs_columns(src_p, opts.order.columns, info=src_info)
+    src_p, dst_p = Path(srcs[0]), Path(os.path.abspath(dst))
+    several = len(srcs) > 1 or infos[0].legacy or var_names is not None
+    if several:
+        check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
+    else:
+        check_obs_columns(src_p, opts.order.columns, info=infos[0])
     tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
     longest = max(len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode()))
     if longest > NAME_MAX:
@@ -260,15 +286,21 @@ def convert(
             f"file system allows {NAME_MAX}); choose a shorter name"
         )
     _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+    check_destination_apart(dst_p, srcs)
     check_destination(dst_p, overwrite=overwrite, src=src_p)
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
     try:
-        with open_group(src_p) as root:
-            source = Source(root, src_p)
-            need = estimate_store_bytes(source, opts.codec)
-            check_free_space(dst_p, need)  # the old DST stays until the rename: not free
-            manifest = _convert_into(source, tmp, opts, runner)
+        need = _store_bytes(srcs, infos, opts.codec)
+        check_free_space(dst_p, need)  # the old DST stays until the rename: not free
+        if several:
+            inp = sources_input(
+                srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
+            )
+            manifest = _convert_into(inp, tmp, opts, runner)
+        else:
+            with open_group(src_p) as root:
+                manifest = _convert_into(single_input(Source(root, src_p)), tmp, opts, runner)
         _install(tmp, dst_p, overwrite=overwrite)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -376,9 +408,9 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
 # -- the conversion ----------------------------------------------------------------------
 
 
-def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
-    n_obs, n_vars = source.n_obs, source.n_vars
-    obs = source.read_elem("obs")
+def _convert_into(inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
+    n_obs, n_vars = inp.n_obs, inp.n_vars
+    obs = inp.obs
     missing = [c for c in opts.order.columns if c not in obs.columns]
     if missing:
         raise InputError(
@@ -395,28 +427,32 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
     root = zarr.open_group(tmp, mode="w", zarr_format=3)
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     small = anndata_dataset_kwargs(opts.checksums)
-    _write_small(source, root, obs, perm, small)
+    inp.write_small(root, perm, small)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     work = working_memory(opts.memory_budget, n_obs=n_obs)
-    ctx = _Ctx(source, str(tmp), opts, block_size, runner, perm, inv, identity, work)
-    for info in source.row_matrices():
-        layout, pointer = _convert_matrix(ctx, info)
-        matrices[info.path] = layout
+    ctx = _Ctx(str(tmp), opts, block_size, runner, perm, inv, identity, work)
+    for target, parts in inp.matrices:
+        layout, pointer = _convert_matrix(ctx, target, parts)
+        matrices[target.path] = layout
         if pointer is not None:
-            pointers[info.path] = pointer
+            pointers[target.path] = pointer
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
-    _write_uns_sclayout(root, perm, pointers, small)
+    provenance = _write_uns_sclayout(root, perm, pointers, inp, small)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
         block_size=block_size,
         order=opts.order,
         matrices=matrices,
-        source=fingerprint(source.path, n_obs=n_obs, n_vars=n_vars, nnz=matrices["X"].nnz),
+        source=inp.sources[0]["fingerprint"] if len(inp.sources) == 1 else {},
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         chunk_checksum="crc32c" if opts.checksums else None,
         all_chunks_stored=True,
+        sources=tuple(inp.sources),
+        genes=inp.genes,
+        provenance=provenance,
+        notes=tuple(inp.notes),
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
@@ -424,7 +460,6 @@ def _convert_into(source: Source, tmp: Path, opts: ConvertOptions, runner: Runne
 
 @dataclass(frozen=True)
 class _Ctx:
-    source: Source
     dst: str
     opts: ConvertOptions
     block_size: int
@@ -440,66 +475,39 @@ class _Ctx:
         return self.runner.jobs
 
 
-def _quiet_write(group: Any, key: str, value: Any, kwargs: dict[str, Any]) -> None:
-    # anndata reopens each array to fill it, so the array's own config is lost: every
-    # chunk is stored only with zarr's default set for the duration of the write
-    with (
-        warnings.catch_warnings(),
-        ad.settings.override(zarr_write_format=3),
-        zarr.config.set({"array.write_empty_chunks": True}),
-    ):
-        warnings.simplefilter("ignore")
-        ad.io.write_elem(group, key, value, dataset_kwargs=kwargs)
-
-
-def _take_rows(value: Any, perm: np.ndarray) -> Any:
-    if isinstance(value, pd.DataFrame):
-        return value.iloc[perm]
-    return value[perm]
-
-
-def _write_small(
-    source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray, kw: dict[str, Any]
-) -> None:
-    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer
-    (``kw``: its ``dataset_kwargs``)."""
-    _quiet_write(root, "obs", obs.iloc[perm], kw)
-    _quiet_write(root, "var", source.read_elem("var"), kw)
-    obsm = source.read_elem("obsm") if source.has("obsm") else {}
-    _quiet_write(root, "obsm", {k: _take_rows(v, perm) for k, v in obsm.items()}, kw)
-    for key in ("varm", "varp"):
-        _quiet_write(root, key, source.read_elem(key) if source.has(key) else {}, kw)
-    obsp = source.read_elem("obsp") if source.has("obsp") else {}
-    _quiet_write(root, "obsp", {k: _permute_pairwise(v, perm) for k, v in obsp.items()}, kw)
-    uns = source.read_elem("uns") if source.has("uns") else {}
-    uns.pop("sclayout", None)  # a layout store as source: its own arrays are rebuilt
-    _quiet_write(root, "uns", uns, kw)
-    _quiet_write(root, "layers", {}, kw)
-    if source.has("raw") and source.has("raw/X"):
-        raw = root.require_group("raw")
-        raw.attrs.update({"encoding-type": "raw", "encoding-version": "0.1.0"})
-        _quiet_write(raw, "var", source.read_elem("raw/var"), kw)
-        _quiet_write(
-            raw, "varm", source.read_elem("raw/varm") if source.has("raw/varm") else {}, kw
-        )
-
-
-def _permute_pairwise(value: Any, perm: np.ndarray) -> Any:
-    if sp.issparse(value):
-        fmt = value.format
-        return value[perm][:, perm].asformat(fmt)
-    return np.asarray(value)[np.ix_(perm, perm)]
-
-
 def _write_uns_sclayout(
-    root: zarr.Group, perm: np.ndarray, pointers: dict, kw: dict[str, Any]
-) -> None:
+    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input, kw: dict[str, Any]
+) -> dict[str, str]:
+    """source_index, block pointers and, with several sources, the per-row provenance
+    (source number, row in that source); returns the provenance paths."""
     uns = root["uns"]
-    payload = {
+    payload: dict[str, Any] = {
         "source_index": perm.astype(np.int64),
         "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
     }
-    _quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
+    provenance: dict[str, str] = {}
+    if inp.row_source is not None:
+        number = inp.row_source[perm]
+        row0 = np.array([e["row0"] for e in inp.sources], dtype=np.int64)
+        n_src = len(inp.sources)
+        payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
+        payload["source_row"] = perm.astype(np.int64) - row0[number]
+        provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
+        provenance["obs_key"] = inp.source_key
+    quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
+    return provenance
+
+
+def _store_bytes(srcs: list[Path], infos: list[Any], codec: str) -> int:
+    """Bytes the store of ``srcs`` is expected to take (a legacy file: its own size)."""
+    total = 0
+    for src, info in zip(srcs, infos, strict=True):
+        if info.legacy:
+            total += tree_bytes(src)[0]
+            continue
+        with open_group(Path(src)) as root:
+            total += estimate_store_bytes(Source(root, Path(src)), codec)
+    return total
 
 
 def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
@@ -513,7 +521,10 @@ def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
     )
 
 
-def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarray | None]:
+def _convert_matrix(
+    ctx: _Ctx, info: MatrixInfo, parts: list[Part]
+) -> tuple[MatrixLayout, np.ndarray | None]:
+    """Write output matrix ``info`` (path, shape, dtype) from its per-source parts."""
     opts = ctx.opts
     compressors = get_codec(opts.codec) + checksum_codecs(opts.checksums)
     n_obs, n_vars = info.shape
@@ -530,7 +541,7 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
             shard_chunks=opts.shard_chunks,
         )
         arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors)
-        _fill_dense(ctx, info, plan)
+        _fill_dense(ctx, info, plan, parts)
         layout = MatrixLayout(
             encoding="dense",
             shape=(n_obs, n_vars),
@@ -539,11 +550,19 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
             arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
         )
         return layout, None
-    src_ptr = ctx.source.indptr(info)  # row pointer (csr) or column pointer (csc)
-    if info.encoding == "csr":
-        row_nnz = np.diff(src_ptr)
-    else:
-        row_nnz = _csc_row_counts(ctx, info, src_ptr)
+    # row pointer (csr) or column pointer (csc) of every sparse part
+    ptrs = [
+        None
+        if p.encoding == "dense"
+        else read_slice(p.src, f"{p.path}/indptr", 0, p.shape[p.encoding == "csc"] + 1).astype(
+            np.int64
+        )
+        for p in parts
+    ]
+    step = max(1, ctx.work // (4 * 8))
+    row_nnz = np.concatenate(
+        [p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)]
+    )
     out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
     np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
     nnz = int(out_ptr[-1])
@@ -557,10 +576,11 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
         shard_chunks=opts.shard_chunks,
     )
     arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors)
-    if info.encoding == "csr" and ctx.identity:
-        _copy_csr(ctx, info, plan, src_ptr, nnz)
+    one = parts[0]
+    if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
+        _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
     else:
-        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+        _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
     ptr_shard = plan.arrays["indptr"].shards[0]
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
@@ -579,64 +599,65 @@ def _convert_matrix(ctx: _Ctx, info: MatrixInfo) -> tuple[MatrixLayout, np.ndarr
     return layout, pointer
 
 
-def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, src_ptr, nnz: int) -> None:
-    start = int(src_ptr[0])
-    if start != 0:  # an indptr that does not start at 0: route through the general path
-        out_ptr = src_ptr - start
-        _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz)
+def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr, out_ptr, nnz):
+    if int(src_ptr[0]) != 0:  # an indptr that does not start at 0: the general path
+        _reorder_sparse(ctx, info, plan, [part], [src_ptr], out_ptr, nnz)
         return
     jobs = [
-        CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+        CopyJob(part.src, part.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
     ]
     ctx.runner.run(copy_sparse, jobs, desc=f"copy {info.path}")
 
 
-def _csc_row_counts(ctx: _Ctx, info: MatrixInfo, col_ptr: np.ndarray) -> np.ndarray:
-    """nnz of every row of a CSC matrix, from its indices read in slices."""
-    counts = np.zeros(info.shape[0], dtype=np.int64)
-    step = max(1, ctx.work // (4 * 8))
-    off = int(col_ptr[0])
-    for a, b in shard_ranges(int(col_ptr[-1]) - off, step):
-        rows = read_slice(ctx.source.path, f"{info.path}/indices", a + off, b + off)
-        counts += np.bincount(rows, minlength=info.shape[0])
-    return counts
+def _row_cuts(part: Part, ptr: np.ndarray | None, elems: int) -> list[int]:
+    """Row (CSR, dense) or column (CSC) boundaries of slices of about ``elems`` values."""
+    if ptr is not None:
+        return _cuts(ptr, elems)
+    n = part.shape[0]
+    rows = max(1, elems // max(1, part.shape[1]))
+    return sorted({0, n, *range(rows, n, rows)})
 
 
-def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
-    """Bucketed two-pass reorder of a CSR or CSC source into CSR output."""
+def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
+    """Bucketed two-pass reorder of CSR, CSC and dense parts into CSR output.
+
+    All-CSR/dense parts route rows (the fast path); any CSC part routes entries.
+    """
+    coo = any(p.encoding == "csc" for p in parts)
     elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
     shard = plan.elements_per_shard
-    per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES
+    per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES + (8 if coo else 0)
     bucket = ctx.work // (ctx.jobs * per_elem)
     bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
-    cuts = _cuts(src_ptr, read_elems)
-    src = ctx.source.path
-    direct = prefer_direct_io(src, nbytes=nnz * elem_bytes)
-    if info.encoding == "csr":
-        fn = ext.route_rows
-        jobs = [
-            ext.RouteRowsJob(
-                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, task, direct
-            )
-            for task, (a, b) in enumerate(itertools.pairwise(cuts))
-        ]
-        kind = "rows"
-    else:
-        fn = ext.route_csc
-        jobs = [
-            ext.RouteCscJob(
-                src, info.path, a, b, src_ptr, ctx.inv, out_ptr, bounds, workdir, info.index_dtype
-            )
-            for a, b in itertools.pairwise(cuts)
-        ]
-        kind = "csc"
-    tables = ctx.runner.run(fn, jobs, desc=f"route {info.path}")
+    direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
+    jobs: list[Any] = []
+    for p, ptr in zip(parts, ptrs, strict=True):
+        native = "csc" if coo else "csr"
+        part = None if p.plain and p.encoding == native else p
+        for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
+            if coo:
+                jobs.append(
+                    ext.RouteCscJob(
+                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                        info.index_dtype, part,
+                    )
+                )  # fmt: skip
+            else:
+                jobs.append(
+                    ext.RouteRowsJob(
+                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                        len(jobs), direct, part,
+                    )
+                )  # fmt: skip
+    kind = "csc" if coo else "rows"
+    tables = ctx.runner.run(
+        ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
+    )
     n_buckets = len(bounds) - 1
     segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
-    index_dtype = info.index_dtype
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
     assemble = [
         ext.AssembleJob(
@@ -650,7 +671,7 @@ def _reorder_sparse(ctx, info, plan, src_ptr, out_ptr, nnz) -> None:
             info.path,
             shard,
             info.dtype,
-            index_dtype,
+            info.index_dtype,
             info.shape[1],
             segments[b],
             direct,
@@ -677,12 +698,12 @@ def _cuts(ptr: np.ndarray, step: int) -> list[int]:
     return sorted({0, n, *(int(i) for i in inner if 0 < i < n)})
 
 
-def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
+def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, parts: list[Part]) -> None:
     n_obs, n_vars = info.shape
     shard_rows = plan.elements_per_shard
-    if ctx.identity:
+    if len(parts) == 1 and parts[0].plain and ctx.identity:
         jobs = [
-            CopyJob(ctx.source.path, info.path, ctx.dst, info.path, a, b)
+            CopyJob(parts[0].src, parts[0].path, ctx.dst, info.path, a, b)
             for a, b in shard_ranges(n_obs, shard_rows)
         ]
         ctx.runner.run(copy_dense, jobs, desc=f"copy {info.path}")
@@ -693,8 +714,9 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan) -> None:
     workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
     read_rows = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * row_bytes))
     jobs = [
-        ext.RouteDenseJob(ctx.source.path, info.path, a, b, ctx.inv, bounds, workdir)
-        for a, b in shard_ranges(n_obs, read_rows)
+        ext.RouteDenseJob(p.src, p.path, a, b, ctx.inv, bounds, workdir, None if p.plain else p)
+        for p in parts
+        for a, b in shard_ranges(p.shape[0], read_rows)
     ]
     ctx.runner.run(ext.route_dense, jobs, desc=f"route {info.path}")
     assemble = [

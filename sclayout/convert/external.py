@@ -37,6 +37,7 @@ import numpy as np
 
 from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
+from sclayout.convert.parts import Part
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
 from sclayout.convert.write import submit_region, write_region
 
@@ -196,6 +197,9 @@ class RouteRowsJob:
     workdir: str
     task: int = 0
     direct: bool = False
+    part: Part | None = None
+    """Several sources or a gene map: where this source's rows go (``indptr`` is then
+    the source's own pointer, ``r0``/``r1`` its own rows)."""
 
 
 SEGMENT_COLUMNS = ("task", "bucket", "rows", "meta_row", "elems", "elem")
@@ -227,13 +231,19 @@ def _write_file(path: str, buf: np.ndarray, *, direct: bool) -> None:
 
 def route_rows(job: RouteRowsJob) -> np.ndarray:
     """Run a :class:`RouteRowsJob`; returns its segment table (:data:`SEGMENT_COLUMNS`)."""
-    s = job.indptr
-    e0, e1 = int(s[job.r0]), int(s[job.r1])
-    data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
-    indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
-    nnz = np.diff(s[job.r0 : job.r1 + 1])
+    if job.part is None:
+        s = job.indptr
+        e0, e1 = int(s[job.r0]), int(s[job.r1])
+        data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
+        indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
+        ptr = s[job.r0 : job.r1 + 1] - e0
+        row0 = 0
+    else:
+        ptr, data, indices = job.part.read_rows(job.r0, job.r1, job.indptr)
+        row0 = job.part.row0
+    nnz = np.diff(ptr)
     keep = np.flatnonzero(nnz > 0)
-    out_start = job.out_ptr[job.inv[job.r0 : job.r1][keep]]
+    out_start = job.out_ptr[job.inv[row0 + job.r0 : row0 + job.r1][keep]]
     nnz = nnz[keep]
     first = np.searchsorted(job.bounds, out_start, side="right") - 1
     last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1
@@ -252,7 +262,6 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
     total = int(elem[-1])
     g_data = aligned_scratch("route-gdata", total * data.itemsize).view(data.dtype)
     g_idx = aligned_scratch("route-gindices", total * indices.itemsize).view(indices.dtype)
-    ptr = s[job.r0 : job.r1 + 1] - e0
     src_row = keep[row]
     for k in range(used.size):
         a, o = int(at[k]), int(elem[k])
@@ -296,17 +305,25 @@ class RouteCscJob:
     bounds: np.ndarray
     workdir: str
     index_dtype: np.dtype
+    part: Part | None = None
+    """Several sources or a gene map: this source's place and gene map; ``c0``/``c1``
+    are then source columns of a CSC part, or source rows of a CSR or dense one."""
 
 
 def route_csc(job: RouteCscJob) -> int:
     """Run a :class:`RouteCscJob`; returns bytes read."""
-    p = job.col_ptr
-    e0, e1 = int(p[job.c0]), int(p[job.c1])
-    data = read_slice(job.src, f"{job.path}/data", e0, e1)
-    rows = read_slice(job.src, f"{job.path}/indices", e0, e1)
-    cols = np.repeat(
-        np.arange(job.c0, job.c1, dtype=job.index_dtype), np.diff(p[job.c0 : job.c1 + 1])
-    )
+    if job.part is None:
+        p = job.col_ptr
+        e0, e1 = int(p[job.c0]), int(p[job.c1])
+        data = read_slice(job.src, f"{job.path}/data", e0, e1)
+        rows = read_slice(job.src, f"{job.path}/indices", e0, e1)
+        cols = np.repeat(
+            np.arange(job.c0, job.c1, dtype=job.index_dtype), np.diff(p[job.c0 : job.c1 + 1])
+        )
+    else:
+        rows, cols, data = job.part.read_entries(job.c0, job.c1, job.col_ptr)
+        rows = rows + job.part.row0
+        cols = cols.astype(job.index_dtype, copy=False)
     out_row = job.inv[rows]
     first = np.searchsorted(job.bounds, job.out_ptr[out_row], side="right") - 1
     last = np.searchsorted(job.bounds, job.out_ptr[out_row + 1] - 1, side="right") - 1
@@ -336,12 +353,18 @@ class RouteDenseJob:
     inv: np.ndarray
     bounds: np.ndarray
     workdir: str
+    part: Part | None = None
+    """Several sources or a gene map: this source's place and gene map."""
 
 
 def route_dense(job: RouteDenseJob) -> int:
     """Run a :class:`RouteDenseJob`; returns bytes read."""
-    values = read_slice(job.src, job.path, job.r0, job.r1)
-    out_row = job.inv[job.r0 : job.r1]
+    if job.part is None:
+        values = read_slice(job.src, job.path, job.r0, job.r1)
+        out_row = job.inv[job.r0 : job.r1]
+    else:
+        values = job.part.read_dense(job.r0, job.r1)
+        out_row = job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1]
     first = np.searchsorted(job.bounds, out_row, side="right") - 1
     order = np.argsort(first, kind="stable")
     cuts = np.searchsorted(first[order], np.arange(len(job.bounds)))

@@ -145,6 +145,13 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "chunk_checksum": manifest.chunk_checksum,
         "missing_chunks": missing,
         "warnings": warnings,
+        "sources": [
+            {k: e.get(k) for k in ("name", "row0", "n_obs", "n_vars", "genes_present")}
+            | {"path": e.get("fingerprint", {}).get("path")}
+            for e in manifest.sources
+        ],
+        "genes": dict(manifest.genes),
+        "notes": list(manifest.notes),
     }
 
 
@@ -199,6 +206,19 @@ def render_inspect(info: dict[str, Any]) -> str:
         f"  {'other elements (obs, var, obsm, uns, metadata)':<47} "
         f"{_size(other['stored_bytes']):>60} {'':>17} {other['files']:>6}"
     )
+    genes = info.get("genes") or {}
+    if len(info.get("sources", [])) > 1 or genes.get("join") not in (None, "same"):
+        lines += ["", f"  genes           {info['n_vars']:,} ({genes.get('join')})"]
+        lines.append(f"  {'source':<24} {'first row':>10} {'cells':>10} {'genes':>8} {'kept':>8}")
+        for e in info["sources"]:
+            lines.append(
+                f"  {e['name']:<24} {e['row0']:>10,} {e['n_obs']:>10,} {e['n_vars']:>8,} "
+                f"{e['genes_present']:>8,}"
+            )
+        for col, n in sorted(genes.get("var_conflicts", {}).items()):
+            lines.append(f"  var conflict    {col}: {n:,} genes given different values")
+    for note in info.get("notes", []):
+        lines.append(f"  note            {note}")
     if info.get("warnings"):
         lines += [""] + [f"  warning: {w}" for w in info["warnings"]]
     if info["source"]:

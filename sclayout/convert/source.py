@@ -41,6 +41,7 @@ __all__ = [
     "pread_full",
     "prefer_direct_io",
     "read_slice",
+    "source_tables",
 ]
 
 FINGERPRINT_BYTES = 2**20
@@ -461,6 +462,17 @@ class Source:
         """
         node = self.root[key]
         enc_type = _attr(node, "encoding-type", "array")
+        legacy = _attr(node, "h5sparse_format")  # anndata < 0.7: "csr" or "csc"
+        if legacy is not None and node.attrs.get("encoding-type") is None:
+            shape = tuple(int(s) for s in node.attrs["h5sparse_shape"])
+            return MatrixInfo(
+                key,
+                str(legacy),
+                shape,
+                np.dtype(node["data"].dtype),
+                np.dtype(node["indices"].dtype),
+                int(node["data"].shape[0]),
+            )
         if isinstance(node, h5py.Dataset | zarr.Array):
             enc_type = "array" if enc_type in (None, "array") else enc_type
         enc = _ENCODINGS.get(enc_type)
@@ -494,6 +506,62 @@ class Source:
     def indptr(self, info: MatrixInfo) -> np.ndarray:
         """The whole ``indptr`` of a sparse matrix as int64."""
         return np.asarray(self.root[f"{info.path}/indptr"][...], dtype=np.int64)
+
+
+def is_legacy(root: Any) -> bool:
+    """Whether an open source uses the anndata < 0.7 layout (obs without an encoding)."""
+    obs = root["obs"]
+    return not hasattr(obs, "keys") or hasattr(obs, "dtype") or "encoding-type" not in obs.attrs
+
+
+def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
+    """A source's small elements read whole: obs, var, obsm, varm, uns; ``has`` says which of
+    raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
+
+    ``raw_x`` is the key of raw's X (``raw/X``, or ``raw.X`` in a legacy file) or None,
+    ``raw_var`` raw's var. A legacy (anndata < 0.7) file is read through anndata in
+    backed mode: its tables are built in memory, X stays on disk.
+    """
+    x_dtype = Source(root, path).matrix_info("X").dtype
+    if is_legacy(root):
+        with reading(path, "obs and var"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            adata = ad.read_h5ad(path, backed="r")
+            try:
+                return {
+                    "obs": adata.obs.copy(),
+                    "var": adata.var.copy(),
+                    "obsm": {k: np.asarray(v) for k, v in adata.obsm.items()},
+                    "uns": dict(adata.uns),
+                    "has": {
+                        "raw": adata.raw is not None,
+                        "varm": len(adata.varm) > 0,
+                        "varp": False,
+                        "obsp": False,
+                    },
+                    "x_dtype": x_dtype,
+                    "varm": {k: np.asarray(v) for k, v in adata.varm.items()},
+                    "raw_x": "raw.X" if "raw.X" in root else None,
+                    "raw_var": adata.raw.var.copy() if adata.raw is not None else None,
+                }
+            finally:
+                adata.file.close()
+    src = Source(root, path)
+
+    def get(key: str) -> Any:
+        return src.read_elem(key) if src.has(key) else {}
+
+    return {
+        "obs": src.read_elem("obs"),
+        "var": src.read_elem("var"),
+        "obsm": get("obsm"),
+        "uns": get("uns"),
+        "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")} | {"raw": src.has("raw/X")},
+        "x_dtype": x_dtype,
+        "varm": get("varm"),
+        "raw_x": "raw/X" if src.has("raw/X") else None,
+        "raw_var": src.read_elem("raw/var") if src.has("raw/X") and src.has("raw/var") else None,
+    }
 
 
 def fingerprint(path: str | os.PathLike, *, n_obs: int, n_vars: int, nnz: int) -> dict[str, Any]:

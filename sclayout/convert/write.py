@@ -35,6 +35,7 @@ __all__ = [
     "anndata_dataset_kwargs",
     "checksum_codecs",
     "create_matrix",
+    "index_dtype_for",
     "open_dst",
     "submit_region",
     "write_region",
@@ -176,7 +177,7 @@ def create_matrix(
     g.attrs.update(
         {"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": [n_obs, n_vars]}
     )
-    index_dtype = info.index_dtype if info.index_dtype is not None else _index_dtype(n_vars)
+    index_dtype = info.index_dtype if info.index_dtype is not None else index_dtype_for(n_vars)
     return {
         "data": _create_array(
             g,
@@ -205,7 +206,8 @@ def create_matrix(
     }
 
 
-def _index_dtype(n_vars: int) -> np.dtype:
+def index_dtype_for(n_vars: int) -> np.dtype:
+    """The index dtype of a CSR matrix with ``n_vars`` columns."""
     return np.dtype(np.int32 if n_vars < 2**31 else np.int64)
 
 

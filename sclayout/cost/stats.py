@@ -21,7 +21,7 @@ from loader.backends import is_url
 from loader.errors import InputError, NotALayoutStoreError
 from loader.layout import Manifest
 
-__all__ = ["DatasetStats", "read_dataset_stats"]
+__all__ = ["DatasetStats", "read_dataset_stats", "read_sources_stats"]
 
 CSC_SLICE = 2**24
 """Elements of a CSC ``indices`` array read at a time to count nnz per row (64 MiB)."""
@@ -63,7 +63,7 @@ def _codes(values: Any) -> np.ndarray:
     return codes.astype(np.int64)
 
 
-def _obs_column(root: Any, label: str, where: str) -> np.ndarray:
+def _obs_values(root: Any, label: str, where: str) -> Any:
     from anndata.io import read_elem
 
     obs = root["obs"]
@@ -73,7 +73,11 @@ def _obs_column(root: Any, label: str, where: str) -> np.ndarray:
             f"--label {label!r}: no such obs column in {where}; available: "
             f"{', '.join(cols) or '(none)'}"
         )
-    return _codes(read_elem(obs[label]))
+    return np.asarray(read_elem(obs[label]), dtype=object)
+
+
+def _obs_column(root: Any, label: str, where: str) -> np.ndarray:
+    return _codes(_obs_values(root, label, where))
 
 
 def _source_stats(path: Path, kind: str, label: str | None) -> DatasetStats:
@@ -175,3 +179,45 @@ def read_dataset_stats(path: str | os.PathLike[str], *, label: str | None = None
         except NotALayoutStoreError:
             return _source_stats(p, "zarr", label)
     return _source_stats(p, "h5ad", label)
+
+
+def read_sources_stats(
+    paths: list[str | os.PathLike[str]], *, label: str | None = None
+) -> DatasetStats:
+    """:func:`read_dataset_stats` over the sources of one future store, in order.
+
+    Rows are concatenated; ``n_vars`` is the union of the sources' genes (an outer
+    join, the widest store they can make); labels are unified by value across sources.
+    ``label="source"`` (with no such obs column) labels each row by its source, as the
+    converter's source column does.
+    """
+    from anndata.io import read_elem
+
+    from sclayout.convert.source import open_group
+    from sclayout.convert.sources import check_sources
+
+    if len(paths) == 1:
+        return read_dataset_stats(paths[0], label=label)
+    check_sources(paths)
+    parts, values, genes = [], [], set()
+    for k, p in enumerate(paths):
+        with open_group(p) as root:
+            by_source = label == "source" and "source" not in root["obs"]
+            lab = None if by_source or label is None else label
+            if lab is not None:
+                values.append(_obs_values(root, lab, str(p)))
+            genes.update(read_elem(root["var"]).index)
+        st = _source_stats(Path(p), "zarr" if Path(p).is_dir() else "h5ad", None)
+        if by_source:
+            values.append(np.full(st.n_obs, k, dtype=object))
+        parts.append(st)
+    return DatasetStats(
+        location=",".join(str(p) for p in paths),
+        kind=parts[0].kind,
+        n_obs=sum(x.n_obs for x in parts),
+        n_vars=len(genes),
+        row_nnz=np.concatenate([x.row_nnz for x in parts]),
+        data_dtype=str(np.result_type(*[np.dtype(x.data_dtype) for x in parts])),
+        label=label,
+        labels=_codes(np.concatenate(values)) if label else None,
+    )

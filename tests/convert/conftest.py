@@ -140,17 +140,6 @@ def _bad_encoding_version(tmp: Path) -> Path:
     return p
 
 
-def _bad_legacy(tmp: Path) -> Path:
-    """The anndata < 0.7 layout: obs and var as compound datasets."""
-    p = tmp / "legacy.h5ad"
-    rec = np.array([(b"c0",), (b"c1",)], dtype=[("index", "S4")])
-    with h5py.File(p, "w") as f:
-        f["X"] = np.ones((2, 2), np.float32)
-        f["obs"] = rec
-        f["var"] = np.array([(b"g0",), (b"g1",)], dtype=[("index", "S4")])
-    return p
-
-
 def _bad_empty_cells(tmp: Path) -> Path:
     a = ad.AnnData(np.zeros((0, 5), np.float32), var=pd.DataFrame(index=list("abcde")))
     return _write_h5ad(a, tmp / "empty_cells.h5ad")
@@ -284,7 +273,6 @@ def bad_sources():
         "compressed_chunk": _bad_compressed_chunk,
         "encoding": _bad_encoding,
         "encoding_version": _bad_encoding_version,
-        "legacy": _bad_legacy,
         "empty_cells": _bad_empty_cells,
         "empty_genes": _bad_empty_genes,
     }

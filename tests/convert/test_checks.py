@@ -35,7 +35,6 @@ BAD_SOURCES = [
     pytest.param("corrupt", "damaged", id="corrupt"),
     pytest.param("encoding", "unsupported encoding-type 'bsr_matrix'", id="encoding"),
     pytest.param("encoding_version", "version '9.0.0', newer than", id="encoding-version"),
-    pytest.param("legacy", "anndata < 0.7 layout", id="legacy"),
     pytest.param("empty_cells", "is empty (0 cells x 5 genes)", id="empty-cells"),
     pytest.param("empty_genes", "is empty (5 cells x 0 genes)", id="empty-genes"),
 ]
