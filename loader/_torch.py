@@ -306,6 +306,15 @@ def dataloader_class() -> type:
                     kwargs["multiprocessing_context"] = worker_context()
                 super().__init__(dataset, **kwargs)
 
+            def state_dict(self) -> dict[str, Any]:
+                """The dataset's :meth:`~BlockDataset.state_dict` (so trainers that save
+                a stateful loader, such as Lightning, resume it exactly)."""
+                return self.dataset.state_dict()
+
+            def load_state_dict(self, state: dict[str, Any]) -> None:
+                """The dataset's :meth:`~BlockDataset.load_state_dict`."""
+                self.dataset.load_state_dict(state)
+
             def __iter__(self):
                 ds = self.dataset
                 if self.num_workers == 0:  # the dataset counts in this process

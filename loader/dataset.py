@@ -6,10 +6,9 @@
 
     ds = BlockDataset("data.zarr", batch_size=64, fetch_factor=16, obs=("cell_line",))
     dl = BlockDataLoader(ds, num_workers=2)       # a torch DataLoader (batch_size=None)
-    for epoch in range(3):
-        ds.set_epoch(epoch)
-        for batch in dl:                           # {"X", "obs": {...}, "index"}
-            ...
+    for epoch in range(3):                         # each pass is the next epoch;
+        for batch in dl:                           # ds.set_epoch(e) picks one explicitly
+            ...                                    # {"X", "obs": {...}, "index"}
 
 Without torch the dataset is a plain iterable of numpy / scipy batches.
 
@@ -348,6 +347,7 @@ class BlockDataset:
         self._consumed = 0  # minibatches of epoch _consumed_epoch delivered so far
         self._consumed_epoch = -1
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
+        self._advance = False  # the next pass starts the next epoch (see _begin_pass)
         self._group_workers = False  # BlockDataLoader: workers send groups of minibatches
 
     # -- settings -------------------------------------------------------------------
@@ -378,11 +378,15 @@ class BlockDataset:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields.
 
-        A position loaded with :meth:`load_state_dict` for this same epoch is kept, so
-        the usual ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
+        Without it, each new iteration starts the next epoch (so a trainer that never
+        calls it, such as Lightning with an ``IterableDataset``, still gets a new order
+        every epoch); an explicit call wins over that. A position loaded with
+        :meth:`load_state_dict` for this same epoch is kept, so the usual
+        ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
         """
         S.check_nonnegative_int(epoch, "epoch")
         self._shared[_EPOCH] = int(epoch)
+        self._advance = False
 
     def __len__(self) -> int:
         """Minibatches per epoch on this rank (all workers together)."""
@@ -518,6 +522,8 @@ class BlockDataset:
         self._shared[_START] = consumed
         self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
         self._consumed, self._consumed_epoch = consumed, epoch
+        # a state saved after a whole epoch resumes with the next one
+        self._advance = consumed == total
 
     def _position(self) -> int:
         """Minibatches of the current epoch delivered (or to skip, after a load)."""
@@ -533,13 +539,19 @@ class BlockDataset:
         return epoch, 0
 
     def _begin_pass(self, num_workers: int) -> None:
-        """Main process, before an iteration: reset the delivered-minibatch counter."""
+        """Main process, before an iteration: start the next epoch unless
+        :meth:`set_epoch` or :meth:`load_state_dict` chose one since the last pass
+        began, and reset the delivered-minibatch counter."""
+        if self._advance:
+            self._shared[_EPOCH] = self.epoch + 1
+            self._advance = False
         _, start = self._start()
         if start and int(self._shared[_START_WORKERS]) != max(1, num_workers):
             raise InputError(
                 f"num_workers={num_workers}: the state was saved with "
                 f"num_workers={int(self._shared[_START_WORKERS])}; resume with the same number"
             )
+        self._advance = True
         self._consumed, self._consumed_epoch = start, self.epoch
         self._tracked_workers = num_workers
         if num_workers:
