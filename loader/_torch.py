@@ -251,6 +251,29 @@ def unpack_group(item: dict[str, Any], *, output: str, done: Any = None) -> list
     return [(lambda a=int(a), b=int(b): make(a, b)) for a, b in itertools.pairwise(starts)]
 
 
+def _accelerator_available() -> bool:
+    """Whether torch has an accelerator to pin memory for (as torch's DataLoader checks)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def _check_picklable(transform: Any) -> None:
+    """Refuse a transform that cannot travel to spawned DataLoader workers."""
+    import pickle
+
+    try:
+        pickle.dumps(transform)
+    except Exception as e:
+        raise InputError(
+            f"transform={transform!r} cannot be pickled for DataLoader workers ({e}); "
+            "define it at module level (not a lambda or a local function), or use num_workers=0"
+        ) from None
+
+
 _LAZY: dict[str, Any] = {}
 
 
@@ -262,7 +285,7 @@ def torch_dataset_class() -> type:
             """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
 
             def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
-                return to_torch(super()._convert(batch))
+                return self._apply_hooks(to_torch(self._numpy_batch(batch)))
 
         TorchBlockDataset.__module__ = "loader.dataset"
         TorchBlockDataset.__qualname__ = "TorchBlockDataset"
@@ -272,7 +295,6 @@ def torch_dataset_class() -> type:
 
 def dataloader_class() -> type:
     import torch
-    from torch.utils.data._utils.collate import default_convert
 
     if "BlockDataLoader" not in _LAZY:
 
@@ -284,6 +306,12 @@ def dataloader_class() -> type:
             aborts a worker forked after the parent read data), and reports every
             delivered minibatch to the dataset so that ``ds.state_dict()`` is exact with
             ``num_workers > 0``.
+
+            ``collate_fn`` and ``pin_memory`` are applied in the main process to each
+            minibatch as it is handed out (workers send groups of minibatches, which
+            torch would otherwise collate and pin instead): ``collate_fn`` receives the
+            minibatch dict, and pinning happens when torch has an accelerator to pin
+            for, as in torch.
             """
 
             def __init__(self, dataset: BlockDataset, **kwargs: Any) -> None:
@@ -294,6 +322,21 @@ def dataloader_class() -> type:
                         "BlockDataLoader: batch_size is the dataset's; pass it to BlockDataset"
                     )
                 kwargs["batch_size"] = None
+                # applied here to each delivered minibatch (see the class docstring)
+                self._collate = kwargs.pop("collate_fn", None)
+                pin = bool(kwargs.pop("pin_memory", False))
+                self._pin_device = kwargs.pop("pin_memory_device", "")
+                self._pin = pin and _accelerator_available()
+                if pin and not self._pin:
+                    warnings.warn(
+                        "BlockDataLoader: pin_memory=True but torch has no accelerator to pin "
+                        "for; minibatches are not pinned",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                workers = kwargs.get("num_workers", 0)
+                if workers > 0 and dataset.transform is not None:
+                    _check_picklable(dataset.transform)
                 if kwargs.get("in_order") is False:
                     raise InputError(
                         "BlockDataLoader: in_order=False makes the order depend on timing; "
@@ -316,9 +359,25 @@ def dataloader_class() -> type:
                 self.dataset.load_state_dict(state)
 
             def __iter__(self):
+                if self._collate is None and not self._pin:
+                    return self._minibatches()
+                return self._finished(self._minibatches())
+
+            def _finished(self, batches):
+                """``collate_fn`` then pinning, on each minibatch handed out."""
+                from torch.utils.data._utils.pin_memory import pin_memory
+
+                for batch in batches:
+                    if self._collate is not None:
+                        batch = self._collate(batch)
+                    if self._pin:
+                        batch = pin_memory(batch, self._pin_device)
+                    yield batch
+
+            def _minibatches(self):
                 ds = self.dataset
                 if self.num_workers == 0:  # the dataset counts in this process
-                    if self.pin_memory or self.timeout or self.collate_fn is not default_convert:
+                    if self.timeout:
                         yield from super().__iter__()
                         return
                     # what torch's single-process iterator does with the dataset's
@@ -333,6 +392,21 @@ def dataloader_class() -> type:
                 n = self.num_workers
                 ds._released[:] = 0
                 remaining = ds._worker_remaining(n)
+                if ds.transform is not None:
+                    # the transform runs in the workers on finished minibatches, which
+                    # then travel one by one, in torch's round-robin order
+                    got = 0
+                    for batch in super().__iter__():
+                        ds._consumed += 1
+                        got += 1
+                        yield batch
+                    if got != sum(remaining):
+                        raise LayoutError(
+                            f"BlockDataLoader: the workers delivered {got} minibatches of the "
+                            f"{sum(remaining)} planned; the store or the dataset changed"
+                        )
+                    ds._end_pass()
+                    return
                 # workers send groups of minibatches (dataset.WORKER_GROUP_BATCHES);
                 # they are dealt out here in the order a DataLoader gives single
                 # minibatches: round-robin over the workers that still have some
@@ -367,7 +441,7 @@ def dataloader_class() -> type:
                         held[w].append(item["buf"])
                         done = functools.partial(release, w, item["seq"])
                         queues[w].extend(unpack_group(item, output=ds.output, done=done))
-                    batch = queues[p].popleft()()
+                    batch = ds._cast(queues[p].popleft()())
                     remaining[p] -= 1
                     ds._consumed += 1
                     yield batch

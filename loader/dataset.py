@@ -213,6 +213,14 @@ class BlockDataset:
         default :data:`DEFAULT_PREFETCH`).
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
+    dtype
+        Values of ``X`` as ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``
+        (torch needed; numpy has no bfloat16).
+    transform
+        A callable applied to each batch dict (after ``dtype``), where the batch is made:
+        in the DataLoader worker when there are workers, so it must then be picklable
+        (a module-level function or a picklable object). With workers, a transform makes
+        each worker send its minibatches one by one instead of in groups.
 
     Notes
     -----
@@ -250,6 +258,8 @@ class BlockDataset:
         world_size: int | None = None,
         prefetch: int = DEFAULT_PREFETCH,
         matrix: str = "X",
+        dtype: Any = "float32",
+        transform: Any = None,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -272,6 +282,11 @@ class BlockDataset:
             obs = (obs,)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InputError(f"prefetch={prefetch!r}: must be an integer >= 0")
+        dtype = _dtype_name(dtype)
+        if transform is not None and not callable(transform):
+            raise InputError(
+                f"transform={transform!r}: must be a callable taking and returning the batch dict"
+            )
         if rank is None or world_size is None:
             d_rank, d_world = _default_rank_world()
             rank = d_rank if rank is None else rank
@@ -320,6 +335,8 @@ class BlockDataset:
 
         self.obs = tuple(obs)
         self.output = output
+        self.dtype = dtype
+        self.transform = transform
         self.prefetch = prefetch
         self.rank, self.world_size = int(rank), int(world_size)
         self.n_obs = int(reader.n_obs)
@@ -653,6 +670,10 @@ class BlockDataset:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._apply_hooks(self._numpy_batch(batch))
+
+    def _numpy_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A minibatch of the pipeline as the documented numpy dict (float32 X)."""
         X = batch["X"]
         if self.output == "dense":
             X = np.ascontiguousarray(X, dtype=np.float32)
@@ -661,6 +682,24 @@ class BlockDataset:
         index = np.asarray(batch["index"], dtype=np.int64)
         obs = {c: np.asarray(batch["obs"][c], dtype=np.int64) for c in self.obs}
         return {"X": X, "obs": obs, "index": index}
+
+    def _cast(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` with ``X`` in :attr:`dtype` (numpy arrays or torch tensors)."""
+        if self.dtype == "float32":
+            return batch
+        X = batch["X"]
+        if isinstance(X, np.ndarray) or hasattr(X, "tocsr"):  # numpy / scipy: float16 only
+            batch["X"] = X.astype(np.float16)
+        else:
+            import torch
+
+            batch["X"] = X.to(getattr(torch, self.dtype))
+        return batch
+
+    def _apply_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``dtype`` then ``transform``, where the batch is made."""
+        batch = self._cast(batch)
+        return batch if self.transform is None else self.transform(batch)
 
     def dataloader(self, **kwargs: Any) -> Any:
         """A :class:`BlockDataLoader` over this dataset (torch needed).
@@ -678,6 +717,24 @@ def _check_path(path: Any) -> str:
             f"path={path!r}: expected a store path, URL or .h5ad file (or an open reader)"
         )
     return os.fspath(path)  # existence and kind are checked by open_layout
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float32"``, ``"float16"`` or ``"bfloat16"`` from a name, a numpy or a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str):
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in DTYPES:
+        raise InputError(f"dtype={dtype!r}: unknown; known: {', '.join(DTYPES)}")
+    if name == "bfloat16" and not torch_available():
+        raise InputError(f"dtype='bfloat16' needs torch (numpy has none): {_TORCH_HINT}")
+    return name
 
 
 def _spec_settings(spec: Any) -> dict[str, Any]:
