@@ -32,28 +32,35 @@ __all__ = [
 _GROUP = "_sclayout_group"
 
 
+def _matrix_tensor(X: Any) -> Any:
+    """A dense ndarray or scipy CSR matrix as a torch tensor (dense or sparse CSR)."""
+    import torch
+
+    if isinstance(X, np.ndarray):
+        return torch.from_numpy(X)
+    with warnings.catch_warnings():
+        # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(X.indptr.astype(np.int64)),
+            torch.from_numpy(X.indices.astype(np.int64)),
+            torch.from_numpy(X.data),
+            size=X.shape,
+        )
+
+
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
     import torch
 
-    X = batch["X"]
-    if isinstance(X, np.ndarray):
-        tX = torch.from_numpy(X)
-    else:
-        with warnings.catch_warnings():
-            # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
-            warnings.filterwarnings("ignore", message="Sparse invariant checks")
-            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-            tX = torch.sparse_csr_tensor(
-                torch.from_numpy(X.indptr.astype(np.int64)),
-                torch.from_numpy(X.indices.astype(np.int64)),
-                torch.from_numpy(X.data),
-                size=X.shape,
-            )
-    return {
-        "X": tX,
+    out = {
+        "X": _matrix_tensor(batch["X"]),
         "obs": {c: torch.from_numpy(v) for c, v in batch["obs"].items()},
         "index": torch.from_numpy(batch["index"]),
     }
+    for key in batch.keys() - out.keys():  # extra elements (BlockDataset(extra=...))
+        out[key] = _matrix_tensor(batch[key])
+    return out
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -392,9 +399,10 @@ def dataloader_class() -> type:
                 n = self.num_workers
                 ds._released[:] = 0
                 remaining = ds._worker_remaining(n)
-                if ds.transform is not None:
-                    # the transform runs in the workers on finished minibatches, which
-                    # then travel one by one, in torch's round-robin order
+                if ds.transform is not None or ds.extra:
+                    # a transform runs in the workers on finished minibatches, and extra
+                    # elements do not fit a group's buffer: minibatches then travel one
+                    # by one, in torch's round-robin order
                     got = 0
                     for batch in super().__iter__():
                         ds._consumed += 1

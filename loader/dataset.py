@@ -166,8 +166,10 @@ class BlockDataset:
     Parameters
     ----------
     path
-        A layout store, its URL, an .h5ad file, or an already opened reader
-        (:func:`loader.open_layout`).
+        A layout store, its URL, an .h5ad file, an already opened reader
+        (:func:`loader.open_layout`), an in-memory ``AnnData`` (X dense or sparse), or
+        a list of these: one dataset, their rows one after the other (source row ids
+        of input ``i`` are offset by the rows of the inputs before it).
     batch_size
         Rows per minibatch (default: the spec's, else 64).
     fetch_factor
@@ -216,6 +218,21 @@ class BlockDataset:
     dtype
         Values of ``X`` as ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``
         (torch needed; numpy has no bfloat16).
+    var_names
+        A gene panel (a list, a pandas Index or a text file with one name per line):
+        ``X`` has these columns in this order, genes absent from the data are zeros.
+        Stores of a list may then have different var.
+    rows
+        Only these rows: a boolean mask or an index array over the source rows, or an
+        obs filter ``{column: value or [values]}``. Blocks keep their selected rows
+        (trimmed, not dropped); exactly-once, resume and DDP hold on the subset.
+    extra
+        More row-aligned elements delivered in each batch under their name, e.g.
+        ``("layers/counts", "obsm/X_pca")`` (same ``output`` as X, float32; with
+        workers, minibatches then travel one by one).
+    store_weights
+        With a list of inputs: one weight per input; an epoch then draws each input's
+        rows in proportion to its weight (strategy ``weighted``, by default).
     transform
         A callable applied to each batch dict (after ``dtype``), where the batch is made:
         in the DataLoader worker when there are workers, so it must then be picklable
@@ -260,6 +277,10 @@ class BlockDataset:
         matrix: str = "X",
         dtype: Any = "float32",
         transform: Any = None,
+        var_names: Any = None,
+        rows: Any = None,
+        extra: Sequence[str] = (),
+        store_weights: Sequence[float] | None = None,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -268,6 +289,8 @@ class BlockDataset:
         self._spec_num_workers = int(settings.get("num_workers", 0))
         batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
         fetch_factor = settings.get("fetch_factor", 16) if fetch_factor is None else fetch_factor
+        if strategy is None and store_weights is not None:
+            strategy = "weighted"
         strategy = settings.get("strategy", "block_shuffle") if strategy is None else strategy
         backend = settings.get("backend", "tensorstore") if backend is None else backend
         block_size = settings.get("block_size") if block_size is None else block_size
@@ -296,6 +319,50 @@ class BlockDataset:
             if not isinstance(flag, bool | np.bool_):
                 raise InputError(f"{name}={flag!r}: must be True or False")
 
+        if isinstance(extra, str):
+            extra = (extra,)
+        extra = tuple(extra)
+        from loader.sources import build_readers, is_anndata
+
+        extras: dict[str, Any] = {}
+        if (
+            isinstance(path, list | tuple)
+            or is_anndata(path)
+            or extra
+            or (var_names is not None or rows is not None or store_weights is not None)
+        ):
+            # several inputs, in-memory data, a gene panel, a subset or extra elements:
+            # one reader stacked over the inputs (loader.sources), used as a given reader
+            items = list(path) if isinstance(path, list | tuple) else [path]
+            if not items:
+                raise InputError("path=[]: give at least one store, URL or AnnData")
+
+            def open_store(item: Any, element: str) -> Any:
+                if _is_reader(item):
+                    if element == "X":
+                        return item
+                    item = item.location
+                from loader.store import open_layout
+
+                element = matrix if element == "X" else element
+                return open_layout(
+                    _check_path(item), block_size=block_size, backend=backend, matrix=element
+                )
+
+            path, extras = build_readers(
+                items,
+                open_store=open_store,
+                block_size=block_size,
+                var_names=var_names,
+                rows=rows,
+                extra=extra,
+            )
+            if store_weights is not None:
+                if weights is not None:
+                    raise InputError("store_weights= and weights= together: give one of them")
+                weights = _store_row_weights(store_weights, path, len(items))
+        self.extra = extra
+        self._extras = extras
         if _is_reader(path):
             own = {k: getattr(path, k, None) for k in asked}
             if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
@@ -444,7 +511,9 @@ class BlockDataset:
             else:  # a user-given reader: a fresh copy without the parent's handles
                 import pickle
 
-                self._reader = pickle.loads(pickle.dumps(self._reader))
+                self._reader, self._extras = pickle.loads(
+                    pickle.dumps((self._reader, self._extras))
+                )
             self._reader_pid = os.getpid()
         return self._reader
 
@@ -481,9 +550,14 @@ class BlockDataset:
     def _rows_digest(self) -> str:
         """Digest of which source row sits where (the store's row order and shape):
         a state resumes the same rows only on a store with the same order."""
-        m = getattr(self._get_reader(), "manifest", None)  # one's own reader may have none
+        reader = self._get_reader()
+        m = getattr(reader, "manifest", None)  # one's own reader may have none
         order = m.order.to_dict() if m is not None else None
-        return _digest(json.dumps([self.n_obs, self.n_vars, order], sort_keys=True).encode())
+        parts = [self.n_obs, self.n_vars, order]
+        key = getattr(reader, "state_key", None)  # loader.sources: inputs, panel, subset
+        if key is not None:
+            parts.append(key)
+        return _digest(json.dumps(parts, sort_keys=True).encode())
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the sampled sequence: epoch and minibatches delivered in it.
@@ -647,6 +721,7 @@ class BlockDataset:
             output=output,
             obs=self.obs,
             prefetch=self.prefetch,
+            extras=self._extras,
         )
         if not grouped:
             for batch in batches:
@@ -681,7 +756,15 @@ class BlockDataset:
             X = X if X.dtype == np.float32 else X.astype(np.float32)
         index = np.asarray(batch["index"], dtype=np.int64)
         obs = {c: np.asarray(batch["obs"][c], dtype=np.int64) for c in self.obs}
-        return {"X": X, "obs": obs, "index": index}
+        out = {"X": X, "obs": obs, "index": index}
+        for e in self.extra:
+            v = batch[e]
+            out[e] = (
+                v.astype(np.float32, copy=False)
+                if hasattr(v, "tocsr")
+                else np.ascontiguousarray(v, dtype=np.float32)
+            )
+        return out
 
     def _cast(self, batch: dict[str, Any]) -> dict[str, Any]:
         """``batch`` with ``X`` in :attr:`dtype` (numpy arrays or torch tensors)."""
@@ -735,6 +818,27 @@ def _dtype_name(dtype: Any) -> str:
     if name == "bfloat16" and not torch_available():
         raise InputError(f"dtype='bfloat16' needs torch (numpy has none): {_TORCH_HINT}")
     return name
+
+
+def _store_row_weights(store_weights: Any, reader: Any, n_inputs: int) -> np.ndarray:
+    """Per source row weights giving input ``i`` the share ``w_i / sum(w)`` of an epoch."""
+    w = np.asarray(store_weights, dtype=np.float64)
+    if w.shape != (n_inputs,) or n_inputs < 2:
+        raise InputError(
+            f"store_weights: {w.size} values for {n_inputs} input(s); give one weight per "
+            "input of a list of stores"
+        )
+    if not np.isfinite(w).all() or w.min() < 0 or w.sum() <= 0:
+        raise InputError("store_weights: must be finite, non-negative and not all zero")
+    offsets = getattr(reader, "input_offsets", None)
+    if offsets is None:
+        offsets = getattr(getattr(reader, "inner", None), "input_offsets", None)
+    n_source = int(getattr(reader, "n_source", reader.n_obs))
+    which = np.searchsorted(offsets, np.arange(n_source), side="right") - 1
+    # the rows each input keeps (after rows=): its weight is shared among them
+    kept = np.bincount(which[np.asarray(reader.source_index())], minlength=n_inputs)
+    per_row = np.where(kept > 0, w / np.maximum(kept, 1), 0.0)
+    return per_row[which]
 
 
 def _spec_settings(spec: Any) -> dict[str, Any]:
@@ -800,10 +904,11 @@ def _row_weights(
         per_class = np.array([float(weights.get(k, 0.0)) for k in cats] + [0.0])
         return per_class[codes[class_column]]  # code -1 (missing) -> the trailing 0
     w_source = np.asarray(weights, dtype=np.float64)
-    if w_source.shape != (reader.n_obs,):
+    n_source = int(getattr(reader, "n_source", reader.n_obs))
+    if w_source.shape != (n_source,):
         got = f"{w_source.size} values" if w_source.ndim == 1 else f"shape {w_source.shape}"
         raise InputError(
-            f"weights: {got} for {reader.n_obs} rows; give a 1-D array of one weight "
+            f"weights: {got} for {n_source} rows; give a 1-D array of one weight "
             "per row (source order) or a {category: weight} mapping with class_column="
         )
     return w_source[np.asarray(reader.source_index(), dtype=np.int64)]
