@@ -354,8 +354,63 @@ class PanelReader:
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
         return self.inner.obs_codes(column)
 
-    def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _Ready:
-        return _PanelPending(self, self.inner.submit(blocks, order=order))
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_pool"] = None  # a thread pool: made again where it is used
+        return state
+
+    def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> Any:
+        from loader.store import LayoutReader
+
+        if not isinstance(self.inner, LayoutReader):  # remapped per minibatch
+            return _PanelPending(self, self.inner.submit(blocks, order=order))
+        # a store: the whole fetch is remapped once it is decoded, in a thread of its
+        # own (overlapping the consumer, as the reader's assembly does), and the
+        # minibatches are then cut from the narrower fetch by the reader's fast path
+        pending = self.inner.submit(blocks)
+        return self._thread().submit(self._assemble, pending, order)
+
+    def _thread(self) -> Any:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = getattr(self, "_pool", None)
+        if pool is None or pool[0] != os.getpid():
+            pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="sclayout-panel"))
+            self._pool = pool
+        return pool[1]
+
+    def _assemble(self, pending: Any, order: np.ndarray | None) -> Any:
+        from loader.assemble import CSRRows, DenseRows
+        from loader.store import Fetched
+
+        f = pending.result()
+        v = f.values
+        if isinstance(v, CSRRows):
+            cols = self._lut(v.indices.dtype)[v.indices]
+            kept = np.flatnonzero(cols >= 0)
+            indptr = np.searchsorted(kept, v.indptr).astype(v.indptr.dtype)
+            values: Any = CSRRows(
+                v.data[kept], cols[kept].astype(v.indptr.dtype), indptr, self.n_vars
+            )
+        else:
+            out = np.zeros((v.n_rows, self.n_vars), dtype=v.values.dtype)
+            out[:, self._dst] = v.values[:, self._src]
+            values = DenseRows(out)
+        if order is None:
+            return Fetched(f.reader, f.rows, f.index, values)
+        order = np.asarray(order, dtype=np.int64)
+        prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
+        return Fetched(f.reader, f.rows[order], f.index[order], values, order, prep)
+
+    def _lut(self, dtype: np.dtype) -> np.ndarray:
+        """The column map in the smallest signed type that holds the panel (less memory
+        traffic for the one gather over every value of the fetch)."""
+        small = np.int16 if self.n_vars < 2**15 else np.int32
+        lut = getattr(self, "_lut_cache", None)
+        if lut is None or lut.dtype != small:
+            lut = self.columns.astype(small)
+            self._lut_cache = lut
+        return lut
 
     def remap(self, X: Any, output: str) -> Any:
         """``X`` (the inner reader's columns) in the panel's columns, as ``output``."""
