@@ -60,6 +60,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,7 +68,7 @@ import numpy as np
 
 from loader import sampler as S
 from loader._pipeline import run_plan
-from loader.errors import InputError, SpecError
+from loader.errors import InputError, SclayoutError, SpecError
 from loader.layout import parse_block_size
 
 __all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
@@ -230,6 +231,12 @@ class BlockDataset:
         More row-aligned elements delivered in each batch under their name, e.g.
         ``("layers/counts", "obsm/X_pca")`` (same ``output`` as X, float32; with
         workers, minibatches then travel one by one).
+    label
+        obs column whose predicted minibatch diversity is checked when the data lies
+        in its original order (a raw .h5ad, an ``original`` store, an AnnData); default:
+        the categorical column the rows are sorted by, if any. Below
+        :data:`loader.diversity.WARN_BELOW` the dataset warns once
+        (:class:`loader.diversity.LowDiversityWarning`) with the ``recommend`` command.
     store_weights
         With a list of inputs: one weight per input; an epoch then draws each input's
         rows in proportion to its weight (strategy ``weighted``, by default).
@@ -281,6 +288,7 @@ class BlockDataset:
         rows: Any = None,
         extra: Sequence[str] = (),
         store_weights: Sequence[float] | None = None,
+        label: str | None = None,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -425,6 +433,7 @@ class BlockDataset:
             replacement=bool(replacement),
         )
         _ = self.config.epoch_rows  # validate num_samples against the weights now
+        self._check_diversity(reader, label)
         self._shared = _shared_state()
         self._released = _shared_state(MAX_GROUPED_WORKERS)  # BlockDataLoader's group buffers
         self._state_digests: dict[str, str | None] | None = None  # see _digests()
@@ -433,6 +442,44 @@ class BlockDataset:
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
         self._advance = False  # the next pass starts the next epoch (see _begin_pass)
         self._group_workers = False  # BlockDataLoader: workers send groups of minibatches
+
+    def _check_diversity(self, reader: Any, label: str | None) -> None:
+        """Warn once if the data lies in its original order and the label's predicted
+        diversity under these settings is below :data:`loader.diversity.WARN_BELOW`."""
+        from loader import diversity as D
+
+        base = reader
+        while hasattr(base, "inner"):  # a panel or a subset of one input
+            base = base.inner
+        manifest = getattr(base, "manifest", None)
+        in_memory = getattr(base, "kind", None) == "memory"
+        original = in_memory or (manifest is not None and manifest.order.kind == "original")
+        if not original or self.strategy == "streaming":
+            return
+        if label is None:
+            listing = getattr(base, "categorical_obs_columns", None)
+            try:
+                names = listing() if listing is not None else []
+                label = D.sorted_by({c: base.obs_codes(c)[0] for c in names})
+            except SclayoutError:  # e.g. obs over HTTP: nothing to check against
+                return
+            if label is None:
+                return
+        codes, _ = _obs_codes(reader, label)
+        ratio = D.predict_dataset_diversity(self.config, codes)
+        if ratio >= D.WARN_BELOW:
+            return
+        where = self._path or getattr(base, "location", None)
+        command = f"sclayout recommend {where} --label {label}" if where else "sclayout recommend"
+        blocks = D.expected_distinct_blocks(self.batch_size, self.fetch_factor, self.block_size)
+        warnings.warn(
+            f"BlockDataset: predicted diversity of {label!r} is {ratio:.2f} (below "
+            f"{D.WARN_BELOW}; a minibatch mixes about {blocks:.1f} blocks of rows in their "
+            f"original order): minibatches are far less mixed than random, which can spoil "
+            f"training; run `{command}` for loader settings or a conversion that fix it",
+            D.LowDiversityWarning,
+            stacklevel=3,
+        )
 
     # -- settings -------------------------------------------------------------------
     @property

@@ -139,6 +139,13 @@ class MatrixReader:
             self._codes[column] = _obs_codes_of(self.obs, column)
         return self._codes[column]
 
+    def categorical_obs_columns(self) -> list[str]:
+        import pandas as pd
+
+        if self.obs is None:
+            return []
+        return [c for c in self.obs.columns if isinstance(self.obs[c].dtype, pd.CategoricalDtype)]
+
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _Ready:
         blocks = np.asarray(blocks, dtype=np.int64)
         starts = blocks * self.block_size

@@ -10,7 +10,8 @@ permutes the fetch's ``m·f`` rows and cuts them into ``f`` minibatches of ``m``
 Exact results
     * A random ``m``-subset of a fetch touches on average
       ``E[D] = k·(1 − C(mf−b, m)/C(mf, m))`` distinct blocks
-      (:func:`expected_distinct_blocks`, binomials through log-gamma).
+      (:func:`expected_distinct_blocks`, binomials through log-gamma; defined in
+      :mod:`loader.diversity`, as are the entropy functions).
     * In a ``shuffled`` store every set of stored positions is a uniformly random set
       of cells, so a minibatch is a uniform random subset: diversity is exactly 1.
     * True random minibatches (``m`` cells without replacement out of ``N``) have an
@@ -35,8 +36,14 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special, stats
+from scipy import stats
 
+from loader.diversity import (  # the exact pieces: defined in loader, which warns with them
+    blocks_per_fetch,
+    expected_distinct_blocks,
+    expected_random_entropy,
+    minibatch_entropy,
+)
 from loader.errors import InputError
 
 __all__ = [
@@ -57,32 +64,6 @@ __all__ = [
 SIM_MINIBATCHES = 4096
 """Minibatches a simulation draws: the ratio's standard error is then ~0.1–0.3 %
 on the labels tried (14 plates, 50 cell lines), below what a user can act on."""
-
-
-def blocks_per_fetch(batch_size: int, fetch_factor: int, block_size: int) -> int:
-    """Blocks in one fetch: ``round(m·f/b)``, at least one."""
-    return max(1, round(batch_size * fetch_factor / block_size))
-
-
-def _log_comb(n: float, k: float) -> float:
-    return special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1)
-
-
-def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
-    """Expected number of distinct blocks in a minibatch, exactly.
-
-    ``E[D] = k·(1 − C(n−b, m)/C(n, m))`` with fetch size ``n = k·b`` rows: each of the
-    ``k`` blocks is absent from a random ``m``-subset with probability
-    ``C(n−b, m)/C(n, m)``.
-    """
-    m, b = int(batch_size), int(block_size)
-    k = blocks_per_fetch(m, fetch_factor, b)
-    n = k * b
-    m = min(m, n)
-    if n - b < m:
-        return float(k)
-    p_absent = math.exp(_log_comb(n - b, m) - _log_comb(n, m))
-    return k * (1.0 - p_absent)
 
 
 def effective_draws(batch_size: int, fetch_factor: int, block_size: int) -> float:
@@ -115,38 +96,6 @@ def expected_iid_entropy(p: np.ndarray, n: float) -> float:
         return at(lo)
     t = n - lo
     return (1 - t) * at(lo) + t * at(hi)
-
-
-def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
-    """Expected entropy (bits) of a label over ``batch_size`` cells drawn at random
-    without replacement from a population with ``counts`` cells per label."""
-    counts = np.asarray(counts, dtype=np.int64)
-    counts = counts[counts > 0]
-    total = int(counts.sum())
-    m = min(int(batch_size), total)
-    j = np.arange(1, m + 1)
-    pmf = stats.hypergeom.pmf(j[None, :], total, counts[:, None], m)
-    q = j / m
-    return float(-(pmf * q * np.log2(q)).sum())
-
-
-def minibatch_entropy(codes: np.ndarray) -> np.ndarray:
-    """Entropy (bits) of each row of a ``(n_batches, m)`` array of label codes,
-    vectorised (sort, then count runs)."""
-    codes = np.sort(np.asarray(codes), axis=1)
-    n, m = codes.shape
-    if m == 0:
-        return np.zeros(n)
-    starts = np.ones((n, m), dtype=bool)
-    starts[:, 1:] = codes[:, 1:] != codes[:, :-1]
-    flat = np.flatnonzero(starts.ravel())
-    ends = np.append(flat[1:], n * m)
-    # a run never crosses a row boundary because each row starts a run
-    lengths = ends - flat
-    row = flat // m
-    p = lengths / m
-    h = -p * np.log2(p)
-    return np.bincount(row, weights=h, minlength=n)
 
 
 def fetch_blocks(
