@@ -354,9 +354,14 @@ def search_loader(
     options: ModelOptions | None = None,
     backend: str = "tensorstore",
     seed: int = 0,
+    best_effort: bool = False,
 ) -> SearchResult:
     """Loader settings for an existing layout store (its real manifest and block
-    pointer): block sizes that are multiples of the store's, fetch factor, workers."""
+    pointer): block sizes that are multiples of the store's, fetch factor, workers.
+
+    ``best_effort``: when no setting reaches ``min_diversity``, pick the most diverse
+    one (fastest among equals) instead of raising; ``extra["meets_target"]`` says which.
+    """
     if stats.manifest is None:
         raise InputError(f"{stats.location} is not a layout store; use search()")
     _check_targets(min_diversity, memory_budget)
@@ -413,6 +418,7 @@ def search_loader(
         memory_budget=memory_budget,
         profile=profile,
         what="loader setting",
+        best_effort=best_effort,
     )
 
 
@@ -423,6 +429,7 @@ def _rank(
     memory_budget: int,
     profile: Profile,
     what: str,
+    best_effort: bool = False,
 ) -> SearchResult:
     if not candidates:
         raise InputError("the dataset is too small for any block size / fetch factor searched")
@@ -434,6 +441,23 @@ def _rank(
             f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
+    if not ok and best_effort:
+        ranked = sorted(fits, key=lambda c: (-round(c.diversity, 3), -c.cells_per_s))
+        pick = ranked[0]
+        reason = (
+            f"no {what} within the memory budget reaches diversity {min_diversity}; the "
+            f"most diverse ({pick.diversity:.3f}, {pick.cells_per_s:,.0f} cells/s predicted)"
+        )
+        return SearchResult(
+            candidates=candidates,
+            ranked=ranked,
+            pick=pick,
+            reason=reason,
+            min_diversity=min_diversity,
+            memory_budget=memory_budget,
+            profile=profile.name,
+            extra={"meets_target": False},
+        )
     if not ok:
         best = max(fits, key=lambda c: c.diversity)
         # the budget is to blame only if a configuration it excluded reaches the target
