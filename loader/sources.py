@@ -29,6 +29,7 @@ import scipy.sparse as sp
 
 from loader.errors import InputError
 from loader.layout import parse_block_size
+from loader.sampler import arange_runs
 
 __all__ = [
     "ConcatReader",
@@ -46,16 +47,6 @@ sampling matches a converted store's."""
 
 def _block_of(starts: np.ndarray, rows: np.ndarray) -> np.ndarray:
     return np.searchsorted(starts, rows, side="right") - 1
-
-
-def _runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated ``arange(s, s + n)`` runs."""
-    lengths = np.asarray(lengths, dtype=np.int64)
-    total = int(lengths.sum())
-    if total == 0:
-        return np.empty(0, dtype=np.int64)
-    offsets = np.cumsum(lengths) - lengths
-    return np.repeat(np.asarray(starts, dtype=np.int64) - offsets, lengths) + np.arange(total)
 
 
 class _Ready:
@@ -149,7 +140,7 @@ class MatrixReader:
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _Ready:
         blocks = np.asarray(blocks, dtype=np.int64)
         starts = blocks * self.block_size
-        rows = _runs(starts, np.minimum(starts + self.block_size, self.n_obs) - starts)
+        rows = arange_runs(starts, np.minimum(starts + self.block_size, self.n_obs) - starts)
         if order is not None:
             rows = rows[np.asarray(order, dtype=np.int64)]
         return _Ready(_RowsFetched(self, rows))
@@ -528,7 +519,7 @@ class SubsetReader:
         # where each selected row of these blocks sits in the inner fetch (whole blocks)
         fetch_start = np.cumsum(self._inner_lengths[inner]) - self._inner_lengths[inner]
         n = self._lengths[blocks]
-        selected = self.rows[_runs(self._starts[blocks], n)]
+        selected = self.rows[arange_runs(self._starts[blocks], n)]
         shift = np.repeat(fetch_start - self._inner_starts[inner], n)
         positions = selected + shift
         if order is not None:

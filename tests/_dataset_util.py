@@ -174,6 +174,40 @@ def run_python(code: str, *args: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
+def run_ranks(code: str, *args: str, world_size: int = 2, timeout: float = 240) -> list[str]:
+    """Run ``code`` as ``world_size`` DDP ranks on localhost (gloo), each a fresh
+    interpreter with argv ``*args, rank, world_size, port``; return their stdouts."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
+        MASTER_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *args, str(r), str(world_size), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for r in range(world_size)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
 # --------------------------------------------------------------------------- real stores
 
 N_OBS, N_VARS, BLOCK = 203, 17, 8

@@ -4,13 +4,10 @@ counts (a collective per step never hangs), and together cover the epoch."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
-from _dataset_util import N_OBS, ROOT, build_stores, check_epoch, free_port
+from _dataset_util import N_OBS, build_stores, check_epoch, run_ranks
 
 # argv: store path, rank, world size, port. Each rank reads with rank/world_size taken
 # from the initialised process group, and all-reduces once per minibatch as a
@@ -48,35 +45,7 @@ print(json.dumps(out))
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     path = build_stores(tmp_path_factory)["shuffled"]
-    env = dict(
-        os.environ,
-        PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
-        MASTER_ADDR="127.0.0.1",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, path, str(r), "2", port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
+    return [json.loads(out) for out in run_ranks(SCRIPT, path)]
 
 
 @pytest.mark.slow

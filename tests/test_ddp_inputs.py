@@ -6,15 +6,12 @@ source."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import anndata as ad
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from _dataset_util import N_OBS, ROOT, build_stores, free_port
+from _dataset_util import N_OBS, build_stores, run_ranks
 
 SCRIPT = r"""
 import datetime, json, sys
@@ -73,30 +70,7 @@ def ranks(tmp_path_factory, synth_store):
             drop_last=True,
         ),
     }
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
-    env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, json.dumps(job), str(r), "2", port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    outs = [json.loads(out) for out in run_ranks(SCRIPT, json.dumps(job))]
     return outs, mask, stores
 
 

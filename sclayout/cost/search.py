@@ -443,21 +443,12 @@ def _rank(
     ok = [c for c in fits if c.diversity >= min_diversity]
     if not ok and best_effort:
         ranked = sorted(fits, key=lambda c: (-round(c.diversity, 3), -c.cells_per_s))
-        pick = ranked[0]
         reason = (
             f"no {what} within the memory budget reaches diversity {min_diversity}; the "
-            f"most diverse ({pick.diversity:.3f}, {pick.cells_per_s:,.0f} cells/s predicted)"
+            f"most diverse ({ranked[0].diversity:.3f}, {ranked[0].cells_per_s:,.0f} "
+            "cells/s predicted)"
         )
-        return SearchResult(
-            candidates=candidates,
-            ranked=ranked,
-            pick=pick,
-            reason=reason,
-            min_diversity=min_diversity,
-            memory_budget=memory_budget,
-            profile=profile.name,
-            extra={"meets_target": False},
-        )
+        return _result(candidates, ranked, reason, min_diversity, memory_budget, profile, False)
     if not ok:
         best = max(fits, key=lambda c: c.diversity)
         # the budget is to blame only if a configuration it excluded reaches the target
@@ -503,14 +494,28 @@ def _rank(
             f"(fastest overall {fastest_any.cells_per_s:,.0f} cells/s at diversity "
             f"{fastest_any.diversity:.2f})"
         )
+    return _result(candidates, ranked, reason, min_diversity, memory_budget, profile, True)
+
+
+def _result(
+    candidates: list[Candidate],
+    ranked: list[Candidate],
+    reason: str,
+    min_diversity: float,
+    memory_budget: int,
+    profile: Profile,
+    meets_target: bool,
+) -> SearchResult:
+    """The result whose pick is ``ranked[0]``."""
     return SearchResult(
         candidates=candidates,
         ranked=ranked,
-        pick=pick,
+        pick=ranked[0],
         reason=reason,
         min_diversity=min_diversity,
         memory_budget=memory_budget,
         profile=profile.name,
+        extra={"meets_target": meets_target},
     )
 
 
