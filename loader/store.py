@@ -531,6 +531,8 @@ class LayoutReader:
         """obs columns stored as categoricals (their codes are cheap to read), in order."""
         root = self._obs_root()
         try:
+            if "obs" not in root:
+                return []
             obs = root["obs"]
             out = []
             for c in _column_order(obs):
