@@ -73,18 +73,15 @@ def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int
 def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
     """Expected entropy (bits) of a label over ``batch_size`` cells drawn at random
     without replacement from a population with ``counts`` cells per label."""
+    from scipy import stats  # imported when first needed: it is slow to import
+
     counts = np.asarray(counts, dtype=np.int64)
     counts = counts[counts > 0]
     total = int(counts.sum())
     m = min(int(batch_size), total)
-    j = np.arange(1, m + 1)[None, :]
-    k = counts[:, None]
-    # the hypergeometric pmf through log-gamma (scipy.stats costs seconds to import)
-    ok = (j <= k) & (m - j <= total - k)
-    jj, kk = np.where(ok, j, 0), np.where(ok, k, 0)
-    log_pmf = _log_comb(kk, jj) + _log_comb(total - kk, m - jj) - _log_comb(total, m)
-    pmf = np.where(ok, np.exp(log_pmf), 0.0)
-    q = j[0] / m
+    j = np.arange(1, m + 1)
+    pmf = stats.hypergeom.pmf(j[None, :], total, counts[:, None], m)
+    q = j / m
     return float(-(pmf * q * np.log2(q)).sum())
 
 
