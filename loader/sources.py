@@ -226,20 +226,29 @@ class ConcatReader:
             self._codes[column] = (np.concatenate(parts), list(cats))
         return self._codes[column]
 
-    def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _Ready:
+    def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _ConcatPending:
+        """Every input's part of the fetch is submitted at once (reads in flight)."""
         blocks = np.sort(np.asarray(blocks, dtype=np.int64))
         which = _block_of(self._boff, blocks)
         parts = []
         for i in np.unique(which):
             local = blocks[which == i] - self._boff[i]
             parts.append((int(i), self.readers[i].submit(local)))
-        return _Ready(_ConcatFetched(self, parts, order))
+        return _ConcatPending(self, parts, order)
+
+
+class _ConcatPending:
+    def __init__(self, reader: ConcatReader, parts: list, order: np.ndarray | None) -> None:
+        self.reader, self.parts, self.order = reader, parts, order
+
+    def result(self) -> _ConcatFetched:
+        return _ConcatFetched(self.reader, [(i, p.result()) for i, p in self.parts], self.order)
 
 
 class _ConcatFetched:
     def __init__(self, reader: ConcatReader, parts: list, order: np.ndarray | None) -> None:
         self.reader = reader
-        self._parts = [(i, p.result()) for i, p in parts]
+        self._parts = parts
         sizes = [f.n_rows for _, f in self._parts]
         self._off = np.cumsum([0, *sizes])
         total = int(self._off[-1])
