@@ -89,6 +89,7 @@ class MatrixReader:
     """Rows of an in-memory matrix (numpy or scipy sparse) in blocks of ``block_size``."""
 
     kind = "memory"
+    backend = "memory"
 
     def __init__(
         self, matrix: Any, *, block_size: int, obs: Any = None, var_names: Any = None
@@ -197,6 +198,12 @@ class ConcatReader:
     @property
     def is_csr(self) -> bool:
         return any(_is_csr(r) for r in self.readers)
+
+    @property
+    def backend(self) -> str:
+        """``tensorstore`` if any input reads with it (the dataset's fork check asks)."""
+        names = {getattr(r, "backend", None) for r in self.readers}
+        return "tensorstore" if "tensorstore" in names else str(names.pop())
 
     @property
     def input_offsets(self) -> np.ndarray:
@@ -347,6 +354,10 @@ class PanelReader:
     @property
     def manifest(self) -> Any:
         return getattr(self.inner, "manifest", None)
+
+    @property
+    def backend(self) -> Any:
+        return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:
@@ -507,6 +518,10 @@ class SubsetReader:
     @property
     def manifest(self) -> Any:
         return getattr(self.inner, "manifest", None)
+
+    @property
+    def backend(self) -> Any:
+        return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:

@@ -280,3 +280,17 @@ def test_unknown_extra_is_refused(synth_store, synth_adata, extra):
         with pytest.raises(InputError, match=rf"extra element '{extra}'") as e:
             BlockDataset(data, extra=(extra,))
         assert "\n" not in str(e.value)
+
+
+def test_fork_after_reading_is_a_clear_error_for_stacked_readers(stores):
+    """A subset (or panel, list) of a tensorstore store is as fork-unsafe as the store:
+    a forked worker says so instead of aborting."""
+    import torch
+
+    ds = BlockDataset(stores["shuffled"], rows=_mask(N_OBS), batch_size=50)
+    assert len(list(ds)) == len(ds)  # this process has now read with tensorstore
+    dl = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
+    with pytest.raises(InputError, match=r"forked after its parent read data with tensorstore"):
+        list(dl)
