@@ -12,7 +12,9 @@ repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it
    plate and cell_line; converted once with ``sclayout.convert.convert`` and cached
    next to the dataset), same sweep, dense and CSR output;
 4. ``dataset``: :class:`loader.BlockDataset` through ``BlockDataLoader`` with 0 and 2
-   workers on the best store settings.
+   workers on the best store settings; with ``--panel-genes N`` also with a random
+   ``N``-gene ``var_names`` panel plus a random ``--rows-fraction`` ``rows`` mask (the
+   training-shaped row of issue 18: target ≥ 0.9× the full store's cells/s).
 
 Reader loop (2, 3), single process, as ``BlockDataset`` reads: blocks permuted with a
 seed, cut into fetches of ``fetch_factor × 64`` rows, the next
@@ -216,8 +218,31 @@ def _reader_loop(
         yield batch["index"]
 
 
+def _panel_and_rows(src: Path, genes: int, fraction: float) -> dict:
+    """``var_names`` (``genes`` random genes of the source) and a random ``rows`` mask
+    keeping ``fraction`` of the cells, both seeded."""
+    import anndata as ad
+
+    a = ad.read_h5ad(src, backed="r")
+    try:
+        names = np.asarray(a.var_names)
+        n_obs = a.n_obs
+    finally:
+        a.file.close()
+    rng = np.random.default_rng(18)
+    panel = list(names[np.sort(rng.choice(names.size, min(genes, names.size), replace=False))])
+    return {"var_names": panel, "rows": rng.random(n_obs) < fraction}
+
+
 def _dataset_loop(
-    path: Path, *, block_size: int, fetch_factor: int, output: str, seed: int, workers: int
+    path: Path,
+    *,
+    block_size: int,
+    fetch_factor: int,
+    output: str,
+    seed: int,
+    workers: int,
+    subset: dict | None = None,
 ) -> Iterator[np.ndarray]:
     from loader import BlockDataset
 
@@ -228,6 +253,7 @@ def _dataset_loop(
         block_size=block_size,
         seed=seed,
         output=output,
+        **(subset or {}),
     )
     dl = ds.dataloader(num_workers=workers)
     for batch in dl:
@@ -321,6 +347,15 @@ def _configs(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> li
                     "workers": workers,
                 }
             )
+            if args.panel_genes:
+                out.append(
+                    {
+                        **out[-1],
+                        "panel_genes": args.panel_genes,
+                        "rows_fraction": args.rows_fraction,
+                        "subset": _panel_and_rows(src, args.panel_genes, args.rows_fraction),
+                    }
+                )
     return out
 
 
@@ -329,7 +364,9 @@ def _make(cfg: dict, seed: int) -> Callable[[], Iterator[np.ndarray]]:
         return lambda: _true_random(cfg["path"], seed=seed)
     kw = {k: cfg[k] for k in ("block_size", "fetch_factor", "output")}
     if cfg["kind"] == "dataset":
-        return lambda: _dataset_loop(cfg["path"], seed=seed, workers=cfg["workers"], **kw)
+        return lambda: _dataset_loop(
+            cfg["path"], seed=seed, workers=cfg["workers"], subset=cfg.get("subset"), **kw
+        )
     return lambda: _reader_loop(cfg["path"], seed=seed, **kw)
 
 
@@ -338,6 +375,8 @@ def _label(cfg: dict) -> str:
         return "true random (h5ad)"
     where = "h5ad" if cfg["kind"] == "h5ad" else f"{cfg['source']} store"
     extra = f", {cfg['workers']} workers" if cfg["kind"] == "dataset" else ""
+    if cfg.get("panel_genes"):
+        extra += f", {cfg['panel_genes']}-gene panel, {cfg['rows_fraction']:.0%} rows"
     who = "BlockDataset" if cfg["kind"] == "dataset" else "reader"
     return f"{who} {where}{extra}"
 
@@ -464,6 +503,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--workers", default=None, help="BlockDataset rows, e.g. 0,2 [0,2; quick: none]")
     p.add_argument("--dataset-bs", type=int, default=None, help="BlockDataset block size")
     p.add_argument("--dataset-ff", type=int, default=16, help="BlockDataset fetch factor")
+    p.add_argument(
+        "--panel-genes", type=int, default=0, help="also BlockDataset with an N-gene panel [0]"
+    )
+    p.add_argument(
+        "--rows-fraction", type=float, default=0.5, help="rows kept with --panel-genes [0.5]"
+    )
     p.add_argument("--cells", type=int, default=None, help="cells per run")
     p.add_argument("--seconds", type=float, default=None, help="time cap per run")
     p.add_argument("--source", type=Path, default=None, help="benchmark this h5ad instead")
@@ -550,7 +595,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             seconds=args.seconds,
                         )
                     )
-                row = {k: v for k, v in cfg.items() if k != "path"}
+                row = {k: v for k, v in cfg.items() if k not in ("path", "subset")}
                 row.update(regime=regime, runs=runs, **median_of(runs))
                 rows.append(row)
                 print(

@@ -350,11 +350,17 @@ def _random_rows(prep: Prepared, *, seed: int, batch_size: int, **_: Any) -> Sch
 
 
 def _block_dataset(path: Path, prep: Prepared, **kwargs: Any) -> Scheme:
+    import warnings
+
     import torch
 
     from loader import BlockDataset
+    from loader.diversity import LowDiversityWarning
 
-    ds = BlockDataset(path, obs=(prep.label,), output="dense", **kwargs)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", LowDiversityWarning)
+        ds = BlockDataset(path, obs=(prep.label,), output="dense", label=prep.label, **kwargs)
+    warned = [str(w.message) for w in caught if issubclass(w.category, LowDiversityWarning)]
     to_canonical = remap([str(c) for c in ds.categories[prep.label]], prep.classes)
     loader = torch.utils.data.DataLoader(ds, batch_size=None)
 
@@ -369,6 +375,8 @@ def _block_dataset(path: Path, prep: Prepared, **kwargs: Any) -> Scheme:
         "block_size": ds.block_size,
         "fetch_factor": ds.fetch_factor,
         "batch_size": ds.batch_size,
+        # what the dataset warned when made (low predicted diversity), shown in the report
+        "warning": warned[0] if warned else None,
     }
     return epoch, settings
 
@@ -572,6 +580,12 @@ def markdown(results: dict[str, Any]) -> str:
                 f"{s['wall_s']['mean']:.1f} |"
             )
     lines.append("")
+    for ds in results["datasets"].values():
+        for name, r in ds["schemes"].items():
+            if r["settings"].get("warning"):
+                lines.append(
+                    f"- {ds['name']}, {name}: BlockDataset warned: {r['settings']['warning']}"
+                )
     for ds in results["datasets"].values():
         lines.append(
             f"- **{ds['name']}**: {ds['n_train']:,} training cells × {ds['n_vars']} genes, "

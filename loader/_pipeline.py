@@ -8,7 +8,7 @@ its last rows from the next fetch holds both, and then one fewer is in flight).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,11 +27,15 @@ def run_plan(
     output: str = "dense",
     obs: Sequence[str] = (),
     prefetch: int = 2,
+    extras: Mapping[str, Any] | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Minibatches of ``plan`` from number ``skip`` on, as the reader's ``take`` gives them.
 
-    Fetches before the one holding minibatch ``skip`` are never submitted.
+    Fetches before the one holding minibatch ``skip`` are never submitted. ``extras``:
+    readers of more row-aligned elements on the same blocks, each fetched with the same
+    blocks and order; a minibatch holds each one's rows under its name.
     """
+    extras = dict(extras or {})
     lengths = plan.cfg.block_lengths
     in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order
     ready: dict[int, tuple[Fetch, Any]] = {}
@@ -46,7 +50,8 @@ def run_plan(
         ):
             f = plan.fetch(next_k)
             # the fetch in delivery order: minibatches are consecutive slices of it
-            in_flight.append((f, reader.submit(f.blocks, order=f.order)))
+            more = {e: r.submit(f.blocks, order=f.order) for e, r in extras.items()}
+            in_flight.append((f, reader.submit(f.blocks, order=f.order), more))
             next_k += 1
             at_least_one = False
 
@@ -59,17 +64,24 @@ def run_plan(
             while k not in ready:
                 if not in_flight:
                     submit_more(k, at_least_one=True)
-                f, pending = in_flight.popleft()
+                f, pending, more = in_flight.popleft()
                 got = pending.result()
-                if got.n_rows != f.order.size:
-                    raise LayoutError(
-                        f"reader returned {got.n_rows} rows for a fetch of {f.order.size} "
-                        f"from blocks holding {int(lengths[f.blocks].sum())}; "
-                        "the store is inconsistent: reconvert it"
-                    )
-                ready[f.index] = (f, got)
+                more = {e: p.result() for e, p in more.items()}
+                for g in (got, *more.values()):
+                    if g.n_rows != f.order.size:
+                        raise LayoutError(
+                            f"reader returned {g.n_rows} rows for a fetch of {f.order.size} "
+                            f"from blocks holding {int(lengths[f.blocks].sum())}; "
+                            "the store is inconsistent: reconvert it"
+                        )
+                ready[f.index] = (f, got, more)
         submit_more(first)  # keep the read-ahead full before taking rows
-        pieces = [_take(ready[k][1], a, b, output, obs) for k, a, b in parts]
+        pieces = []
+        for k, a, b in parts:
+            piece = _take(ready[k][1], a, b, output, obs)
+            for e, g in ready[k][2].items():
+                piece[e] = _take(g, a, b, output, ())["X"]
+            pieces.append(piece)
         yield concat_batches(pieces)
 
 
@@ -93,8 +105,11 @@ def concat_batches(pieces: list[dict[str, Any]]) -> dict[str, Any]:
         import scipy.sparse as sp
 
         X = sp.vstack(Xs, format="csr")
-    return {
+    out = {
         "X": X,
         "index": np.concatenate([p["index"] for p in pieces]),
         "obs": {c: np.concatenate([p["obs"][c] for p in pieces]) for c in pieces[0]["obs"]},
     }
+    for e in pieces[0].keys() - out.keys():  # extra elements
+        out[e] = concat_batches([{"X": p[e], "index": p["index"], "obs": {}} for p in pieces])["X"]
+    return out

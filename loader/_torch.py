@@ -9,6 +9,7 @@ module: the first use of either name does.
 from __future__ import annotations
 
 import functools
+import warnings
 from collections import deque
 from typing import Any
 
@@ -19,7 +20,7 @@ from loader.errors import InputError, LayoutError, SclayoutError
 try:
     import torch
     from torch.utils.data import DataLoader, IterableDataset
-    from torch.utils.data._utils.collate import default_convert
+    from torch.utils.data._utils.pin_memory import pin_memory
 except ImportError:  # torch is an extra: loader works without it (numpy batches)
     torch = None
 
@@ -37,13 +38,34 @@ def worker_error(e: SclayoutError) -> SclayoutError:
     return type(e)(last.split(f"{type(e).__name__}: ", 1)[-1])
 
 
+def _accelerator_available() -> bool:
+    """Whether torch has an accelerator to pin memory for (as torch's DataLoader checks)."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and hasattr(acc, "is_available"):
+        return bool(acc.is_available())
+    return bool(torch.cuda.is_available())
+
+
+def _check_picklable(transform: Any) -> None:
+    """Refuse a transform that cannot travel to spawned DataLoader workers."""
+    import pickle
+
+    try:
+        pickle.dumps(transform)
+    except Exception as e:
+        raise InputError(
+            f"transform={transform!r} cannot be pickled for DataLoader workers ({e}); "
+            "define it at module level (not a lambda or a local function), or use num_workers=0"
+        ) from None
+
+
 if torch is not None:
 
     class TorchBlockDataset(BlockDataset, IterableDataset):
         """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
 
         def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
-            return to_torch(super()._convert(batch))
+            return self._apply_hooks(to_torch(self._numpy_batch(batch)))
 
         def dataloader(self, **kwargs: Any) -> BlockDataLoader:
             """A :class:`BlockDataLoader` over this dataset.
@@ -61,6 +83,11 @@ if torch is not None:
         aborts a worker forked after the parent read data), and reports every
         delivered minibatch to the dataset so that ``ds.state_dict()`` is exact with
         ``num_workers > 0``.
+
+        ``collate_fn`` and ``pin_memory`` are applied in the main process to each
+        minibatch as it is handed out (workers send groups of minibatches, which torch
+        would otherwise collate and pin instead): ``collate_fn`` receives the minibatch
+        dict, and pinning happens when torch has an accelerator to pin for, as in torch.
         """
 
         def __init__(self, dataset: BlockDataset, **kwargs: Any) -> None:
@@ -71,6 +98,20 @@ if torch is not None:
                     "BlockDataLoader: batch_size is the dataset's; pass it to BlockDataset"
                 )
             kwargs["batch_size"] = None
+            # applied here to each delivered minibatch (see the class docstring)
+            self._collate = kwargs.pop("collate_fn", None)
+            pin = bool(kwargs.pop("pin_memory", False))
+            self._pin_device = kwargs.pop("pin_memory_device", "")
+            self._pin = pin and _accelerator_available()
+            if pin and not self._pin:
+                warnings.warn(
+                    "BlockDataLoader: pin_memory=True but torch has no accelerator to pin "
+                    "for; minibatches are not pinned",
+                    UserWarning,
+                    stacklevel=2,
+                )
+            if kwargs.get("num_workers", 0) > 0 and dataset.transform is not None:
+                _check_picklable(dataset.transform)
             if kwargs.get("in_order") is False:
                 raise InputError(
                     "BlockDataLoader: in_order=False makes the order depend on timing; "
@@ -83,10 +124,33 @@ if torch is not None:
                 kwargs["multiprocessing_context"] = worker_context()
             super().__init__(dataset, **kwargs)
 
+        def state_dict(self) -> dict[str, Any]:
+            """The dataset's :meth:`~BlockDataset.state_dict` (so trainers that save a
+            stateful loader, such as Lightning, resume it exactly)."""
+            return self.dataset.state_dict()
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            """The dataset's :meth:`~BlockDataset.load_state_dict`."""
+            self.dataset.load_state_dict(state)
+
         def __iter__(self):
+            if self._collate is None and not self._pin:
+                return self._minibatches()
+            return self._finished(self._minibatches())
+
+        def _finished(self, batches):
+            """``collate_fn`` then pinning, on each minibatch handed out."""
+            for batch in batches:
+                if self._collate is not None:
+                    batch = self._collate(batch)
+                if self._pin:
+                    batch = pin_memory(batch, self._pin_device)
+                yield batch
+
+        def _minibatches(self):
             ds = self.dataset
             if self.num_workers == 0:  # the dataset counts in this process
-                if self.pin_memory or self.timeout or self.collate_fn is not default_convert:
+                if self.timeout:
                     yield from super().__iter__()
                     return
                 # what torch's single-process iterator does with the dataset's
@@ -99,6 +163,25 @@ if torch is not None:
                 return
             n = self.num_workers
             remaining = ds.begin_pass(n)
+            if ds.transform is not None or ds.extra:
+                # a transform runs in the workers on finished minibatches, and extra
+                # elements do not fit a group's buffer: minibatches then travel one by
+                # one, in torch's round-robin order
+                got = 0
+                try:
+                    for batch in super().__iter__():
+                        ds.count_delivered()
+                        got += 1
+                        yield batch
+                except SclayoutError as e:  # torch put the worker's traceback in it
+                    raise worker_error(e) from None
+                if got != sum(remaining):
+                    raise LayoutError(
+                        f"BlockDataLoader: the workers delivered {got} minibatches of the "
+                        f"{sum(remaining)} planned; the store or the dataset changed"
+                    )
+                ds.end_pass()
+                return
             # workers send groups of minibatches (dataset.WORKER_GROUP_BATCHES);
             # they are dealt out here in the order a DataLoader gives single
             # minibatches: round-robin over the workers that still have some
@@ -130,7 +213,7 @@ if torch is not None:
                     held[w].append(item["buf"])
                     done = functools.partial(ds.release_group, w, item["seq"])
                     queues[w].extend(unpack_group(item, output=ds.output, done=done))
-                batch = queues[p].popleft()()
+                batch = ds.apply_dtype(queues[p].popleft()())
                 remaining[p] -= 1
                 ds.count_delivered()
                 yield batch

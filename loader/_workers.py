@@ -33,29 +33,37 @@ GROUP_KEY = "_sclayout_group"
 worker id)."""
 
 
-def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
-    """A numpy / scipy batch as tensors (CSR ``X`` as a sparse CSR tensor)."""
+def _matrix_tensor(X: Any) -> Any:
+    """A dense ndarray or scipy CSR matrix as a torch tensor (dense or sparse CSR)."""
     import torch
 
-    X = batch["X"]
     if isinstance(X, np.ndarray):
-        tX = torch.from_numpy(X)
-    else:
-        with warnings.catch_warnings():
-            # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
-            warnings.filterwarnings("ignore", message="Sparse invariant checks")
-            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-            tX = torch.sparse_csr_tensor(
-                torch.from_numpy(X.indptr.astype(np.int64)),
-                torch.from_numpy(X.indices.astype(np.int64)),
-                torch.from_numpy(X.data),
-                size=X.shape,
-            )
-    return {
-        "X": tX,
+        return torch.from_numpy(X)
+    with warnings.catch_warnings():
+        # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
+        warnings.filterwarnings("ignore", message="Sparse invariant checks")
+        warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(X.indptr.astype(np.int64)),
+            torch.from_numpy(X.indices.astype(np.int64)),
+            torch.from_numpy(X.data),
+            size=X.shape,
+        )
+
+
+def to_torch(batch: dict[str, Any]) -> dict[str, Any]:
+    """A numpy / scipy batch as tensors (CSR ``X`` as a sparse CSR tensor); extra
+    elements (``BlockDataset(extra=...)``) convert like ``X``."""
+    import torch
+
+    out = {
+        "X": _matrix_tensor(batch["X"]),
         "obs": {c: torch.from_numpy(v) for c, v in batch["obs"].items()},
         "index": torch.from_numpy(batch["index"]),
     }
+    for key in batch.keys() - out.keys():
+        out[key] = _matrix_tensor(batch[key])
+    return out
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):

@@ -7,10 +7,9 @@
 
     ds = BlockDataset("data.zarr", batch_size=64, fetch_factor=16, obs=("cell_line",))
     dl = BlockDataLoader(ds, num_workers=2)       # a torch DataLoader (batch_size=None)
-    for epoch in range(3):
-        ds.set_epoch(epoch)
-        for batch in dl:                           # {"X", "obs": {...}, "index"}
-            ...
+    for epoch in range(3):                         # each pass is the next epoch;
+        for batch in dl:                           # ds.set_epoch(e) picks one explicitly
+            ...                                    # {"X", "obs": {...}, "index"}
 
 Without torch the dataset is a plain iterable of numpy / scipy batches.
 
@@ -62,6 +61,7 @@ import hashlib
 import json
 import os
 import sys
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -70,7 +70,7 @@ import numpy as np
 from loader import sampler as S
 from loader._pipeline import run_plan
 from loader.argtypes import typechecked
-from loader.errors import InputError, SpecError
+from loader.errors import InputError, SclayoutError, SpecError
 from loader.layout import parse_block_size
 
 __all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
@@ -158,8 +158,10 @@ class BlockDataset:
     Parameters
     ----------
     path
-        A layout store, its URL, an .h5ad file, or an already opened reader
-        (:func:`loader.open_layout`).
+        A layout store, its URL, an .h5ad file, an already opened reader
+        (:func:`loader.open_layout`), an in-memory ``AnnData`` (X dense or sparse), or
+        a list of these: one dataset, their rows one after the other (source row ids
+        of input ``i`` are offset by the rows of the inputs before it).
     batch_size
         Rows per minibatch (default: the spec's, else 64).
     fetch_factor
@@ -205,6 +207,35 @@ class BlockDataset:
         default :data:`DEFAULT_PREFETCH`).
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
+    dtype
+        Values of ``X`` as ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``
+        (torch needed; numpy has no bfloat16).
+    var_names
+        A gene panel (a list, a pandas Index or a text file with one name per line):
+        ``X`` has these columns in this order, genes absent from the data are zeros.
+        Stores of a list may then have different var.
+    rows
+        Only these rows: a boolean mask or an index array over the source rows, or an
+        obs filter ``{column: value or [values]}``. Blocks keep their selected rows
+        (trimmed, not dropped); exactly-once, resume and DDP hold on the subset.
+    extra
+        More row-aligned elements delivered in each batch under their name, e.g.
+        ``("layers/counts", "obsm/X_pca")`` (same ``output`` as X, float32; with
+        workers, minibatches then travel one by one).
+    label
+        obs column whose predicted minibatch diversity is checked when the data lies
+        in its original order (a raw .h5ad, an ``original`` store, an AnnData); default:
+        the categorical column the rows are sorted by, if any. Below
+        :data:`loader.diversity.WARN_BELOW` the dataset warns once
+        (:class:`loader.diversity.LowDiversityWarning`) with the ``recommend`` command.
+    store_weights
+        With a list of inputs: one weight per input; an epoch then draws each input's
+        rows in proportion to its weight (strategy ``weighted``, by default).
+    transform
+        A callable applied to each batch dict (after ``dtype``), where the batch is made:
+        in the DataLoader worker when there are workers, so it must then be picklable
+        (a module-level function or a picklable object). With workers, a transform makes
+        each worker send its minibatches one by one instead of in groups.
 
     Notes
     -----
@@ -238,6 +269,13 @@ class BlockDataset:
         world_size: int | None = None,
         prefetch: int = DEFAULT_PREFETCH,
         matrix: str = "X",
+        dtype: Any = "float32",
+        transform: Any = None,
+        var_names: Any = None,
+        rows: Any = None,
+        extra: Sequence[str] = (),
+        store_weights: Sequence[float] | None = None,
+        label: str | None = None,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -246,6 +284,8 @@ class BlockDataset:
         self._spec_num_workers = int(settings.get("num_workers", 0))
         batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
         fetch_factor = settings.get("fetch_factor", 16) if fetch_factor is None else fetch_factor
+        if strategy is None and store_weights is not None:
+            strategy = "weighted"
         strategy = settings.get("strategy", "block_shuffle") if strategy is None else strategy
         backend = settings.get("backend", "tensorstore") if backend is None else backend
         block_size = settings.get("block_size") if block_size is None else block_size
@@ -260,6 +300,11 @@ class BlockDataset:
             obs = (obs,)
         if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
             raise InputError(f"prefetch={prefetch!r}: must be an integer >= 0")
+        dtype = _dtype_name(dtype)
+        if transform is not None and not callable(transform):
+            raise InputError(
+                f"transform={transform!r}: must be a callable taking and returning the batch dict"
+            )
         if rank is None or world_size is None:
             d_rank, d_world = _default_rank_world()
             rank = d_rank if rank is None else rank
@@ -269,6 +314,50 @@ class BlockDataset:
             if not isinstance(flag, bool | np.bool_):
                 raise InputError(f"{name}={flag!r}: must be True or False")
 
+        if isinstance(extra, str):
+            extra = (extra,)
+        extra = tuple(extra)
+        from loader.sources import build_readers, is_anndata
+
+        extras: dict[str, Any] = {}
+        if (
+            isinstance(path, list | tuple)
+            or is_anndata(path)
+            or extra
+            or (var_names is not None or rows is not None or store_weights is not None)
+        ):
+            # several inputs, in-memory data, a gene panel, a subset or extra elements:
+            # one reader stacked over the inputs (loader.sources), used as a given reader
+            items = list(path) if isinstance(path, list | tuple) else [path]
+            if not items:
+                raise InputError("path=[]: give at least one store, URL or AnnData")
+
+            def open_store(item: Any, element: str) -> Any:
+                if _is_reader(item):
+                    if element == "X":
+                        return item
+                    item = item.location
+                from loader.store import open_layout
+
+                element = matrix if element == "X" else element
+                return open_layout(
+                    _check_path(item), block_size=block_size, backend=backend, matrix=element
+                )
+
+            path, extras = build_readers(
+                items,
+                open_store=open_store,
+                block_size=block_size,
+                var_names=var_names,
+                rows=rows,
+                extra=extra,
+            )
+            if store_weights is not None:
+                if weights is not None:
+                    raise InputError("store_weights= and weights= together: give one of them")
+                weights = _store_row_weights(store_weights, path, len(items))
+        self.extra = extra
+        self._extras = extras
         if _is_reader(path):
             own = {k: getattr(path, k, None) for k in asked}
             if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
@@ -308,6 +397,8 @@ class BlockDataset:
 
         self.obs = tuple(obs)
         self.output = output
+        self.dtype = dtype
+        self.transform = transform
         self.prefetch = prefetch
         self.rank, self.world_size = int(rank), int(world_size)
         self.n_obs = int(reader.n_obs)
@@ -329,13 +420,53 @@ class BlockDataset:
             replacement=bool(replacement),
         )
         _ = self.config.epoch_rows  # validate num_samples against the weights now
+        self._check_diversity(reader, label)
         self._shared = _shared_state()
         self._released = _shared_state(MAX_GROUPED_WORKERS)  # BlockDataLoader's group buffers
         self._state_digests: dict[str, str | None] | None = None  # see _digests()
         self._consumed = 0  # minibatches of epoch _consumed_epoch delivered so far
         self._consumed_epoch = -1
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
+        self._advance = False  # the next pass starts the next epoch (see begin_pass)
         self.group_workers = False  # BlockDataLoader: workers send groups of minibatches
+
+    def _check_diversity(self, reader: Any, label: str | None) -> None:
+        """Warn once if the data lies in its original order and the label's predicted
+        diversity under these settings is below :data:`loader.diversity.WARN_BELOW`."""
+        from loader import diversity as D
+
+        base = reader
+        while hasattr(base, "inner"):  # a panel or a subset of one input
+            base = base.inner
+        manifest = getattr(base, "manifest", None)
+        in_memory = getattr(base, "kind", None) == "memory"
+        original = in_memory or (manifest is not None and manifest.order.kind == "original")
+        if not original or self.strategy == "streaming":
+            return
+        if label is None:
+            listing = getattr(base, "categorical_obs_columns", None)
+            try:
+                names = listing() if listing is not None else []
+                label = D.sorted_by({c: base.obs_codes(c)[0] for c in names})
+            except SclayoutError:  # e.g. obs over HTTP: nothing to check against
+                return
+            if label is None:
+                return
+        codes, _ = _obs_codes(reader, label)
+        ratio = D.predict_dataset_diversity(self.config, codes)
+        if ratio >= D.WARN_BELOW:
+            return
+        where = self._path or getattr(base, "location", None)
+        command = f"sclayout recommend {where} --label {label}" if where else "sclayout recommend"
+        blocks = D.expected_distinct_blocks(self.batch_size, self.fetch_factor, self.block_size)
+        warnings.warn(
+            f"BlockDataset: predicted diversity of {label!r} is {ratio:.2f} (below "
+            f"{D.WARN_BELOW}; a minibatch mixes about {blocks:.1f} blocks of rows in their "
+            f"original order): minibatches are far less mixed than random, which can spoil "
+            f"training; run `{command}` for loader settings or a conversion that fix it",
+            D.LowDiversityWarning,
+            stacklevel=3,
+        )
 
     # -- settings -------------------------------------------------------------------
     @property
@@ -365,11 +496,15 @@ class BlockDataset:
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields.
 
-        A position loaded with :meth:`load_state_dict` for this same epoch is kept, so
-        the usual ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
+        Without it, each new iteration starts the next epoch (so a trainer that never
+        calls it, such as Lightning with an ``IterableDataset``, still gets a new order
+        every epoch); an explicit call wins over that. A position loaded with
+        :meth:`load_state_dict` for this same epoch is kept, so the usual
+        ``for epoch in range(start, E): ds.set_epoch(epoch)`` loop resumes.
         """
         S.check_nonnegative_int(epoch, "epoch")
         self._shared[_EPOCH] = int(epoch)
+        self._advance = False
 
     def __len__(self) -> int:
         """Minibatches per epoch on this rank (all workers together)."""
@@ -410,7 +545,9 @@ class BlockDataset:
             else:  # a user-given reader: a fresh copy without the parent's handles
                 import pickle
 
-                self._reader = pickle.loads(pickle.dumps(self._reader))
+                self._reader, self._extras = pickle.loads(
+                    pickle.dumps((self._reader, self._extras))
+                )
             self._reader_pid = os.getpid()
         return self._reader
 
@@ -447,9 +584,14 @@ class BlockDataset:
     def _rows_digest(self) -> str:
         """Digest of which source row sits where (the store's row order and shape):
         a state resumes the same rows only on a store with the same order."""
-        m = getattr(self._get_reader(), "manifest", None)  # one's own reader may have none
+        reader = self._get_reader()
+        m = getattr(reader, "manifest", None)  # one's own reader may have none
         order = m.order.to_dict() if m is not None else None
-        return _digest(json.dumps([self.n_obs, self.n_vars, order], sort_keys=True).encode())
+        parts = [self.n_obs, self.n_vars, order]
+        key = getattr(reader, "state_key", None)  # loader.sources: inputs, panel, subset
+        if key is not None:
+            parts.append(key)
+        return _digest(json.dumps(parts, sort_keys=True).encode())
 
     def state_dict(self) -> dict[str, Any]:
         """Position in the sampled sequence: epoch and minibatches delivered in it.
@@ -505,6 +647,8 @@ class BlockDataset:
         self._shared[_START] = consumed
         self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
         self._consumed, self._consumed_epoch = consumed, epoch
+        # a state saved after a whole epoch resumes with the next one
+        self._advance = consumed == total
 
     def _position(self) -> int:
         """Minibatches of the current epoch delivered (or to skip, after a load)."""
@@ -521,17 +665,23 @@ class BlockDataset:
 
     # -- the pass protocol of a DataLoader that counts (BlockDataLoader) ---------------
     def begin_pass(self, num_workers: int) -> list[int]:
-        """Main process, before an iteration: reset the delivered-minibatch counter.
+        """Main process, before an iteration: start the next epoch unless
+        :meth:`set_epoch` or :meth:`load_state_dict` chose one since the last pass
+        began, and reset the delivered-minibatch counter.
 
         Returns the minibatches each of ``num_workers`` DataLoader workers (by id)
         yields in the coming pass (none for ``num_workers=0``).
         """
+        if self._advance:
+            self._shared[_EPOCH] = self.epoch + 1
+            self._advance = False
         _, start = self._start()
         if start and int(self._shared[_START_WORKERS]) != max(1, num_workers):
             raise InputError(
                 f"num_workers={num_workers}: the state was saved with "
                 f"num_workers={int(self._shared[_START_WORKERS])}; resume with the same number"
             )
+        self._advance = True
         self._consumed, self._consumed_epoch = start, self.epoch
         self._tracked_workers = num_workers
         if num_workers:
@@ -622,6 +772,7 @@ class BlockDataset:
             output=output,
             obs=self.obs,
             prefetch=self.prefetch,
+            extras=self._extras,
         )
         if not grouped:
             for batch in batches:
@@ -644,6 +795,10 @@ class BlockDataset:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._apply_hooks(self._numpy_batch(batch))
+
+    def _numpy_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """A minibatch of the pipeline as the documented numpy dict (float32 X)."""
         X = batch["X"]
         if self.output == "dense":
             X = np.ascontiguousarray(X, dtype=np.float32)
@@ -651,7 +806,34 @@ class BlockDataset:
             X = X if X.dtype == np.float32 else X.astype(np.float32)
         index = np.asarray(batch["index"], dtype=np.int64)
         obs = {c: np.asarray(batch["obs"][c], dtype=np.int64) for c in self.obs}
-        return {"X": X, "obs": obs, "index": index}
+        out = {"X": X, "obs": obs, "index": index}
+        for e in self.extra:
+            v = batch[e]
+            out[e] = (
+                v.astype(np.float32, copy=False)
+                if hasattr(v, "tocsr")
+                else np.ascontiguousarray(v, dtype=np.float32)
+            )
+        return out
+
+    def apply_dtype(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``batch`` with ``X`` in :attr:`dtype` (numpy arrays or torch tensors); what
+        :class:`BlockDataLoader` applies to minibatches unpacked from worker groups."""
+        if self.dtype == "float32":
+            return batch
+        X = batch["X"]
+        if isinstance(X, np.ndarray) or hasattr(X, "tocsr"):  # numpy / scipy: float16 only
+            batch["X"] = X.astype(np.float16)
+        else:
+            import torch
+
+            batch["X"] = X.to(getattr(torch, self.dtype))
+        return batch
+
+    def _apply_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``dtype`` then ``transform``, where the batch is made."""
+        batch = self.apply_dtype(batch)
+        return batch if self.transform is None else self.transform(batch)
 
     def dataloader(self, **kwargs: Any) -> Any:
         """A :class:`BlockDataLoader` over this dataset: a torch feature, which
@@ -669,6 +851,45 @@ def _check_path(path: Any) -> str:
             f"path={path!r}: expected a store path, URL or .h5ad file (or an open reader)"
         )
     return os.fspath(path)  # existence and kind are checked by open_layout
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def _dtype_name(dtype: Any) -> str:
+    """``"float32"``, ``"float16"`` or ``"bfloat16"`` from a name, a numpy or a torch dtype."""
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(dtype, str):
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:
+            pass
+    if name not in DTYPES:
+        raise InputError(f"dtype={dtype!r}: unknown; known: {', '.join(DTYPES)}")
+    if name == "bfloat16" and not torch_available():
+        raise InputError(f"dtype='bfloat16' needs torch (numpy has none): {TORCH_HINT}")
+    return name
+
+
+def _store_row_weights(store_weights: Any, reader: Any, n_inputs: int) -> np.ndarray:
+    """Per source row weights giving input ``i`` the share ``w_i / sum(w)`` of an epoch."""
+    w = np.asarray(store_weights, dtype=np.float64)
+    if w.shape != (n_inputs,) or n_inputs < 2:
+        raise InputError(
+            f"store_weights: {w.size} values for {n_inputs} input(s); give one weight per "
+            "input of a list of stores"
+        )
+    if not np.isfinite(w).all() or w.min() < 0 or w.sum() <= 0:
+        raise InputError("store_weights: must be finite, non-negative and not all zero")
+    offsets = getattr(reader, "input_offsets", None)
+    if offsets is None:
+        offsets = getattr(getattr(reader, "inner", None), "input_offsets", None)
+    n_source = int(getattr(reader, "n_source", reader.n_obs))
+    which = np.searchsorted(offsets, np.arange(n_source), side="right") - 1
+    # the rows each input keeps (after rows=): its weight is shared among them
+    kept = np.bincount(which[np.asarray(reader.source_index())], minlength=n_inputs)
+    per_row = np.where(kept > 0, w / np.maximum(kept, 1), 0.0)
+    return per_row[which]
 
 
 def _spec_settings(spec: Any) -> dict[str, Any]:
@@ -740,10 +961,11 @@ def _row_weights(
             f"weights={weights!r:.60}: not numbers; give one weight per row (source order) "
             "or a {category: weight} mapping with class_column="
         ) from None
-    if w_source.shape != (reader.n_obs,):
+    n_source = int(getattr(reader, "n_source", reader.n_obs))
+    if w_source.shape != (n_source,):
         got = f"{w_source.size} values" if w_source.ndim == 1 else f"shape {w_source.shape}"
         raise InputError(
-            f"weights: {got} for {reader.n_obs} rows; give a 1-D array of one weight "
+            f"weights: {got} for {n_source} rows; give a 1-D array of one weight "
             "per row (source order) or a {category: weight} mapping with class_column="
         )
     return w_source[np.asarray(reader.source_index(), dtype=np.int64)]

@@ -74,7 +74,7 @@ _TAG_FETCH = 1
 """Spawn-key tag of the per-fetch generators (row permutation, within-block draws)."""
 
 
-def _arange_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+def arange_runs(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Concatenate ``arange(s, s + n)`` for every run, vectorised."""
     lengths = np.asarray(lengths, dtype=np.int64)
     total = int(lengths.sum())
@@ -335,8 +335,8 @@ class WorkerPlan:
             )
             positions = rows - first + np.repeat(run_offset, lengths)
         else:
-            positions = _arange_runs(run_offset + seg.lo, seg.lengths)
-            rows = _arange_runs(starts + seg.lo, seg.lengths)
+            positions = arange_runs(run_offset + seg.lo, seg.lengths)
+            rows = arange_runs(starts + seg.lo, seg.lengths)
         if get_strategy(cfg.strategy).shuffle_rows:
             perm = rng.permutation(positions.size)
             positions, rows = positions[perm], rows[perm]

@@ -564,6 +564,23 @@ class LayoutReader:
             if self.kind == "h5ad":
                 root.close()
 
+    def categorical_obs_columns(self) -> list[str]:
+        """obs columns stored as categoricals (their codes are cheap to read), in order."""
+        root = self._obs_root()
+        try:
+            if "obs" not in root:
+                return []
+            obs = root["obs"]
+            out = []
+            for c in _column_order(obs):
+                enc = obs[c].attrs.get("encoding-type", "") if c in obs else ""
+                if (enc.decode() if isinstance(enc, bytes) else str(enc)) == "categorical":
+                    out.append(c)
+            return out
+        finally:
+            if self.kind == "h5ad":
+                root.close()
+
     def _obs_root(self) -> Any:
         if self.kind == "h5ad":
             import h5py

@@ -94,6 +94,13 @@ def test_train_parity_smoke(tmp_path):
         assert div["random"] > 0.9 and div["block_store"] > 0.9
     table = (tmp_path / "parity.md").read_text()
     assert table.count("| (d) BlockDataset") == len(expected)
+    for ds in results["datasets"].values():
+        # the recommended store is diverse enough: no warning; one given is reported
+        assert ds["schemes"]["block_store"]["settings"]["warning"] is None
+        for name, scheme in ds["schemes"].items():
+            if scheme["settings"].get("warning"):
+                assert "predicted diversity" in scheme["settings"]["warning"]
+                assert f"{ds['name']}, {name}: BlockDataset warned: " in table
     png = tmp_path / "parity.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
 

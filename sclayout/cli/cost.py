@@ -485,21 +485,44 @@ def recommend_command(
     if len(sources) > 1:
         out["sources"] = list(sources)
     if stats.manifest is not None:
+        # the best this store allows, even below the target (then the conversion that
+        # reaches it is the answer): never an error with nothing printed
         result = search_loader(
-            stats, fetch_factors=space.fetch_factors, workers=space.workers, **kw
+            stats,
+            fetch_factors=space.fetch_factors,
+            workers=space.workers,
+            best_effort=True,
+            **kw,
         )
         reconvert = search(stats, space=space, **kw)
         gain = reconvert.pick.cells_per_s / result.pick.cells_per_s
-        verdict = (
-            f"re-converting would pay: {gain:.2f}x faster predicted "
-            f"({reconvert.pick.cells_per_s:,.0f} vs {result.pick.cells_per_s:,.0f} cells/s) with "
-            f"block {reconvert.pick.spec.store.block_size}, order "
-            f"{reconvert.pick.spec.store.order.kind}, codec {reconvert.pick.spec.store.codec}"
-            if gain >= REWRITE_GAIN
-            else f"re-converting would not pay ({gain:.2f}x predicted, under the "
-            f"{REWRITE_GAIN:.2f}x asked of a rewrite)"
-        )
-        out["reconvert"] = {"gain": gain, "pick": reconvert.pick.row(), "verdict": verdict}
+        re = reconvert.pick.spec.store
+        layout = f"block {re.block_size}, order {re.order.kind}, codec {re.codec}"
+        if result.extra.get("meets_target", True) is False:
+            verdict = (
+                f"this store cannot reach diversity {min_diversity} (best "
+                f"{result.pick.diversity:.3f}); re-converting with {layout} reaches "
+                f"{reconvert.pick.diversity:.3f} at {reconvert.pick.cells_per_s:,.0f} cells/s "
+                f"predicted: sclayout recommend SRC --spec-out spec.json, then "
+                f"sclayout convert SRC DST --spec spec.json"
+            )
+        elif gain >= REWRITE_GAIN:
+            verdict = (
+                f"re-converting would pay: {gain:.2f}x faster predicted "
+                f"({reconvert.pick.cells_per_s:,.0f} vs {result.pick.cells_per_s:,.0f} "
+                f"cells/s) with {layout}"
+            )
+        else:
+            verdict = (
+                f"re-converting would not pay ({gain:.2f}x predicted, under the "
+                f"{REWRITE_GAIN:.2f}x asked of a rewrite)"
+            )
+        out["reconvert"] = {
+            "gain": gain,
+            "pick": reconvert.pick.row(),
+            "verdict": verdict,
+            "meets_target": result.extra.get("meets_target", True),
+        }
         what = "loader settings for this layout store"
     else:
         result = search(stats, space=space, **kw)

@@ -10,7 +10,8 @@ permutes the fetch's ``m·f`` rows and cuts them into ``f`` minibatches of ``m``
 Exact results
     * A random ``m``-subset of a fetch touches on average
       ``E[D] = k·(1 − C(mf−b, m)/C(mf, m))`` distinct blocks
-      (:func:`expected_distinct_blocks`, binomials through log-gamma).
+      (:func:`expected_distinct_blocks`, binomials through log-gamma; defined in
+      :mod:`loader.diversity`, as are the entropy functions).
     * In a ``shuffled`` store every set of stored positions is a uniformly random set
       of cells, so a minibatch is a uniform random subset: diversity is exactly 1.
     * True random minibatches (``m`` cells without replacement out of ``N``) have an
@@ -31,15 +32,20 @@ Simulation
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import special, stats
+from scipy import stats
 
 from loader.argtypes import typechecked
+from loader.diversity import (  # the exact pieces: defined in loader, which warns with them
+    blocks_per_fetch,
+    expected_distinct_blocks,
+    expected_random_entropy,
+    minibatch_entropy,
+)
 from loader.errors import InputError
 
 __all__ = [
@@ -61,33 +67,6 @@ __all__ = [
 SIM_MINIBATCHES = 4096
 """Minibatches a simulation draws: the ratio's standard error is then ~0.1–0.3 %
 on the labels tried (14 plates, 50 cell lines), below what a user can act on."""
-
-
-def blocks_per_fetch(batch_size: int, fetch_factor: int, block_size: int) -> int:
-    """Blocks in one fetch: ``round(m·f/b)``, at least one."""
-    return max(1, round(batch_size * fetch_factor / block_size))
-
-
-def _log_comb(n: float, k: float) -> float:
-    return special.gammaln(n + 1) - special.gammaln(k + 1) - special.gammaln(n - k + 1)
-
-
-@typechecked
-def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
-    """Expected number of distinct blocks in a minibatch, exactly.
-
-    ``E[D] = k·(1 − C(n−b, m)/C(n, m))`` with fetch size ``n = k·b`` rows: each of the
-    ``k`` blocks is absent from a random ``m``-subset with probability
-    ``C(n−b, m)/C(n, m)``.
-    """
-    m, b = int(batch_size), int(block_size)
-    k = blocks_per_fetch(m, fetch_factor, b)
-    n = k * b
-    m = min(m, n)
-    if n - b < m:
-        return float(k)
-    p_absent = math.exp(_log_comb(n - b, m) - _log_comb(n, m))
-    return k * (1.0 - p_absent)
 
 
 def effective_draws(batch_size: int, fetch_factor: int, block_size: int) -> float:
@@ -120,38 +99,6 @@ def expected_iid_entropy(p: np.ndarray, n: float) -> float:
         return at(lo)
     t = n - lo
     return (1 - t) * at(lo) + t * at(hi)
-
-
-def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
-    """Expected entropy (bits) of a label over ``batch_size`` cells drawn at random
-    without replacement from a population with ``counts`` cells per label.
-
-    Exact: each label's count in the minibatch is hypergeometric, so the expectation of
-    ``-Σ (x/m) log2(x/m)`` is a finite sum.
-    """
-    counts = np.asarray(counts, dtype=np.int64)
-    return _expected_random_entropy(tuple(int(c) for c in counts[counts > 0]), int(batch_size))
-
-
-@functools.lru_cache(maxsize=256)
-def _expected_random_entropy(sizes: tuple[int, ...], batch_size: int) -> float:
-    counts = np.asarray(sizes, dtype=np.int64)
-    total = int(counts.sum())
-    m = min(batch_size, total)
-    j = np.arange(1, m + 1)
-    pmf = stats.hypergeom.pmf(j[None, :], total, counts[:, None], m)
-    q = j / m
-    return float(-(pmf * q * np.log2(q)).sum())
-
-
-def minibatch_entropy(codes: np.ndarray) -> np.ndarray:
-    """Entropy (bits) of each row of a ``(n_batches, m)`` array of labels."""
-    codes = np.asarray(codes)
-    n, m = codes.shape
-    if m == 0:
-        return np.zeros(n)
-    flat = codes.ravel()
-    return _batch_entropies(flat, np.full(n, m, dtype=np.int64), flat)
 
 
 def _batch_entropies(flat: np.ndarray, lengths: np.ndarray, population: np.ndarray) -> np.ndarray:

@@ -356,9 +356,14 @@ def search_loader(
     options: ModelOptions | None = None,
     backend: str = "tensorstore",
     seed: int = 0,
+    best_effort: bool = False,
 ) -> SearchResult:
     """Loader settings for an existing layout store (its real manifest and block
-    pointer): block sizes that are multiples of the store's, fetch factor, workers."""
+    pointer): block sizes that are multiples of the store's, fetch factor, workers.
+
+    ``best_effort``: when no setting reaches ``min_diversity``, pick the most diverse
+    one (fastest among equals) instead of raising; ``extra["meets_target"]`` says which.
+    """
     if stats.manifest is None:
         raise InputError(f"{stats.location} is not a layout store; use search()")
     check_targets(min_diversity, memory_budget)
@@ -415,6 +420,7 @@ def search_loader(
         memory_budget=memory_budget,
         profile=profile,
         what="loader setting",
+        best_effort=best_effort,
     )
 
 
@@ -425,6 +431,7 @@ def _rank(
     memory_budget: int,
     profile: Profile,
     what: str,
+    best_effort: bool = False,
 ) -> SearchResult:
     if not candidates:
         raise InputError("the dataset is too small for any block size / fetch factor searched")
@@ -436,6 +443,14 @@ def _rank(
             f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
+    if not ok and best_effort:
+        ranked = sorted(fits, key=lambda c: (-round(c.diversity, 3), -c.cells_per_s))
+        reason = (
+            f"no {what} within the memory budget reaches diversity {min_diversity}; the "
+            f"most diverse ({ranked[0].diversity:.3f}, {ranked[0].cells_per_s:,.0f} "
+            "cells/s predicted)"
+        )
+        return _result(candidates, ranked, reason, min_diversity, memory_budget, profile, False)
     if not ok:
         best = max(fits, key=lambda c: c.diversity)
         # the budget is to blame only if a configuration it excluded reaches the target
@@ -481,14 +496,28 @@ def _rank(
             f"(fastest overall {fastest_any.cells_per_s:,.0f} cells/s at diversity "
             f"{fastest_any.diversity:.2f})"
         )
+    return _result(candidates, ranked, reason, min_diversity, memory_budget, profile, True)
+
+
+def _result(
+    candidates: list[Candidate],
+    ranked: list[Candidate],
+    reason: str,
+    min_diversity: float,
+    memory_budget: int,
+    profile: Profile,
+    meets_target: bool,
+) -> SearchResult:
+    """The result whose pick is ``ranked[0]``."""
     return SearchResult(
         candidates=candidates,
         ranked=ranked,
-        pick=pick,
+        pick=ranked[0],
         reason=reason,
         min_diversity=min_diversity,
         memory_budget=memory_budget,
         profile=profile.name,
+        extra={"meets_target": meets_target},
     )
 
 

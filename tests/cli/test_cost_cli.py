@@ -350,3 +350,29 @@ def test_search_api_skips_default_codecs_an_old_profile_lacks(data):
     stats = read_dataset_stats(src, label="plate")
     got = search(stats, profile=old, batch_size=16)  # the default space: no error
     assert all(c.spec.store.codec != "blosc-lz4hc" for c in got.candidates)
+
+
+def test_recommend_on_an_original_store_below_the_target_names_settings_and_conversion(
+    data, tmp_path, make_store, run_cli
+):
+    """A store in source (sorted) order cannot reach the diversity target with any
+    loader setting: recommend still prints the most diverse settings it has and the
+    conversion that reaches the target, and exits 0."""
+    src, _ = data
+    store = tmp_path / "original.zarr"
+    make_store(src, store, block_size=8, order="original", seed=3)
+    args = ("recommend", store, "--label", "plate", "--profile", "local-disk-here")
+    args += ("--min-diversity", "0.99", *SMALL_SPACE)
+    r = run_cli(*args, "--json")
+    assert r.exit_code == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["reconvert"]["meets_target"] is False
+    assert out["pick"]["diversity"] == max(row["diversity"] for row in out["ranked"]) < 0.99
+    assert out["reconvert"]["pick"]["diversity"] >= 0.99
+    text = run_cli(*args)
+    assert text.exit_code == 0, text.stderr
+    assert "pick: #1 — no loader setting within the memory budget reaches diversity 0.99" in (
+        text.stdout
+    )
+    assert "this store cannot reach diversity 0.99" in text.stdout
+    assert "sclayout convert SRC DST --spec spec.json" in text.stdout

@@ -192,6 +192,40 @@ def _run_python(code: str, *args: str, timeout: float = 120) -> str:
     return proc.stdout
 
 
+def _run_ranks(code: str, *args: str, world_size: int = 2, timeout: float = 240) -> list[str]:
+    """Run ``code`` as ``world_size`` DDP ranks on localhost (gloo), each a fresh
+    interpreter with argv ``*args, rank, world_size, port``; return their stdouts."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT),
+        MASTER_ADDR="127.0.0.1",
+        GLOO_SOCKET_IFNAME="lo",
+    )
+    port = str(_free_port())
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, *args, str(r), str(world_size), port],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for r in range(world_size)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
+
+
 @pytest.fixture(scope="session")
 def memory_reader():
     return _memory_reader
@@ -235,6 +269,12 @@ def run_python():
     return _run_python
 
 
+@pytest.fixture(scope="session")
+def run_ranks():
+    """``run_ranks(code, *args, world_size=2)``: DDP ranks (gloo) on localhost."""
+    return _run_ranks
+
+
 # ----------------------------------------------------------------------- real stores
 
 N_OBS, N_VARS, BLOCK = 203, 17, 8
@@ -245,6 +285,12 @@ N_OBS, N_VARS, BLOCK = 203, 17, 8
 def stores_n_obs() -> int:
     """Rows of every store in :func:`stores`."""
     return N_OBS
+
+
+@pytest.fixture(scope="session")
+def stores_n_vars() -> int:
+    """Genes of every store in :func:`stores`."""
+    return N_VARS
 
 
 @pytest.fixture(scope="session")

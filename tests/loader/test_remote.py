@@ -260,7 +260,7 @@ def test_a_frozen_server_fails_open_with_read_error_naming_the_url(frozen):
 
 
 def test_a_server_that_freezes_mid_run_fails_the_fetch_naming_the_url(data):
-    from loader.dataset import BlockDataset
+    from loader import BlockDataset
     from loader.errors import ReadError
 
     _, store = data
