@@ -23,9 +23,11 @@ import zarr
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import as_canonical_csr, compare_frames, sparse_row_mismatch
 from sclayout.convert.parts import Part
+from sclayout.convert.plan import parse_memory_budget
 from sclayout.convert.source import Source, close_handles, open_group, source_tables
 from sclayout.convert.sources import check_sources, source_names
-from sclayout.convert.verify import VerifyReport, open_store_root, parse_bytes
+from sclayout.convert.verify import VerifyReport
+from sclayout.convert.verify_store import open_store_root
 
 __all__ = ["needs_sources_verify", "verify_sources"]
 
@@ -151,7 +153,7 @@ def verify_sources(
     memory_budget: int | str = "2GB",
 ) -> VerifyReport:
     """Compare a store built from several sources with each of them (module docstring)."""
-    budget = parse_bytes(memory_budget)
+    budget = parse_memory_budget(memory_budget)
     infos = check_sources(srcs)
     root = open_store_root(Path(dst), hint="reconvert with `sclayout convert --overwrite`")
     manifest = Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
