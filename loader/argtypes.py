@@ -35,7 +35,7 @@ _SEQUENCES = (abc.Sequence, abc.Iterable, abc.Collection, list, tuple)
 
 
 def _check_for(hint: Any) -> _Check | None:
-    """The check of one annotation, or ``None`` when it accepts anything."""
+    """Return the check of one annotation, or ``None`` when it accepts anything."""
     if hint is Any or hint is object or isinstance(hint, TypeVar):
         return None
     if hint is None or hint is type(None):
@@ -88,7 +88,7 @@ def _check_for(hint: Any) -> _Check | None:
 
 
 def _hints(fn: Callable[..., Any]) -> dict[str, Any]:
-    """Resolved annotations of ``fn``; one that cannot be resolved is not checked."""
+    """Return the resolved annotations of ``fn``; one that cannot be resolved is not checked."""
     try:
         return typing.get_type_hints(fn)
     except Exception:  # a name imported for type checkers only: resolve one by one

@@ -73,13 +73,16 @@ def _interleaved_ptr(pos: np.ndarray, indptr: np.ndarray) -> np.ndarray:
 
 
 def _scatter_ptr(ptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray) -> None:
-    """The scatter of :func:`_scatter_interleaved` from interleaved pointers ``ptr``."""
+    """Return the scatter of :func:`_scatter_interleaved` from interleaved pointers ``ptr``."""
     csr_todense(ptr.shape[0] - 1, out.shape[1] // 2, ptr, indices, data, out)
 
 
 def _interleaved_works() -> bool:
-    """Whether scipy's ``csr_todense`` still does what :func:`_scatter_interleaved`
-    relies on (checked once at import, on a tiny case against a plain loop)."""
+    """Check whether scipy's ``csr_todense`` still does what the scatter relies on.
+
+    Checked once at import, on a tiny case against a plain loop;
+    :func:`_scatter_interleaved` depends on it.
+    """
     if csr_todense is None:  # pragma: no cover
         return False
     indptr = np.array([0, 2, 2, 5], dtype=np.int32)
@@ -103,8 +106,11 @@ _INTERLEAVED_OK = _interleaved_works()
 def _scatter_decreasing(
     pos: np.ndarray, indptr: np.ndarray, indices: np.ndarray, data: np.ndarray, out: np.ndarray
 ) -> bool:
-    """:func:`_scatter_interleaved` where it applies; False (nothing written) for an
-    odd number of columns, data not float32, or positions not non-increasing."""
+    """Run :func:`_scatter_interleaved` where it applies.
+
+    Return False (nothing written) for an odd number of columns, data not float32, or
+    positions not non-increasing.
+    """
     n, n_vars = out.shape
     if not _INTERLEAVED_OK or n_vars % 2 or data.dtype != np.float32:
         return False
@@ -116,8 +122,9 @@ def _scatter_decreasing(
 
 @dataclass(frozen=True)
 class DenseOrder:
-    """A fetch's delivery order prepared for dense minibatches (see
-    :meth:`CSRRows.prepare_dense` and :meth:`CSRRows.dense_slice`).
+    """A fetch's delivery order prepared for dense minibatches.
+
+    See :meth:`CSRRows.prepare_dense` and :meth:`CSRRows.dense_slice`.
 
     ``ptr`` interleaves the start and end of every delivered row's values,
     ``[start(o_0), end(o_0), start(o_1), end(o_1), ...]``, so the scatter of
@@ -145,6 +152,7 @@ class CSRRows:
 
     @property
     def n_rows(self) -> int:
+        """Number of rows in the fetch."""
         return int(self.indptr.shape[0] - 1)
 
     def _gather(self, pos: np.ndarray) -> CSRRows:
@@ -165,10 +173,11 @@ class CSRRows:
         return CSRRows(new_data, new_idx, new_ptr, self.n_vars)
 
     def permute(self, order: np.ndarray) -> CSRRows:
-        """The rows in ``order`` (one gather for the whole fetch)."""
+        """Return the rows in ``order`` (one gather for the whole fetch)."""
         return self._gather(np.asarray(order, dtype=np.int64))
 
     def to_scipy(self) -> sp.csr_matrix:
+        """Return the rows as a ``scipy.sparse.csr_matrix`` sharing this fetch's memory."""
         return sp.csr_matrix(
             (self.data, self.indices, self.indptr), shape=(self.n_rows, self.n_vars), copy=False
         )
@@ -197,10 +206,13 @@ class CSRRows:
         return out
 
     def prepare_dense(self, order: np.ndarray) -> DenseOrder | None:
-        """Per-fetch work of :meth:`dense_slice` for rows delivered in ``order`` (done
-        once, off the consumer's thread), or ``None`` where the scatter does not apply
-        (odd number of columns, values not float32) or would rarely serve: an order
-        rising at more than half of its positions (``streaming``: every slice rises)."""
+        """Prepare the per-fetch work of :meth:`dense_slice` for rows delivered in ``order``.
+
+        Done once, off the consumer's thread. Return ``None`` where the scatter does not
+        apply (odd number of columns, values not float32) or would rarely serve: an
+        order rising at more than half of its positions (``streaming``: every slice
+        rises).
+        """
         if not _INTERLEAVED_OK or self.n_vars % 2 or self.data.dtype != np.float32:
             return None
         rises = np.flatnonzero(order[1:] > order[:-1]) + 1
@@ -209,10 +221,12 @@ class CSRRows:
         return DenseOrder(_interleaved_ptr(order, self.indptr), rises.tolist())
 
     def dense_slice(self, prep: DenseOrder, a: int, b: int) -> np.ndarray | None:
-        """Delivered rows ``a..b`` (``b > a``) as :meth:`dense` gives them, with no
-        per-minibatch gather: a bisection in ``prep.rises``, one zeroed array, one
+        """Return delivered rows ``a..b`` (``b > a``) as :meth:`dense` gives them, without a gather.
+
+        No per-minibatch gather: a bisection in ``prep.rises``, one zeroed array, one
         scatter. ``None`` if the slice is not non-increasing in stored position (use
-        :meth:`dense`)."""
+        :meth:`dense`).
+        """
         i = bisect.bisect_right(prep.rises, a)
         if i < len(prep.rises) and prep.rises[i] < b:
             return None
@@ -221,8 +235,10 @@ class CSRRows:
         return out
 
     def view(self, pos: np.ndarray) -> sp.csr_matrix:
-        """Rows ``pos`` as a ``scipy.sparse.csr_matrix`` in the stored dtype, sharing
-        this fetch's memory when ``pos`` is a contiguous range (no copy)."""
+        """Return rows ``pos`` as a ``scipy.sparse.csr_matrix`` in the stored dtype.
+
+        It shares this fetch's memory when ``pos`` is a contiguous range (no copy).
+        """
         n = pos.shape[0]
         if _contiguous(pos):
             a = int(pos[0])
@@ -263,18 +279,22 @@ class DenseRows:
 
     @property
     def n_rows(self) -> int:
+        """Number of rows in the fetch."""
         return int(self.values.shape[0])
 
     def permute(self, order: np.ndarray) -> DenseRows:
+        """Return the rows in ``order``, as a new :class:`DenseRows`."""
         return DenseRows(self.values[np.asarray(order, dtype=np.int64)])
 
     def dense(self, pos: np.ndarray) -> np.ndarray:
+        """Return rows ``pos`` as float32; one slice copy when ``pos`` is a contiguous range."""
         if _contiguous(pos):
             a = int(pos[0])
             return np.array(self.values[a : a + pos.shape[0]], dtype=np.float32)
         return np.asarray(self.values[pos], dtype=np.float32)
 
     def csr(self, pos: np.ndarray) -> sp.csr_matrix:
+        """Return rows ``pos`` as a ``scipy.sparse.csr_matrix`` (sparse output of dense data)."""
         return sp.csr_matrix(self.dense(pos))
 
     def view(self, pos: np.ndarray) -> np.ndarray:
@@ -347,7 +367,8 @@ def check_indices(indices: np.ndarray, n_vars: int, where: str) -> None:
 
     One vectorised pass: signed ids are compared as unsigned, so a negative id is a
     huge one and a single ``max`` finds both kinds (the scatter writes out of bounds
-    otherwise)."""
+    otherwise).
+    """
     if indices.size == 0:
         return
     kind = indices.dtype
@@ -374,8 +395,10 @@ Rows = CSRRows | DenseRows
 
 
 def get_output(name: str) -> Callable[[Rows, np.ndarray], object]:
-    """The output function ``fn(rows, positions) -> X`` called ``name`` (an error names
-    the known ones)."""
+    """Return the output function ``fn(rows, positions) -> X`` called ``name``.
+
+    An unknown name is an error that names the known ones.
+    """
     try:
         return OUTPUTS[name]
     except KeyError:

@@ -71,7 +71,8 @@ Request = Mapping[str, tuple[str, np.ndarray]]
 class PendingReads(Protocol):
     """Reads in flight; ``result()`` blocks until all are done."""
 
-    def result(self) -> dict[str, np.ndarray]: ...
+    def result(self) -> dict[str, np.ndarray]:
+        """Wait for the reads and return the elements read, by request key."""
 
 
 class Backend(Protocol):
@@ -80,9 +81,11 @@ class Backend(Protocol):
     kinds: tuple[str, ...]
     """Source kinds the backend reads: ``"store"`` (zarr v3 layout store), ``"h5ad"``."""
 
-    def submit(self, request: Request) -> PendingReads: ...
+    def submit(self, request: Request) -> PendingReads:
+        """Start the reads of ``request``; return them in flight."""
 
-    def read_array(self, path: str) -> np.ndarray: ...
+    def read_array(self, path: str) -> np.ndarray:
+        """Read the whole array at ``path`` inside the store or file (small metadata arrays)."""
 
 
 BACKENDS: dict[str, Callable[..., Backend]] = {}
@@ -96,7 +99,7 @@ def register_backend(name: str, factory: Callable[..., Backend]) -> None:
 
 @typechecked
 def get_backend(name: str) -> Callable[..., Backend]:
-    """The factory registered under ``name``.
+    """Return the factory registered under ``name``.
 
     Raises
     ------
@@ -167,10 +170,13 @@ def http_context_spec(
     retries: int = TensorstoreSettings.HTTP_RETRIES,
     retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
 ) -> dict[str, Any]:
-    """tensorstore context members for HTTP reads: ``retries`` retries from
-    ``retry_delay`` seconds doubling up to 8 s. Also sets the stall watchdog of
-    tensorstore's HTTP transport (:attr:`TensorstoreSettings.HTTP_STALL_SECONDS`)
-    unless the environment already does."""
+    """Return the tensorstore context members for HTTP reads.
+
+    ``retries`` retries from ``retry_delay`` seconds doubling up to 8 s. Also sets the
+    stall watchdog of tensorstore's HTTP transport
+    (:attr:`TensorstoreSettings.HTTP_STALL_SECONDS`) unless the environment already
+    does.
+    """
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise InputError(f"http_retries={retries!r}: pass a whole number of retries >= 0")
     if not isinstance(retry_delay, int | float) or not retry_delay > 0:
@@ -196,7 +202,7 @@ def check_timeout(timeout: float) -> float:
 
 
 def timed_out(location: str, path: str, timeout: float) -> ReadError:
-    """The one-line error of a remote read that got no answer within ``timeout``."""
+    """Return the one-line error of a remote read that got no answer within ``timeout``."""
     return ReadError(
         f"reading {location.rstrip('/')}/{path} failed: no answer within {timeout:g} s; "
         "check that the server is up and answers, or allow longer with http_timeout="
@@ -204,7 +210,7 @@ def timed_out(location: str, path: str, timeout: float) -> ReadError:
 
 
 def ts_kvstore(location: str, path: str) -> dict[str, Any]:
-    """The tensorstore kvstore spec of ``path`` inside the store at ``location``."""
+    """Return the tensorstore kvstore spec of ``path`` inside the store at ``location``."""
     if is_url(location):
         return {"driver": "http", "base_url": location.rstrip("/") + "/", "path": path}
     return {"driver": "file", "path": os.path.join(location, path)}
@@ -294,7 +300,10 @@ class TensorstoreBackend:
         return arr
 
     def _direct_array(self, path: str) -> Any:
-        """The :mod:`loader._shards` reader of ``path``, or ``None`` (tensorstore reads it)."""
+        """Return the :mod:`loader._shards` reader of ``path``, or ``None``.
+
+        ``None`` means tensorstore reads it.
+        """
         if not self.direct:
             return None
         if path not in self._direct:
@@ -362,10 +371,12 @@ a :class:`ReadError`, whatever else the message says."""
 def read_error(
     location: str, path: str, e: Exception, *, fix: str | None = None
 ) -> ReadError | LayoutError:
-    """A one-line error for a failed tensorstore read of ``path`` in the store at
-    ``location``: :class:`LayoutError` when the bytes are damaged or missing (the
-    message names the store, the array and tensorstore's chunk key), else
-    :class:`ReadError` (``fix``: what to do; by default, per kind of location)."""
+    """Return a one-line error for a failed tensorstore read of ``path`` at ``location``.
+
+    The error is a :class:`LayoutError` when the bytes are damaged or missing (the
+    message names the store, the array and tensorstore's chunk key), else a
+    :class:`ReadError` (``fix``: what to do; by default, per kind of location).
+    """
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
     if fix is None and damaged:
@@ -456,8 +467,11 @@ class ZarrBackend:
         return arr
 
     def _check_present(self, path: str, ranges: np.ndarray) -> None:
-        """zarr-python reads an absent chunk as the fill value: in a store whose
-        manifest says every chunk is stored, look in the shard indexes first."""
+        """Refuse an absent chunk before zarr-python reads it.
+
+        zarr-python reads an absent chunk as the fill value: in a store whose manifest
+        says every chunk is stored, look in the shard indexes first.
+        """
         if not self.require_chunks:
             return
         if path not in self._indexes:
@@ -523,8 +537,10 @@ blosc or zstd stream that does not decode (RuntimeError), a wrong decoded size."
 
 
 async def _first_bad_chunk(aa: Any, ranges: np.ndarray) -> int | None:
-    """The first inner chunk of ``ranges`` that fails to read (the error path only:
-    one read per chunk, in order)."""
+    """Return the first inner chunk of ``ranges`` that fails to read.
+
+    The error path only: one read per chunk, in order.
+    """
     rows = int(aa.chunks[0]) if aa.chunks else 1
     for a, b in ranges.tolist():
         for c in range(a // rows, (b - 1) // rows + 1):
@@ -536,8 +552,11 @@ async def _first_bad_chunk(aa: Any, ranges: np.ndarray) -> int | None:
 
 
 def _zarr_damage(location: str, path: str, chunk: int | None, e: Exception) -> LayoutError:
-    """The one-line error of a zarr-python read that failed on the stored bytes (a
-    crc32c mismatch, a chunk that does not decode): names store, array and chunk."""
+    """Return the one-line error of a zarr-python read that failed on the stored bytes.
+
+    The read failed with a crc32c mismatch or a chunk that does not decode; the error
+    names store, array and chunk.
+    """
     where = f"store {location}, array {path}" + ("" if chunk is None else f", chunk {chunk}")
     return LayoutError(
         f"{where}: cannot be read ({damage_cause(e)}); the store is damaged: restore it "
@@ -546,8 +565,10 @@ def _zarr_damage(location: str, path: str, chunk: int | None, e: Exception) -> L
 
 
 def damage_cause(e: Exception) -> str:
-    """The first sentence of a decoding error (zarr's checksum message goes on to
-    print the raw checksum bytes)."""
+    """Return the first sentence of a decoding error.
+
+    zarr's checksum message goes on to print the raw checksum bytes.
+    """
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
     return text.split(". Stored:", 1)[0].rstrip(".")
 

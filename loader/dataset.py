@@ -1,5 +1,7 @@
-"""``BlockDataset``: block sampling + batched fetching (numpy batches here; with torch,
-``loader.BlockDataset`` is :class:`loader._torch.TorchBlockDataset`, an ``IterableDataset``).
+"""``BlockDataset``: block sampling + batched fetching.
+
+Numpy batches here; with torch, ``loader.BlockDataset`` is
+:class:`loader._torch.TorchBlockDataset`, an ``IterableDataset``.
 
 ::
 
@@ -431,8 +433,11 @@ class BlockDataset:
         self.group_workers = False  # BlockDataLoader: workers send groups of minibatches
 
     def _check_diversity(self, reader: Any, label: str | None) -> None:
-        """Warn once if the data lies in its original order and the label's predicted
-        diversity under these settings is below :data:`loader.diversity.WARN_BELOW`."""
+        """Warn once if the data lies in its original order and diversity is low.
+
+        Low means the label's predicted diversity under these settings is below
+        :data:`loader.diversity.WARN_BELOW`.
+        """
         from loader import diversity as D
 
         base = reader
@@ -471,26 +476,32 @@ class BlockDataset:
     # -- settings -------------------------------------------------------------------
     @property
     def batch_size(self) -> int:
+        """Rows per minibatch."""
         return self.config.batch_size
 
     @property
     def fetch_factor(self) -> int:
+        """Minibatches per fetch: each fetch reads ``batch_size * fetch_factor`` rows."""
         return self.config.fetch_factor
 
     @property
     def strategy(self) -> str:
+        """Name of the block sampling strategy."""
         return self.config.strategy
 
     @property
     def seed(self) -> int:
+        """Seed of the sampler's random draws."""
         return self.config.seed
 
     @property
     def block_size(self) -> int:
+        """Rows per block of the store (the unit the sampler draws)."""
         return int(self._get_reader().block_size)
 
     @property
     def epoch(self) -> int:
+        """Epoch the next (or current) pass draws, shared with the workers."""
         return int(self._shared[_EPOCH])
 
     def set_epoch(self, epoch: int) -> None:
@@ -571,8 +582,11 @@ class BlockDataset:
         }
 
     def _digests(self) -> dict[str, str | None]:
-        """The weights' and the rows' digests, computed on the first state_dict() and
-        kept: hashing is linear in the rows, and a training loop may checkpoint often."""
+        """Return the weights' and the rows' digests, computed once and kept.
+
+        Computed on the first state_dict(): hashing is linear in the rows, and a
+        training loop may checkpoint often.
+        """
         if self._state_digests is None:
             w = self.config.row_weights
             self._state_digests = {
@@ -582,8 +596,10 @@ class BlockDataset:
         return self._state_digests
 
     def _rows_digest(self) -> str:
-        """Digest of which source row sits where (the store's row order and shape):
-        a state resumes the same rows only on a store with the same order."""
+        """Digest of which source row sits where (the store's row order and shape).
+
+        A state resumes the same rows only on a store with the same order.
+        """
         reader = self._get_reader()
         m = getattr(reader, "manifest", None)  # one's own reader may have none
         order = m.order.to_dict() if m is not None else None
@@ -665,9 +681,10 @@ class BlockDataset:
 
     # -- the pass protocol of a DataLoader that counts (BlockDataLoader) ---------------
     def begin_pass(self, num_workers: int) -> list[int]:
-        """Main process, before an iteration: start the next epoch unless
-        :meth:`set_epoch` or :meth:`load_state_dict` chose one since the last pass
-        began, and reset the delivered-minibatch counter.
+        """Start the next epoch before an iteration, in the main process.
+
+        The next epoch starts unless :meth:`set_epoch` or :meth:`load_state_dict` chose
+        one since the last pass began; the delivered-minibatch counter is reset.
 
         Returns the minibatches each of ``num_workers`` DataLoader workers (by id)
         yields in the coming pass (none for ``num_workers=0``).
@@ -690,12 +707,14 @@ class BlockDataset:
         return self._worker_remaining(num_workers) if num_workers else []
 
     def count_delivered(self) -> None:
-        """Main process: one more minibatch of the pass was delivered."""
+        """Count one more delivered minibatch of the pass (main process)."""
         self._consumed += 1
 
     def release_group(self, worker: int, seq: int) -> None:
-        """Main process: worker ``worker``'s group ``seq`` is copied out; its shared
-        buffer may be reused (see :class:`loader._workers.GroupBuffers`)."""
+        """Record that worker ``worker``'s group ``seq`` is copied out, in the main process.
+
+        Its shared buffer may be reused (see :class:`loader._workers.GroupBuffers`).
+        """
         if worker < self._released.shape[0]:
             self._released[worker] = seq + 1
 
@@ -710,7 +729,7 @@ class BlockDataset:
         ]
 
     def end_pass(self) -> None:
-        """Main process, after a complete iteration: a later pass starts from 0."""
+        """Let a later pass start from 0 after a complete iteration (main process)."""
         self._shared[_START_EPOCH] = -1
 
     # -- iteration ------------------------------------------------------------------
@@ -798,7 +817,7 @@ class BlockDataset:
         return self._apply_hooks(self._numpy_batch(batch))
 
     def _numpy_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """A minibatch of the pipeline as the documented numpy dict (float32 X)."""
+        """Return a minibatch of the pipeline as the documented numpy dict (float32 X)."""
         X = batch["X"]
         if self.output == "dense":
             X = np.ascontiguousarray(X, dtype=np.float32)
@@ -817,8 +836,11 @@ class BlockDataset:
         return out
 
     def apply_dtype(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """``batch`` with ``X`` in :attr:`dtype` (numpy arrays or torch tensors); what
-        :class:`BlockDataLoader` applies to minibatches unpacked from worker groups."""
+        """Return ``batch`` with ``X`` in :attr:`dtype` (numpy arrays or torch tensors).
+
+        This is what :class:`BlockDataLoader` applies to minibatches unpacked from
+        worker groups.
+        """
         if self.dtype == "float32":
             return batch
         X = batch["X"]
@@ -836,8 +858,11 @@ class BlockDataset:
         return batch if self.transform is None else self.transform(batch)
 
     def dataloader(self, **kwargs: Any) -> Any:
-        """A :class:`BlockDataLoader` over this dataset: a torch feature, which
-        :class:`loader.BlockDataset` (``TorchBlockDataset`` when torch imports) has."""
+        """Return a :class:`BlockDataLoader` over this dataset.
+
+        A torch feature, which :class:`loader.BlockDataset` (``TorchBlockDataset`` when
+        torch imports) has.
+        """
         if not torch_available():
             raise InputError(f"BlockDataLoader needs torch: {TORCH_HINT}")
         raise InputError(
@@ -972,8 +997,10 @@ def _row_weights(
 
 
 def _shared_state(n: int | None = None) -> Any:
-    """Epoch / resume slots (or ``n`` zeroed counters), in shared memory when torch is
-    there (seen by workers)."""
+    """Epoch / resume slots (or ``n`` zeroed counters) that workers see.
+
+    They are in shared memory when torch is there.
+    """
     if torch_available():
         import torch
 

@@ -57,7 +57,7 @@ def _log_comb(n: float, k: float) -> float:
 
 @typechecked
 def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int) -> float:
-    """Expected number of distinct blocks in a minibatch, exactly.
+    """Return the expected number of distinct blocks in a minibatch, exactly.
 
     ``E[D] = k·(1 − C(n−b, m)/C(n, m))`` with fetch size ``n = k·b`` rows: each of the
     ``k`` blocks is absent from a random ``m``-subset with probability
@@ -74,8 +74,11 @@ def expected_distinct_blocks(batch_size: int, fetch_factor: int, block_size: int
 
 
 def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
-    """Expected entropy (bits) of a label over ``batch_size`` cells drawn at random
-    without replacement from a population with ``counts`` cells per label."""
+    """Return the expected entropy (bits) of a label over ``batch_size`` random cells.
+
+    The cells are drawn at random without replacement from a population with ``counts``
+    cells per label.
+    """
     from scipy import stats  # imported when first needed: it is slow to import
 
     counts = np.asarray(counts, dtype=np.int64)
@@ -89,8 +92,10 @@ def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
 
 
 def minibatch_entropy(codes: np.ndarray) -> np.ndarray:
-    """Entropy (bits) of each row of a ``(n_batches, m)`` array of label codes,
-    vectorised (sort, then count runs)."""
+    """Entropy (bits) of each row of a ``(n_batches, m)`` array of label codes.
+
+    Vectorised: sort, then count runs.
+    """
     codes = np.sort(np.asarray(codes), axis=1)
     n, m = codes.shape
     if m == 0:
@@ -110,9 +115,12 @@ def minibatch_entropy(codes: np.ndarray) -> np.ndarray:
 def predict_dataset_diversity(
     config: Any, codes: np.ndarray, *, max_batches: int = PREDICT_BATCHES
 ) -> float:
-    """Diversity of the label ``codes`` (one per sampled row, in store order) under the
-    sampler ``config`` (a :class:`loader.sampler.SamplerConfig`), from its plan: the
-    minibatches of epoch 0 on (more epochs while fewer than ``max_batches``)."""
+    """Diversity of the label ``codes`` under the sampler ``config``, from its plan.
+
+    ``codes`` has one code per sampled row, in store order; ``config`` is a
+    :class:`loader.sampler.SamplerConfig`. The minibatches of epoch 0 on count (more
+    epochs while fewer than ``max_batches``).
+    """
     from loader import sampler as S
 
     codes = np.asarray(codes, dtype=np.int64)
@@ -144,8 +152,11 @@ def predict_dataset_diversity(
 
 
 def sorted_by(columns: dict[str, np.ndarray]) -> str | None:
-    """The first of ``columns`` (name -> codes in store order) the rows are sorted by:
-    at least two values, each in one run (missing values aside)."""
+    """Return the first of ``columns`` the rows are sorted by.
+
+    ``columns`` maps name -> codes in store order; sorted means at least two values,
+    each in one run (missing values aside).
+    """
     for name, codes in columns.items():
         c = np.asarray(codes)
         c = c[c >= 0]

@@ -41,8 +41,11 @@ class NotALayoutStoreError(LayoutError):
 
 
 class ReadError(SclayoutError):
-    """A read from a store failed while loading (a server that stopped answering, a
-    file removed or truncated under a running loader)."""
+    """A read from a store failed while loading.
+
+    For example a server that stopped answering, a file removed or truncated under a
+    running loader.
+    """
 
 
 class FormatVersionError(LayoutError):

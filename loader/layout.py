@@ -157,6 +157,7 @@ class ArrayLayout:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> ArrayLayout:
+        """Return the array layout described by ``d``, a manifest entry."""
         shards = d.get("shards")
         return cls(
             path=str(d["path"]),
@@ -198,9 +199,11 @@ class MatrixLayout:
 
     @property
     def is_csr(self) -> bool:
+        """Whether the matrix is stored as CSR (else dense)."""
         return self.encoding == "csr"
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the matrix layout as its manifest entry (JSON-ready)."""
         return {
             "encoding": self.encoding,
             "shape": list(self.shape),
@@ -212,6 +215,7 @@ class MatrixLayout:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> MatrixLayout:
+        """Return the matrix layout described by ``d``, a manifest entry."""
         return cls(
             encoding=str(d["encoding"]),
             shape=tuple(d["shape"]),
@@ -246,10 +250,12 @@ class RowOrder:
             raise SpecError("order='stratified' needs at least one obs column (--by COL)")
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the row order as its manifest entry (JSON-ready)."""
         return {"kind": self.kind, "seed": self.seed, "columns": list(self.columns)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RowOrder:
+        """Return the row order described by ``d``; a malformed one is a :class:`SpecError`."""
         form = '{"kind": "original"|"shuffled"|"stratified", "seed": int, "columns": [names]}'
         if not isinstance(d, Mapping) or "kind" not in d:
             raise SpecError(f"order={d!r}: must be an object {form}")
@@ -306,13 +312,16 @@ class Manifest:
 
     @property
     def n_blocks(self) -> int:
+        """Number of blocks, the last one possibly short."""
         return -(-self.n_obs // self.block_size)
 
     @property
     def X(self) -> MatrixLayout:
+        """Layout of the main matrix ``X``."""
         return self.matrices["X"]
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the manifest as the JSON-ready dict stored in the root ``zarr.json``."""
         version_2 = (  # what version 2 added; a version-1 manifest round-trips as it was
             {
                 "chunk_checksum": self.chunk_checksum,
@@ -341,10 +350,12 @@ class Manifest:
         }
 
     def to_json(self) -> str:
+        """Return the manifest as JSON text (sorted keys, so it is stable)."""
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
 
     @classmethod
     def from_dict(cls, d: Any) -> Manifest:
+        """Return the manifest in ``d``; anything else is a :class:`NotALayoutStoreError`."""
         if not isinstance(d, Mapping) or d.get("format") != FORMAT:
             raise NotALayoutStoreError(
                 "no sclayout manifest: this is not a layout store "
@@ -386,6 +397,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, text: str) -> Manifest:
+        """Return the manifest in the JSON ``text``."""
         return cls.from_dict(json.loads(text))
 
 

@@ -1,5 +1,6 @@
-"""Where a store lives and what it is: a local path or an ``http(s)://`` URL; an
-HDF5 (.h5ad) file or not.
+"""Where a store lives and what it is.
+
+A local path or an ``http(s)://`` URL; an HDF5 (.h5ad) file or not.
 
 A module of its own because the backends, the direct shard reader, the reader and the
 converter's checks all ask it, and none of them may import another for it.
@@ -23,8 +24,10 @@ def is_url(location: str) -> bool:
 
 
 def is_hdf5(path: str | os.PathLike[str]) -> bool:
-    """Whether the file at ``path`` carries the HDF5 signature (``OSError`` if it
-    cannot be read)."""
+    """Whether the file at ``path`` carries the HDF5 signature.
+
+    ``OSError`` if it cannot be read.
+    """
     with open(path, "rb") as fh:
         for offset in _USER_BLOCK_OFFSETS:
             fh.seek(offset)

@@ -256,9 +256,12 @@ def fetch_ranges(
     block_pointer: np.ndarray | None,
     matrix: str = "X",
 ) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
-    """What a reader needs to issue a fetch, without :func:`plan_fetch`'s read
-    accounting: the sorted unique block ids, the ``(n, 2)`` stored-row ranges of
-    their runs, and the element ranges each array needs (same checks and errors)."""
+    """Return what a reader needs to issue a fetch, without the read accounting.
+
+    Unlike :func:`plan_fetch`, only the sorted unique block ids, the ``(n, 2)``
+    stored-row ranges of their runs, and the element ranges each array needs (same
+    checks and errors).
+    """
     if matrix not in manifest.matrices:
         raise InputError(
             f"matrix={matrix!r}: not in the store; available: {', '.join(manifest.matrices)}"

@@ -166,10 +166,12 @@ class SamplerConfig:
 
     @property
     def n_blocks(self) -> int:
+        """Number of blocks."""
         return int(self.block_lengths.size)
 
     @property
     def n_obs(self) -> int:
+        """Number of rows over all blocks."""
         return int(self.block_starts[-1])
 
     @property
@@ -203,6 +205,7 @@ class SamplerConfig:
 
     @property
     def fetch_rows(self) -> int:
+        """Rows per fetch: ``batch_size * fetch_factor``."""
         return self.batch_size * self.fetch_factor
 
 
@@ -210,7 +213,7 @@ class SamplerConfig:
 
 
 def epoch_stream(cfg: SamplerConfig, epoch: int) -> Segments:
-    """The whole epoch's stream of rows (identical on every rank and worker)."""
+    """Return the whole epoch's stream of rows (identical on every rank and worker)."""
     rng = np.random.default_rng(np.random.SeedSequence(cfg.seed, spawn_key=(epoch, _TAG_EPOCH)))
     return get_strategy(cfg.strategy).draw(cfg, rng)
 
@@ -247,7 +250,7 @@ def check_nonnegative_int(value: object, name: str) -> None:
 
 
 def _is_int(value: object) -> bool:
-    """An int or a numpy integer, not a bool."""
+    """Return whether the value is an int or a numpy integer, not a bool."""
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
@@ -299,10 +302,12 @@ class WorkerPlan:
 
     @property
     def n_fetches(self) -> int:
+        """Number of fetches in the plan."""
         return int(self.fetch_cuts.size - 1)
 
     @property
     def n_rows(self) -> int:
+        """Number of rows the plan delivers."""
         return int(self.fetch_bounds[-1])
 
     def fetch(self, k: int) -> Fetch:
@@ -381,7 +386,7 @@ def _cut_fetches(segments: Segments, fetch_rows: int) -> np.ndarray:
 
 
 def rank_stream(cfg: SamplerConfig, epoch: int, *, rank: int = 0, world_size: int = 1) -> Segments:
-    """The rows of one rank in one epoch (before dropping an incomplete last batch)."""
+    """Return the rows of one rank in one epoch (before dropping an incomplete last batch)."""
     stream = epoch_stream(cfg, epoch)
     per_rank, _ = _rank_rows(cfg, world_size)
     pad = per_rank * world_size - stream.n_rows
@@ -402,7 +407,7 @@ def worker_plan(
     worker: int = 0,
     num_workers: int = 1,
 ) -> WorkerPlan:
-    """The plan of one worker (``worker`` of ``num_workers``) of one rank in ``epoch``."""
+    """Return the plan of one worker (``worker`` of ``num_workers``) of one rank in ``epoch``."""
     check_position(rank, world_size, worker, num_workers)
     check_nonnegative_int(epoch, "epoch")
     _, used = _rank_rows(cfg, world_size)

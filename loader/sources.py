@@ -1,5 +1,7 @@
-"""What ``BlockDataset`` reads besides one store: in-memory AnnData, several stores as
-one dataset, a gene panel, a subset of rows, and extra row-aligned elements.
+"""What ``BlockDataset`` reads besides one store.
+
+In-memory AnnData, several stores as one dataset, a gene panel, a subset of rows, and
+extra row-aligned elements.
 
 Each is a reader with the interface of :class:`loader.store.LayoutReader` that the
 sampler and the pipeline use (``block_lengths``, ``source_index``, ``obs_codes``,
@@ -112,26 +114,32 @@ class MatrixReader:
 
     @property
     def is_csr(self) -> bool:
+        """Whether the matrix is scipy sparse."""
         return sp.issparse(self.matrix)
 
     def var_names(self) -> list[str]:
+        """Return the var names; an input without them is an :class:`InputError`."""
         if self._var_names is None:
             raise InputError("var_names: this input has no var names; pass an AnnData")
         return self._var_names
 
     def block_lengths(self) -> np.ndarray:
+        """Return the rows of each block (the last one possibly short)."""
         starts = np.arange(self.n_blocks, dtype=np.int64) * self.block_size
         return np.minimum(starts + self.block_size, self.n_obs) - starts
 
     def source_index(self) -> np.ndarray:
+        """Return the source row of each row: the identity, as the rows are not reordered."""
         return np.arange(self.n_obs, dtype=np.int64)
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
+        """Return the codes and categories of obs ``column`` (computed once)."""
         if column not in self._codes:
             self._codes[column] = _obs_codes_of(self.obs, column)
         return self._codes[column]
 
     def categorical_obs_columns(self) -> list[str]:
+        """Return the obs columns that are categoricals, in order."""
         import pandas as pd
 
         if self.obs is None:
@@ -139,6 +147,7 @@ class MatrixReader:
         return [c for c in self.obs.columns if isinstance(self.obs[c].dtype, pd.CategoricalDtype)]
 
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> _Ready:
+        """Return the rows of ``blocks`` (in ``order`` if given) as a fetch already there."""
         blocks = np.asarray(blocks, dtype=np.int64)
         starts = blocks * self.block_size
         rows = arange_runs(starts, np.minimum(starts + self.block_size, self.n_obs) - starts)
@@ -147,6 +156,7 @@ class MatrixReader:
         return _Ready(_RowsFetched(self, rows))
 
     def rows_of(self, rows: np.ndarray, output: str) -> Any:
+        """Return the matrix rows ``rows`` as ``output``."""
         return _as_output(self.matrix[rows], output)
 
 
@@ -172,8 +182,10 @@ class _RowsFetched:
 
 
 class ConcatReader:
-    """Several readers of the same width as one: their rows (and blocks) one after the
-    other."""
+    """Several readers of the same width as one.
+
+    Their rows (and blocks) come one after the other.
+    """
 
     kind = "concat"
 
@@ -197,6 +209,7 @@ class ConcatReader:
 
     @property
     def is_csr(self) -> bool:
+        """Whether any input is CSR."""
         return any(_is_csr(r) for r in self.readers)
 
     @property
@@ -212,12 +225,15 @@ class ConcatReader:
 
     @property
     def state_key(self) -> str:
+        """Digest of the inputs' keys, which identifies the rows for resuming."""
         return _digest(repr([_state_key(r) for r in self.readers]))
 
     def block_lengths(self) -> np.ndarray:
+        """Return the rows of each block, the inputs' blocks one after the other."""
         return self._lengths
 
     def source_index(self) -> np.ndarray:
+        """Return the source row of each row, offset by the rows of the inputs before it."""
         pairs = zip(self.readers, self._roff[:-1], strict=True)
         return np.concatenate([np.asarray(r.source_index(), np.int64) + o for r, o in pairs])
 
@@ -301,8 +317,11 @@ def _is_csr(reader: Any) -> bool:
 
 
 def panel_names(var_names: Any) -> list[str]:
-    """The panel as a list of names: from a list, a pandas Index or a text file (one
-    name per line); duplicates are an error."""
+    """Return the panel as a list of names.
+
+    From a list, a pandas Index or a text file (one name per line); duplicates are an
+    error.
+    """
     if isinstance(var_names, str | os.PathLike):
         path = os.fspath(var_names)
         try:
@@ -353,23 +372,29 @@ class PanelReader:
 
     @property
     def manifest(self) -> Any:
+        """Manifest of the inner reader, or ``None`` if it has none."""
         return getattr(self.inner, "manifest", None)
 
     @property
     def backend(self) -> Any:
+        """Backend of the inner reader, or ``None`` if it has none."""
         return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:
+        """Digest of the inner key and the panel: it identifies the rows for resuming."""
         return _digest(repr([_state_key(self.inner), self.columns.tobytes()]))
 
     def block_lengths(self) -> np.ndarray:
+        """Return the inner reader's block lengths (a panel keeps every row)."""
         return self.inner.block_lengths()
 
     def source_index(self) -> np.ndarray:
+        """Return the inner reader's source index (a panel keeps every row)."""
         return self.inner.source_index()
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
+        """Return the inner reader's codes and categories of obs ``column``."""
         return self.inner.obs_codes(column)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -378,6 +403,7 @@ class PanelReader:
         return state
 
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> Any:
+        """Start the fetch of ``blocks``; its rows come in the panel's columns."""
         from loader.store import LayoutReader
 
         if not isinstance(self.inner, LayoutReader):  # remapped per minibatch
@@ -421,8 +447,10 @@ class PanelReader:
         return Fetched(f.reader, f.rows[order], f.index[order], values, order, prep)
 
     def _lut(self, dtype: np.dtype) -> np.ndarray:
-        """The column map in the smallest signed type that holds the panel (less memory
-        traffic for the one gather over every value of the fetch)."""
+        """Return the column map in the smallest signed type that holds the panel.
+
+        Less memory traffic for the one gather over every value of the fetch.
+        """
         small = np.int16 if self.n_vars < 2**15 else np.int32
         lut = getattr(self, "_lut_cache", None)
         if lut is None or lut.dtype != small:
@@ -517,27 +545,34 @@ class SubsetReader:
 
     @property
     def manifest(self) -> Any:
+        """Manifest of the inner reader, or ``None`` if it has none."""
         return getattr(self.inner, "manifest", None)
 
     @property
     def backend(self) -> Any:
+        """Backend of the inner reader, or ``None`` if it has none."""
         return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:
+        """Digest of the inner key and the rows kept: it identifies the rows for resuming."""
         return _digest(repr([_state_key(self.inner), _digest(self.rows.tobytes())]))
 
     def block_lengths(self) -> np.ndarray:
+        """Return the kept rows of each block."""
         return self._lengths
 
     def source_index(self) -> np.ndarray:
+        """Return the source row of each kept row."""
         return np.asarray(self.inner.source_index(), dtype=np.int64)[self.rows]
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
+        """Return the codes of obs ``column`` for the kept rows, and its categories."""
         codes, cats = self.inner.obs_codes(column)
         return np.asarray(codes, dtype=np.int64)[self.rows], cats
 
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> Any:
+        """Start the fetch of ``blocks``; it reads whole inner blocks and keeps the chosen rows."""
         blocks = np.asarray(blocks, dtype=np.int64)  # sorted and unique, as the sampler asks
         inner = self._blocks[blocks]
         # where each selected row of these blocks sits in the inner fetch (whole blocks)
@@ -560,7 +595,7 @@ def _digest(text: str | bytes) -> str:
 
 
 def _state_key(reader: Any) -> str:
-    """What identifies a reader's rows for resuming (its own key, or its store order)."""
+    """Return what identifies a reader's rows for resuming (its own key, or its store order)."""
     key = getattr(reader, "state_key", None)
     if key is not None:
         return str(key)
@@ -601,7 +636,7 @@ def _memory_reader(adata: Any, element: str, block_size: int) -> MatrixReader:
 
 
 def _store_var_names(reader: Any) -> list[str]:
-    """var names of a layout store or an .h5ad (read once, with anndata)."""
+    """Var names of a layout store or an .h5ad (read once, with anndata)."""
     cached = getattr(reader, "_sclayout_var_names", None)
     if cached is not None:
         return cached
@@ -611,7 +646,7 @@ def _store_var_names(reader: Any) -> list[str]:
 
 
 def _read_element(reader: Any, element: str) -> Any:
-    """A small element (``var``, ``obsm/NAME``) of a store or .h5ad, read whole."""
+    """Read a small element (``var``, ``obsm/NAME``) of a store or .h5ad whole."""
     from anndata.io import read_elem
 
     location = getattr(reader, "location", None)
@@ -638,7 +673,7 @@ def _read_element(reader: Any, element: str) -> Any:
 
 
 def _store_extra(reader: Any, element: str, open_matrix: Any) -> Any:
-    """The reader of extra ``element`` of a store, on the same block grid as ``reader``."""
+    """Return the reader of extra ``element`` of a store, on the same block grid as ``reader``."""
     kind, _ = _element_path(element)
     if kind == "obsm":
         value = _read_element(reader, element)
@@ -660,7 +695,7 @@ def build_readers(
     rows: Any = None,
     extra: Sequence[str] = (),
 ) -> tuple[Any, dict[str, Any]]:
-    """The reader of ``X`` and one per ``extra`` element for ``BlockDataset``'s inputs.
+    """Return the reader of ``X`` and one per ``extra`` element for ``BlockDataset``'s inputs.
 
     ``inputs`` are store paths / URLs, readers or in-memory AnnData objects;
     ``open_store(path, matrix)`` opens one store (with the dataset's settings).
@@ -724,8 +759,11 @@ def _names_or_none(d: dict[str, Any]) -> list[str] | None:
 
 
 def select_rows(reader: Any, rows: Any) -> np.ndarray:
-    """Stored rows of ``reader`` chosen by ``rows``: a boolean mask or an index array
-    over the source rows, or ``{obs column: value or list of values}``."""
+    """Return the stored rows of ``reader`` chosen by ``rows``.
+
+    ``rows`` is a boolean mask or an index array over the source rows, or
+    ``{obs column: value or list of values}``.
+    """
     n = int(reader.n_obs)
     if isinstance(rows, Mapping):
         keep = np.ones(n, dtype=bool)

@@ -1,5 +1,6 @@
-"""Layout specs: the JSON that ``sclayout recommend`` writes and both
-``sclayout convert --spec`` and :class:`loader.BlockDataset` accept.
+"""Layout specs: the JSON that ``sclayout recommend`` writes.
+
+Both ``sclayout convert --spec`` and :class:`loader.BlockDataset` accept it.
 
 A spec has two halves: how to lay the store out (:class:`StoreSpec`) and how to read
 it (:class:`LoaderSettings`). ``predicted`` carries the cost model's figures for the
@@ -70,6 +71,7 @@ class StoreSpec:
         )
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the store settings as the JSON-ready dict of a spec."""
         return {
             "block_size": self.block_size,
             "order": self.order.to_dict(),
@@ -81,6 +83,7 @@ class StoreSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> StoreSpec:
+        """Return the store settings in ``d``; an unknown key is a :class:`SpecError`."""
         known = {"block_size", "order", "codec", "chunk_blocks", "csr_chunk_nnz", "shard_chunks"}
         unknown = set(d) - known
         if unknown:
@@ -120,6 +123,7 @@ class LoaderSettings:
             raise SpecError(f"strategy={self.strategy!r}: unknown; known: {', '.join(known)}")
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the loader settings as the JSON-ready dict of a spec."""
         return {
             "batch_size": self.batch_size,
             "fetch_factor": self.fetch_factor,
@@ -130,6 +134,7 @@ class LoaderSettings:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> LoaderSettings:
+        """Return the loader settings in ``d``; an unknown key is a :class:`SpecError`."""
         known = {"batch_size", "fetch_factor", "num_workers", "strategy", "backend"}
         unknown = set(d) - known
         if unknown:
@@ -148,9 +153,11 @@ class LayoutSpec:
     predicted: Mapping[str, Any] = field(default_factory=dict)
 
     def with_store(self, **changes: Any) -> LayoutSpec:
+        """Return a copy of the spec with the store settings ``changes``."""
         return replace(self, store=replace(self.store, **changes))
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the spec as its JSON-ready dict, with format and version."""
         return {
             "format": SPEC_FORMAT,
             "version": SPEC_VERSION,
@@ -161,6 +168,7 @@ class LayoutSpec:
 
     @classmethod
     def from_dict(cls, d: Any) -> LayoutSpec:
+        """Return the spec in ``d``; anything that is not a layout spec is a :class:`SpecError`."""
         if not isinstance(d, Mapping) or d.get("format") != SPEC_FORMAT:
             raise SpecError(
                 'not a layout spec (no "format": "sclayout-spec"); '
@@ -186,10 +194,12 @@ class LayoutSpec:
         )
 
     def save(self, path: str | Path) -> None:
+        """Write the spec as JSON to ``path``."""
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> LayoutSpec:
+        """Read the spec in the JSON file ``path``; an unreadable file is a :class:`SpecError`."""
         p = Path(path)
         try:
             text = p.read_text()

@@ -159,8 +159,11 @@ def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
 
 
 def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = None) -> str:
-    """Text of ``key`` in the store; over HTTP with the retries of ``http`` (keywords
-    of :func:`loader.backends.http_context_spec`, and ``timeout``)."""
+    """Text of ``key`` in the store.
+
+    Over HTTP, with the retries of ``http`` (keywords of
+    :func:`loader.backends.http_context_spec`, and ``timeout``).
+    """
     if is_url(location):
         import tensorstore as ts
 
@@ -185,8 +188,10 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
 
 
 def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manifest:
-    """The manifest of the store at ``location`` (path or URL), read from its root
-    ``zarr.json`` alone (HTTP cannot list a directory)."""
+    """Return the manifest of the store at ``location`` (path or URL).
+
+    It is read from the root ``zarr.json`` alone (HTTP cannot list a directory).
+    """
     try:
         meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
@@ -222,7 +227,7 @@ def _h5_array(ds: Any, path: str) -> ArrayLayout:
 
 
 def _h5ad_manifest(location: str, *, block_size: int, matrix: str) -> tuple[Manifest, Any]:
-    """A virtual manifest of a raw .h5ad (original order) and its block pointer."""
+    """Return a virtual manifest of a raw .h5ad (original order) and its block pointer."""
     import h5py
 
     try:
@@ -466,8 +471,11 @@ class LayoutReader:
 
     # -- small arrays
     def read_array(self, path: str) -> np.ndarray:
-        """The whole array at ``path`` inside the store (metadata: block pointer,
-        source index, ``indptr``), with zarr-python locally, else through the backend."""
+        """Return the whole array at ``path`` inside the store.
+
+        Metadata: block pointer, source index, ``indptr``. Read with zarr-python
+        locally, else through the backend.
+        """
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
@@ -527,9 +535,11 @@ class LayoutReader:
         return np.minimum(starts + self.block_size, self.n_obs) - starts
 
     def _index_in_memory(self) -> bool:
-        """Whether fetches take source row ids from :meth:`source_index` (read whole
-        once) instead of reading them with the fetch: yes when it is at most
-        :data:`INDEX_IN_MEMORY_BYTES`."""
+        """Whether fetches take source row ids from :meth:`source_index`.
+
+        That index is read whole once instead of with each fetch: yes when it is at most
+        :data:`INDEX_IN_MEMORY_BYTES`.
+        """
         return self._source_index is not None or self.n_obs * 8 <= INDEX_IN_MEMORY_BYTES
 
     def source_index(self) -> np.ndarray:
@@ -565,7 +575,7 @@ class LayoutReader:
                 root.close()
 
     def categorical_obs_columns(self) -> list[str]:
-        """obs columns stored as categoricals (their codes are cheap to read), in order."""
+        """Obs columns stored as categoricals (their codes are cheap to read), in order."""
         root = self._obs_root()
         try:
             if "obs" not in root:
@@ -612,7 +622,7 @@ class LayoutReader:
 
     # -- fetching
     def plan(self, blocks: np.ndarray, *, max_gap_chunks: int = 0) -> FetchPlan:
-        """The :func:`loader.plan.plan_fetch` plan of ``blocks`` (no I/O)."""
+        """Return the :func:`loader.plan.plan_fetch` plan of ``blocks`` (no I/O)."""
         return plan_fetch(
             blocks,
             manifest=self.manifest,
@@ -622,7 +632,7 @@ class LayoutReader:
         )
 
     def _assembler(self) -> ThreadPoolExecutor:
-        """This process's assembly thread (created lazily, again after a fork)."""
+        """Return the assembly thread of this process (created lazily, again after a fork)."""
         if self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(ASSEMBLY_THREADS, thread_name_prefix="sclayout-asm")
             self._pool_pid = os.getpid()
@@ -689,8 +699,10 @@ class LayoutReader:
 
 
 class PendingFetch:
-    """A fetch whose reads are in flight; :meth:`result` waits for it (assembled once,
-    in the reader's assembly thread)."""
+    """A fetch whose reads are in flight; :meth:`result` waits for it.
+
+    It is assembled once, in the reader's assembly thread.
+    """
 
     def __init__(self, reader: LayoutReader, blocks: np.ndarray, job: Future[Fetched]):
         self.reader = reader
@@ -700,8 +712,10 @@ class PendingFetch:
 
     @property
     def plan(self) -> FetchPlan:
-        """The fetch's :func:`loader.plan.plan_fetch` plan (computed when first asked:
-        the reads do not need its accounting)."""
+        """The fetch's :func:`loader.plan.plan_fetch` plan, computed when first asked.
+
+        The reads do not need its accounting.
+        """
         if self._plan is None:
             self._plan = self.reader.plan(self.blocks)
         return self._plan
@@ -756,8 +770,10 @@ class Fetched:
         return v.to_scipy() if isinstance(v, CSRRows) else v.values
 
     def permute(self, order: np.ndarray) -> Fetched:
-        """This fetch as the rows at positions ``order`` (a permutation of
-        ``range(n_rows)``, or any 1-d index array, repeats allowed).
+        """Return the rows of the fetch at positions ``order``.
+
+        ``order`` is a permutation of ``range(n_rows)``, or any 1-d index array, repeats
+        allowed.
 
         Costs no copy of the values: :meth:`take` maps its positions through the
         permutation. Minibatches whose positions map to decreasing rows (how the
@@ -779,7 +795,7 @@ class Fetched:
         output: str = "dense",
         obs: Sequence[str] = (),
     ) -> dict[str, Any]:
-        """A minibatch: the rows at ``positions`` (indices into this fetch).
+        """Return a minibatch: the rows at ``positions`` (indices into this fetch).
 
         Returns
         -------
@@ -800,10 +816,12 @@ class Fetched:
     def take_slice(
         self, a: int, b: int, *, output: str = "dense", obs: Sequence[str] = ()
     ) -> dict[str, Any]:
-        """:meth:`take` of the delivered rows ``a..b`` (``0 <= a < b <= n_rows``):
-        the minibatch loop's path, with slices instead of index arrays and, for dense
+        """Return :meth:`take` of the delivered rows ``a..b`` (``0 <= a < b <= n_rows``).
+
+        The minibatch loop's path, with slices instead of index arrays and, for dense
         output of a fetch delivered in the sampler's order, the scatter prepared when
-        the fetch was assembled."""
+        the fetch was assembled.
+        """
         a, b = int(a), int(b)
         if not 0 <= a < b <= self.n_rows:
             raise InputError(f"slice [{a}, {b}) out of range [0, {self.n_rows}) of this fetch")
@@ -819,8 +837,11 @@ class Fetched:
     def _batch(
         self, X: Any, index: np.ndarray, stored: np.ndarray, obs: Sequence[str] | str
     ) -> dict[str, Any]:
-        """The minibatch dict of ``X``, source ids ``index`` and the obs codes of the
-        stored rows ``stored``."""
+        """Return the minibatch dict of ``X``, ``index`` and the obs codes.
+
+        ``index`` holds the source ids, and the obs codes are those of the stored rows
+        ``stored``.
+        """
         if isinstance(obs, str):
             obs = (obs,)
         return {

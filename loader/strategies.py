@@ -31,21 +31,26 @@ __all__ = [
 
 
 class StrategyConfig(Protocol):
-    """What a strategy reads of the sampling settings (a
-    :class:`loader.sampler.SamplerConfig` is one)."""
+    """What a strategy reads of the sampling settings.
+
+    A :class:`loader.sampler.SamplerConfig` is one.
+    """
 
     block_lengths: np.ndarray
     num_samples: int | None
     replacement: bool
 
     @property
-    def n_blocks(self) -> int: ...
+    def n_blocks(self) -> int:
+        """Number of blocks."""
 
     @property
-    def n_obs(self) -> int: ...
+    def n_obs(self) -> int:
+        """Number of rows over all blocks."""
 
     @property
-    def block_weights(self) -> np.ndarray: ...
+    def block_weights(self) -> np.ndarray:
+        """Sum of row weights in each block."""
 
 
 @dataclass(frozen=True)
@@ -68,10 +73,12 @@ class Segments:
 
     @property
     def lengths(self) -> np.ndarray:
+        """Rows of each run."""
         return self.hi - self.lo
 
     @property
     def n_rows(self) -> int:
+        """Rows over all runs."""
         return int(self.lengths.sum())
 
     def boundaries(self) -> np.ndarray:
@@ -79,7 +86,7 @@ class Segments:
         return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
 
     def slice(self, start: int, stop: int) -> Segments:
-        """The runs covering stream positions ``[start, stop)``."""
+        """Return the runs covering stream positions ``[start, stop)``."""
         cum = self.boundaries()
         stop = min(stop, int(cum[-1]))
         if stop <= start:
@@ -92,6 +99,7 @@ class Segments:
         return Segments(block, lo, hi, self.sampled)
 
     def concat(self, other: Segments) -> Segments:
+        """Return these runs followed by ``other``'s."""
         return Segments(
             np.concatenate([self.block, other.block]),
             np.concatenate([self.lo, other.lo]),
@@ -129,7 +137,7 @@ def register_strategy(strategy: Strategy) -> Strategy:
 
 
 def get_strategy(name: str) -> Strategy:
-    """The registered strategy called ``name``; an error naming the known ones otherwise."""
+    """Return the registered strategy called ``name``; an error naming the known ones otherwise."""
     try:
         return _STRATEGIES[name]
     except (KeyError, TypeError):

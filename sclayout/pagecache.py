@@ -179,12 +179,14 @@ class Evictor:
             self._stop.wait(self.interval)
 
     def start(self) -> Evictor:
+        """Evict the paths once, then keep evicting them in a background thread."""
         evict(self.paths)
         self._thread = threading.Thread(target=self._run, name="sclayout-evictor", daemon=True)
         self._thread.start()
         return self
 
     def stop(self) -> None:
+        """Stop the background thread and wait for it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

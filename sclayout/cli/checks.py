@@ -74,7 +74,7 @@ def verify_cmd(
     sclayout verify --quick DST    structure and shard indexes only
     sclayout verify SRC... DST     also every value equal to its source (several
                                    sources: through the store's provenance)
-    """
+    """  # noqa: D301  (\b, a backspace, is click's mark for a block it must not rewrap)
     from loader.errors import InputError
 
     if progress is None or quiet:
@@ -106,8 +106,10 @@ def verify_cmd(
 def _finish(
     findings: list[str], remarks: list[str], summary: str, ok: bool, as_json: dict | None
 ) -> None:
-    """Print one line per finding (stdout), the remarks (stderr) and the summary, or the
-    JSON result; exit 0 when ``ok``, else 1."""
+    """Print one line per finding, the remarks and the summary, or the JSON result.
+
+    Findings go to stdout, remarks to stderr; exit 0 when ``ok``, else 1.
+    """
     if as_json is not None:
         click.echo(json.dumps(as_json, indent=1, default=str))
     else:

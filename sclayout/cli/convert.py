@@ -36,8 +36,11 @@ def _dir_bytes(path: Path) -> tuple[int, int]:
 
 
 def read_sources_file(path: Path) -> list[Path]:
-    """A ``--sources-from`` file: one source path a line (blank lines and ``#`` comments
-    skipped); relative paths are relative to the file's folder."""
+    """Read a ``--sources-from`` file: one source path a line.
+
+    Blank lines and ``#`` comments are skipped; relative paths are relative to the
+    file's folder.
+    """
     from loader.errors import InputError
 
     try:
@@ -149,8 +152,9 @@ def convert_command(
     quiet: bool,
     as_json: bool,
 ) -> None:
-    """Convert SRC (.h5ad or AnnData zarr; several: their rows in order) into the
-    layout store DST.
+    """Convert SRC (.h5ad or AnnData zarr) into the layout store DST.
+
+    With several SRC, their rows go in order.
 
     DST appears only when the conversion is complete: it is written into a temporary
     sibling and renamed at the end.

@@ -87,7 +87,7 @@ _SUFFIX_HINTS: Mapping[str, str] = {
 
 
 def _known_encodings() -> Mapping[str, tuple[str, ...]]:
-    """Encoding types and versions the installed anndata reads (its I/O registry)."""
+    """Return the encoding types and versions the installed anndata reads (its I/O registry)."""
     try:
         from anndata._io.specs.registry import _REGISTRY
     except ImportError:  # pragma: no cover - anndata moved its private registry
@@ -407,8 +407,11 @@ def _inspect_root(path: Path, kind: str, root: Any) -> SourceInfo:
 
 
 def _inspect_legacy(path: Path, kind: str, what: str) -> SourceInfo:
-    """A file in the anndata < 0.7 layout: accepted when the installed anndata reads
-    it (backed, so X stays on disk); its small tables are then read through anndata."""
+    """Check a file in the anndata < 0.7 layout.
+
+    It is accepted when the installed anndata reads it (backed, so X stays on disk); its
+    small tables are then read through anndata.
+    """
     import anndata as ad
 
     if kind != "hdf5":
@@ -481,12 +484,15 @@ def explain_read_errors(
     what: str = "data",
     errors: tuple[type[BaseException], ...] = (OSError,),
 ) -> Iterator[None]:
-    """Turn a low-level read failure of SRC (damaged chunk, truncated file) into an
-    :class:`InputError`; wrap the converter's and verify's reads in it.
+    """Turn a low-level read failure of SRC into an :class:`InputError`.
+
+    Such failures are a damaged chunk or a truncated file; wrap the converter's and
+    verify's reads in it.
 
     ``errors``: what counts as such a failure. Besides ``OSError``, a damaged source
     raises ``RuntimeError`` (a chunk that fails to decompress), ``KeyError`` (h5py,
-    a broken object header) or ``ValueError`` (zarr); an :class:`InputError` passes."""
+    a broken object header) or ``ValueError`` (zarr); an :class:`InputError` passes.
+    """
     try:
         yield
     except InputError:
@@ -507,7 +513,7 @@ def _is_zarr_dir(p: Path) -> bool:
 
 
 def _same_or_inside(a: Path, b: Path) -> bool:
-    """True if ``a`` is ``b`` or lies inside it (after resolving symlinks)."""
+    """Return True if ``a`` is ``b`` or lies inside it (after resolving symlinks)."""
     a, b = a.resolve(), b.resolve()
     return a == b or b in a.parents
 

@@ -37,7 +37,7 @@ GZIP_LEVEL = 5
 
 @typechecked
 def get_codec(name: str) -> tuple[Any, ...]:
-    """The zarr v3 compressors for codec ``name``.
+    """Return the zarr v3 compressors for codec ``name``.
 
     Raises
     ------

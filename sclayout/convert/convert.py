@@ -342,10 +342,12 @@ def _rss() -> int:
 
 
 def working_memory(budget: int, *, n_obs: int) -> int:
-    """Bytes the conversion tasks may use: the budget minus the process's current
-    resident memory, the driver's per-row arrays, the I/O threads' staging buffers and
-    a margin; at least a quarter of the budget (tiny budgets in tests are below any
-    interpreter's footprint)."""
+    """Bytes the conversion tasks may use.
+
+    The budget minus the process's current resident memory, the driver's per-row arrays,
+    the I/O threads' staging buffers and a margin; at least a quarter of the budget
+    (tiny budgets in tests are below any interpreter's footprint).
+    """
     staging = IO_THREADS * DIRECT_PIECE  # the I/O threads' O_DIRECT staging buffers
     spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN - staging
     return max(spare, budget // 4)
@@ -372,10 +374,12 @@ def _names_destination(e: OSError, tmp: Path, dst: Path) -> bool:
 
 
 def _clean_stale(dst: Path) -> None:
-    """Tidy siblings of DST left by a conversion that was killed: remove its temp
-    store; put an aside (the old DST, moved out of the way by ``--overwrite``) back in
-    place when DST is missing, i.e. when the kill came between the two renames of
-    :func:`_install`, and remove it otherwise."""
+    """Tidy siblings of DST left by a conversion that was killed.
+
+    Remove its temp store; put an aside (the old DST, moved out of the way by
+    ``--overwrite``) back in place when DST is missing, i.e. when the kill came between
+    the two renames of :func:`_install`, and remove it otherwise.
+    """
     for tag in (TMP_TAG, OLD_TAG):
         for p in sorted(dst.parent.glob(f".{dst.name}.{tag}-*")):
             pid = p.name.rsplit("-", 1)[-1]
@@ -388,8 +392,11 @@ def _clean_stale(dst: Path) -> None:
 
 
 def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
-    """Move the finished store into place; DST is never half-written, and the old
-    DST is put back if the new one cannot take its place."""
+    """Move the finished store into place.
+
+    DST is never half-written, and the old DST is put back if the new one cannot take
+    its place.
+    """
     if dst.exists():
         if not overwrite:  # appeared while we converted
             raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
@@ -478,8 +485,11 @@ class _Ctx:
 def _write_uns_sclayout(
     root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input, kw: dict[str, Any]
 ) -> dict[str, str]:
-    """source_index, block pointers and, with several sources, the per-row provenance
-    (source number, row in that source); returns the provenance paths."""
+    """Write source_index, block pointers and the per-row provenance.
+
+    Provenance (source number, row in that source) only with several sources; returns
+    the provenance paths.
+    """
     uns = root["uns"]
     payload: dict[str, Any] = {
         "source_index": perm.astype(np.int64),

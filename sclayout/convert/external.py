@@ -74,7 +74,7 @@ def _append(workdir: str, bucket: int, parts: dict[str, np.ndarray]) -> None:
 
 
 def _load(workdir: str, bucket: int, dtypes: dict[str, np.dtype]) -> dict[str, np.ndarray]:
-    """A bucket's parts, every writer's file read in turn into one scratch buffer."""
+    """Read a bucket's parts, every writer's file in turn into one scratch buffer."""
     d = Path(workdir) / f"b{bucket:06d}"
     writers = sorted({p.name.rsplit(".", 1)[0] for p in d.iterdir()}) if d.exists() else []
     out = {}
@@ -209,8 +209,11 @@ their first element in the task's ``data``/``idx`` files (a multiple of the pad 
 
 
 def pad_unit(*dtypes: np.dtype) -> int:
-    """Elements per segment padding unit: segments padded to a multiple of it start on
-    an :data:`~sclayout.convert._buffers.ALIGN` boundary in every array of ``dtypes``."""
+    """Elements per segment padding unit.
+
+    Segments padded to a multiple of it start on an
+    :data:`~sclayout.convert._buffers.ALIGN` boundary in every array of ``dtypes``.
+    """
     return math.lcm(*(ALIGN // math.gcd(ALIGN, np.dtype(d).itemsize) for d in dtypes))
 
 
@@ -282,7 +285,7 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
 
 
 def segments_by_bucket(tables: list[np.ndarray], n_buckets: int) -> list[np.ndarray]:
-    """The route tasks' segment tables regrouped per bucket (rows in task order)."""
+    """Return the route tasks' segment tables regrouped per bucket (rows in task order)."""
     if not tables:
         return [np.zeros((0, len(SEGMENT_COLUMNS)), np.int64) for _ in range(n_buckets)]
     allseg = np.concatenate(tables)
@@ -404,7 +407,7 @@ class AssembleJob:
 
 
 def _load_segments(job: AssembleJob) -> tuple[np.ndarray, ...]:
-    """A ``rows`` bucket read from its route tasks' files.
+    """Read a ``rows`` bucket from its route tasks' files.
 
     Returns data and indices (segments at pad-unit positions, padding between them),
     meta (output start and nnz of every row), the row's index in ``ptr`` and ``ptr``,

@@ -101,7 +101,7 @@ def check_by(srcs, infos: list[SourceInfo], columns, source_key: str) -> None:
 def sources_input(
     srcs, infos: list[SourceInfo], *, join, var_names, source_key: str, strict: bool
 ) -> Input:
-    """The merged tables and the per-source parts of every output matrix."""
+    """Return the merged tables and the per-source parts of every output matrix."""
     names = source_names(srcs)
     key = source_key if len(srcs) > 1 else ""
     comb = combine(srcs, names, join=join, var_names=var_names, source_key=key, strict=strict)
@@ -205,7 +205,8 @@ def quiet_write(group: Any, key: str, value: Any, kw: dict[str, Any]) -> None:
     """Write one element with anndata's writer (``kw``: its ``dataset_kwargs``).
 
     anndata reopens each array to fill it, so the array's own config is lost: every
-    chunk is stored only with zarr's default set for the duration of the write."""
+    chunk is stored only with zarr's default set for the duration of the write.
+    """
     with (
         warnings.catch_warnings(),
         ad.settings.override(zarr_write_format=3),
@@ -224,8 +225,10 @@ def take_rows(value: Any, perm: np.ndarray) -> Any:
 def write_small(
     source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray, kw: dict[str, Any]
 ) -> None:
-    """obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X), with anndata's writer
-    (``kw``: its ``dataset_kwargs``)."""
+    """Write obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X) with anndata's writer.
+
+    ``kw`` are the writer's ``dataset_kwargs``.
+    """
     quiet_write(root, "obs", obs.iloc[perm], kw)
     quiet_write(root, "var", source.read_elem("var"), kw)
     obsm = source.read_elem("obsm") if source.has("obsm") else {}

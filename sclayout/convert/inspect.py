@@ -170,7 +170,7 @@ def _tuple(v: list[int] | None) -> str:
 
 
 def render_inspect(info: dict[str, Any]) -> str:
-    """The human-readable report of :func:`inspect_store`'s result."""
+    """Return the human-readable report of :func:`inspect_store`'s result."""
     order = info["order"]
     order_text = order["kind"]
     if order.get("seed") is not None:

@@ -29,7 +29,7 @@ OrderFn = Callable[..., np.ndarray]
 
 @typechecked
 def get_order(name: str) -> OrderFn:
-    """The order function registered as ``name``.
+    """Return the order function registered as ``name``.
 
     Raises
     ------
@@ -54,12 +54,12 @@ def _rng(seed: int, *salt: int) -> np.random.Generator:
 
 
 def original(n_obs: int, *, obs: pd.DataFrame | None = None, by=(), seed: int = 0) -> np.ndarray:
-    """The source order."""
+    """Return the source order."""
     return np.arange(n_obs, dtype=np.int64)
 
 
 def shuffled(n_obs: int, *, obs: pd.DataFrame | None = None, by=(), seed: int = 0) -> np.ndarray:
-    """A uniformly random permutation drawn from ``seed``."""
+    """Return a uniformly random permutation drawn from ``seed``."""
     return _rng(seed, 1).permutation(n_obs).astype(np.int64)
 
 

@@ -40,14 +40,17 @@ class Part:
 
     @property
     def path(self) -> str:
+        """Path of the source matrix inside its file."""
         return self.info.path
 
     @property
     def encoding(self) -> str:
+        """Encoding of the source matrix (``csr``, ``csc`` or dense)."""
         return self.info.encoding
 
     @property
     def shape(self) -> tuple[int, int]:
+        """Shape of the source matrix."""
         return self.info.shape
 
     @property
@@ -75,8 +78,11 @@ class Part:
     def read_rows(
         self, r0: int, r1: int, indptr: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Rows ``[r0, r1)`` of a CSR or dense source as output CSR (ptr from 0, data,
-        indices), indices sorted within rows when the source's are."""
+        """Rows ``[r0, r1)`` of a CSR or dense source as output CSR.
+
+        The output is ptr from 0, data, indices; indices are sorted within rows when the
+        source's are.
+        """
         n = r1 - r0
         if self.encoding == "dense":
             values = read_slice(self.src, self.path, r0, r1)
@@ -104,8 +110,11 @@ class Part:
     def read_entries(
         self, a: int, b: int, ptr: np.ndarray | None
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Entries (local row, output column, value) of source columns ``[a, b)`` of a
-        CSC source, or of source rows ``[a, b)`` of a CSR or dense one."""
+        """Entries (local row, output column, value) of a part of a source.
+
+        The part is source columns ``[a, b)`` of a CSC source, or source rows ``[a, b)``
+        of a CSR or dense one.
+        """
         if self.encoding == "csc":
             e0, e1 = int(ptr[a]), int(ptr[b])
             data = read_slice(self.src, f"{self.path}/data", e0, e1)
@@ -128,8 +137,9 @@ class Part:
         return out
 
     def row_nnz(self, ptr: np.ndarray | None, *, step: int) -> np.ndarray:
-        """Entries the output stores for each source row, reading ``step`` elements
-        (CSR/CSC) or about ``step`` values (dense) at a time.
+        """Entries the output stores for each source row.
+
+        Reads ``step`` elements (CSR/CSC) or about ``step`` values (dense) at a time.
 
         The same rule as :meth:`read_rows`: a sparse source's stored entries in kept
         columns, a dense source's non-zeros in kept columns.

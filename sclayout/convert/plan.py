@@ -59,8 +59,10 @@ block pointer for block ranges and read ``indptr`` only for the rows they fetch.
 
 
 def parse_memory_budget(value: str | int, *, name: str = "memory_budget") -> int:
-    """Bytes from ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G``, ``1e9`` or a number of
-    bytes, read by ``dask.utils.parse_bytes``.
+    """Bytes from a size such as ``2GB``, read by ``dask.utils.parse_bytes``.
+
+    For example ``2GB`` (10^9), ``512MiB`` (2^20), ``1.5G``, ``1e9`` or a number of
+    bytes.
 
     Raises
     ------

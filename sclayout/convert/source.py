@@ -87,6 +87,7 @@ class MatrixInfo:
 
     @property
     def itemsize(self) -> int:
+        """Bytes per value of the matrix."""
         return self.dtype.itemsize
 
 
@@ -148,6 +149,7 @@ class DirectH5Reader:
     def create(
         cls, ds: h5py.Dataset, fd: int, *, direct_fd: int | None = None
     ) -> DirectH5Reader | None:
+        """Return a direct reader of ``ds``, or ``None`` where h5py must read it."""
         dtype = ds.dtype
         if dtype.hasobject or not dtype.isnative or ds.id.get_create_plist().get_nfilters():
             return None
@@ -199,8 +201,10 @@ class DirectH5Reader:
         return out
 
     def _runs(self, start: int, stop: int) -> list[tuple[int, int, int]]:
-        """(position in the output, file offset, bytes) of each run of rows ``[start,
-        stop)`` that lies end to end in the file."""
+        """Return the runs of rows ``[start, stop)`` that lie end to end in the file.
+
+        Each run is (position in the output, file offset, bytes).
+        """
         item = self.row_bytes
         if self.chunk is None:
             return [(0, int(self.offsets[0]) + start * item, (stop - start) * item)]
@@ -289,8 +293,11 @@ def io_map(fn: Callable[[Any], Any], items: Sequence[Any]) -> list[Any]:
 
 
 def pread_full(fd: int, buf: memoryview, offset: int, *, upto: int | None = None) -> int:
-    """Fill ``buf`` from ``offset`` (at least ``upto`` bytes: an ``O_DIRECT`` read of the
-    last page may stop at the end of the file); returns the bytes read."""
+    """Fill ``buf`` from ``offset``; return the bytes read.
+
+    At least ``upto`` bytes: an ``O_DIRECT`` read of the last page may stop at the end
+    of the file.
+    """
     need = len(buf) if upto is None else upto
     done = 0
     while done < need:
@@ -302,9 +309,12 @@ def pread_full(fd: int, buf: memoryview, offset: int, *, upto: int | None = None
 
 
 def prefer_direct_io(path: str | os.PathLike, *, nbytes: int = 0) -> bool:
-    """Whether to bypass the page cache (``O_DIRECT``) for reading source ``path`` or for
-    ``nbytes`` of temporary files: :data:`DIRECT_IO` if set, else when the source is a
-    file not mostly in the page cache or ``nbytes`` exceeds half the RAM."""
+    """Whether to bypass the page cache (``O_DIRECT``) for a source or temporary files.
+
+    For reading source ``path`` or for ``nbytes`` of temporary files: :data:`DIRECT_IO`
+    if set, else when the source is a file not mostly in the page cache or ``nbytes``
+    exceeds half the RAM.
+    """
     if DIRECT_IO is not None or not hasattr(os, "O_DIRECT"):
         return bool(DIRECT_IO) and hasattr(os, "O_DIRECT")
     try:
@@ -324,8 +334,10 @@ def prefer_direct_io(path: str | os.PathLike, *, nbytes: int = 0) -> bool:
 def open_direct(
     path: str | os.PathLike, flags: int, *, direct: bool = True, mode: int = 0o644
 ) -> int:
-    """``os.open(path, flags)`` with ``O_DIRECT`` added when ``direct`` and the file
-    system allows it (tmpfs does not)."""
+    """``os.open(path, flags)`` with ``O_DIRECT`` added when ``direct`` and possible.
+
+    The file system must allow it (tmpfs does not).
+    """
     if direct and hasattr(os, "O_DIRECT"):
         try:
             return os.open(path, flags | os.O_DIRECT, mode)
@@ -347,7 +359,7 @@ def _open_direct(path: Path) -> int | None:
 
 
 def _open_array(src: str, array: str) -> Any:
-    """A cached reader of ``src[array]``: direct pread when possible, else h5py/zarr."""
+    """Return a cached reader of ``src[array]``: direct pread when possible, else h5py/zarr."""
     pid = os.getpid()
     key = (src, array, pid)
     with _lock:
@@ -389,9 +401,11 @@ def read_slice(
 
 
 def reading(src: str | os.PathLike, what: str) -> Any:
-    """What a damaged source raises besides ``OSError`` (which is left to the caller:
-    it may be the destination's), as a one-line :class:`InputError` naming ``what``
-    (:func:`sclayout.convert.checks.explain_read_errors`)."""
+    """Turn what a damaged source raises into a one-line :class:`InputError`.
+
+    Besides ``OSError`` (which is left to the caller: it may be the destination's); the
+    error names ``what`` (:func:`sclayout.convert.checks.explain_read_errors`).
+    """
     return explain_read_errors(src, what=what, errors=(RuntimeError, KeyError, ValueError))
 
 
@@ -446,9 +460,11 @@ class Source:
             return ad.io.read_elem(self.root[key])
 
     def has(self, key: str) -> bool:
+        """Whether the source holds element ``key``."""
         return key in self.root
 
     def keys(self, key: str) -> list[str]:
+        """Return the names inside group ``key``, or none if the source lacks it."""
         return list(self.root[key].keys()) if key in self.root else []
 
     # -- matrices ---------------------------------------------------------------------
@@ -504,7 +520,7 @@ class Source:
         return out
 
     def indptr(self, info: MatrixInfo) -> np.ndarray:
-        """The whole ``indptr`` of a sparse matrix as int64."""
+        """Return the whole ``indptr`` of a sparse matrix as int64."""
         return np.asarray(self.root[f"{info.path}/indptr"][...], dtype=np.int64)
 
 
@@ -515,8 +531,9 @@ def is_legacy(root: Any) -> bool:
 
 
 def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
-    """A source's small elements read whole: obs, var, obsm, varm, uns; ``has`` says which of
-    raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
+    """Read a source's small elements whole: obs, var, obsm, varm, uns.
+
+    ``has`` says which of raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
 
     ``raw_x`` is the key of raw's X (``raw/X``, or ``raw.X`` in a legacy file) or None,
     ``raw_var`` raw's var. A legacy (anndata < 0.7) file is read through anndata in

@@ -92,7 +92,7 @@ def source_names(srcs: Sequence[str | os.PathLike]) -> list[str]:
 
 
 def read_var_names(path: str | os.PathLike) -> list[str]:
-    """A ``--var-names`` file: one gene a line (blank lines skipped); refuses repeats."""
+    """Read a ``--var-names`` file: one gene a line (blank lines skipped); refuses repeats."""
     p = Path(path)
     try:
         names = [line.strip() for line in p.read_text().splitlines()]
@@ -230,8 +230,11 @@ class Combined:
 
 
 def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
-    """Give every categorical column the union of its categories (in order of first
-    appearance) in every frame, added as all-NA where a frame lacks it."""
+    """Give every categorical column the union of its categories in every frame.
+
+    Categories are in order of first appearance; a column is added as all-NA where a
+    frame lacks it.
+    """
     cats: dict[str, list] = {}
     for f in frames:
         for c in f.columns:
@@ -291,8 +294,11 @@ def merge_obs(
 def merge_var(
     frames: Sequence[pd.DataFrame], target: pd.Index
 ) -> tuple[pd.DataFrame, dict[str, int]]:
-    """var over ``target``: each column's first non-missing value per gene in source
-    order; returns it and the number of genes per column given conflicting values."""
+    """Var over ``target``: each column's first non-missing value per gene.
+
+    Values are taken in source order; returns it and the number of genes per column
+    given conflicting values.
+    """
     order: list[str] = []
     for f in frames:
         order.extend(c for c in f.columns if c not in order)
@@ -396,5 +402,5 @@ def combine(
 
 
 def matrix_dtype(infos: Sequence[MatrixInfo]) -> np.dtype:
-    """The common dtype of the sources' matrices (numpy's promotion)."""
+    """Return the common dtype of the sources' matrices (numpy's promotion)."""
     return np.result_type(*[i.dtype for i in infos])

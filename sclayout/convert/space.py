@@ -67,7 +67,10 @@ def _stored_in_source(source: Source, key: str) -> int:
 
 
 def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
-    """Stored bytes per raw byte of ``key`` with the codec, on a sample from its middle."""
+    """Return the stored bytes per raw byte of ``key`` with the codec.
+
+    Measured on a sample from the middle of ``key``.
+    """
     node = source.root[key]
     row = int(np.prod(node.shape[1:], dtype=np.int64)) if len(node.shape) > 1 else 1
     take = max(1, min(n, SAMPLE_ELEMENTS // max(row, 1)))
@@ -119,7 +122,7 @@ def estimate_store_bytes(source: Source, codec: str) -> int:
 
 
 def device_of(path: Path) -> str:
-    """The mount point of the file system holding ``path`` (an existing directory)."""
+    """Return the mount point of the file system holding ``path`` (an existing directory)."""
     p = path.resolve()
     while not os.path.ismount(p) and p != p.parent:
         p = p.parent
@@ -138,8 +141,11 @@ def check_free_space(dst: Path, need_bytes: int) -> None:
 
 
 def is_no_space(e: BaseException) -> bool:
-    """Whether ``e`` (or what caused it) is a write that ran out of space or quota:
-    ``OSError`` ENOSPC/EDQUOT, or tensorstore's ``RESOURCE_EXHAUSTED`` for the same."""
+    """Whether ``e`` (or what caused it) is a write that ran out of space or quota.
+
+    That is ``OSError`` ENOSPC/EDQUOT, or tensorstore's ``RESOURCE_EXHAUSTED`` for the
+    same.
+    """
     seen: set[int] = set()
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
@@ -154,7 +160,7 @@ def is_no_space(e: BaseException) -> bool:
 
 
 def no_space_error(dst: Path, need_bytes: int) -> InputError:
-    """The one-line error of a conversion whose writes ran out of space."""
+    """Return the one-line error of a conversion whose writes ran out of space."""
     return InputError(
         f"no space left on {device_of(dst.absolute().parent)} while writing {dst} "
         f"(needs about {_size(need_bytes)}): free space or choose another DST"

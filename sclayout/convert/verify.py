@@ -91,6 +91,7 @@ class VerifyReport:
     skipped: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
+        """Return the one-line summary of the comparison."""
         if self.equal:
             return (
                 f"equal: {self.n_checked} elements and {self.n_values:,} matrix values "
@@ -119,8 +120,10 @@ class _Collector:
 
 
 def codec_name(array: Any) -> str:
-    """The sclayout codec name (``blosc-lz4``, ``zstd``, ...) of a zarr array (its
-    ``crc32c`` checksum, a format-2 store's last codec, is not part of the name)."""
+    """Return the sclayout codec name (``blosc-lz4``, ``zstd``, ...) of a zarr array.
+
+    Its ``crc32c`` checksum, a format-2 store's last codec, is not part of the name.
+    """
     compressors = tuple(getattr(array, "compressors", ()) or ())
     compressors = tuple(c for c in compressors if "crc32c" not in type(c).__name__.lower())
     if not compressors:
@@ -179,8 +182,10 @@ class _Rows:
         return np.asarray(self._ds[a:b])
 
     def gather(self, rows: np.ndarray) -> Any:
-        """Rows ``rows`` (sorted, unique) of a CSR or dense matrix; each run of
-        consecutive rows is one contiguous read."""
+        """Rows ``rows`` (sorted, unique) of a CSR or dense matrix.
+
+        Each run of consecutive rows is one contiguous read.
+        """
         if len(rows) == 0:
             return self.read(0, 0)
         runs = np.flatnonzero(np.diff(rows) != 1) + 1
@@ -212,8 +217,10 @@ DST_READ_ERRORS = (OSError, RuntimeError, ValueError, KeyError)
 
 
 def _unreadable(what: str, e: BaseException) -> LayoutError:
-    """A DST chunk that cannot be read: the comparison cannot run (exit 2), which is
-    not the same as "differs" (exit 1)."""
+    """Return the error for a DST chunk that cannot be read: the comparison cannot run.
+
+    That is exit 2, which is not the same as "differs" (exit 1).
+    """
     detail = " ".join(str(e).split())[:200]
     return LayoutError(
         f"DST {what}: a chunk cannot be read ({type(e).__name__}: {detail}); the store is "
@@ -325,8 +332,11 @@ _Parts = Iterator[tuple[np.ndarray, Any, Any]]
 
 
 def _source_passes(d_rows, s_rows, *, si, inv, budget, src, name) -> _Parts:
-    """Read SRC in passes of consecutive rows; for each, the DST rows holding them in
-    sorted windows. One read of each side when a pass holds everything."""
+    """Read SRC in passes of consecutive rows.
+
+    For each pass, read the DST rows holding them in sorted windows. One read of each
+    side when a pass holds everything.
+    """
     n = d_rows.shape[0]
     pass_rows, win_rows = _window(s_rows, budget), _window(d_rows, budget)
     for lo in range(0, n, pass_rows):
@@ -342,8 +352,11 @@ def _source_passes(d_rows, s_rows, *, si, inv, budget, src, name) -> _Parts:
 
 
 def _gathering(d_rows, s_rows, *, si, budget, src, name) -> _Parts:
-    """Read DST once in row windows and gather the matching SRC rows (sorted, runs of
-    consecutive rows read as one range): linear, for stores many passes would need."""
+    """Read DST once in row windows and gather the matching SRC rows.
+
+    SRC rows are sorted, runs of consecutive rows read as one range: linear, for stores
+    many passes would need.
+    """
     n = d_rows.shape[0]
     win_rows = min(_window(d_rows, budget), _window(s_rows, budget))
     for a in range(0, n, win_rows):
@@ -564,7 +577,6 @@ def verify(
     NotALayoutStoreError
         DST is not a zarr store at all.
     """
-
     budget = parse_memory_budget(memory_budget)
     src_path, dst_path = Path(src), Path(dst)
     info = inspect_source(src_path)
@@ -600,7 +612,7 @@ def _verify_contents(
     budget: int,
     progress: bool,
 ) -> VerifyReport:
-    """The value-for-value comparison of :func:`verify` (the manifest checked)."""
+    """Run the value-for-value comparison of :func:`verify` (the manifest checked)."""
     import anndata.io
     import h5py
     import zarr

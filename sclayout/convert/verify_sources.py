@@ -135,8 +135,10 @@ def _compare_matrix(
 
 
 def needs_sources_verify(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> bool:
-    """Whether a one-source store needs this check rather than the whole-file one: a
-    legacy source, or genes mapped (``--var-names``)."""
+    """Whether a one-source store needs this check rather than the whole-file one.
+
+    It does for a legacy source, or genes mapped (``--var-names``).
+    """
     info = check_sources([src])[0]
     if info.legacy:
         return True

@@ -65,14 +65,17 @@ class StoreReport:
 
     @property
     def sound(self) -> bool:
+        """Whether the check found nothing wrong."""
         return self.n_findings == 0
 
     def add(self, line: str) -> None:
+        """Record a finding; only the first :data:`MAX_FINDINGS` are kept in full."""
         self.n_findings += 1
         if len(self.findings) < MAX_FINDINGS:
             self.findings.append(line)
 
     def summary(self) -> str:
+        """Return the one-line summary of the check."""
         what = "structure and shard indexes" if self.quick else "every byte"
         if self.sound:
             return f"sound: {self.n_arrays} arrays checked ({what})"
@@ -123,8 +126,10 @@ def _open_manifest(location: Path) -> Manifest:
 
 
 def _check_structure(location: Path, manifest: Manifest, report: StoreReport) -> list[str]:
-    """Arrays named by the manifest: present, as described, shards whole; returns the
-    array paths to read."""
+    """Check the arrays named by the manifest; return the array paths to read.
+
+    Present, as described, shards whole.
+    """
     import zarr
 
     named: list[tuple[str, Any]] = []
@@ -156,8 +161,10 @@ def _check_structure(location: Path, manifest: Manifest, report: StoreReport) ->
 
 
 def _check_shards(location: Path, path: str, manifest: Manifest, report: StoreReport) -> None:
-    """Every shard's index (crc32c, entries inside the file) and, in a version-2
-    store, every chunk present."""
+    """Check every shard's index and, in a version-2 store, every chunk present.
+
+    Each index is checked for its crc32c and for entries inside the file.
+    """
     index = open_index(str(location), path)
     if index is not None:
         # every shard index is read here (its crc32c checked as it is read)
@@ -184,8 +191,10 @@ _READ_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
 def _read_slices(
     arr: Any, path: str, report: StoreReport, tick: Callable[[int], None]
 ) -> Iterator[tuple[int, np.ndarray]]:
-    """``(start, values)`` slices of ``arr`` along axis 0; a slice that cannot be read
-    (crc32c mismatch, undecodable chunk) is a finding."""
+    """Yield ``(start, values)`` slices of ``arr`` along axis 0.
+
+    A slice that cannot be read (crc32c mismatch, undecodable chunk) is a finding.
+    """
     n = int(arr.shape[0]) if arr.shape else 1
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * np.dtype(arr.dtype).itemsize or 1
     chunk = int(arr.chunks[0]) if arr.chunks else 1

@@ -102,8 +102,10 @@ def write_region(
 def submit_region(
     root: str, path: str, start: int, values: np.ndarray, *, backend: str = WRITE_BACKEND
 ) -> Any:
-    """Start writing ``values`` at ``start`` of array ``path``; returns a handle whose
-    ``result()`` waits for the write. ``values`` must stay unchanged until then.
+    """Start writing ``values`` at ``start`` of array ``path``.
+
+    Returns a handle whose ``result()`` waits for the write. ``values`` must stay
+    unchanged until then.
 
     Two writes submitted before waiting encode in parallel (tensorstore's own threads)
     while the caller reads or gathers the next piece.
@@ -122,15 +124,20 @@ def close_dst() -> None:
 
 
 def checksum_codecs(enabled: bool) -> tuple[Any, ...]:
-    """The codecs appended after an array's compressors: zarr v3's ``crc32c`` (every
-    inner chunk then ends with its checksum, which zarr-python, tensorstore and
-    :mod:`loader._shards` verify on read), or none."""
+    """Return the codecs appended after an array's compressors.
+
+    zarr v3's ``crc32c`` (every inner chunk then ends with its checksum, which
+    zarr-python, tensorstore and :mod:`loader._shards` verify on read), or none.
+    """
     return (Crc32cCodec(),) if enabled else ()
 
 
 def anndata_dataset_kwargs(checksums: bool) -> dict[str, Any]:
-    """``dataset_kwargs`` for anndata's writer of the small elements (obs, var, uns,
-    ``source_index`` ...): zarr's default compressor followed by ``crc32c``."""
+    """``dataset_kwargs`` for anndata's writer of the small elements.
+
+    The small elements are obs, var, uns, ``source_index`` ...; zarr's default
+    compressor followed by ``crc32c``.
+    """
     return {"compressors": (ZstdCodec(level=0), *checksum_codecs(checksums))}
 
 
@@ -207,7 +214,7 @@ def create_matrix(
 
 
 def index_dtype_for(n_vars: int) -> np.dtype:
-    """The index dtype of a CSR matrix with ``n_vars`` columns."""
+    """Return the index dtype of a CSR matrix with ``n_vars`` columns."""
     return np.dtype(np.int32 if n_vars < 2**31 else np.int64)
 
 
@@ -216,8 +223,11 @@ def index_dtype_for(n_vars: int) -> np.dtype:
 
 @dataclass(frozen=True)
 class CopyJob:
-    """Copy ``[start, stop)`` along the first axis unchanged: elements of a CSR source's
-    data/indices (:func:`copy_sparse`) or rows of a dense matrix (:func:`copy_dense`)."""
+    """Copy ``[start, stop)`` along the first axis unchanged.
+
+    Elements of a CSR source's data/indices (:func:`copy_sparse`) or rows of a dense
+    matrix (:func:`copy_dense`).
+    """
 
     src: str
     src_path: str
@@ -327,6 +337,7 @@ class Runner:
             release_scratch()  # one phase's buffers must not outlive it (peak memory)
 
     def close(self) -> None:
+        """Close the dask client, if one was started."""
         if self.client is not None:
             self.client.close()
 

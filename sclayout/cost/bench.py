@@ -38,6 +38,7 @@ class Measurement:
     diversity: float | None
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the measurement as a JSON-ready dict."""
         return asdict(self)
 
 
@@ -154,9 +155,11 @@ def measure_loader(
 def measure_runs(
     path: str | os.PathLike[str], *, runs: int, **kw: Any
 ) -> tuple[list[Measurement], float, float | None]:
-    """``runs`` calls of :func:`measure_loader` (seeds ``0..runs-1``, other keywords
-    passed on): the runs, their median cells/s and median diversity (None without
-    a label)."""
+    """Run :func:`measure_loader` ``runs`` times and summarise the runs.
+
+    Seeds ``0..runs-1``, other keywords passed on; returns the runs, their median
+    cells/s and median diversity (None without a label).
+    """
     ms = [measure_loader(path, seed=i, **kw) for i in range(runs)]
     divs = [m.diversity for m in ms if m.diversity is not None]
     return (

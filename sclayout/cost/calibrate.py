@@ -89,13 +89,14 @@ checked."""
 
 
 def monotone_curve(curve: Sequence[tuple[int, float]]) -> tuple[tuple[int, float], ...]:
-    """The concurrency curve made non-decreasing (running maximum).
+    """Return the concurrency curve made non-decreasing (running maximum).
 
     More reads in flight never serve fewer requests/s on a disk or an HTTP server
     below its connection limit; a dip in the measured curve (a level far slower than
     its neighbours) is a burst of other I/O
     during that level's samples, and would make the model predict a collapse at
-    exactly that parallelism."""
+    exactly that parallelism.
+    """
     out, best = [], 0.0
     for n, r in sorted(curve):
         best = max(best, r)
@@ -123,6 +124,7 @@ class CalibrationPlan:
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
+        """Return a short plan for tests and smoke runs."""
         return cls(
             latency=0.5,
             per_in_flight=0.3,
@@ -136,8 +138,10 @@ class CalibrationPlan:
 
     @classmethod
     def smoke(cls) -> CalibrationPlan:
-        """A few hundredths of a second per step, no workers: the shape of a
-        calibration, not its figures (tests and benchmark smoke runs)."""
+        """Return a plan of a few hundredths of a second per step, no workers.
+
+        The shape of a calibration, not its figures (tests and benchmark smoke runs).
+        """
         return cls(
             latency=0.05,
             per_in_flight=0.02,
@@ -164,8 +168,10 @@ def _local_files(root: Path) -> list[tuple[str, int]]:
 
 
 def _is_loopback(url: str) -> bool:
-    """Whether the URL's server runs on this machine (its CPU then competes with the
-    loader's)."""
+    """Whether the URL's server runs on this machine.
+
+    Its CPU then competes with the loader's.
+    """
     import urllib.parse
 
     host = urllib.parse.urlsplit(url).hostname or ""
@@ -285,9 +291,12 @@ def _timed_loop(
 
 
 def _median_rounds(measures: Sequence[Callable[[], Any]], *, rounds: int = CPU_ROUNDS) -> list[Any]:
-    """Run every measure once per round, ``rounds`` times, interleaved (a burst of
-    another job then spoils one sample of each, not all samples of one); the median
-    of each measure's results (per element for a measure returning a tuple)."""
+    """Run every measure once per round, ``rounds`` times, interleaved.
+
+    A burst of another job then spoils one sample of each, not all samples of one.
+    Returns the median of each measure's results (per element for a measure returning a
+    tuple).
+    """
     results = [[measure() for measure in measures] for _ in range(rounds)]
     return [np.median([r[k] for r in results], axis=0) for k in range(len(measures))]
 
@@ -305,7 +314,8 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
     Wall-clock means, on purpose: on a machine shared with other jobs they include
     the CPU share this process gets, which is also what the loader will get when it
     runs; callers take the median of several rounds, so that the typical share counts,
-    not a burst of another job during one sample."""
+    not a burst of another job during one sample.
+    """
     dt, _, units = _timed_loop(step, seconds, min_iter=min_iter)
     return units / dt
 
@@ -314,11 +324,14 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
 
 
 def _busy_cpu_s(machine: bool) -> float:
-    """CPU seconds spent so far by this process (user + system: a local read's
-    page-cache work runs in the reading thread's system calls), or with ``machine``
-    by the whole machine (Linux ``/proc/stat``: user, nice, system, irq, softirq,
-    steal), so that a loopback HTTP server's work counts too: on the machine the
-    loader runs on, it competes with the loader for the same cores."""
+    """CPU seconds spent so far by this process, or by the whole machine.
+
+    For the process: user + system (a local read's page-cache work runs in the reading
+    thread's system calls). With ``machine``, the whole machine (Linux ``/proc/stat``:
+    user, nice, system, irq, softirq, steal), so that a loopback HTTP server's work
+    counts too: on the machine the loader runs on, it competes with the loader for the
+    same cores.
+    """
     if machine:
         try:
             with open("/proc/stat") as f:
@@ -333,9 +346,11 @@ def _busy_cpu_s(machine: bool) -> float:
 
 
 def fit_costs(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
-    """Seconds per item and per byte from ``(items, bytes, seconds)`` samples (least
-    squares through the origin, each term >= 0): e.g. CPU per request and per byte
-    read, or per inner chunk and per byte decoded."""
+    """Seconds per item and per byte from ``(items, bytes, seconds)`` samples.
+
+    Least squares through the origin, each term >= 0: e.g. CPU per request and per byte
+    read, or per inner chunk and per byte decoded.
+    """
     a = np.array([[r, b] for r, b, _ in samples], dtype=np.float64)
     y = np.array([c for _, _, c in samples], dtype=np.float64)
     if len(a) == 0:
@@ -377,8 +392,11 @@ def _sample_store(
     rows: int = 0,
     block_size: int = 64,
 ) -> Path:
-    """A layout store of the sample rows (tiled to ``rows`` rows if more), written by
-    ``sclayout convert`` with ``codec`` into ``folder`` (so in the page cache)."""
+    """Write a layout store of the sample rows with ``sclayout convert``.
+
+    Tiled to ``rows`` rows if more, written with ``codec`` into ``folder`` (so in the
+    page cache).
+    """
     import anndata as ad
     import scipy.sparse as sp
 
@@ -408,8 +426,9 @@ def measure_codecs(
     direct: bool = True,
     on_codec: Callable[[str], None] | None = None,
 ) -> dict[str, CodecSpeed]:
-    """Ratio and decode speed of each codec on the sample, through the loader's own
-    read path.
+    """Ratio and decode speed of each codec on the sample.
+
+    Measured through the loader's own read path.
 
     The sample is converted by ``sclayout convert`` with each codec into a temporary
     layout store, and the loader's ``backend`` (:mod:`loader.backends`: for local
@@ -494,10 +513,12 @@ def measure_assembly(
     seconds: float = 3.0,
     seed: int = 0,
 ) -> tuple[float, float]:
-    """CPU seconds per gathered nnz and per dense output value of the loader's
-    assembly (:func:`loader.assemble.fetch_rows` + the ``csr``/``dense`` outputs),
-    on minibatches drawn as the sampler draws them: a permutation of the fetch cut
-    into ``batch_size`` slices, each in decreasing row order."""
+    """CPU seconds per gathered nnz and per dense output value of the loader's assembly.
+
+    The assembly is :func:`loader.assemble.fetch_rows` + the ``csr``/``dense`` outputs,
+    on minibatches drawn as the sampler draws them: a permutation of the fetch cut into
+    ``batch_size`` slices, each in decreasing row order.
+    """
     from loader.assemble import fetch_rows, get_output
 
     n_rows = len(indptr) - 1
@@ -563,7 +584,7 @@ def measure_pipeline(
     fetch_factors: tuple[int, int] = (16, 4),
     worker_seconds: float = 0.0,
 ) -> PipelineFigures:
-    """The loader's parallelism and fixed per-fetch CPU when storage never waits.
+    """Measure the loader's parallelism and fixed per-fetch CPU when storage never waits.
 
     The sample rows are tiled to :data:`PARALLELISM_ROWS` rows, converted by
     ``sclayout convert`` (blosc-lz4) into a temporary layout store (just written, so
@@ -632,11 +653,13 @@ def measure_pipeline(
 
 
 def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, float, int]:
-    """Wall time, CPU time and cells of iterating ``ds`` epoch after epoch for
-    ``seconds`` (after its first minibatches: opening, first fetch, worker start).
+    """Wall time, CPU time and cells of iterating ``ds`` for ``seconds``.
+
+    Epoch after epoch, after its first minibatches (opening, first fetch, worker start).
 
     With ``workers``, through :class:`loader.BlockDataLoader` (persistent workers);
-    the CPU time is then the main process's plus its children's (the workers')."""
+    the CPU time is then the main process's plus its children's (the workers').
+    """
     source = ds.dataloader(num_workers=workers, persistent_workers=True) if workers else ds
     epoch = cells = 0
     t0 = c0 = deadline = None
@@ -655,8 +678,10 @@ def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, fl
 
 
 def _cpu_with_children() -> float:
-    """CPU seconds of this process and of its live child processes (from /proc;
-    on a system without it, this process's alone)."""
+    """CPU seconds of this process and of its live child processes.
+
+    Read from /proc; on a system without it, this process's alone.
+    """
     total = time.process_time()
     me = str(os.getpid())
     tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -688,8 +713,10 @@ def _copy_bandwidth(seconds: float = 0.5) -> float:
 
 
 def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
-    """``data``, ``indices``, ``indptr``, ``n_vars`` of the first rows of a layout
-    store (local or URL), read with tensorstore; ``None`` if it is not one."""
+    """Read the first rows of a layout store (local or URL) with tensorstore.
+
+    Returns ``data``, ``indices``, ``indptr``, ``n_vars``; ``None`` if it is not one.
+    """
     import tensorstore as ts
 
     from loader.backends import ts_kvstore
@@ -726,8 +753,10 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
 
 
 def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple[float, float]:
-    """Process CPU per request and per byte of reads served by the page cache (the
-    same ranges read again and again)."""
+    """Process CPU per request and per byte of reads served by the page cache.
+
+    The same ranges are read again and again.
+    """
     samples = []
     for n, size in ((64, request_bytes), (RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES)):
         ranges = reader.random_ranges(n, size)
@@ -751,8 +780,9 @@ def calibrate(
     progress: bool = False,
     cpu_from: Profile | None = None,
 ) -> Profile:
-    """Measure a storage profile of ``target`` (a local directory or an http(s) URL
-    of a layout store) and of this CPU.
+    """Measure a storage profile of ``target`` and of this CPU.
+
+    ``target`` is a local directory or an http(s) URL of a layout store.
 
     Parameters
     ----------
@@ -815,8 +845,10 @@ def calibrate(
         machine_wide = is_url(target) and _is_loopback(target)
 
         def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
-            """Requests/s of reading ``make()``'s ranges over and over; records the
-            CPU per request and per byte."""
+            """Requests/s of reading ``make()``'s ranges over and over.
+
+            Also records the CPU per request and per byte.
+            """
             cpu0 = _busy_cpu_s(machine_wide)
             state = {"n": 0}
 

@@ -70,8 +70,10 @@ on the labels tried (14 plates, 50 cell lines), below what a user can act on."""
 
 
 def effective_draws(batch_size: int, fetch_factor: int, block_size: int) -> float:
-    """``D_eff = 1/E[Σ w²]``: how many independent label draws a minibatch is worth
-    when labels are constant within blocks (``m`` for ``b = 1``)."""
+    """``D_eff = 1/E[Σ w²]``: how many independent label draws a minibatch is worth.
+
+    This holds when labels are constant within blocks (``m`` for ``b = 1``).
+    """
     m, b = int(batch_size), int(block_size)
     n = blocks_per_fetch(m, fetch_factor, b) * b
     m = min(m, n)
@@ -82,8 +84,10 @@ def effective_draws(batch_size: int, fetch_factor: int, block_size: int) -> floa
 
 
 def expected_iid_entropy(p: np.ndarray, n: float) -> float:
-    """Expected plug-in entropy (bits) of ``n`` independent draws from ``p``;
-    fractional ``n`` is interpolated linearly between the neighbouring integers."""
+    """Return the expected plug-in entropy (bits) of ``n`` independent draws from ``p``.
+
+    Fractional ``n`` is interpolated linearly between the neighbouring integers.
+    """
     p = np.asarray(p, dtype=float)
     p = p[p > 0] / p.sum()
     lo = max(1, math.floor(n))
@@ -148,8 +152,9 @@ def diversity_ratio(
     n_random: int | None = None,
     seed: int = 0,
 ) -> float:
-    """Measured minibatch diversity relative to true random sampling (1.0 = as diverse
-    as random).
+    """Measured minibatch diversity relative to true random sampling.
+
+    1.0 means as diverse as random.
 
     Mean over minibatches of the label entropy (bits), divided by the expected entropy
     of true random minibatches of the same sizes (exact, see
@@ -205,8 +210,10 @@ def diversity_ratio(
 def fetch_blocks(
     n_blocks: int, blocks_per_fetch: int, n_fetches: int, rng: np.random.Generator
 ) -> np.ndarray:
-    """``(n_fetches, blocks_per_fetch)`` block numbers as the loader draws them: a
-    fresh permutation of the blocks per epoch, cut into consecutive groups."""
+    """``(n_fetches, blocks_per_fetch)`` block numbers as the loader draws them.
+
+    A fresh permutation of the blocks per epoch, cut into consecutive groups.
+    """
     per_epoch = n_blocks // blocks_per_fetch
     if per_epoch == 0:
         raise InputError(
@@ -232,7 +239,7 @@ def _sample_minibatches(
     n_minibatches: int,
     rng: np.random.Generator,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Stored row numbers of sampled minibatches ``(n, m)`` and their block numbers."""
+    """Return the stored row numbers of sampled minibatches ``(n, m)`` and their block numbers."""
     b = int(block_size)
     n_full = n_obs // b  # the short last block is left out of the simulation
     k = blocks_per_fetch(batch_size, fetch_factor, b)
@@ -265,8 +272,11 @@ def simulate_diversity(
     n_minibatches: int = SIM_MINIBATCHES,
     seed: int | np.random.SeedSequence = 0,
 ) -> float:
-    """Diversity ratio of ``labels`` (one per stored row, in store order) under block
-    sampling, by simulation against the exact random reference."""
+    """Diversity ratio of ``labels`` under block sampling, by simulation.
+
+    ``labels`` has one label per stored row, in store order; the simulation compares
+    against the exact random reference.
+    """
     codes = _codes(labels)
     rng = np.random.default_rng(seed)
     rows, _ = _sample_minibatches(
@@ -316,10 +326,12 @@ def _codes(labels: np.ndarray) -> np.ndarray:
 def store_permutation(
     n_obs: int, *, kind: str, seed: int | None = 0, strata: np.ndarray | None = None
 ) -> np.ndarray:
-    """``perm[i]`` = source row stored at position ``i`` for row order ``kind``; the
-    converter's own order functions (:mod:`sclayout.convert.order`), so the model
-    lays rows out exactly as ``convert`` will. ``strata``: the stratified order's
-    column (codes)."""
+    """``perm[i]`` = source row stored at position ``i`` for row order ``kind``.
+
+    These are the converter's own order functions (:mod:`sclayout.convert.order`), so
+    the model lays rows out exactly as ``convert`` will. ``strata``: the stratified
+    order's column (codes).
+    """
     import pandas as pd
 
     from sclayout.convert.order import get_order
@@ -336,8 +348,11 @@ def store_permutation(
 def store_order_labels(
     labels: np.ndarray, *, kind: str, seed: int | None = 0, strata: np.ndarray | None = None
 ) -> np.ndarray:
-    """The label column (source order) as it lies in a store of row order ``kind``
-    (``stratified``: by ``strata``, default the label itself)."""
+    """Return the label column as it lies in a store of row order ``kind``.
+
+    The label column is given in source order; ``stratified`` orders by ``strata``,
+    default the label itself.
+    """
     codes = _codes(labels)
     if kind == "original":
         return codes

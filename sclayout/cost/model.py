@@ -169,6 +169,7 @@ class Prediction:
     workers: int
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the prediction as a JSON-ready dict."""
         return asdict(self)
 
 
@@ -269,8 +270,10 @@ def sample_fetch_stats(
     options: ModelOptions = ModelOptions(),
     matrix: str = "X",
 ) -> FetchStats:
-    """Plan ``options.sample_fetches`` fetches as the loader would draw them and
-    summarise them (the planner is :func:`loader.plan.plan_fetch`)."""
+    """Plan ``options.sample_fetches`` fetches as the loader would, and summarise them.
+
+    The planner is :func:`loader.plan.plan_fetch`.
+    """
     layout = manifest.matrices[matrix]
     k = blocks_per_fetch(settings.batch_size, settings.fetch_factor, manifest.block_size)
     n_blocks = manifest.n_blocks
@@ -440,7 +443,8 @@ def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: flo
     the reading CPU was measured machine-wide (``read_cpu_scope="machine"``: a server
     on this machine), that part runs in another process, beside the loader rather than
     inside its pipeline: the loader's share bounds on its own, and everything together
-    on all of the machine's cores."""
+    on all of the machine's cores.
+    """
     if profile.read_cpu_scope != "machine":
         return cpu_total / cores
     all_cores = max(profile.cpu_count, cores)
@@ -448,7 +452,7 @@ def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: flo
 
 
 def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
-    """Reads one process keeps in flight for a fetch.
+    """Return how many reads one process keeps in flight for a fetch.
 
     The tensorstore backend reads local blosc and uncompressed stores with its direct
     shard reader (``loader._shards``): each decode thread reads its run of chunks with a
@@ -462,8 +466,10 @@ def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
 
 
 def _direct_reads(backend: str, codec: str, profile: Profile) -> bool:
-    """Whether the loader reads with its direct shard reader (local blosc or
-    uncompressed stores under the tensorstore backend), not through the backend."""
+    """Whether the loader reads with its direct shard reader, not through the backend.
+
+    It does for local blosc or uncompressed stores under the tensorstore backend.
+    """
     direct = codec == "none" or codec.startswith("blosc")
     return backend == "tensorstore" and profile.kind == "local" and direct
 

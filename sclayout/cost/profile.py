@@ -80,6 +80,7 @@ class CodecSpeed:
         object.__setattr__(self, "chunk_s", float(self.chunk_s))
 
     def to_dict(self) -> dict[str, float]:
+        """Return the codec figures as a JSON-ready dict."""
         return {"ratio": self.ratio, "decode_Bps": self.decode_Bps, "chunk_s": self.chunk_s}
 
 
@@ -237,8 +238,10 @@ class Profile:
         object.__setattr__(self, "request_bytes", int(rb))
 
     def requests_per_s(self, in_flight: float) -> float:
-        """Throughput in requests/s of reads of ``request_bytes`` with ``in_flight``
-        in flight: log-linear interpolation of the measured curve, flat beyond it."""
+        """Throughput in requests/s of reads of ``request_bytes`` with ``in_flight`` in flight.
+
+        Log-linear interpolation of the measured curve, flat beyond it.
+        """
         n = max(1.0, float(in_flight))
         xs = [math.log(c) for c, _ in self.concurrency]
         ys = [r for _, r in self.concurrency]
@@ -256,8 +259,11 @@ class Profile:
 
     @property
     def effective_bandwidth(self) -> float:
-        """Largest bandwidth seen: sequential reads, or the concurrency curve's
-        requests/s × ``request_bytes`` (many reads in flight can beat a few large ones)."""
+        """Largest bandwidth seen, sequential or concurrent.
+
+        Sequential reads, or the concurrency curve's requests/s × ``request_bytes``
+        (many reads in flight can beat a few large ones).
+        """
         curve = max(r for _, r in self.concurrency) * self.request_bytes
         return max(self.bandwidth_Bps, curve)
 
@@ -279,9 +285,11 @@ class Profile:
             ) from None
 
     def with_(self, **changes: Any) -> Profile:
+        """Return a copy of the profile with ``changes``."""
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
+        """Return the profile as its JSON-ready dict, with format and version."""
         return {
             "format": self.format,
             "version": PROFILE_VERSION,
@@ -309,10 +317,12 @@ class Profile:
         }
 
     def to_json(self) -> str:
+        """Return the profile as JSON text."""
         return json.dumps(self.to_dict(), indent=1)
 
     @classmethod
     def from_dict(cls, d: Any, *, where: str = "profile") -> Profile:
+        """Return the profile in ``d``; anything else is a :class:`SpecError` naming ``where``."""
         if not isinstance(d, Mapping) or d.get("format") != PROFILE_FORMAT:
             raise SpecError(
                 f'{where} is not a storage profile (no "format": "{PROFILE_FORMAT}"); '
@@ -342,6 +352,7 @@ class Profile:
             ) from None
 
     def save(self, path: str | Path) -> None:
+        """Write the profile as JSON to ``path``."""
         Path(path).write_text(self.to_json() + "\n")
 
 
@@ -377,7 +388,7 @@ def list_presets() -> list[str]:
 
 @typechecked
 def get_preset(name: str) -> Profile:
-    """The preset profile ``name``; the error lists the known presets."""
+    """Return the preset profile ``name``; the error lists the known presets."""
     known = list_presets()
     if name not in known:
         raise SpecError(f"profile preset {name!r}: unknown; known presets: {', '.join(known)}")
@@ -387,7 +398,7 @@ def get_preset(name: str) -> Profile:
 
 @typechecked
 def resolve_profile(value: str | Path | Profile) -> Profile:
-    """A profile from a :class:`Profile`, a JSON file path or a preset name."""
+    """Return a profile from a :class:`Profile`, a JSON file path or a preset name."""
     if isinstance(value, Profile):
         return value
     s = str(value)

@@ -117,9 +117,11 @@ class Candidate:
 
     @property
     def cells_per_s(self) -> float:
+        """Predicted throughput of the candidate, in cells per second."""
         return self.prediction.cells_per_s
 
     def row(self) -> dict[str, Any]:
+        """Return the candidate as one row of the ranking table."""
         s, ld, p = self.spec.store, self.spec.loader, self.prediction
         return {
             "block_size": s.block_size,
@@ -174,8 +176,10 @@ def _predict(
 
 
 def check_targets(min_diversity: float, memory_budget: int) -> None:
-    """Refuse a diversity target outside (0, 1] or a non-positive memory budget, before
-    any search work (``recommend`` calls it before reading the data)."""
+    """Refuse a diversity target outside (0, 1] or a non-positive memory budget.
+
+    Checked before any search work (``recommend`` calls it before reading the data).
+    """
     if not (isinstance(min_diversity, int | float) and 0 < min_diversity <= 1):
         raise InputError(
             f"--min-diversity={min_diversity!r}: must be in (0, 1] (1.0 = as diverse as "
@@ -196,8 +200,11 @@ def _diversity(
     cache: dict,
     stored_labels: np.ndarray | None = None,
 ) -> tuple[float, str]:
-    """Diversity of one (block size, fetch factor, order), cached. ``stored_labels``:
-    the label in store order (simulation); without it the exact or formula result."""
+    """Diversity of one (block size, fetch factor, order), cached.
+
+    ``stored_labels``: the label in store order (simulation); without it the exact or
+    formula result.
+    """
     key = (block_size, fetch_factor, order)
     if key not in cache:
         if order != "shuffled" and block_size > 1 and stored_labels is not None:
@@ -358,8 +365,10 @@ def search_loader(
     seed: int = 0,
     best_effort: bool = False,
 ) -> SearchResult:
-    """Loader settings for an existing layout store (its real manifest and block
-    pointer): block sizes that are multiples of the store's, fetch factor, workers.
+    """Loader settings for an existing layout store.
+
+    Uses its real manifest and block pointer: block sizes that are multiples of the
+    store's, fetch factor, workers.
 
     ``best_effort``: when no setting reaches ``min_diversity``, pick the most diverse
     one (fastest among equals) instead of raising; ``extra["meets_target"]`` says which.
@@ -508,7 +517,7 @@ def _result(
     profile: Profile,
     meets_target: bool,
 ) -> SearchResult:
-    """The result whose pick is ``ranked[0]``."""
+    """Return the result whose pick is ``ranked[0]``."""
     return SearchResult(
         candidates=candidates,
         ranked=ranked,

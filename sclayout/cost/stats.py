@@ -49,6 +49,7 @@ class DatasetStats:
 
     @property
     def nnz(self) -> int:
+        """Stored values over all rows."""
         return int(self.row_nnz.sum())
 
     def store_labels(self) -> np.ndarray | None:

@@ -1,6 +1,8 @@
-"""Damage a layout store the ways disks, copies and other tools do (for the corruption
-matrix and the fuzz test): delete an inner chunk or a shard, flip bits or bytes in a
-chunk, write an out-of-range column index, truncate a shard."""
+"""Damage a layout store the ways disks, copies and other tools do.
+
+For the corruption matrix and the fuzz test: delete an inner chunk or a shard, flip bits
+or bytes in a chunk, write an out-of-range column index, truncate a shard.
+"""
 
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ def chunk_span(store: Path, array: str, which: int = 0) -> tuple[Path, int, int]
 
 
 def delete_chunk(store: Path, array: str, which: int = 0) -> None:
-    """Remove one inner chunk: its shard index entry marked absent (a sharded array),
-    or its chunk file deleted."""
+    """Remove one inner chunk.
+
+    Its shard index entry is marked absent (a sharded array), or its chunk file deleted.
+    """
     files = chunk_files(store, array)
     if _sharding(store, array) is None:
         files[which % len(files)].unlink()
@@ -72,6 +76,7 @@ def delete_chunk(store: Path, array: str, which: int = 0) -> None:
 
 
 def delete_shard(store: Path, array: str, which: int = 0) -> None:
+    """Delete one whole shard (or chunk file) of ``array``, as a lost or removed file is."""
     files = chunk_files(store, array)
     files[which % len(files)].unlink()
 
@@ -92,14 +97,17 @@ def flip(store: Path, array: str, *, nbytes: int, which: int = 0, seed: int = 0)
 
 
 def truncate_shard(store: Path, array: str, which: int = 0) -> None:
+    """Cut one shard (or chunk file) of ``array`` short, as an interrupted copy leaves it."""
     f = chunk_files(store, array)[which % len(chunk_files(store, array))]
     raw = f.read_bytes()
     f.write_bytes(raw[: len(raw) // 2])
 
 
 def bad_index(store: Path, array: str = "X/indices", value: int | None = None) -> None:
-    """Write a column index outside ``[0, n_vars)`` through zarr (chunk checksums stay
-    valid: only the bounds check can catch it)."""
+    """Write a column index outside ``[0, n_vars)`` through zarr.
+
+    Chunk checksums stay valid: only the bounds check can catch it.
+    """
     arr = zarr.open_array(store / array, mode="r+")
     n_vars = json.loads((store / "zarr.json").read_text())["attributes"]["sclayout"]["n_vars"]
     arr[3] = n_vars + 7 if value is None else value

@@ -94,7 +94,10 @@ def bench_dir() -> Path:
 
 
 def shared_data_dir() -> Path | None:
-    """The real datasets folder beside the checkout (its parent's ``shared/data``), if present."""
+    """Return the real datasets folder beside the checkout, if present.
+
+    That is the checkout parent's ``shared/data``.
+    """
     path = Path(__file__).resolve().parents[2] / "shared" / "data"
     return path if path.is_dir() else None
 
@@ -221,7 +224,7 @@ def cached_tahoe_like(
     seed: int = 0,
     progress: bool = False,
 ) -> Path:
-    """The Tahoe-like dataset from the cache, built on first use (≈3.2 GB at the default size)."""
+    """Return the Tahoe-like dataset from the cache, built on first use."""
     name = tahoe_like_name(n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, seed=seed)
     return cached(
         name,

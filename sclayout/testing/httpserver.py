@@ -1,5 +1,6 @@
-"""A small threaded HTTP server on loopback that serves a directory, for tests and
-benchmarks of remote layout stores.
+"""A small threaded HTTP server on loopback that serves a directory.
+
+For tests and benchmarks of remote layout stores.
 
 It answers ``GET`` (whole files or one byte range, ``206 Partial Content``),
 ``HEAD`` and ``404`` for missing paths, speaks HTTP/1.1 keep-alive, and can add a
@@ -48,6 +49,7 @@ class HttpStats:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, *, ranged: bool, nbytes: int) -> None:
+        """Count one request of ``nbytes`` bytes (``ranged``: a Range request)."""
         with self.lock:
             self.requests += 1
             self.range_requests += int(ranged)
@@ -208,8 +210,10 @@ class ServedDirectory:
         return self.url + urllib.parse.quote(str(relative).lstrip("/"))
 
     def freeze(self) -> None:
-        """From now on, accept requests (also on open connections) and never answer
-        them, as a hung server does, until :meth:`stop`."""
+        """Accept requests from now on and never answer them, as a hung server does.
+
+        This holds also on open connections, until :meth:`stop`.
+        """
         self._server.frozen.set()
 
     def stop(self) -> None:
@@ -258,8 +262,10 @@ def serve_directory(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m sclayout.testing.httpserver DIR [--delay S] [--port N] [--max-seconds S]``:
-    serve until interrupted or ``--max-seconds`` (prints the URL first)."""
+    """Serve DIR until interrupted or ``--max-seconds`` (prints the URL first).
+
+    Run as ``python -m sclayout.testing.httpserver DIR [--delay S] [--port N] [--max-seconds S]``.
+    """
     import argparse
 
     ap = argparse.ArgumentParser(

@@ -54,10 +54,12 @@ class EvictionCheck:
 
     @property
     def cold_mb_s(self) -> float:
+        """Read speed with the page cache evicted, in MB/s."""
         return self.bytes_read / 1e6 / self.cold_seconds
 
     @property
     def warm_mb_s(self) -> float:
+        """Read speed from the page cache, in MB/s."""
         return self.bytes_read / 1e6 / self.warm_seconds
 
     @property
