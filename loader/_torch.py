@@ -20,7 +20,7 @@ from loader.errors import InputError, LayoutError, SclayoutError
 try:
     import torch
     from torch.utils.data import DataLoader, IterableDataset
-    from torch.utils.data._utils.pin_memory import pin_memory
+    from torch.utils.data._utils import pin_memory as torch_pinning
 except ImportError:  # torch is an extra: loader works without it (numpy batches)
     torch = None
 
@@ -144,7 +144,7 @@ if torch is not None:
                 if self._collate is not None:
                     batch = self._collate(batch)
                 if self._pin:
-                    batch = pin_memory(batch, self._pin_device)
+                    batch = torch_pinning.pin_memory(batch, self._pin_device)
                 yield batch
 
         def _minibatches(self):

@@ -803,7 +803,7 @@ def select_rows(reader: Any, rows: Any) -> np.ndarray:
             stored = np.flatnonzero(mask[source])
         else:
             raise InputError(
-                f"rows: expected a boolean mask, an integer index array or "
+                f"rows={rows!r:.60}: expected a boolean mask, an integer index array or "
                 f"{{obs column: value}}, got {type(rows).__name__}"
             )
     if stored.size == 0:

@@ -24,7 +24,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except KeyboardInterrupt:
-            click.echo("interrupted; nothing written (outputs appear only on success)", err=True)
+            click.echo("error: interrupted; nothing written", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except Exception as e:
             from loader.errors import SclayoutError  # here: loader imports numpy

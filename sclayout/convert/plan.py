@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from loader.argtypes import typechecked
 from loader.errors import InputError
 
 __all__ = [
@@ -58,6 +59,7 @@ INDPTR_CHUNK_ROWS = 8192
 block pointer for block ranges and read ``indptr`` only for the rows they fetch."""
 
 
+@typechecked(own_checks=("value",))
 def parse_memory_budget(value: str | int, *, name: str = "memory_budget") -> int:
     """Bytes from a size such as ``2GB``, read by ``dask.utils.parse_bytes``.
 

@@ -224,7 +224,8 @@ def _unreadable(what: str, e: BaseException) -> LayoutError:
     detail = " ".join(str(e).split())[:200]
     return LayoutError(
         f"DST {what}: a chunk cannot be read ({type(e).__name__}: {detail}); the store is "
-        "damaged: reconvert it with `sclayout convert --overwrite`"
+        "damaged: list the damage with `sclayout verify DST`, then restore it or reconvert it "
+        "with `sclayout convert --overwrite`"
     )
 
 
@@ -592,14 +593,7 @@ def verify(
     if not structure.sound:
         out.add(structure.findings)
         return VerifyReport(equal=False, differences=out.lines, n_differences=out.count)
-    try:
-        return _verify_contents(src_path, dst_path, dst_root, info, si, out, budget, progress)
-    except (ValueError, RuntimeError) as e:  # a DST chunk failing its crc32c or decoding
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise LayoutError(
-            f"DST {dst_path}: a chunk cannot be read ({cause}); list the damage with "
-            f"`sclayout verify {dst_path}`, then restore or reconvert the store"
-        ) from None
+    return _verify_contents(src_path, dst_path, dst_root, info, si, out, budget, progress)
 
 
 def _verify_contents(

@@ -107,7 +107,7 @@ def test_damaged_data_found_while_converting(
     dst = tmp_path / "out.zarr"
     before = snapshot(tmp_path)
     code, out, err = run_cli("convert", src, dst, "--quiet")
-    assert_one_line_error(code, out, err, "reading data failed (")
+    assert_one_line_error(code, out, err, "reading X/data failed (")
     assert "the file is corrupt or truncated; copy or download it again" in err
     assert snapshot(tmp_path) == before
     good = gzip_h5ad(tmp_path)
