@@ -349,7 +349,23 @@ def panel_names(var_names: Any) -> list[str]:
     return names
 
 
-class PanelReader:
+class _Wrapping:
+    """What a reader that wraps another one (``inner``) passes through unchanged."""
+
+    inner: Any
+
+    @property
+    def manifest(self) -> Any:
+        """Manifest of the inner reader, or ``None`` if it has none."""
+        return getattr(self.inner, "manifest", None)
+
+    @property
+    def backend(self) -> Any:
+        """Backend of the inner reader, or ``None`` if it has none."""
+        return getattr(self.inner, "backend", None)
+
+
+class PanelReader(_Wrapping):
     """The inner reader's rows in the columns of a gene panel (absent genes: zeros).
 
     ``columns[j]`` is the panel column of the inner reader's column ``j``, or ``-1`` for
@@ -369,16 +385,6 @@ class PanelReader:
         self.is_csr = _is_csr(inner)
         self._src = np.flatnonzero(self.columns >= 0)
         self._dst = self.columns[self._src]
-
-    @property
-    def manifest(self) -> Any:
-        """Manifest of the inner reader, or ``None`` if it has none."""
-        return getattr(self.inner, "manifest", None)
-
-    @property
-    def backend(self) -> Any:
-        """Backend of the inner reader, or ``None`` if it has none."""
-        return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:
@@ -517,7 +523,7 @@ class _PanelFetched:
 # ----------------------------------------------------------------- rows
 
 
-class SubsetReader:
+class SubsetReader(_Wrapping):
     """Only the stored rows ``rows`` (sorted, unique) of the inner reader.
 
     Sampling sees each block with at least one selected row, as long as its selected
@@ -542,16 +548,6 @@ class SubsetReader:
         self.n_blocks = int(self._lengths.size)
         self.block_size = inner.block_size
         self.is_csr = _is_csr(inner)
-
-    @property
-    def manifest(self) -> Any:
-        """Manifest of the inner reader, or ``None`` if it has none."""
-        return getattr(self.inner, "manifest", None)
-
-    @property
-    def backend(self) -> Any:
-        """Backend of the inner reader, or ``None`` if it has none."""
-        return getattr(self.inner, "backend", None)
 
     @property
     def state_key(self) -> str:

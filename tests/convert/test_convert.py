@@ -562,14 +562,16 @@ import importlib, pathlib, sys, time
 convert = importlib.import_module("sclayout.convert.convert")
 real = convert.copy_sparse
 
-def slow(job):  # the first task says it started, then takes a second: Ctrl-C lands mid-write
+def held(job):  # a copy task says it started, then waits until the test has sent Ctrl-C
     pathlib.Path(sys.argv[1]).touch()
-    time.sleep(1.0)
+    release, deadline = pathlib.Path(sys.argv[2]), time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
     return real(job)
 
-convert.copy_sparse = slow
+convert.copy_sparse = held
 from sclayout.cli import main
-main(sys.argv[2:])
+main(sys.argv[3:])
 """
 
 
@@ -579,16 +581,19 @@ def test_ctrl_c_during_convert_is_one_line_exit_130_and_writes_nothing(tmp_path,
     import sys
     import time
 
-    started, dst = tmp_path / "started", tmp_path / "out" / "o.zarr"
+    started, release = tmp_path / "started", tmp_path / "release"
+    dst = tmp_path / "out" / "o.zarr"
     dst.parent.mkdir()
-    cmd = [sys.executable, "-c", _SLOW_COPY, str(started), "convert", str(synth_h5ad), str(dst)]
+    cmd = [sys.executable, "-c", _SLOW_COPY, str(started), str(release)]
+    cmd += ["convert", str(synth_h5ad), str(dst)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
         while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.01)
         assert started.exists(), proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT)  # mid-write: no copy task can finish before it
+        release.touch()
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

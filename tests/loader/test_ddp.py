@@ -4,10 +4,6 @@ counts (a collective per step never hangs), and together cover the epoch."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,7 +11,6 @@ import pytest
 # argv: store path, rank, world size, port. Each rank reads with rank/world_size taken
 # from the initialised process group, and all-reduces once per minibatch as a
 # training step would: unequal batch counts would pair mismatched collectives.
-ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
 import datetime, json, sys
@@ -48,37 +43,8 @@ print(json.dumps(out))
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory, free_port, stores):
-    path = stores["shuffled"]
-    env = dict(
-        os.environ,
-        PYTHONPATH=str(ROOT),
-        MASTER_ADDR="127.0.0.1",
-        GLOO_SOCKET_IFNAME="lo",
-    )
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", SCRIPT, path, str(r), "2", port],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        for r in range(2)
-    ]
-    outs = []
-    try:
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, err[-3000:]
-            outs.append(json.loads(out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
+def ranks(stores, run_ranks):
+    return [json.loads(out) for out in run_ranks(SCRIPT, stores["shuffled"])]
 
 
 @pytest.mark.slow
