@@ -558,7 +558,11 @@ def test_cli_errors_are_one_line(tmp_path, synth_h5ad, args, message):
 
 
 _SLOW_COPY = """
-import importlib, pathlib, sys, time
+import importlib, pathlib, signal, sys, time
+# as a terminal starts a command: Ctrl-C delivered and raising KeyboardInterrupt, whatever
+# the test process's threads inherited (a blocked or ignored SIGINT passes to children)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
 convert = importlib.import_module("sclayout.convert.convert")
 real = convert.copy_sparse
 
