@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -186,9 +187,15 @@ def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypa
     got = _shards.submit_reads([(a, ra), (b, rb)])
     assert np.array_equal(got[0].result(), arrays["blosc-1d"][1])
     assert np.array_equal(got[1].result(), arrays["blosc-2d"][1][5:180])
+    # the announcing task is queued ahead of the reads but may still be running when they
+    # are done (a loaded machine): wait for it to reach every file, then check who ran it
+    want = set(a._fds.values()) | set(b._fds.values())
+    deadline = time.monotonic() + 30
+    while {fd for _, fd in calls} != want and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert calls, "no run was announced"
     assert all(name.startswith("sclayout-decode") for name, _ in calls)
-    assert {fd for _, fd in calls} == set(a._fds.values()) | set(b._fds.values())
+    assert {fd for _, fd in calls} == want
 
 
 @pytest.mark.parametrize("compress", [True, False], ids=["blosc", "raw"])
