@@ -13,6 +13,7 @@ holds for any block sizes (trimmed blocks of ``rows=``), strategy and weights.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -79,10 +80,20 @@ def expected_random_entropy(counts: np.ndarray, batch_size: int) -> float:
     The cells are drawn at random without replacement from a population with ``counts``
     cells per label.
     """
+    counts = np.asarray(counts, dtype=np.int64)
+    # the entropy does not depend on the labels' order: one cache entry per count set
+    return _random_entropy(tuple(sorted(counts[counts > 0].tolist())), int(batch_size))
+
+
+@functools.lru_cache(maxsize=256)
+def _random_entropy(counts_key: tuple[int, ...], batch_size: int) -> float:
+    """Return :func:`expected_random_entropy` of sorted positive counts, cached.
+
+    A search asks for the same reference once per candidate layout.
+    """
     from scipy import stats  # imported when first needed: it is slow to import
 
-    counts = np.asarray(counts, dtype=np.int64)
-    counts = counts[counts > 0]
+    counts = np.array(counts_key, dtype=np.int64)
     total = int(counts.sum())
     m = min(int(batch_size), total)
     j = np.arange(1, m + 1)
