@@ -326,11 +326,25 @@ def test_calibrate_bad_target(tmp_path, assert_one_line_error, run_cli):
     assert_one_line_error(r, "not a file, directory or http(s) URL")
 
 
-def test_recommend_without_profile_calibrates_the_data_location_quickly(data, run_cli, smoke_quick):
+def test_recommend_without_profile_calibrates_the_data_location_quickly(
+    data, run_cli, smoke_quick, monkeypatch
+):
+    """The quick calibration times only the codecs --codecs asks to search."""
+    import sclayout.cost.calibrate as calibrate_mod
+
+    timed: list[tuple[str, ...]] = []
+    real = calibrate_mod.measure_codecs
+
+    def spy(*args, **kwargs):
+        timed.append(tuple(kwargs["codecs"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(calibrate_mod, "measure_codecs", spy)
     src, _ = data
     r = run_cli("recommend", src, "--label", "plate", *SMALL_SPACE, "--quiet")
     assert r.exit_code == 0, r.stderr
     assert f"profile: quick calibration of {src}" in r.stdout
+    assert timed == [("blosc-lz4", "zstd")]
 
 
 def test_search_api_skips_default_codecs_an_old_profile_lacks(data):
