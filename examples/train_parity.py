@@ -280,10 +280,31 @@ def run_cli(*args: str, echo: bool = True, check: bool = True) -> subprocess.Com
     return res
 
 
+SMOKE_SPACE = (
+    "--block-sizes",
+    "16,64,256",
+    "--fetch-factors",
+    "4,16",
+    "--codecs",
+    "blosc-lz4,none",
+)
+"""``recommend``'s search grid in a smoke run: a sample of the default grid, enough to
+exercise the search without pricing all of it."""
+
+
 def recommended_store(
-    prep: Prepared, work: Path, *, batch_size: int, min_diversity: float, profile: str
+    prep: Prepared,
+    work: Path,
+    *,
+    batch_size: int,
+    min_diversity: float,
+    profile: str,
+    space: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """``sclayout recommend`` then ``sclayout convert --spec``; falls back loudly."""
+    """``sclayout recommend`` then ``sclayout convert --spec``; falls back loudly.
+
+    ``space``: extra ``recommend`` options narrowing its search grid.
+    """
     spec = work / "spec.json"
     store = work / "store.zarr"
     res = run_cli(
@@ -300,6 +321,7 @@ def recommended_store(
         "--spec-out",
         str(spec),
         "--overwrite",  # a re-run replaces its own spec
+        *space,
         check=False,
     )
     if res.returncode == 0 and spec.exists():
@@ -724,6 +746,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 batch_size=args.batch_size,
                 min_diversity=args.min_diversity,
                 profile=args.profile,
+                space=SMOKE_SPACE if args.smoke else (),
             )
             entry["store"] = {
                 "settings_source": store["settings_source"],
