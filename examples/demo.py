@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_parity import (
     PBMC_FILE,
     SHARED_DATA,
+    SMOKE_SPACE,
     log1p_normalise,
     make_mlp,
     remap,
@@ -268,6 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         "--plot",
         str(out / "recommend.png"),
         "--overwrite",  # a re-run of the demo replaces its own outputs
+        *(SMOKE_SPACE if args.smoke else ()),
     )
     step("4/8 convert with the recommended spec")
     sclayout("convert", str(data), str(store), "--spec", str(spec), "--overwrite")

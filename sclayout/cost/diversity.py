@@ -37,7 +37,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats
 
 from loader.argtypes import typechecked
 from loader.diversity import (  # the exact pieces: defined in loader, which warns with them
@@ -92,6 +91,8 @@ def expected_iid_entropy(p: np.ndarray, n: float) -> float:
     p = p[p > 0] / p.sum()
     lo = max(1, math.floor(n))
     hi = max(lo, math.ceil(n))
+
+    from scipy import stats  # imported when first needed: it is slow to import
 
     def at(k: int) -> float:
         j = np.arange(1, k + 1)
