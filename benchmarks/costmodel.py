@@ -235,6 +235,8 @@ def run_profile(
 
         first = stores[CONFIGS[0][0]]
         plan = CalibrationPlan.smoke() if smoke else None
+        # --smoke times only the codecs its stores use (each codec costs two conversions)
+        codecs = {"codecs": sorted({sd.codec for sd in STORES})} if smoke else {}
         # Rounds: every round calibrates the profile afresh, then measures each
         # configuration once, predicting it from that round's profile. On a shared
         # machine the CPU time of the same loader run moves within a minute: one
@@ -244,6 +246,10 @@ def run_profile(
         # whole run, and each prediction uses the machine as measured minutes before.
         configs = []
         for store, b, f, w in CONFIGS:
+            if smoke and w and any(c[3] for c in configs):
+                # each worker run spawns processes: --smoke measures one to check the path
+                print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke runs one worker configuration")
+                continue
             path = stores[store]
             reader = open_layout(loc(path), block_size=b)
             if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
@@ -260,7 +266,9 @@ def run_profile(
         profiles = []
         for r in range(runs):
             print(f"[{kind}] round {r + 1}/{runs}: calibrating {loc(first)}", flush=True)
-            profile = calibrate(loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke)
+            profile = calibrate(
+                loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke, **codecs
+            )
             profiles.append(profile)
             for k, (store, b, f, w, path, reader, settings, _) in enumerate(configs):
                 pred = predict(

@@ -46,7 +46,8 @@ def test_costmodel_benchmark_smoke(tmp_path, run_benchmark):
         "--out", tmp_path / "results", env=env,
     )  # fmt: skip
     doc = json.loads((tmp_path / "results" / "costmodel-smoke.json").read_text())
-    assert len(doc["rows"]) >= 15  # the configurations whose fetch fits 4,000 cells
+    # the configurations whose fetch fits 4,000 cells, one of them with workers
+    assert len(doc["rows"]) >= 15 and sum(r["workers"] > 0 for r in doc["rows"]) == 1
     for r in doc["rows"]:
         assert r["predicted"] > 0 and r["measured"] > 0
         assert r["rel_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
