@@ -311,7 +311,15 @@ def _stderr_of_convert(src: Path, dst: Path, *, tty: bool, quiet: bool = False) 
 
 
 def test_progress_bars_only_on_a_terminal(synth_h5ad, tmp_path) -> None:
-    on_tty = _stderr_of_convert(synth_h5ad, tmp_path / "a.zarr", tty=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    cases = {"a": {"tty": True}, "b": {"tty": False}, "c": {"tty": True, "quiet": True}}
+    with ThreadPoolExecutor(len(cases)) as pool:  # three independent child processes
+        futures = {
+            k: pool.submit(_stderr_of_convert, synth_h5ad, tmp_path / f"{k}.zarr", **kw)
+            for k, kw in cases.items()
+        }
+    on_tty, off_tty, quiet = (futures[k].result() for k in cases)
     assert "copy X:" in on_tty and "task" in on_tty, on_tty  # the probe sees bars
-    assert _stderr_of_convert(synth_h5ad, tmp_path / "b.zarr", tty=False) == ""
-    assert _stderr_of_convert(synth_h5ad, tmp_path / "c.zarr", tty=True, quiet=True) == ""
+    assert off_tty == ""
+    assert quiet == ""
