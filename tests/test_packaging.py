@@ -1,7 +1,7 @@
 """The wheel users install: built from this checkout, installed in a fresh venv, imported.
 
-Nothing is downloaded: the build backend comes from the configured package index, the
-wheel is installed without dependencies, and the fresh venv sees the test venv's
+Nothing is downloaded: the build backend (hatchling, a dev dependency) is the test venv's,
+the wheel is installed without dependencies, and the fresh venv sees the test venv's
 installed dependencies through a ``.pth`` line (which, unlike a site directory, does
 not run that venv's own ``.pth`` files, so the editable checkout stays out of reach).
 """
@@ -49,7 +49,9 @@ def _run(cmd: list[str], **kw) -> subprocess.CompletedProcess:
 def installed(tmp_path_factory) -> tuple[Path, dict]:
     tmp = tmp_path_factory.mktemp("wheel")
     dist = tmp / "dist"
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(dist), str(ROOT)])
+    # the backend of [build-system] is a dev dependency: no isolated build environment
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    _run([*pip_wheel, "-q", "-w", str(dist), str(ROOT)])
     (wheel,) = dist.glob("sclayout-*.whl")
     env_dir = tmp / "fresh"
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
