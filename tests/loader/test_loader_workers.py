@@ -94,33 +94,25 @@ def test_spawned_workers_many_groups(
         assert all(np.array_equal(x, y) for x, y in zip(got, want, strict=True))
 
 
-def _exit_with(code, marker):
-    import atexit
-
-    # a finalization-time handler: a worker of worker_context() never reaches it
-    atexit.register(lambda: open(marker, "w").close())
-    if code == "raise":
-        raise RuntimeError("worker failed")
-    raise SystemExit(code)
-
-
 @pytest.mark.parametrize(("code", "want"), [(0, 0), (3, 3), ("raise", 1)])
 def test_worker_context_keeps_the_exit_code_and_skips_finalization(tmp_path, code, want):
     import multiprocessing
 
+    from _exit_child import exit_with  # tests/loader is on sys.path, as in the child
+
     import loader
 
-    marker = tmp_path / "finalized"
-    p = loader.worker_context().Process(target=_exit_with, args=(code, str(marker)))
-    p.start()
-    p.join(60)
+    marker, plain_marker = tmp_path / "finalized", tmp_path / "plain-finalized"
+    p = loader.worker_context().Process(target=exit_with, args=(code, str(marker)))
+    # the same target in a plain spawned process does finalize (the check can fail)
+    q = multiprocessing.get_context("spawn").Process(target=exit_with, args=(0, str(plain_marker)))
+    for proc in (p, q):  # started together: each child is mostly interpreter start-up
+        proc.start()
+    for proc in (p, q):
+        proc.join(60)
     assert p.exitcode == want
     assert not marker.exists()
-    # the same target in a plain spawned process does finalize (the check can fail)
-    q = multiprocessing.get_context("spawn").Process(target=_exit_with, args=(0, str(marker)))
-    q.start()
-    q.join(60)
-    assert q.exitcode == 0 and marker.exists()
+    assert q.exitcode == 0 and plain_marker.exists()
 
 
 def test_block_dataloader_spawns_with_the_worker_context(stores):
