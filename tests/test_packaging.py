@@ -9,6 +9,7 @@ not run that venv's own ``.pth`` files, so the editable checkout stays out of re
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import sysconfig
@@ -63,7 +64,9 @@ def installed(tmp_path_factory) -> tuple[Path, dict]:
         ).stdout.strip()
     )
     (fresh_site / "_test_venv_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    out = _run([str(py), "-c", CHECK], cwd=tmp).stdout  # cwd: the checkout not on sys.path
+    # cwd: the checkout not on sys.path; nor through a PYTHONPATH the suite was run with
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = _run([str(py), "-c", CHECK], cwd=tmp, env=env).stdout
     return env_dir, json.loads(out.strip().splitlines()[-1])
 
 
