@@ -403,7 +403,8 @@ def _plot(result: Any, path: Path, title: str) -> None:
     "--codecs",
     type=ChoiceList(codec_names),
     default=None,
-    help="Codecs to search [those the profile measured].",
+    help="Codecs to search [those the profile measured]; without --profile, the only "
+    "codecs the quick calibration times.",
 )
 @click.option(
     "--worker-counts", default=None, help="DataLoader worker counts to search, e.g. 0,2 [0,2]."
