@@ -98,9 +98,8 @@ def test_spawned_workers_many_groups(
 def test_worker_context_keeps_the_exit_code_and_skips_finalization(tmp_path, code, want):
     import multiprocessing
 
-    from _exit_child import exit_with  # tests/loader is on sys.path, as in the child
-
     import loader
+    from sclayout.testing.workers import exit_with  # light: the children import it
 
     marker, plain_marker = tmp_path / "finalized", tmp_path / "plain-finalized"
     p = loader.worker_context().Process(target=exit_with, args=(code, str(marker)))
