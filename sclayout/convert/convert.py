@@ -275,9 +275,8 @@ def convert(
         codec=codec,
         memory_budget=memory_budget,
     )
-    for name, flag in (("checksums", checksums), ("keep_dtypes", keep_dtypes)):
-        if not isinstance(flag, bool):
-            raise InputError(f"{name}={flag!r}: pass True or False")
+    if not isinstance(checksums, bool):
+        raise InputError(f"checksums={checksums!r}: pass True or False")
     opts = dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
