@@ -17,7 +17,14 @@ from sclayout.convert.parts import Part
 from sclayout.convert.source import MatrixInfo, read_slice
 from sclayout.convert.write import index_dtype_for
 
-__all__ = ["ValueStats", "stats_jobs", "stored_dtypes", "stored_index_dtype", "value_stats"]
+__all__ = [
+    "ValueStats",
+    "as_stored",
+    "stats_jobs",
+    "stored_dtypes",
+    "stored_index_dtype",
+    "value_stats",
+]
 
 INTEGER_DTYPES = tuple(
     np.dtype(t) for t in (np.uint8, np.int8, np.uint16, np.int16, np.uint32, np.int32)
@@ -116,6 +123,18 @@ def stored_dtypes(info: MatrixInfo, stats: ValueStats | None) -> tuple[np.dtype,
         if t.itemsize < dtype.itemsize and info.min <= lo and hi <= info.max:
             return t, index
     return dtype, index
+
+
+def as_stored(
+    data: np.ndarray, indices: np.ndarray, *, n_vars: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return CSR ``data`` and ``indices`` in the dtypes ``convert`` would store them in.
+
+    For measurements (``sclayout calibrate``) that time the loader on in-memory arrays.
+    """
+    info = MatrixInfo("X", "csr", (0, n_vars), data.dtype, indices.dtype, data.size)
+    value, index = stored_dtypes(info, value_stats(data))
+    return data.astype(value, copy=False), indices.astype(index, copy=False)
 
 
 def _size(dtype: np.dtype) -> int:
