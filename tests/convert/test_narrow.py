@@ -22,6 +22,7 @@ from sclayout.convert import convert
 from sclayout.convert.narrow import ValueStats, stored_dtypes, value_stats
 from sclayout.convert.source import MatrixInfo
 from sclayout.convert.verify import verify
+from sclayout.convert.verify_store import check_store
 from sclayout.testing.httpserver import serve_directory
 
 N_OBS = 40
@@ -43,13 +44,12 @@ def _ints(lo: int, hi: int, n: int = 300) -> np.ndarray:
     return v
 
 
-# name: (stored values in the source dtype, n_vars, stored data dtype, stored index dtype)
+# name: (stored values in the source dtype, n_vars, stored data dtype, stored index dtype);
+# the other value ranges are covered without a conversion by test_value_dtype_choice
 CASES = {
     "uint8": (_ints(1, 255).astype(np.float32), 30, "uint8", "uint16"),
     "uint16": (_ints(1, 3232).astype(np.float32), 30, "uint16", "uint16"),
-    "int8-negative": (_ints(-5, 100).astype(np.float32), 30, "int8", "uint16"),
     "int16-negative": (_ints(-300, 3000).astype(np.float32), 30, "int16", "uint16"),
-    "uint32-from-float64": (_ints(1, 70_000).astype(np.float64), 30, "uint32", "uint16"),
     "int32-source-to-uint16": (_ints(1, 1000).astype(np.int32), 30, "uint16", "uint16"),
     "fractions-kept": (_ints(1, 50).astype(np.float32) + 0.25, 30, "float32", "uint16"),
     "nan-kept": (np.r_[np.nan, _ints(1, 50)[1:]].astype(np.float32), 30, "float32", "uint16"),
@@ -59,7 +59,6 @@ CASES = {
         "float32",
         "uint16",
     ),
-    "too-wide-kept": (_ints(-1, 2**32).astype(np.float64), 30, "float64", "uint16"),
     "n_vars-65535": (_ints(1, 9).astype(np.float32, copy=False)[:60], 65_535, "uint8", "uint16"),
     "n_vars-65536": (_ints(1, 9).astype(np.float32, copy=False)[:60], 65_536, "uint8", "int32"),
 }
@@ -121,6 +120,7 @@ def test_narrowed_round_trip(tmp_path, name):
     _same_values(back.X[order], a.X, "read_zarr")
     report = verify(src, dst)
     assert report.equal, report.differences
+    assert check_store(dst).sound  # `sclayout verify DST`: from the store's bytes alone
     _check_loader(dst, a)
 
 
@@ -216,6 +216,8 @@ def _info(dtype, n_vars=100, encoding="csr") -> MatrixInfo:
         ([1, 2], np.float16, "uint8"),
         ([0.5, 2], np.float32, "float32"),
         ([np.inf, 2], np.float32, "float32"),
+        ([np.nan, 2], np.float32, "float32"),
+        ([-0.0, 2], np.float32, "float32"),
         ([], np.float32, "uint8"),
     ],
     ids=lambda v: str(v),
