@@ -313,6 +313,7 @@ def fetch_rows(
     row_ranges: np.ndarray,
     n_vars: int,
     where: str = "store",
+    dtype: np.dtype | str | None = None,
 ) -> CSRRows:
     """All rows of a fetch as one :class:`CSRRows`.
 
@@ -335,6 +336,10 @@ def fetch_rows(
         Number of columns.
     where
         What the rows come from (``store S, matrix X``), for error messages.
+    dtype
+        The matrix's dtype (the source's). Values stored narrower (integer counts in
+        ``uint8`` ...) are widened to it here, in one numpy cast per fetch, as the
+        column ids are widened to scipy's index dtype. None: as read.
     """
     sizes = row_ranges[:, 1] - row_ranges[:, 0]
     n_rows = int(sizes.sum())
@@ -359,6 +364,8 @@ def fetch_rows(
     indptr = np.empty(n_rows + 1, dtype=idx_dtype)
     indptr[0] = 0
     np.cumsum(step, out=indptr[1:])
+    if dtype is not None:
+        data = data.astype(dtype, copy=False)
     return CSRRows(data, indices.astype(idx_dtype, copy=False), indptr, int(n_vars))
 
 

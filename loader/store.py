@@ -683,9 +683,10 @@ class LayoutReader:
                 row_ranges=bounds,
                 n_vars=self.n_vars,
                 where=f"store {self.location}, matrix {self.matrix}",
+                dtype=self.layout.dtype,
             )
-        else:
-            values = DenseRows(got["values"])
+        else:  # narrowed values widened to the matrix's dtype, as fetch_rows does
+            values = DenseRows(got["values"].astype(self.layout.dtype, copy=False))
         if "source_index" in got:
             index = got["source_index"].astype(np.int64, copy=False)
             check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)

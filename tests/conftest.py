@@ -169,6 +169,23 @@ def _restore_source_order(stored: ad.AnnData) -> ad.AnnData:
     return restored
 
 
+def _narrowed(a: Any, b: Any) -> Any:
+    """``b`` in ``a``'s dtype when ``b`` is a layout store's narrowed copy of ``a``.
+
+    Narrowed: ``b`` holds integers in a narrower type (docs/store-format.md, *Compact
+    dtypes*); its values are then compared exactly in ``a``'s dtype.
+    """
+    da, db = np.dtype(a.dtype), np.dtype(b.dtype)
+    if da == db or db.kind not in "iu" or db.itemsize >= da.itemsize:
+        return b
+    return b.astype(da)
+
+
+def _assert_matrix_equal(a: Any, b: Any, where: str) -> None:
+    """A row-aligned matrix (X, a layer, raw/X): equal values, the store's dtype may be narrowed."""
+    _assert_values_equal(a, _narrowed(a, b), where)
+
+
 def _assert_values_equal(a: Any, b: Any, where: str) -> None:
     if isinstance(a, pd.DataFrame):
         assert isinstance(b, pd.DataFrame), where
@@ -177,7 +194,9 @@ def _assert_values_equal(a: Any, b: Any, where: str) -> None:
         assert sp.issparse(a) and sp.issparse(b), f"{where}: sparse vs dense"
         assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
         assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-        ca, cb = sp.csr_matrix(a), sp.csr_matrix(b)
+        # tocsr(copy=True): a store's uint16 column ids come back int32, without
+        # the warning scipy's constructor gives for unsigned ids
+        ca, cb = a.tocsr(copy=True), b.tocsr(copy=True)
         ca.sort_indices()
         cb.sort_indices()
         assert np.array_equal(ca.indptr, cb.indptr), f"{where}: different row structure"
@@ -213,15 +232,18 @@ def _is_strings(a: np.ndarray) -> bool:
 def _assert_adata_equal(a: ad.AnnData, b: ad.AnnData) -> None:
     """Every element of ``a`` equals ``b``'s: values, dtypes, names, order."""
     assert a.shape == b.shape, f"shape {a.shape} != {b.shape}"
-    _assert_values_equal(a.X, b.X, "X")
+    _assert_matrix_equal(a.X, b.X, "X")
     for name in ("obs", "var"):
         _assert_values_equal(getattr(a, name), getattr(b, name), name)
-    for name in ("layers", "obsm", "varm", "obsp", "varp"):
+    assert set(a.layers) == set(b.layers), f"layers: keys {sorted(a.layers)} != {sorted(b.layers)}"
+    for k in a.layers:
+        _assert_matrix_equal(a.layers[k], b.layers[k], f"layers/{k}")
+    for name in ("obsm", "varm", "obsp", "varp"):
         _assert_values_equal(dict(getattr(a, name)), dict(getattr(b, name)), name)
     _assert_values_equal(dict(a.uns), dict(b.uns), "uns")
     assert (a.raw is None) == (b.raw is None), "raw present in one only"
     if a.raw is not None:
-        _assert_values_equal(a.raw.X, b.raw.X, "raw/X")
+        _assert_matrix_equal(a.raw.X, b.raw.X, "raw/X")
         _assert_values_equal(a.raw.var, b.raw.var, "raw/var")
         _assert_values_equal(dict(a.raw.varm), dict(b.raw.varm), "raw/varm")
 

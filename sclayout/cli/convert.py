@@ -125,6 +125,11 @@ def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[lis
 @click.option(
     "--memory-budget", default="2GB", show_default=True, metavar="SIZE", help="Peak memory target."
 )
+@click.option(
+    "--keep-dtypes",
+    is_flag=True,
+    help="Store values and column ids in the source's dtypes (default: narrowed where lossless).",
+)
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
 @click.option("--jobs", type=int, default=None, metavar="N", help="Worker threads [CPUs].")
 @click.option(
@@ -146,6 +151,7 @@ def convert_command(
     codec: str | None,
     spec: Path | None,
     memory_budget: str,
+    keep_dtypes: bool,
     overwrite: bool,
     jobs: int | None,
     scheduler: str | None,
@@ -200,6 +206,7 @@ def convert_command(
         strict=strict,
         spec=layout_spec,
         memory_budget=memory_budget,
+        keep_dtypes=keep_dtypes,
         overwrite=overwrite,
         jobs=jobs,
         scheduler=scheduler,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import functools
 import itertools
 import os
 import shutil
@@ -45,6 +46,7 @@ from sclayout.convert.checks import (
 )
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
+from sclayout.convert.narrow import ValueStats, run_stats, stats_jobs, stored_dtypes
 from sclayout.convert.order import get_order, inverse_permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
@@ -124,6 +126,7 @@ class ConvertOptions:
     csr_chunk_nnz: int | None = None
     shard_chunks: int | None = None
     checksums: bool = True
+    keep_dtypes: bool = False
 
 
 def resolve_options(
@@ -196,6 +199,7 @@ def convert(
     scheduler: str | None = None,
     progress: bool = False,
     checksums: bool = True,
+    keep_dtypes: bool = False,
 ) -> Manifest:
     """Convert one or several AnnData sources (.h5ad or zarr v2/v3) into a layout store.
 
@@ -243,6 +247,10 @@ def convert(
     checksums
         End every inner chunk with its crc32c (format version 2's ``chunk_checksum``),
         which every reader verifies. ``False`` only to measure what the check costs.
+    keep_dtypes
+        Store values and column ids in the source's dtypes. By default they are
+        narrowed where every value fits (:mod:`sclayout.convert.narrow`): column ids
+        ``uint16`` below 65,536 genes, integer counts the smallest integer type.
 
     Returns
     -------
@@ -269,7 +277,7 @@ def convert(
     )
     if not isinstance(checksums, bool):
         raise InputError(f"checksums={checksums!r}: pass True or False")
-    opts = dataclasses.replace(opts, checksums=checksums)
+    opts = dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
     src_p, dst_p = Path(srcs[0]), Path(os.path.abspath(dst))
@@ -550,7 +558,8 @@ def _convert_matrix(
             chunk_blocks=opts.chunk_blocks,
             shard_chunks=opts.shard_chunks,
         )
-        arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors)
+        dtypes = _stored_dtypes(ctx, info, parts)
+        arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors, dtypes=dtypes)
         _fill_dense(ctx, info, plan, parts)
         layout = MatrixLayout(
             encoding="dense",
@@ -585,7 +594,8 @@ def _convert_matrix(
         csr_chunk_nnz=opts.csr_chunk_nnz,
         shard_chunks=opts.shard_chunks,
     )
-    arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors)
+    dtypes = _stored_dtypes(ctx, info, parts)
+    arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
     one = parts[0]
     if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
         _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
@@ -607,6 +617,18 @@ def _convert_matrix(
         block_pointer=block_pointer_path(info.path),
     )
     return layout, pointer
+
+
+def _stored_dtypes(
+    ctx: _Ctx, info: MatrixInfo, parts: list[Part]
+) -> tuple[np.dtype, np.dtype | None]:
+    """Return the stored (value, column id) dtypes of ``info``: one pass over its values."""
+    if ctx.opts.keep_dtypes:
+        return stored_dtypes(info, None)
+    elements = max(1, ctx.work // (ctx.jobs * 4 * info.itemsize))
+    jobs = stats_jobs(parts, elements=elements)
+    found = ctx.runner.run(run_stats, jobs, desc=f"scan {info.path}")
+    return stored_dtypes(info, functools.reduce(ValueStats.merge, found, ValueStats()))
 
 
 def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr, out_ptr, nnz):

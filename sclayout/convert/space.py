@@ -2,7 +2,8 @@
 
 The converter refuses to start when DST's file system lacks room for the *store*
 (not the source: a gzip ``.h5ad`` may grow, a dense one shrink), estimated from the
-number of stored values and the ratio the chosen codec reaches on a sample of them.
+number of stored values, the dtypes convert narrows them to and the ratio the chosen
+codec reaches on a sample of them.
 A write that still runs out of space (another process filled the disk) becomes
 :func:`no_space_error`.
 """
@@ -21,6 +22,7 @@ import zarr
 from loader.errors import InputError
 from sclayout.convert.checks import explain_read_errors
 from sclayout.convert.codecs import get_codec
+from sclayout.convert.narrow import stored_dtypes, value_stats
 from sclayout.convert.source import MatrixInfo, Source
 
 __all__ = [
@@ -66,17 +68,18 @@ def _stored_in_source(source: Source, key: str) -> int:
     return _tree_bytes(Path(source.path, key))
 
 
-def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
-    """Return the stored bytes per raw byte of ``key`` with the codec.
-
-    Measured on a sample from the middle of ``key``.
-    """
+def _sample(source: Source, key: str, n: int) -> np.ndarray:
+    """About :data:`SAMPLE_ELEMENTS` values from the middle of ``key``."""
     node = source.root[key]
     row = int(np.prod(node.shape[1:], dtype=np.int64)) if len(node.shape) > 1 else 1
     take = max(1, min(n, SAMPLE_ELEMENTS // max(row, 1)))
     start = max(0, n // 2 - take // 2)
     with explain_read_errors(source.path, what=key, errors=_READ_ERRORS):
-        sample = np.ascontiguousarray(node[start : start + take])
+        return np.ascontiguousarray(node[start : start + take])
+
+
+def _ratio(sample: np.ndarray, compressors: Any) -> float:
+    """Return the stored bytes per raw byte of ``sample`` with the codec."""
     if sample.nbytes == 0:
         return 1.0
     arr = zarr.create_array(
@@ -95,14 +98,22 @@ def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
 
 
 def _matrix_bytes(source: Source, info: MatrixInfo, compressors: Any) -> int:
+    """Return the stored bytes of a matrix, in the dtypes convert narrows a sample to.
+
+    The narrowing is judged on the sample: a guess, as the codec's ratio is.
+    """
     n_obs, n_vars = info.shape
     if info.encoding == "dense":
-        return int(n_obs * n_vars * info.itemsize * _ratio(source, info.path, n_obs, compressors))
+        values = _sample(source, info.path, n_obs)
+        values = values.astype(stored_dtypes(info, value_stats(values))[0])
+        return int(n_obs * n_vars * values.itemsize * _ratio(values, compressors))
     nnz = info.nnz
-    parts = [("data", info.itemsize), ("indices", np.dtype(info.index_dtype).itemsize)]
+    values = _sample(source, f"{info.path}/data", nnz)
+    indices = _sample(source, f"{info.path}/indices", nnz)
+    value_dtype, index_dtype = stored_dtypes(info, value_stats(values))
     total = (n_obs + 1) * 8  # indptr: int64, compresses well, counted raw
-    for part, itemsize in parts:
-        total += int(nnz * itemsize * _ratio(source, f"{info.path}/{part}", nnz, compressors))
+    for sample in (values.astype(value_dtype), indices.astype(index_dtype)):
+        total += int(nnz * sample.itemsize * _ratio(sample, compressors))
     return total
 
 

@@ -291,15 +291,21 @@ def _compare_rowwise(
     src: Path,
     progress: bool,
     out: _Collector,
+    dtypes: dict[str, str],
 ) -> None:
-    """Compare a row-aligned matrix (DST row i == SRC row si[i]) in bounded memory."""
+    """Compare a row-aligned matrix (DST row i == SRC row si[i]) in bounded memory.
+
+    DST's dtype is the manifest's (``dtypes``) for a matrix it lists: stored values
+    may be narrower (lossless), and are compared value for value.
+    """
     d_rows, s_rows = _Rows(dst_node), _Rows(src_node)
     out.n_checked += 1
     if d_rows.shape != s_rows.shape:
         out.add([f"{name}: shape {d_rows.shape} in DST, {s_rows.shape} in SRC"])
         return
-    if dtype_label(d_rows.dtype) != dtype_label(s_rows.dtype):
-        out.add([f"{name}: dtype {d_rows.dtype} in DST, {s_rows.dtype} in SRC"])
+    d_dtype = dtypes.get(name, d_rows.dtype)
+    if dtype_label(np.dtype(d_dtype)) != dtype_label(s_rows.dtype):
+        out.add([f"{name}: dtype {d_dtype} in DST, {s_rows.dtype} in SRC"])
     n = d_rows.shape[0]
     n_passes = -(-n // _window(s_rows, budget)) if n else 0
     gather = n_passes > MAX_PASSES and s_rows.encoding != "csc_matrix"
@@ -584,7 +590,7 @@ def verify(
     dst_root = open_store_root(dst_path, hint="reconvert with `sclayout convert --overwrite`")
     out = _Collector()
     try:
-        _, si = _check_manifest(dst_root, info, out)
+        manifest, si = _check_manifest(dst_root, info, out)
     except (LayoutError, SpecError) as e:
         out.add([str(e)])
         return VerifyReport(equal=False, differences=out.lines, n_differences=out.count)
@@ -593,7 +599,10 @@ def verify(
     if not structure.sound:
         out.add(structure.findings)
         return VerifyReport(equal=False, differences=out.lines, n_differences=out.count)
-    return _verify_contents(src_path, dst_path, dst_root, info, si, out, budget, progress)
+    dtypes = {name: m.dtype for name, m in manifest.matrices.items()}
+    return _verify_contents(
+        src_path, dst_path, dst_root, info, si, out, budget, progress, dtypes=dtypes
+    )
 
 
 def _verify_contents(
@@ -605,8 +614,14 @@ def _verify_contents(
     out: _Collector,
     budget: int,
     progress: bool,
+    *,
+    dtypes: dict[str, str],
 ) -> VerifyReport:
-    """Run the value-for-value comparison of :func:`verify` (the manifest checked)."""
+    """Run the value-for-value comparison of :func:`verify` (the manifest checked).
+
+    ``dtypes``: the manifest's dtype of each matrix (the source's, when its values
+    are stored narrower).
+    """
     import anndata.io
     import h5py
     import zarr
@@ -630,7 +645,14 @@ def _verify_contents(
         src_obs = read(src_root["obs"], "obs")
         src_var = read(src_root["var"], "var")
         var_names = np.asarray(src_var.index, dtype=object)
-        kw = {"si": si, "inv": inv, "budget": budget, "src": src_path, "progress": progress}
+        kw = {
+            "si": si,
+            "inv": inv,
+            "budget": budget,
+            "src": src_path,
+            "progress": progress,
+            "dtypes": dtypes,
+        }
         # obs, var
         out.n_checked += 2
         out.add(compare_frames("obs", read(dst_root["obs"], "obs"), src_obs.iloc[si], si=si))

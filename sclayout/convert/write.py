@@ -108,13 +108,19 @@ def submit_region(
     unchanged until then.
 
     Two writes submitted before waiting encode in parallel (tensorstore's own threads)
-    while the caller reads or gathers the next piece.
+    while the caller reads or gathers the next piece. Values are cast to the array's
+    stored dtype (a narrowed one holds each of them exactly:
+    :mod:`sclayout.convert.narrow`).
     """
     if values.shape[0] == 0:
         done: Future = Future()
         done.set_result(None)
         return done
-    return WRITERS[backend][1](open_dst(root, path, backend=backend), start, values)
+    arr = open_dst(root, path, backend=backend)
+    stored = np.dtype(arr.dtype.numpy_dtype if backend == "tensorstore" else arr.dtype)
+    if values.dtype != stored:  # a narrowed array: the converter checked every value fits
+        values = values.astype(stored)
+    return WRITERS[backend][1](arr, start, values)
 
 
 def close_dst() -> None:
@@ -159,14 +165,26 @@ def _create_array(
 
 
 def create_matrix(
-    root: zarr.Group, info: MatrixInfo, plan: MatrixPlan, *, nnz: int, compressors
+    root: zarr.Group,
+    info: MatrixInfo,
+    plan: MatrixPlan,
+    *,
+    nnz: int,
+    compressors,
+    dtypes: tuple[np.dtype, np.dtype | None] | None = None,
 ) -> dict[str, zarr.Array]:
     """Create the (empty) arrays of one output matrix with anndata's encoding attrs.
 
-    CSR: a group with ``data`` (source dtype), ``indices`` (source index dtype),
-    ``indptr`` (int64); dense: one array. Returns the arrays by role.
+    CSR: a group with ``data``, ``indices`` and ``indptr`` (int64); dense: one array.
+    ``dtypes`` are the stored (value, column id) dtypes (the narrowed ones of
+    :func:`sclayout.convert.narrow.stored_dtypes`); default: the source's. Returns the
+    arrays by role.
     """
     n_obs, n_vars = info.shape
+    if dtypes is None:
+        idt = info.index_dtype if info.index_dtype is not None else index_dtype_for(n_vars)
+        dtypes = (info.dtype, None if plan.encoding == "dense" else idt)
+    value_dtype, index_dtype = dtypes
     if plan.encoding == "dense":
         parent, _, name = info.path.rpartition("/")
         g = root.require_group(parent) if parent else root
@@ -174,7 +192,7 @@ def create_matrix(
             g,
             name,
             shape=(n_obs, n_vars),
-            dtype=info.dtype,
+            dtype=value_dtype,
             plan=plan.arrays["values"],
             compressors=compressors,
         )
@@ -184,13 +202,12 @@ def create_matrix(
     g.attrs.update(
         {"encoding-type": "csr_matrix", "encoding-version": "0.1.0", "shape": [n_obs, n_vars]}
     )
-    index_dtype = info.index_dtype if info.index_dtype is not None else index_dtype_for(n_vars)
     return {
         "data": _create_array(
             g,
             "data",
             shape=(nnz,),
-            dtype=info.dtype,
+            dtype=value_dtype,
             plan=plan.arrays["data"],
             compressors=compressors,
         ),

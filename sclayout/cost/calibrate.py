@@ -512,14 +512,20 @@ def measure_assembly(
     batch_size: int = 64,
     seconds: float = 3.0,
     seed: int = 0,
+    dtype: Any = np.float32,
 ) -> tuple[float, float]:
     """CPU seconds per gathered nnz and per dense output value of the loader's assembly.
 
     The assembly is :func:`loader.assemble.fetch_rows` + the ``csr``/``dense`` outputs,
     on minibatches drawn as the sampler draws them: a permutation of the fetch cut into
-    ``batch_size`` slices, each in decreasing row order.
+    ``batch_size`` slices, each in decreasing row order. The arrays are first put in the
+    dtypes ``convert`` stores (:func:`sclayout.convert.narrow.as_stored`), and widened
+    back to ``dtype`` (the matrix's) by ``fetch_rows``, as the loader does.
     """
     from loader.assemble import fetch_rows, get_output
+    from sclayout.convert.narrow import as_stored
+
+    data, indices = as_stored(data, indices, n_vars=n_vars)
 
     n_rows = len(indptr) - 1
     rng = np.random.default_rng(np.random.SeedSequence([seed, 17]))
@@ -532,7 +538,12 @@ def measure_assembly(
     def step(out: Callable[[Any, np.ndarray], object]) -> Callable[[], int]:
         def run() -> int:
             rows = fetch_rows(
-                data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges, n_vars=n_vars
+                data=data,
+                indices=indices,
+                indptr_parts=indptr,
+                row_ranges=ranges,
+                n_vars=n_vars,
+                dtype=dtype,
             )
             for p in positions:
                 out(rows, p)

@@ -204,14 +204,17 @@ def virtual_layout(
     perm
         ``perm[i]``: source row stored at position ``i`` (default: source order).
     data_dtype
-        dtype of CSR ``data``.
+        dtype of CSR ``data`` as stored (a source's integer counts are stored narrower
+        by ``convert``; the source's dtype is the conservative guess).
     shard_bytes
         Target shard size when ``spec.shard_chunks`` is not set (default: the
         converter's for its default memory budget, :data:`CONVERT_BUDGET`).
 
-    Uses the converter's chunk/shard planner (:func:`sclayout.convert.plan.plan_csr`),
-    so the virtual layout is the one ``convert`` would write.
+    Uses the converter's chunk/shard planner (:func:`sclayout.convert.plan.plan_csr`)
+    and its column id dtype (``uint16`` below 65,536 genes), so the virtual layout is
+    the one ``convert`` would write.
     """
+    from sclayout.convert.narrow import stored_index_dtype
     from sclayout.convert.plan import SHARD_BYTES_MAX, plan_csr, shard_bytes_for_budget
 
     row_nnz = np.asarray(row_nnz, dtype=np.int64)
@@ -232,7 +235,7 @@ def virtual_layout(
         csr_chunk_nnz=spec.csr_chunk_nnz,
         shard_chunks=spec.shard_chunks,
     )
-    idx_dtype = "int32" if n_vars < 2**31 else "int64"
+    idx_dtype = str(stored_index_dtype(n_vars))
     shapes_dtypes = {
         "data": ((nnz,), data_dtype),
         "indices": ((nnz,), idx_dtype),

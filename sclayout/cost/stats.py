@@ -24,6 +24,9 @@ from loader.layout import Manifest
 __all__ = ["DatasetStats", "read_dataset_stats", "read_sources_stats"]
 
 CSC_SLICE = 2**24
+DTYPE_SAMPLE = 2**20
+"""Values of a source's X read to predict the dtype ``convert`` will store them in
+(integer counts narrow): a 4 MB read, a guess the conversion's full scan confirms."""
 """Elements of a CSC ``indices`` array read at a time to count nnz per row (64 MiB)."""
 
 
@@ -31,7 +34,9 @@ CSC_SLICE = 2**24
 class DatasetStats:
     """Shapes, per-row nnz and label of a dataset, in *source* order.
 
-    For a layout store, ``manifest`` and ``block_pointer`` are the store's and
+    ``data_dtype`` is the dtype of the values as a layout store holds them (narrowed
+    integer counts: the store's own, or predicted from a sample of a source's). For a
+    layout store, ``manifest`` and ``block_pointer`` are the store's and
     ``source_index`` maps stored rows to source rows.
     """
 
@@ -98,7 +103,7 @@ def _source_stats(path: Path, kind: str, label: str | None) -> DatasetStats:
                 "only — convert with explicit settings instead"
             )
         n_obs, n_vars = (int(s) for s in attrs["shape"])
-        data_dtype = str(np.dtype(x["data"].dtype))
+        data_dtype = str(_stored_value_dtype(x, n_obs, n_vars))
         if enc == "csr_matrix":
             row_nnz = np.diff(np.asarray(x["indptr"][...], dtype=np.int64))
         else:
@@ -117,6 +122,17 @@ def _source_stats(path: Path, kind: str, label: str | None) -> DatasetStats:
         label=label,
         labels=labels,
     )
+
+
+def _stored_value_dtype(x: Any, n_obs: int, n_vars: int) -> np.dtype:
+    """Predict the value dtype ``convert`` would store from the first values of X."""
+    from sclayout.convert.narrow import stored_dtypes, value_stats
+    from sclayout.convert.source import MatrixInfo
+
+    data = x["data"]
+    sample = np.asarray(data[: min(int(data.shape[0]), DTYPE_SAMPLE)])
+    info = MatrixInfo("X", "csr", (n_obs, n_vars), np.dtype(data.dtype), None, 0)
+    return stored_dtypes(info, value_stats(sample))[0]
 
 
 def _store_stats(location: str, label: str | None) -> DatasetStats:
@@ -148,7 +164,7 @@ def _store_stats(location: str, label: str | None) -> DatasetStats:
         n_obs=manifest.n_obs,
         n_vars=manifest.n_vars,
         row_nnz=row_nnz,
-        data_dtype=x.dtype,
+        data_dtype=x.arrays["data"].dtype,
         label=label,
         labels=labels,
         manifest=manifest,

@@ -106,11 +106,15 @@ def truncate_shard(store: Path, array: str, which: int = 0) -> None:
 def bad_index(store: Path, array: str = "X/indices", value: int | None = None) -> None:
     """Write a column index outside ``[0, n_vars)`` through zarr.
 
-    Chunk checksums stay valid: only the bounds check can catch it.
+    Chunk checksums stay valid: only the bounds check can catch it. A negative
+    ``value`` in unsigned (narrowed) ids is written as its two's-complement bytes.
     """
     arr = zarr.open_array(store / array, mode="r+")
     n_vars = json.loads((store / "zarr.json").read_text())["attributes"]["sclayout"]["n_vars"]
-    arr[3] = n_vars + 7 if value is None else value
+    value = n_vars + 7 if value is None else value
+    if value < 0 and arr.dtype.kind == "u":
+        value += 1 << (8 * arr.dtype.itemsize)
+    arr[3] = value
 
 
 DAMAGE = {

@@ -79,10 +79,11 @@ def test_measure_codecs_reads_through_the_loader_backend():
         data, indices, indptr, n_vars=n_vars, codecs=("blosc-lz4", "none"), seconds=0.05
     )
     assert set(speeds) == {"blosc-lz4", "none"}
-    # small counts and sorted gene ids compress; "none" stores them as they are (its
-    # ratio is a little under 1: shard indexes)
-    assert speeds["blosc-lz4"].ratio > 1.5
-    assert 0.9 < speeds["none"].ratio <= 1.0
+    # small counts and sorted gene ids compress, also narrowed to uint8 / uint16 (the
+    # ratio is of the stored bytes); "none" stores them as they are (its ratio is a
+    # little under 1: shard indexes and checksums)
+    assert speeds["blosc-lz4"].ratio > 1.2
+    assert 0.85 < speeds["none"].ratio <= 1.0
     assert all(s.decode_Bps > 0 for s in speeds.values())
 
 

@@ -86,7 +86,11 @@ def _values(draw, store) -> None:
     else:
         arr = zarr.open_array(store / "X/indices", mode="r+")
         k = draw(st.integers(0, arr.shape[0] - 1))
-        arr[k] = draw(st.one_of(st.integers(-(2**31), -1), st.integers(40, 2**31 - 1)))
+        # any out-of-range id the stored dtype holds (uint16 ids: no negatives, whose
+        # bytes are large ids)
+        lo, hi = int(np.iinfo(arr.dtype).min), int(np.iinfo(arr.dtype).max)
+        too_big = st.integers(40, hi)
+        arr[k] = draw(st.one_of(st.integers(lo, -1), too_big) if lo < 0 else too_big)
 
 
 @settings(
