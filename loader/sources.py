@@ -42,6 +42,11 @@ __all__ = [
     "is_anndata",
 ]
 
+LOOKUP_CHUNK = 2**16
+"""Column ids looked up in the gene panel's column map at a time: the ids (up to 8
+bytes each) and their panel columns fit in a core's L2 cache, and numpy's ``take``
+into a given output is not buffered."""
+
 MEMORY_BLOCK_SIZE = 64
 """Rows per block of an in-memory AnnData: the converter's default block size, so the
 sampling matches a converted store's."""
@@ -434,35 +439,53 @@ class PanelReader(_Wrapping):
         from loader.store import Fetched
 
         f = pending.result()
-        v = f.values
+        v, rows, index = f.values, f.rows, f.index
+        keep: Any = slice(None)
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            # a row subset delivers only some rows of the blocks read: drop the others
+            # first (one row gather), so the remap touches only delivered rows' values
+            need = np.zeros(v.n_rows, dtype=bool)
+            need[order] = True
+            if not need.all():
+                keep = np.flatnonzero(need)
+                order = (np.cumsum(need) - 1)[order]
+                rows, index = rows[keep], index[keep]
+                if isinstance(v, CSRRows):
+                    v = v.permute(keep)
         if isinstance(v, CSRRows):
-            cols = self._lut(v.indices.dtype)[v.indices]
+            cols = self._panel_columns(v.indices)
             kept = np.flatnonzero(cols >= 0)
             indptr = np.searchsorted(kept, v.indptr).astype(v.indptr.dtype)
             values: Any = CSRRows(
                 v.data[kept], cols[kept].astype(v.indptr.dtype), indptr, self.n_vars
             )
         else:
-            out = np.zeros((v.n_rows, self.n_vars), dtype=v.values.dtype)
-            out[:, self._dst] = v.values[:, self._src]
+            picked = v.values[keep]
+            out = np.zeros((picked.shape[0], self.n_vars), dtype=v.values.dtype)
+            out[:, self._dst] = picked[:, self._src]
             values = DenseRows(out)
         if order is None:
-            return Fetched(f.reader, f.rows, f.index, values)
-        order = np.asarray(order, dtype=np.int64)
+            return Fetched(f.reader, rows, index, values)
         prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
-        return Fetched(f.reader, f.rows[order], f.index[order], values, order, prep)
+        return Fetched(f.reader, rows[order], index[order], values, order, prep)
 
-    def _lut(self, dtype: np.dtype) -> np.ndarray:
-        """Return the column map in the smallest signed type that holds the panel.
+    def _panel_columns(self, indices: np.ndarray) -> np.ndarray:
+        """Return the panel column of each column id in ``indices`` (``-1``: not in the panel).
 
-        Less memory traffic for the one gather over every value of the fetch.
+        One lookup in the column map, stored in the smallest signed type that holds the
+        panel and done in pieces of :data:`LOOKUP_CHUNK` ids, so the map, the ids and the
+        result stay in cache; ``indices`` are already bounds-checked.
         """
         small = np.int16 if self.n_vars < 2**15 else np.int32
         lut = getattr(self, "_lut_cache", None)
-        if lut is None or lut.dtype != small:
-            lut = self.columns.astype(small)
-            self._lut_cache = lut
-        return lut
+        if lut is None:
+            lut = self._lut_cache = self.columns.astype(small)
+        out = np.empty(indices.shape[0], dtype=small)
+        for a in range(0, indices.shape[0], LOOKUP_CHUNK):
+            b = a + LOOKUP_CHUNK
+            np.take(lut, indices[a:b], out=out[a:b], mode="clip")
+        return out
 
     def remap(self, X: Any, output: str) -> Any:
         """``X`` (the inner reader's columns) in the panel's columns, as ``output``."""
