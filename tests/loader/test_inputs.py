@@ -242,18 +242,25 @@ def test_panel_and_rows_on_one_store(
         assert np.array_equal(as_numpy(b["X"]), truth[b["index"].numpy()])
 
 
-def test_panel_and_rows_on_one_store_resume(stores, indices, stores_n_obs):
-    kw = dict(var_names=["gene-3", "gene-1"], rows=_mask(stores_n_obs, 8), batch_size=6, seed=4)
-    want = indices(BlockDataset(stores["shuffled"], **kw))
-    ds = BlockDataset(stores["shuffled"], **kw)
+def _resumes_exactly(path, kw, consumed, indices):
+    """A dataset that delivered ``consumed`` minibatches; a fresh one loaded with its
+    state delivers exactly the rest of the epoch. Returns the first."""
+    want = indices(BlockDataset(path, **kw))
+    ds = BlockDataset(path, **kw)
     it = iter(ds)
-    for _ in range(3):
+    for _ in range(consumed):
         next(it)
-    fresh = BlockDataset(stores["shuffled"], **kw)
+    fresh = BlockDataset(path, **kw)
     fresh.load_state_dict(ds.state_dict())
     rest = indices(fresh)
-    assert len(rest) == len(want) - 3
-    assert all(np.array_equal(x, y) for x, y in zip(rest, want[3:], strict=True))
+    assert len(rest) == len(want) - consumed
+    assert all(np.array_equal(x, y) for x, y in zip(rest, want[consumed:], strict=True))
+    return ds
+
+
+def test_panel_and_rows_on_one_store_resume(stores, indices, stores_n_obs):
+    kw = dict(var_names=["gene-3", "gene-1"], rows=_mask(stores_n_obs, 8), batch_size=6, seed=4)
+    _resumes_exactly(stores["shuffled"], kw, 3, indices)
 
 
 def test_rows_trims_blocks_and_resumes(stores, indices, stores_n_obs):
@@ -267,14 +274,7 @@ def test_rows_trims_blocks_and_resumes(stores, indices, stores_n_obs):
     assert ds.config.block_lengths.sum() == ds.n_obs
     assert ds.config.n_blocks <= -(-full.config.n_blocks // 2)
     assert ds.config.block_lengths.max() <= 2 * full.block_size
-    want = indices(BlockDataset(stores["shuffled"], **kw))
-    it = iter(ds)
-    for _ in range(4):
-        next(it)
-    fresh = BlockDataset(stores["shuffled"], **kw)
-    fresh.load_state_dict(ds.state_dict())
-    rest = indices(fresh)
-    assert all(np.array_equal(x, y) for x, y in zip(rest, want[4:], strict=True))
+    ds = _resumes_exactly(stores["shuffled"], kw, 4, indices)
     other = BlockDataset(stores["shuffled"], **{**kw, "rows": _mask(stores_n_obs, 5)})
     with pytest.raises(InputError, match=r"rows="):
         other.load_state_dict(ds.state_dict())
