@@ -14,7 +14,8 @@ repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it
 4. ``dataset``: :class:`loader.BlockDataset` through ``BlockDataLoader`` with 0 and 2
    workers on the best store settings; with ``--panel-genes N`` also with a random
    ``N``-gene ``var_names`` panel plus a random ``--rows-fraction`` ``rows`` mask (the
-   training-shaped row of issue 18: target ≥ 0.9× the full store's cells/s).
+   training-shaped row of issue 18: target ≥ 0.9× the full store's cells/s), once
+   with random rows and, on a shuffled store, once with random whole blocks.
 
 Reader loop (2, 3), single process, as ``BlockDataset`` reads: blocks permuted with a
 seed, cut into fetches of ``fetch_factor × 64`` rows, the next
@@ -218,9 +219,16 @@ def _reader_loop(
         yield batch["index"]
 
 
-def _panel_and_rows(src: Path, genes: int, fraction: float) -> dict:
+def _panel_and_rows(
+    src: Path, genes: int, fraction: float, *, blocks_of: Path | None = None, block_size: int = 0
+) -> dict:
     """``var_names`` (``genes`` random genes of the source) and a random ``rows`` mask
-    keeping ``fraction`` of the cells, both seeded."""
+    keeping ``fraction`` of the cells, both seeded.
+
+    With ``blocks_of`` (a shuffled store), the mask keeps whole blocks of ``block_size``
+    stored rows instead of single rows: on a shuffled store that is an equally random
+    subset of the cells, and no fetch reads a row it does not deliver.
+    """
     import anndata as ad
 
     a = ad.read_h5ad(src, backed="r")
@@ -231,7 +239,13 @@ def _panel_and_rows(src: Path, genes: int, fraction: float) -> dict:
         a.file.close()
     rng = np.random.default_rng(18)
     panel = list(names[np.sort(rng.choice(names.size, min(genes, names.size), replace=False))])
-    return {"var_names": panel, "rows": rng.random(n_obs) < fraction}
+    if blocks_of is None:
+        return {"var_names": panel, "rows": rng.random(n_obs) < fraction}
+    source = open_layout(blocks_of).source_index()
+    kept_blocks = rng.random(-(-n_obs // block_size)) < fraction
+    rows = np.zeros(n_obs, dtype=bool)
+    rows[source] = kept_blocks[np.arange(n_obs) // block_size]
+    return {"var_names": panel, "rows": rows}
 
 
 def _dataset_loop(
@@ -348,14 +362,26 @@ def _configs(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> li
                 }
             )
             if args.panel_genes:
-                out.append(
-                    {
-                        **out[-1],
-                        "panel_genes": args.panel_genes,
-                        "rows_fraction": args.rows_fraction,
-                        "subset": _panel_and_rows(src, args.panel_genes, args.rows_fraction),
-                    }
-                )
+                full = out[-1]
+                for by in ("rows", "blocks"):
+                    if by == "blocks" and source.split("/")[0] != "shuffled":
+                        continue  # whole blocks are a random subset only on a shuffled store
+                    subset = _panel_and_rows(
+                        src,
+                        args.panel_genes,
+                        args.rows_fraction,
+                        blocks_of=path if by == "blocks" else None,
+                        block_size=args.dataset_bs,
+                    )
+                    out.append(
+                        {
+                            **full,
+                            "panel_genes": args.panel_genes,
+                            "rows_fraction": args.rows_fraction,
+                            "rows_by": by,
+                            "subset": subset,
+                        }
+                    )
     return out
 
 
@@ -376,7 +402,8 @@ def _label(cfg: dict) -> str:
     where = "h5ad" if cfg["kind"] == "h5ad" else f"{cfg['source']} store"
     extra = f", {cfg['workers']} workers" if cfg["kind"] == "dataset" else ""
     if cfg.get("panel_genes"):
-        extra += f", {cfg['panel_genes']}-gene panel, {cfg['rows_fraction']:.0%} rows"
+        by = "random rows" if cfg.get("rows_by", "rows") == "rows" else "random whole blocks"
+        extra += f", {cfg['panel_genes']}-gene panel, {cfg['rows_fraction']:.0%} {by}"
     who = "BlockDataset" if cfg["kind"] == "dataset" else "reader"
     return f"{who} {where}{extra}"
 

@@ -14,7 +14,8 @@ sampler and the pipeline use (``block_lengths``, ``source_index``, ``obs_codes``
 - :class:`PanelReader`: output columns in a given gene order, through a column map
   computed once and applied to each decoded minibatch (absent genes are zeros).
 - :class:`SubsetReader`: only some rows. A block keeps its selected rows (it is
-  trimmed, and still read whole); a block without any is left out of the sampling.
+  trimmed, and still read whole); a block without any is left out of the sampling, and
+  neighbouring trimmed blocks are sampled together.
 
 :func:`build_readers` stacks them for the arguments of ``BlockDataset``.
 """
@@ -41,6 +42,11 @@ __all__ = [
     "build_readers",
     "is_anndata",
 ]
+
+LOOKUP_CHUNK = 2**16
+"""Column ids looked up in the gene panel's column map at a time: the ids (up to 8
+bytes each) and their panel columns fit in a core's L2 cache, and numpy's ``take``
+into a given output is not buffered."""
 
 MEMORY_BLOCK_SIZE = 64
 """Rows per block of an in-memory AnnData: the converter's default block size, so the
@@ -434,35 +440,53 @@ class PanelReader(_Wrapping):
         from loader.store import Fetched
 
         f = pending.result()
-        v = f.values
+        v, rows, index = f.values, f.rows, f.index
+        keep: Any = slice(None)
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            # a row subset delivers only some rows of the blocks read: drop the others
+            # first (one row gather), so the remap touches only delivered rows' values
+            need = np.zeros(v.n_rows, dtype=bool)
+            need[order] = True
+            if not need.all():
+                keep = np.flatnonzero(need)
+                order = (np.cumsum(need) - 1)[order]
+                rows, index = rows[keep], index[keep]
+                if isinstance(v, CSRRows):
+                    v = v.permute(keep)
         if isinstance(v, CSRRows):
-            cols = self._lut(v.indices.dtype)[v.indices]
+            cols = self._panel_columns(v.indices)
             kept = np.flatnonzero(cols >= 0)
             indptr = np.searchsorted(kept, v.indptr).astype(v.indptr.dtype)
             values: Any = CSRRows(
                 v.data[kept], cols[kept].astype(v.indptr.dtype), indptr, self.n_vars
             )
         else:
-            out = np.zeros((v.n_rows, self.n_vars), dtype=v.values.dtype)
-            out[:, self._dst] = v.values[:, self._src]
+            picked = v.values[keep]
+            out = np.zeros((picked.shape[0], self.n_vars), dtype=v.values.dtype)
+            out[:, self._dst] = picked[:, self._src]
             values = DenseRows(out)
         if order is None:
-            return Fetched(f.reader, f.rows, f.index, values)
-        order = np.asarray(order, dtype=np.int64)
+            return Fetched(f.reader, rows, index, values)
         prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
-        return Fetched(f.reader, f.rows[order], f.index[order], values, order, prep)
+        return Fetched(f.reader, rows[order], index[order], values, order, prep)
 
-    def _lut(self, dtype: np.dtype) -> np.ndarray:
-        """Return the column map in the smallest signed type that holds the panel.
+    def _panel_columns(self, indices: np.ndarray) -> np.ndarray:
+        """Return the panel column of each column id in ``indices`` (``-1``: not in the panel).
 
-        Less memory traffic for the one gather over every value of the fetch.
+        One lookup in the column map, stored in the smallest signed type that holds the
+        panel and done in pieces of :data:`LOOKUP_CHUNK` ids, so the map, the ids and the
+        result stay in cache; ``indices`` are already bounds-checked.
         """
         small = np.int16 if self.n_vars < 2**15 else np.int32
         lut = getattr(self, "_lut_cache", None)
-        if lut is None or lut.dtype != small:
-            lut = self.columns.astype(small)
-            self._lut_cache = lut
-        return lut
+        if lut is None:
+            lut = self._lut_cache = self.columns.astype(small)
+        out = np.empty(indices.shape[0], dtype=small)
+        for a in range(0, indices.shape[0], LOOKUP_CHUNK):
+            b = a + LOOKUP_CHUNK
+            np.take(lut, indices[a:b], out=out[a:b], mode="clip")
+        return out
 
     def remap(self, X: Any, output: str) -> Any:
         """``X`` (the inner reader's columns) in the panel's columns, as ``output``."""
@@ -526,8 +550,13 @@ class _PanelFetched:
 class SubsetReader(_Wrapping):
     """Only the stored rows ``rows`` (sorted, unique) of the inner reader.
 
-    Sampling sees each block with at least one selected row, as long as its selected
-    rows; a fetch still reads the inner blocks whole and delivers only those rows.
+    Each inner block is trimmed to its selected rows (one without any is left out), and
+    neighbouring trimmed blocks are sampled together: a block of the subset is the
+    trimmed inner blocks of one aligned group of ``group`` inner blocks, ``group``
+    chosen so that it holds about an inner block's rows. A fetch reads the inner blocks
+    whole and delivers only the selected rows; grouping neighbours lets a sparse
+    selection decode each compressed chunk once for all the rows it serves, instead of
+    once per trimmed block that touches it.
     """
 
     kind = "subset"
@@ -537,11 +566,17 @@ class SubsetReader(_Wrapping):
         self.rows = np.asarray(rows, dtype=np.int64)
         inner_lengths = np.asarray(inner.block_lengths(), dtype=np.int64)
         self._inner_starts = np.concatenate([[0], np.cumsum(inner_lengths)])
-        block = _block_of(self._inner_starts, self.rows)
-        self._blocks, counts = np.unique(block, return_counts=True)
-        self._lengths = counts.astype(np.int64)
-        self._starts = np.concatenate([[0], np.cumsum(self._lengths)])
         self._inner_lengths = inner_lengths
+        block = _block_of(self._inner_starts, self.rows)
+        # the inner blocks holding selected rows, how many each, where they start in rows
+        self._trimmed, counts = np.unique(block, return_counts=True)
+        self._counts = counts.astype(np.int64)
+        self._trimmed_starts = np.concatenate([[0], np.cumsum(self._counts)])
+        self.group = self._group_size()
+        group = self._trimmed // self.group
+        first = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if group.size else group
+        self._first = np.concatenate([first, [self._trimmed.size]]).astype(np.int64)
+        self._lengths = np.add.reduceat(self._counts, first) if group.size else self._counts
         self.n_obs = int(self.rows.size)
         self.n_source = int(inner.n_obs)  # per-row weights are given for every source row
         self.n_vars = int(inner.n_vars)
@@ -549,13 +584,21 @@ class SubsetReader(_Wrapping):
         self.block_size = inner.block_size
         self.is_csr = _is_csr(inner)
 
+    def _group_size(self) -> int:
+        """Inner blocks per group: the mean inner block over the mean selected rows of one."""
+        if not self._counts.size:
+            return 1
+        per_block = float(self._inner_lengths.mean())
+        kept = float(self._counts.mean())
+        return max(1, int(per_block / kept + 0.5))
+
     @property
     def state_key(self) -> str:
         """Digest of the inner key and the rows kept: it identifies the rows for resuming."""
         return _digest(repr([_state_key(self.inner), _digest(self.rows.tobytes())]))
 
     def block_lengths(self) -> np.ndarray:
-        """Return the kept rows of each block."""
+        """Return the kept rows of each block (group of trimmed inner blocks)."""
         return self._lengths
 
     def source_index(self) -> np.ndarray:
@@ -570,11 +613,12 @@ class SubsetReader(_Wrapping):
     def submit(self, blocks: np.ndarray, *, order: np.ndarray | None = None) -> Any:
         """Start the fetch of ``blocks``; it reads whole inner blocks and keeps the chosen rows."""
         blocks = np.asarray(blocks, dtype=np.int64)  # sorted and unique, as the sampler asks
-        inner = self._blocks[blocks]
+        k = arange_runs(self._first[blocks], self._first[blocks + 1] - self._first[blocks])
+        inner = self._trimmed[k]
         # where each selected row of these blocks sits in the inner fetch (whole blocks)
         fetch_start = np.cumsum(self._inner_lengths[inner]) - self._inner_lengths[inner]
-        n = self._lengths[blocks]
-        selected = self.rows[arange_runs(self._starts[blocks], n)]
+        n = self._counts[k]
+        selected = self.rows[arange_runs(self._trimmed_starts[k], n)]
         shift = np.repeat(fetch_start - self._inner_starts[inner], n)
         positions = selected + shift
         if order is not None:

@@ -13,7 +13,14 @@ import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-SCHEMES = ("random", "streaming", "block_h5ad", "block_h5ad_small", "block_store")
+SCHEMES = (
+    "random",
+    "streaming",
+    "block_h5ad_plain",
+    "block_h5ad",
+    "block_h5ad_small",
+    "block_store",
+)
 
 
 def _module():
@@ -101,6 +108,12 @@ def test_train_parity_smoke(tmp_path):
             if scheme["settings"].get("warning"):
                 assert "predicted diversity" in scheme["settings"]["warning"]
                 assert f"{ds['name']}, {name}: BlockDataset warned: " in table
+    # BlockDataset(path) on the label-sorted tahoe file finds the sorted column itself,
+    # warns, and its row says so
+    plain = results["datasets"]["tahoe"]["schemes"]["block_h5ad_plain"]["settings"]
+    assert "predicted diversity of 'cell_line'" in plain["warning"]
+    row = next(r for r in table.splitlines() if r.startswith("| tahoe | (c0) "))
+    assert row.endswith(" | yes: 'cell_line' " + plain["warning"].split(" is ")[1][:4] + " |")
     png = tmp_path / "parity.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
 

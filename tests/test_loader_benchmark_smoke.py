@@ -35,16 +35,24 @@ def test_loader_benchmark_quick(tmp_path, run_benchmark):
 
 
 def test_loader_benchmark_compares_codecs(tmp_path, run_benchmark):
-    """``--codecs a,b``: one store per order and codec, each measured and labelled."""
+    """``--codecs a,b``: one store per order and codec, each measured and labelled;
+    ``--panel-genes``: the panel row once with random rows, once with random blocks."""
     run_benchmark(
         BENCH, "--quick", "--results", tmp_path, "--orders", "shuffled",
         "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", 0, "--regimes", "evicting",
+        "--panel-genes", 20,
     )  # fmt: skip
     payload = json.loads((tmp_path / "loader.json").read_text())
     sources = {r["source"] for r in payload["rows"] if r["kind"] == "store"}
     assert sources == {"shuffled/blosc-lz4", "shuffled/blosc-lz4hc"}
     assert payload["meta"]["codecs"] == ["blosc-lz4", "blosc-lz4hc"]
-    assert "Stores: blosc-lz4, blosc-lz4hc" in (tmp_path / "loader.md").read_text()
+    md = (tmp_path / "loader.md").read_text()
+    assert "Stores: blosc-lz4, blosc-lz4hc" in md
+    panel = [r for r in payload["rows"] if r.get("panel_genes")]
+    assert sorted((r["source"], r["rows_by"]) for r in panel) == [
+        (s, by) for s in ("shuffled/blosc-lz4", "shuffled/blosc-lz4hc") for by in ("blocks", "rows")
+    ]
+    assert md.count("20-gene panel, 50% random rows") == md.count("50% random whole blocks") == 2
 
 
 def test_loader_benchmark_refuses_unknown_codecs():
