@@ -284,7 +284,9 @@ class _Pool:
             with self._lock:
                 if self._pid != os.getpid():
                     self._size = decode_threads(self.workers)
-                    self._pool = ThreadPoolExecutor(self._size, thread_name_prefix="sclayout-decode")
+                    self._pool = ThreadPoolExecutor(
+                        self._size, thread_name_prefix="sclayout-decode"
+                    )
                     self._lock = threading.Lock()
                     self._pid = os.getpid()
         assert self._pool is not None

@@ -15,7 +15,8 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
     kernel at submit, decoded by blosc in the process's decode threads (one per
     usable core, shared among DataLoader workers: :mod:`loader.cores`) straight into
-    the output array (``direct=False`` turns this off). Everything else (HTTP, other codecs) goes through tensorstore's ``zarr3``
+    the output array (``direct=False`` turns this off).
+    Everything else (HTTP, other codecs) goes through tensorstore's ``zarr3``
     driver: each key is one read of a ``ts.concat`` of the ranges, so tensorstore
     fetches every inner chunk concurrently (``file_io_concurrency`` 64), decodes in
     its C++ threads (``data_copy_concurrency``: as many as the decode threads, off

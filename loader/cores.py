@@ -30,7 +30,7 @@ CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def _env_count(name: str) -> int | None:
-    """The whole number >= 1 in environment variable ``name``, or ``None`` if unset."""
+    """Return the whole number >= 1 in environment variable ``name`` (``None``: unset)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
@@ -51,7 +51,7 @@ def _read(path: Path) -> str | None:
 
 
 def _own_cgroups(proc_cgroup: str | Path) -> tuple[str | None, str | None]:
-    """This process's cgroup v2 path and v1 ``cpu`` controller path (``/proc/self/cgroup``)."""
+    """Return the process's cgroup v2 path and v1 ``cpu`` controller path."""
     text = _read(Path(proc_cgroup)) or ""
     v2 = v1 = None
     for line in text.splitlines():
@@ -75,7 +75,7 @@ def _ancestors(base: Path, sub: str | None) -> list[Path]:
 def cgroup_cpu_limit(
     root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = "/proc/self/cgroup"
 ) -> float | None:
-    """The CPU quota of this process's cgroup in cores (e.g. 1.5), or ``None`` if none is set.
+    """Return the CPU quota of this process's cgroup in cores (e.g. 1.5), or ``None``.
 
     Reads cgroup v2 ``cpu.max`` (``"QUOTA PERIOD"`` or ``"max PERIOD"``) and v1
     ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota -1: none) in the process's own
@@ -109,9 +109,11 @@ def cgroup_cpu_limit(
 def usable_cores(
     *, cgroup_root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = "/proc/self/cgroup"
 ) -> int:
-    """Cores this process may use: ``SCLAYOUT_CORES`` if set, else the smaller of its CPU
-    affinity and its cgroup CPU quota (rounded up: a quota of 1.5 cores lets two threads
-    run part of the time), at least 1."""
+    """Return the cores this process may use, at least 1.
+
+    ``SCLAYOUT_CORES`` if set, else the smaller of its CPU affinity and its cgroup CPU
+    quota (rounded up: a quota of 1.5 cores lets two threads run part of the time).
+    """
     override = _env_count(CORES_ENV)
     if override is not None:
         return override
@@ -140,8 +142,11 @@ def split_cores(cores: int, num_workers: int = 0) -> int:
 
 
 def decode_threads(num_workers: int = 0, cores: int | None = None) -> int:
-    """Decode threads this process uses: ``SCLAYOUT_DECODE_THREADS`` if set, else
-    :func:`split_cores` of ``cores`` (default :func:`usable_cores`)."""
+    """Return the decode threads this process uses.
+
+    ``SCLAYOUT_DECODE_THREADS`` if set, else :func:`split_cores` of ``cores`` (default
+    :func:`usable_cores`).
+    """
     override = _env_count(THREADS_ENV)
     if override is not None:
         return override

@@ -72,11 +72,11 @@ from sclayout.cost.profile import Profile
 
 __all__ = [
     "BACKEND_IN_FLIGHT",
-    "decode_threads_for",
     "CACHE_BYTES",
     "FetchStats",
     "ModelOptions",
     "Prediction",
+    "decode_threads_for",
     "predict",
     "predict_from_stats",
     "sample_fetch_stats",
@@ -346,8 +346,11 @@ def predict_from_stats(
     options: ModelOptions = ModelOptions(),
     cores: int | None = None,
 ) -> Prediction:
-    """Time and memory of a fetch from its plan statistics (pure arithmetic); with
-    ``cores``, on the profile's machine given that many cores (:meth:`Profile.at_cores`)."""
+    """Time and memory of a fetch from its plan statistics (pure arithmetic).
+
+    With ``cores``: on the profile's machine given that many cores
+    (:meth:`Profile.at_cores`).
+    """
     if cores is not None:
         profile = profile.at_cores(cores)
     backend = settings.backend
@@ -468,22 +471,29 @@ def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: flo
 
 
 def planned_cores(profile: Profile) -> int:
-    """Cores the loader plans its threads for on the profile's machine: the cores
-    calibrate ran with (``cpu_count``), else the parallelism it measured, rounded up."""
-    return int(round(profile.cpu_count)) or max(1, int(np.ceil(profile.cores)))
+    """Return the cores the loader plans its threads for on the profile's machine.
+
+    The cores calibrate ran with (``cpu_count``), else the parallelism it measured,
+    rounded up.
+    """
+    return round(profile.cpu_count) or max(1, int(np.ceil(profile.cores)))
 
 
 def decode_threads_for(backend: str, profile: Profile, num_workers: int) -> int:
-    """Decode threads per process the loader starts with ``backend`` on the profile's
-    machine (its share of :func:`planned_cores`)."""
+    """Return the decode threads per process the loader starts with ``backend``.
+
+    On the profile's machine: its share of :func:`planned_cores`.
+    """
     if backend in SERIAL_DECODE:
         return 1
     return split_cores(planned_cores(profile), num_workers)
 
 
 def _busy_cores(profile: Profile, measured: float, num_workers: int, dec_threads: int) -> float:
-    """Cores the loader keeps busy: ``measured`` (calibrate's, on all of its cores) per
-    core, times the cores the loader's threads can occupy, at most all of them.
+    """Return the cores the loader keeps busy.
+
+    ``measured`` (calibrate's, on all of its cores) per core, times the cores the
+    loader's threads can occupy, at most all of them.
 
     A process runs its decode threads and :data:`PIPELINE_THREADS` more; with workers,
     each worker does, beside the main process's one. The parts that do not divide

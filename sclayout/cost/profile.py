@@ -287,10 +287,12 @@ class Profile:
             ) from None
 
     def at_cores(self, cores: int) -> Profile:
-        """The profile of this machine given ``cores`` cores instead of the ones it was
-        calibrated with: the same storage and speed per core, the parallelism calibrate
-        measured (``cores``, ``worker_cores``) scaled per core. The model then starts
-        as many decode threads as the loader would there."""
+        """Return the profile of this machine given ``cores`` cores.
+
+        Instead of the cores it was calibrated with: the same storage and speed per
+        core, the parallelism calibrate measured (``cores``, ``worker_cores``) scaled per
+        core. The model then starts as many decode threads as the loader would there.
+        """
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
             raise SpecError(f"cores={cores!r}: give a whole number of cores >= 1")
         base = round(self.cpu_count) or max(1, math.ceil(self.cores))

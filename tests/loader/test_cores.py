@@ -103,7 +103,8 @@ def case(cpus, workers):
     os.sched_setaffinity(0, cpus)
     reader = open_layout(sys.argv[1], whole_array_bytes=0)  # every array through the pool
     ds = BlockDataset(reader, batch_size=8, fetch_factor=4, seed=0, transform=count, output="csr")
-    batches = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers) if workers else ds
+    dl = torch.utils.data.DataLoader
+    batches = dl(ds, batch_size=None, num_workers=workers) if workers else ds
     seen = {}
     for b in batches:
         pid = int(b["pid"])
