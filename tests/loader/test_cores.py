@@ -86,6 +86,17 @@ def test_decode_threads_override(monkeypatch):
     assert decode_threads(0, cores=1) == 3 and decode_threads(2, cores=8) == 3
 
 
+@pytest.mark.parametrize("given", [None, 5], ids=["decode-threads", "given"])
+def test_tensorstore_copy_threads_follow_the_decode_threads(tmp_path, given):
+    from loader._shards import process_decode_threads
+    from loader.backends import TensorstoreBackend
+
+    backend = TensorstoreBackend(str(tmp_path), data_copy_concurrency=given)
+    backend._ensure()  # the context of this process
+    spec = backend._context.spec.to_json()
+    assert spec["data_copy_concurrency"] == {"limit": given or process_decode_threads()}
+
+
 CHILD = """
 import json, os, sys, threading
 import numpy as np
