@@ -340,8 +340,14 @@ def _cores_child(spec: str) -> int:
     return 0
 
 
-def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> list[dict]:
-    """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per regime."""
+def _cores_rows(
+    args: argparse.Namespace, src: Path, stores: dict[str, Path], n_obs: int
+) -> list[dict]:
+    """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per regime.
+
+    Each run lasts ``--seconds`` (at least 5 s) or one pass over the cells: shorter runs
+    would time the start-up.
+    """
     source = next((o for o in ("stratified", "shuffled") if o in stores), next(iter(stores)))
     path = stores[source]
     cpus = sorted(os.sched_getaffinity(0))
@@ -363,7 +369,8 @@ def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) ->
             pin = ",".join(map(str, cpus[:n]))
             runs = []
             for i in range(args.repeat):
-                spec = {**cfg, "src": str(src), "cells": args.cells, "seconds": args.seconds}
+                seconds = args.seconds if args.quick else max(args.seconds, 5.0)
+                spec = {**cfg, "src": str(src), "cells": n_obs, "seconds": seconds}
                 cmd = ["taskset", "-c", pin, sys.executable, __file__]
                 cmd += ["--cores-child", json.dumps({**spec, "seed": i})]
                 if regime == "warm":
@@ -400,6 +407,7 @@ def _cores_markdown(rows: list[dict]) -> str:
                 "regime": r["regime"],
                 "cells": f"{r['cells_per_s']:,.0f}",
                 "x": f"{r['vs_one_core']:.2f}×" if r.get("vs_one_core") else "",
+                "cpu": f"{r['cpu_us_per_cell']:.1f}",
                 "div": f"{r['diversity']:.3f}",
             }
             for r in rows
@@ -409,6 +417,7 @@ def _cores_markdown(rows: list[dict]) -> str:
             "regime": "cache",
             "cells": "cells/s",
             "x": "× 1 core",
+            "cpu": "CPU µs/cell",
             "div": "diversity",
         },
     )
@@ -817,7 +826,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         md = _markdown(rows, meta)
         payload: dict = {"meta": meta, "rows": rows}
         if args.cores_row:
-            payload["cores"] = _cores_rows(args, src, stores)
+            payload["cores"] = _cores_rows(args, src, stores, n_obs)
             if payload["cores"]:
                 md += "\n" + _cores_markdown(payload["cores"])
         if args.peers is not None:
