@@ -15,13 +15,12 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
     kernel at submit, decoded by blosc in the process's decode threads (one per
     usable core, shared among DataLoader workers: :mod:`loader.cores`) straight into
-    the output array (``direct=False`` turns this off).
-    Everything else (HTTP, other codecs) goes through tensorstore's ``zarr3``
-    driver: each key is one read of a ``ts.concat`` of the ranges, so tensorstore
-    fetches every inner chunk concurrently (``file_io_concurrency`` 64), decodes in
-    its C++ threads (``data_copy_concurrency``: as many as the decode threads, off
-    the GIL) and copies the
-    elements into one contiguous array.
+    the output array (``direct=False`` turns this off). Everything else (HTTP, other
+    codecs) goes through tensorstore's ``zarr3`` driver: each key is one read of a
+    ``ts.concat`` of the ranges, so tensorstore fetches every inner chunk
+    concurrently (``file_io_concurrency`` 64), decodes in its C++ threads
+    (``data_copy_concurrency``: as many as the decode threads, off the GIL) and
+    copies the elements into one contiguous array.
 ``zarr``
     zarr-python's async arrays: every range is one ``getitem`` coroutine, all
     gathered on zarr's event-loop thread; pieces are concatenated in numpy.
