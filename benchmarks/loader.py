@@ -16,6 +16,13 @@ repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it
    ``N``-gene ``var_names`` panel plus a random ``--rows-fraction`` ``rows`` mask (the
    training-shaped row of issue 18: target ≥ 0.9× the full store's cells/s), once
    with random rows and, on a shuffled store, once with random whole blocks.
+5. ``cores`` (``--cores-row 1,2``): the dataset row (0 workers, dense, stratified store
+   if converted) in a child process pinned with ``taskset`` to the first 1, then 2 of
+   the CPUs this process may use, warm (files read into the page cache first) and
+   evicting (the parent evicts around the child): cells/s and the ratio to one core
+   (issue 19: ≥ 1.7× on 2 cores, warm);
+6. ``peers`` (``--peers HARNESS_DIR --peers-source H5AD``): annbatch and scDataset beside
+   sclayout through the peer harness, in the same run (:func:`peers.measure`).
 
 Reader loop (2, 3), single process, as ``BlockDataset`` reads: blocks permuted with a
 seed, cut into fetches of ``fetch_factor × 64`` rows, the next
@@ -50,7 +57,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,7 +86,7 @@ from _common import (  # noqa: E402
 
 from loader import open_layout  # noqa: E402
 from sclayout.cost.diversity import diversity_ratio  # noqa: E402
-from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
+from sclayout.pagecache import Evictor, evict, iter_files, tree_bytes  # noqa: E402
 from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
 from sclayout.testing.measure import check_eviction, median_of  # noqa: E402
 
@@ -283,8 +293,10 @@ def _measure(
     cells: int,
     seconds: float,
 ) -> dict[str, float]:
-    """One run: cells/s from the first minibatch on, and the plate diversity ratio."""
-    evict(files)
+    """One run: cells/s from the first minibatch on, and the plate diversity ratio
+    (``warm``: the page cache is left as it is)."""
+    if regime != "warm":
+        evict(files)
     evictor = Evictor(files).start() if regime == "evicting" else None
     got: list[np.ndarray] = []
     n = 0
@@ -315,6 +327,142 @@ def _measure(
         "cpu_us_per_cell": cpu / n * 1e6 if n else float("nan"),
         "diversity": diversity_ratio(got, labels),
     }
+
+
+# ------------------------------------------------------------------ cores and peers
+
+
+def _warm(files: Sequence[Path]) -> None:
+    """Read every file of ``files`` once, so that they are in the page cache."""
+    for f in iter_files(files):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(8 << 20):
+                pass
+
+
+def _cores_child(spec: str) -> int:
+    """``--cores-child JSON``: one warm run of the dataset row, result printed as JSON
+    (the parent pins this process and evicts around it)."""
+    cfg = json.loads(spec)
+    cfg["path"] = Path(cfg["path"])
+    labels = _plate_labels(Path(cfg.pop("src")))
+    cells, seconds, seed = cfg.pop("cells"), cfg.pop("seconds"), cfg.pop("seed")
+    run = _measure(
+        _make(cfg, seed), [cfg["path"]], labels, regime="warm", cells=cells, seconds=seconds
+    )
+    print(json.dumps(run))
+    return 0
+
+
+def _cores_rows(
+    args: argparse.Namespace, src: Path, stores: dict[str, Path], n_obs: int
+) -> list[dict]:
+    """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per regime.
+
+    Each run lasts ``--seconds`` (at least 5 s) or one pass over the cells: shorter runs
+    would time the start-up.
+    """
+    source = next((o for o in ("stratified", "shuffled") if o in stores), next(iter(stores)))
+    path = stores[source]
+    cpus = sorted(os.sched_getaffinity(0))
+    cfg = {
+        "kind": "dataset",
+        "source": source,
+        "path": str(path),
+        "block_size": args.dataset_bs,
+        "fetch_factor": args.dataset_ff,
+        "output": "dense",
+        "workers": 0,
+    }
+    rows = []
+    for regime in args.cores_regimes:
+        for n in args.cores_row:
+            if n > len(cpus):
+                print(f"cores row: {n} cores asked, {len(cpus)} usable: skipped", flush=True)
+                continue
+            pin = ",".join(map(str, cpus[:n]))
+            runs = []
+            for i in range(args.repeat):
+                seconds = args.seconds if args.quick else max(args.seconds, 5.0)
+                spec = {**cfg, "src": str(src), "cells": n_obs, "seconds": seconds}
+                cmd = ["taskset", "-c", pin, sys.executable, __file__]
+                cmd += ["--cores-child", json.dumps({**spec, "seed": i})]
+                if regime == "warm":
+                    _warm([path])
+                    evictor = None
+                else:
+                    evict([path])
+                    evictor = Evictor([path]).start()
+                try:
+                    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                finally:
+                    if evictor is not None:
+                        evictor.stop()
+                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            row = {k: v for k, v in cfg.items() if k != "path"}
+            row.update(kind="cores", cores=n, cpus=pin, regime=regime, runs=runs)
+            row.update(median_of(runs))
+            rows.append(row)
+            print(
+                f"cores row: taskset -c {pin:8s} {regime:8s} {row['cells_per_s']:>10,.0f} cells/s",
+                flush=True,
+            )
+    for r in rows:
+        one = [x for x in rows if x["regime"] == r["regime"] and x["cores"] == 1]
+        r["vs_one_core"] = r["cells_per_s"] / one[0]["cells_per_s"] if one else None
+    return rows
+
+
+def _cores_markdown(rows: list[dict]) -> str:
+    table = markdown_table(
+        [
+            {
+                "cpus": r["cpus"],
+                "regime": r["regime"],
+                "cells": f"{r['cells_per_s']:,.0f}",
+                "x": f"{r['vs_one_core']:.2f}×" if r.get("vs_one_core") else "",
+                "cpu": f"{r['cpu_us_per_cell']:.1f}",
+                "div": f"{r['diversity']:.3f}",
+            }
+            for r in rows
+        ],
+        {
+            "cpus": "taskset -c",
+            "regime": "cache",
+            "cells": "cells/s",
+            "x": "× 1 core",
+            "cpu": "CPU µs/cell",
+            "div": "diversity",
+        },
+    )
+    r0 = rows[0]
+    return (
+        f"### Cores (BlockDataset, {r0['source']} store, block {r0['block_size']}, fetch "
+        f"factor {r0['fetch_factor']}, dense, 0 workers; target ≥ 1.7× on 2 cores, warm)\n\n"
+        f"{table}\n"
+    )
+
+
+def _peers_rows(args: argparse.Namespace) -> tuple[list[dict], dict, str]:
+    """annbatch and scDataset beside sclayout through the peer harness (peers.py)."""
+    import peers
+
+    if args.peers_source is None:
+        sys.exit("error: --peers needs --peers-source H5AD (the harness's Tahoe-like file)")
+    rows, facts = peers.measure(
+        args.peers_source,
+        args.peers,
+        python=args.peers_python,
+        python312=args.peers_python312,
+        seconds=max(args.seconds, 5.0),
+        repeat=args.repeat,
+    )
+    md = (
+        "### Peers in the same run (≫RAM regime, batch 64, peers.py's method; check: "
+        f"cold {facts['cold_check_mb_s']:,.0f} MB/s vs warm {facts['warm_check_mb_s']:,.0f} "
+        f"MB/s)\n\n{peers.table(rows)}\n"
+    )
+    return rows, facts, md
 
 
 # ------------------------------------------------------------------ sweep
@@ -546,6 +694,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--codecs", default=",".join(CODECS), help="codecs of the stores, comma-separated"
     )
     p.add_argument(
+        "--cores-row", default=None, help="also the dataset row on the first N CPUs, e.g. 1,2"
+    )
+    p.add_argument("--cores-regimes", default="warm,evicting", help="warm,evicting [both]")
+    p.add_argument("--peers", type=Path, default=None, help="also the peers: harness folder")
+    p.add_argument("--peers-source", type=Path, default=None, help="the harness's h5ad")
+    tmp = Path(tempfile.gettempdir())
+    p.add_argument("--peers-python", default=str(tmp / "benchvenv/bin/python"))
+    p.add_argument("--peers-python312", default=str(tmp / "benchvenv312/bin/python"))
+    p.add_argument("--cores-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument(
         "--checksums",
         default="on",
         help="stores with chunk checksums (on), without (off) or both (on,off) [on]",
@@ -577,11 +735,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if not words or any(w not in flags for w in words):
         p.error(f"--checksums {args.checksums!r}: give on, off or on,off")
     args.checksums = tuple(flags[w] for w in words)
+    args.cores_row = ints(args.cores_row) if args.cores_row else ()
+    args.cores_regimes = tuple(o for o in args.cores_regimes.split(",") if o)
+    if any(r not in ("warm", "evicting") for r in args.cores_regimes):
+        p.error(f"--cores-regimes {','.join(args.cores_regimes)!r}: give warm, evicting or both")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
+    if args.cores_child is not None:
+        return _cores_child(args.cores_child)
     tmp = None
     store_bs = STORE_BLOCK_SIZE
     if args.quick:
@@ -687,9 +851,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "environment": environment(),
         }
         md = _markdown(rows, meta)
+        payload: dict = {"meta": meta, "rows": rows}
+        if args.cores_row:
+            payload["cores"] = _cores_rows(args, src, stores, n_obs)
+            if payload["cores"]:
+                md += "\n" + _cores_markdown(payload["cores"])
+        if args.peers is not None:
+            payload["peers"], meta["peers"], peers_md = _peers_rows(args)
+            md += "\n" + peers_md
         for r in rows:
             r["path"] = None
-        write_results(args.name, {"meta": meta, "rows": rows}, md, results=results)
+        write_results(args.name, payload, md, results=results)
         _plot(rows, results / f"{args.name}.png")
         print(md)
     finally:

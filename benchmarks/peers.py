@@ -185,26 +185,36 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    a = _parse(argv)
-    src = a.source.resolve()
-    harness = a.harness.resolve()
-    annbatch_store = a.annbatch_store or src.with_name(f"{src.stem}_annbatch.zarr")
-    work = a.work or src.parent
-    store = _store(src, work)
+def measure(
+    src: Path,
+    harness: Path,
+    *,
+    python: str,
+    python312: str,
+    annbatch_store: Path | None = None,
+    work: Path | None = None,
+    seconds: float = 10.0,
+    repeat: int = 3,
+) -> tuple[list[dict], dict]:
+    """Measure sclayout, scDataset and annbatch in interleaved rounds (the module
+    docstring's method); return the rows (medians, diversity, ratios) and the run's
+    facts for the record."""
+    src, harness = src.resolve(), harness.resolve()
+    annbatch_store = annbatch_store or src.with_name(f"{src.stem}_annbatch.zarr")
+    store = _store(src, work or src.parent)
     labels = _labels(src)  # by source row: the ``index`` a batch carries
     check = check_eviction(src)
     print(check, flush=True)
     if not (annbatch_store / "zarr.json").exists():
         print("converting for annbatch (its own converter) ...", flush=True)
         _harness(
-            a.python312,
+            python312,
             harness,
             ["annbatch", str(src), "--store", str(annbatch_store), "--mode", "convert"],
         )
     common = [
         "--seconds",
-        str(a.seconds),
+        str(seconds),
         "--warmup-s",
         "2",
         "--batch-size",
@@ -215,18 +225,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     configs = [("sclayout", out, w) for out in ("csr", "dense") for w in (0, 2)]
     configs += [("scDataset", "csr", 0), ("annbatch", "csr", 0)]
     runs: dict[tuple, list[dict]] = {c: [] for c in configs}
-    for i in range(a.repeat):  # rounds interleave the loaders, so drift hits all alike
+    for i in range(repeat):  # rounds interleave the loaders, so drift hits all alike
         for who, output, workers in configs:
             run = runs[who, output, workers]
             if who == "sclayout":
                 run.append(
                     _sclayout_run(
-                        store, labels, output=output, workers=workers, seconds=a.seconds, seed=i
+                        store, labels, output=output, workers=workers, seconds=seconds, seed=i
                     )
                 )
             elif who == "scDataset":
                 rec = _harness(
-                    a.python,
+                    python,
                     harness,
                     [
                         "scdataset",
@@ -244,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             else:
                 cfg = f"{BATCH}:{ANNBATCH['chunk_size']}:{ANNBATCH['preload_nchunks']}"
                 rec = _harness(
-                    a.python312,
+                    python312,
                     harness,
                     [
                         "annbatch",
@@ -281,44 +291,62 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         r["vs_annbatch"] = r["cells_per_s"] / ref["annbatch"]
         r["vs_scdataset"] = r["cells_per_s"] / ref["scDataset"]
-    meta = {
-        "command": command_line(),
-        "seconds": a.seconds,
-        "repeat": a.repeat,
+    facts = {
+        "seconds": seconds,
+        "repeat": repeat,
         "batch_size": BATCH,
         "sclayout": SCLAYOUT,
         "scdataset": SCDATASET,
         "annbatch": ANNBATCH,
         "cold_check_mb_s": check.cold_mb_s,
         "warm_check_mb_s": check.warm_mb_s,
-        "environment": environment(),
     }
+    return rows, facts
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of :func:`measure`'s rows."""
+    return markdown_table(
+        [
+            {
+                **r,
+                "cells_per_s": f"{r['cells_per_s']:,.0f}",
+                "diversity": f"{r['diversity']:.2f}",
+                "vs_annbatch": f"{r['vs_annbatch']:.2f}",
+                "vs_scdataset": f"{r['vs_scdataset']:.1f}",
+            }
+            for r in rows
+        ],
+        {
+            "loader": "loader",
+            "output": "output",
+            "workers": "workers",
+            "cells_per_s": "cells/s",
+            "diversity": "diversity",
+            "vs_annbatch": "× annbatch",
+            "vs_scdataset": "× scDataset",
+        },
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = _parse(argv)
+    rows, facts = measure(
+        a.source,
+        a.harness,
+        python=a.python,
+        python312=a.python312,
+        annbatch_store=a.annbatch_store,
+        work=a.work,
+        seconds=a.seconds,
+        repeat=a.repeat,
+    )
+    meta = {"command": command_line(), **facts, "environment": environment()}
     md = (
         f"# sclayout vs annbatch and scDataset, one run\n\n`{meta['command']}`\n\n"
         f"≫RAM regime (evicted before and every 0.5 s during each run; check: cold "
-        f"{check.cold_mb_s:,.0f} MB/s vs warm {check.warm_mb_s:,.0f} MB/s), batch {BATCH}, "
-        f"median of {a.repeat} runs of ≤ {a.seconds:g} s.\n\n"
-        + markdown_table(
-            [
-                {
-                    **r,
-                    "cells_per_s": f"{r['cells_per_s']:,.0f}",
-                    "diversity": f"{r['diversity']:.2f}",
-                    "vs_annbatch": f"{r['vs_annbatch']:.2f}",
-                    "vs_scdataset": f"{r['vs_scdataset']:.1f}",
-                }
-                for r in rows
-            ],
-            {
-                "loader": "loader",
-                "output": "output",
-                "workers": "workers",
-                "cells_per_s": "cells/s",
-                "diversity": "diversity",
-                "vs_annbatch": "× annbatch",
-                "vs_scdataset": "× scDataset",
-            },
-        )
+        f"{facts['cold_check_mb_s']:,.0f} MB/s vs warm {facts['warm_check_mb_s']:,.0f} MB/s), "
+        f"batch {BATCH}, median of {a.repeat} runs of ≤ {a.seconds:g} s.\n\n" + table(rows)
     )
     write_results(a.name, {"meta": meta, "rows": rows}, md, results=a.results)
     print(md)

@@ -10,7 +10,8 @@ this module
 1. reads each shard's index once (then keeps it: 16 bytes per inner chunk);
 2. turns a fetch's element ranges into runs of inner chunks that sit back to back in
    one shard file (one ``preadv`` per run, at most :data:`RUN_BYTES` bytes);
-3. runs every run as one task on :data:`DECODE_THREADS` threads per process: the
+3. runs every run as one task on the process's decode threads (one per usable core,
+   :mod:`loader.cores`, shared among DataLoader workers): the
    ``preadv`` and ``numcodecs.blosc.decompress`` (single-threaded blosc context) both
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
@@ -35,7 +36,7 @@ is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill val
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
-:data:`DECODE_THREADS` per process.
+:func:`loader.cores.decode_threads` per process.
 """
 
 from __future__ import annotations
@@ -50,25 +51,21 @@ from typing import Any
 
 import numpy as np
 
+from loader.cores import decode_threads
 from loader.errors import LayoutError
 from loader.location import is_url
 
 __all__ = [
-    "DECODE_THREADS",
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
     "missing_chunk",
     "open_direct",
     "open_index",
+    "process_decode_threads",
     "share_decode_threads",
 ]
 
-DECODE_THREADS = 2
-"""Threads per process that read and decode inner chunks (a fixed two for now, see
-docs/scaling.md; the work is C code that releases the GIL). ``SCLAYOUT_DECODE_THREADS``
-in the environment overrides it; DataLoader workers of :class:`loader.BlockDataLoader`
-use ``max(1, DECODE_THREADS // num_workers)`` each."""
 RUN_BYTES = 1 << 20
 """Largest compressed run read and decoded as one task: a 1,024-row fetch of the
 benchmark store (~2.2 MB per array) splits into a few tasks per thread."""
@@ -268,38 +265,60 @@ def open_index(location: str, path: str) -> DirectArray | None:
 
 
 class _Pool:
-    """This process's decode threads (created lazily, again after a fork)."""
+    """This process's decode threads (created lazily, again after a fork), as many as
+    :func:`loader.cores.decode_threads` gives for the process's share of the cores."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._size = 0
         self._pid = -1
         self._lock = threading.Lock()
-        self.threads: int | None = None  # set before first use to override
+        self.workers = 0  # DataLoader workers sharing the cores (set in each worker)
+
+    def size(self) -> int:
+        """Threads the pool has (or will have when first used) in this process."""
+        return self._size if self._pid == os.getpid() else decode_threads(self.workers)
 
     def get(self) -> ThreadPoolExecutor:
         if self._pid != os.getpid():
             with self._lock:
                 if self._pid != os.getpid():
-                    n = self.threads or int(
-                        os.environ.get("SCLAYOUT_DECODE_THREADS", DECODE_THREADS)
+                    self._size = decode_threads(self.workers)
+                    self._pool = ThreadPoolExecutor(
+                        self._size, thread_name_prefix="sclayout-decode"
                     )
-                    self._pool = ThreadPoolExecutor(max(1, n), thread_name_prefix="sclayout-decode")
                     self._lock = threading.Lock()
                     self._pid = os.getpid()
         assert self._pool is not None
         return self._pool
+
+    def share(self, num_workers: int) -> None:
+        self.workers = max(0, int(num_workers))
+        if self._pid == os.getpid() and self._size != decode_threads(self.workers):
+            # started before the share was known: let its threads finish, start anew
+            assert self._pool is not None
+            self._pool.shutdown(wait=False)
+            self._pid = -1
 
 
 _POOL = _Pool()
 
 
 def share_decode_threads(num_workers: int) -> None:
-    """Give this process ``max(1, DECODE_THREADS // num_workers)`` decode threads.
+    """Make this process one of ``num_workers`` DataLoader workers sharing the cores.
 
-    Called in each of ``num_workers`` DataLoader workers before its first read, so
-    that the workers together use the cores one process would.
+    Called in each worker before its first read: the decode threads it then starts
+    are its share (:func:`loader.cores.decode_threads`), so that the workers together
+    use the cores the process may use. The tensorstore backend sizes its copy
+    threads from :func:`process_decode_threads` likewise.
     """
-    _POOL.threads = max(1, DECODE_THREADS // max(1, int(num_workers)))
+    _POOL.share(num_workers)
+
+
+def process_decode_threads() -> int:
+    """Decode threads of this process (its share of the cores, see
+    :func:`share_decode_threads`)."""
+    return _POOL.size()
 
 
 _local = threading.local()

@@ -13,13 +13,14 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
     Local arrays sharded with ``bytes`` (+ ``blosc``) inner chunks (what ``sclayout
     convert`` writes with the blosc codecs or none) are read by :mod:`loader._shards`:
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
-    kernel at submit, decoded by blosc in ``loader._shards.DECODE_THREADS`` (2)
-    threads per process straight into the output array (``direct=False`` turns this
-    off). Everything else (HTTP, other codecs) goes through tensorstore's ``zarr3``
-    driver: each key is one read of a ``ts.concat`` of the ranges, so tensorstore
-    fetches every inner chunk concurrently (``file_io_concurrency`` 64), decodes in
-    its C++ threads (``data_copy_concurrency`` 2, off the GIL) and copies the
-    elements into one contiguous array.
+    kernel at submit, decoded by blosc in the process's decode threads (one per
+    usable core, shared among DataLoader workers: :mod:`loader.cores`) straight into
+    the output array (``direct=False`` turns this off). Everything else (HTTP, other
+    codecs) goes through tensorstore's ``zarr3`` driver: each key is one read of a
+    ``ts.concat`` of the ranges, so tensorstore fetches every inner chunk
+    concurrently (``file_io_concurrency`` 64), decodes in its C++ threads
+    (``data_copy_concurrency``: as many as the decode threads, off the GIL) and
+    copies the elements into one contiguous array.
 ``zarr``
     zarr-python's async arrays: every range is one ``getitem`` coroutine, all
     gathered on zarr's event-loop thread; pieces are concatenated in numpy.
@@ -154,8 +155,10 @@ class TensorstoreSettings:
     forever. tensorstore takes it from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
     (with ``..._LIMIT_BYTES=1``) when its HTTP transport starts, once per process;
     the backend sets both unless the environment already does."""
-    DATA_COPY_CONCURRENCY = 2
-    """Decode/copy threads (a fixed two for now, like the direct reader's; docs/scaling.md)."""
+    DATA_COPY_CONCURRENCY = None
+    """Decode/copy threads; ``None``: the process's decode threads
+    (:func:`loader._shards.process_decode_threads`: its share of the usable cores, the
+    same count as the direct reader's; docs/scaling.md)."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
     keeps shard indexes and chunks shared by neighbouring blocks (less CPU per cell than
@@ -226,7 +229,7 @@ class TensorstoreBackend:
         location: str,
         *,
         file_io_concurrency: int = TensorstoreSettings.FILE_IO_CONCURRENCY,
-        data_copy_concurrency: int = TensorstoreSettings.DATA_COPY_CONCURRENCY,
+        data_copy_concurrency: int | None = TensorstoreSettings.DATA_COPY_CONCURRENCY,
         cache_bytes: int = TensorstoreSettings.CACHE_BYTES,
         direct: bool = True,
         whole_array_bytes: int | None = None,
@@ -257,11 +260,14 @@ class TensorstoreBackend:
         if self._pid != os.getpid():
             import tensorstore as ts
 
+            from loader._shards import process_decode_threads
+
             o = self.options
+            copy_threads = o["data_copy_concurrency"] or process_decode_threads()
             self._context = ts.Context(
                 {
                     "cache_pool": {"total_bytes_limit": int(o["cache_bytes"])},
-                    "data_copy_concurrency": {"limit": int(o["data_copy_concurrency"])},
+                    "data_copy_concurrency": {"limit": int(copy_threads)},
                     "file_io_concurrency": {"limit": int(o["file_io_concurrency"])},
                     "http_request_concurrency": {"limit": TensorstoreSettings.HTTP_CONCURRENCY},
                     **self._http,

@@ -43,8 +43,9 @@ Workers and the main process
     shared-memory buffer from a ring it reuses once the main process has released it;
     the main process cuts them into minibatches, densifies them and yields them in
     the same round-robin order a DataLoader gives single minibatches. Each worker
-    decodes with ``max(1, 2 // num_workers)`` threads. A plain ``DataLoader`` still
-    gets one finished minibatch per item.
+    decodes with its share of the cores the process may use, one left to the main
+    process (:func:`loader.cores.decode_threads`). A plain ``DataLoader`` still gets
+    one finished minibatch per item.
 
 Resuming
     ``state_dict()`` records the epoch and how many minibatches of it were delivered;
@@ -775,6 +776,10 @@ class BlockDataset:
         reader = self._get_reader()
         self._read_pid = os.getpid()
         info = _worker_info()
+        if info is not None:
+            from loader._shards import share_decode_threads
+
+            share_decode_threads(info[1])  # the workers share the process's cores
         grouped = self.group_workers and info is not None
         if grouped:
             from loader.store import LayoutReader
@@ -797,11 +802,9 @@ class BlockDataset:
             for batch in batches:
                 yield self._convert(batch)
             return
-        from loader._shards import share_decode_threads
         from loader._workers import GroupBuffers, pack_group
 
         assert info is not None
-        share_decode_threads(info[1])  # the workers share the machine's cores
         buffers = GroupBuffers(self._released, info[0]) if info[0] < MAX_GROUPED_WORKERS else None
         group: list[dict[str, Any]] = []
         seq = 0

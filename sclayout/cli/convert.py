@@ -131,7 +131,7 @@ def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[lis
     help="Store values and column ids in the source's dtypes (default: narrowed where lossless).",
 )
 @click.option("--overwrite", is_flag=True, help="Replace DST if it exists.")
-@click.option("--jobs", type=int, default=None, metavar="N", help="Worker threads [CPUs].")
+@click.option("--jobs", type=int, default=None, metavar="N", help="Worker threads [usable cores].")
 @click.option(
     "--scheduler", default=None, metavar="ADDRESS", help="dask.distributed scheduler address."
 )

@@ -349,6 +349,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
         "sclayout recommend data.h5ad --label cell_type --spec-out spec.json",
         "sclayout recommend data.h5ad --label plate --profile nvme.json --plot front.png",
         "sclayout recommend store.zarr --profile local-nvme --worker-counts 0,2,4 --json",
+        "sclayout recommend store.zarr --profile local-disk-here --cores 32",
         "sclayout recommend plate*.h5ad --label source --spec-out spec.json",
     ),
 )
@@ -411,6 +412,13 @@ def _plot(result: Any, path: Path, title: str) -> None:
 )
 @click.option("--workers", hidden=True, default=None, help="Deprecated name of --worker-counts.")
 @click.option(
+    "--cores",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="N",
+    help="Predict for the profile's machine with N cores [the cores it was calibrated with].",
+)
+@click.option(
     "--seed",
     type=click.IntRange(min=0),
     default=0,
@@ -436,6 +444,7 @@ def recommend_command(
     codecs: tuple[str, ...] | None,
     worker_counts: str | None,
     workers: str | None,
+    cores: int | None,
     seed: int,
     quiet: bool,
     overwrite: bool,
@@ -479,6 +488,9 @@ def recommend_command(
     else:
         stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
     prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json, codecs=codecs)
+    if cores is not None:
+        prof = prof.at_cores(cores)
+        prof_note += f"; predicted for {cores} cores"
     space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
     if unknown:
         prof_note += (

@@ -24,6 +24,7 @@ import tensorstore as ts
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from loader.cores import usable_cores
 from loader.errors import InputError
 from sclayout.convert._buffers import release_scratch
 from sclayout.convert.plan import ArrayPlan, MatrixPlan
@@ -285,7 +286,8 @@ class Runner:
     Parameters
     ----------
     jobs
-        Threads (local) — default: the number of CPUs.
+        Threads (local) — default: the cores this process may use
+        (:func:`loader.cores.usable_cores`: affinity and cgroup quota).
     scheduler
         Address of a dask.distributed scheduler (``tcp://host:8786``); the workers
         must see the source and destination paths.
@@ -294,7 +296,7 @@ class Runner:
     """
 
     def __init__(self, *, jobs: int | None, scheduler: str | None, progress: bool) -> None:
-        self.jobs = jobs or os.cpu_count() or 1
+        self.jobs = jobs or usable_cores()
         self.progress = progress
         self.client = None
         if scheduler is not None:

@@ -48,6 +48,7 @@ import numpy as np
 
 from loader.argtypes import typechecked
 from loader.backends import http_context_spec, is_url
+from loader.cores import usable_cores
 from loader.errors import InputError
 from sclayout.cost.profile import CodecSpeed, Profile
 
@@ -621,7 +622,7 @@ def measure_pipeline(
     from loader import BlockDataset
     from loader.dataset import torch_available
 
-    cores = float(os.cpu_count() or 1)
+    cores = float(usable_cores())
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         dst = _sample_store(
             data,
@@ -1004,11 +1005,11 @@ def calibrate(
         copy_Bps=copy_bps,
         fetch_overhead_s=pipeline.fetch_cpu_s,
         cores=pipeline.parallelism,
-        cpu_count=os.cpu_count() or 1,
+        cpu_count=usable_cores(),  # the cores it ran with: affinity and cgroup quota
         worker_cores=pipeline.worker_cores,
         worker_cpu_s_per_cell=pipeline.worker_cpu_s_per_cell,
         source=(
-            f"measured by `sclayout calibrate {target}` on {host} ({os.cpu_count()} cores, "
+            f"measured by `sclayout calibrate {target}` on {host} ({usable_cores()} usable cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "
             f"{cache}; codecs and assembly on {data_source}"
         ),

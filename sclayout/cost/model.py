@@ -15,7 +15,9 @@ not exist yet — and turns each plan into time with a storage profile:
     fetch makes about as many requests as planned reads, far fewer than inner chunks).
 ``t_decode``
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
-    per-chunk CPU, spread over the decode threads.
+    per-chunk CPU, spread over the decode threads (one per core the profile's
+    machine lets the loader use, shared among DataLoader workers:
+    :func:`loader.cores.split_cores`).
 ``t_assembly``
     cells × genes × ``densify_s_per_value`` for dense output in the process that reads
     (scattered straight from the fetch, no gather); otherwise nnz gathered ×
@@ -38,6 +40,14 @@ them: one thread, a bound of its own (``"main process"``); the CPU the worker pa
 adds per cell is calibrate's ``worker_cpu_s_per_cell`` (two memory copies of the
 rows where it was not measured). cells/s = rows per fetch × fetches/s.
 
+Core counts: the decode threads per process are the loader's
+(:func:`loader.cores.split_cores` of the cores calibrate ran with, ``cpu_count``);
+the CPU bound divides by calibrate's parallelism per core times the cores the
+loader's threads can occupy (never more threads than run). ``predict(..., cores=N)``
+predicts the same machine with ``N`` cores: the parts that divide (decode, the CPU
+bound) scale, while the assembly thread, the consumer and the main process's densify
+stay serial and become the bound on many cores.
+
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
 queued between workers and the training loop.
@@ -51,6 +61,7 @@ from typing import Any
 import numpy as np
 
 from loader.argtypes import typechecked
+from loader.cores import split_cores
 from loader.dataset import DEFAULT_PREFETCH
 from loader.errors import InputError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
@@ -65,6 +76,7 @@ __all__ = [
     "FetchStats",
     "ModelOptions",
     "Prediction",
+    "decode_threads_for",
     "predict",
     "predict_from_stats",
     "sample_fetch_stats",
@@ -75,11 +87,13 @@ BACKEND_IN_FLIGHT = {"tensorstore": 64, "zarr": 64, "h5py": 1}
 """Reads in flight per fetch for each backend: tensorstore's file/HTTP concurrency
 limits set by ``loader.backends.TensorstoreSettings`` (64); zarr-python gathers every
 range of a fetch at once (its own default limit is 64); HDF5 reads one at a time."""
-DECODE_THREADS = {"tensorstore": 2, "zarr": 1, "h5py": 1}
-"""Threads decoding in parallel per process: the tensorstore backend's direct shard
-reader (``loader._shards.DECODE_THREADS``) and tensorstore's ``data_copy_concurrency``
-both use 2; a DataLoader worker uses ``max(1, 2 // workers)``; zarr-python and h5py
-decode on one thread."""
+SERIAL_DECODE = ("zarr", "h5py")
+"""Backends that decode on one thread per process (zarr-python, h5py); the tensorstore
+backend's direct shard reader and tensorstore's ``data_copy_concurrency`` use the
+process's share of the cores (:func:`loader.cores.split_cores`)."""
+PIPELINE_THREADS = 2
+"""Threads of one pipeline besides its decode threads: the assembly thread and the
+consumer (the training loop's thread); they can keep a core each busy, no more."""
 CACHE_BYTES = 64 * 2**20
 """tensorstore chunk cache per process (``loader.backends.TensorstoreSettings``)."""
 PREFETCH_BATCHES = 2
@@ -333,8 +347,15 @@ def predict_from_stats(
     settings: LoaderSettings,
     profile: Profile,
     options: ModelOptions = ModelOptions(),
+    cores: int | None = None,
 ) -> Prediction:
-    """Time and memory of a fetch from its plan statistics (pure arithmetic)."""
+    """Time and memory of a fetch from its plan statistics (pure arithmetic).
+
+    With ``cores``: on the profile's machine given that many cores
+    (:meth:`Profile.at_cores`).
+    """
+    if cores is not None:
+        profile = profile.at_cores(cores)
     backend = settings.backend
     if backend not in BACKEND_IN_FLIGHT:
         raise InputError(
@@ -342,11 +363,12 @@ def predict_from_stats(
             f"{', '.join(sorted(BACKEND_IN_FLIGHT))}"
         )
     workers = max(1, settings.num_workers)
-    cores = profile.cores
+    dec_threads = decode_threads_for(backend, profile, settings.num_workers)
+    cores = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
     R = stats.requests
     speed = profile.codec(codec)
     compressed = stats.bytes_read / speed.ratio
-    c = max(1.0, min(R, _reads_in_flight(backend, codec, profile)))
+    c = max(1.0, min(R, _reads_in_flight(backend, codec, profile, dec_threads)))
 
     # ---- storage
     def io_time(in_flight: float) -> float:
@@ -356,10 +378,7 @@ def predict_from_stats(
     t_io = io_time(c)
     # ---- CPU
     t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
-    dec_threads = DECODE_THREADS[backend]
-    if settings.num_workers > 0:  # a DataLoader worker decodes with its share of them
-        dec_threads = max(1, dec_threads // workers)
-    dec_threads = min(dec_threads, cores)
+    dec_parallel = min(dec_threads, cores)
     dense = options.output == "dense"
     t_dense = stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0
     # dense output in the reading process scatters from the fetch: nothing to gather
@@ -369,7 +388,7 @@ def predict_from_stats(
     t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
     t_overhead = profile.fetch_overhead_s + t_read_cpu
     # ---- one pipeline
-    t_dec_wall = t_decode / dec_threads
+    t_dec_wall = t_decode / dec_parallel
     if _direct_reads(backend, codec, profile):
         # each decode thread reads its run of chunks, then decodes it: in series
         front = t_io + t_dec_wall
@@ -394,7 +413,7 @@ def predict_from_stats(
         # one process's CPU (the gather, packing, hand-over and unpacking, the copies
         # above included), and the cores the processes keep busy together
         cpu_total = t_decode + t_dense + t_overhead + stats.rows * profile.worker_cpu_s_per_cell
-        busy_cores = profile.worker_cores
+        busy_cores = _busy_cores(profile, profile.worker_cores, settings.num_workers, dec_threads)
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     # ---- shared resources: the storage serves every pipeline's requests at once
     # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU
@@ -454,7 +473,43 @@ def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: flo
     return max((cpu_total - t_read_cpu) / cores, cpu_total / all_cores)
 
 
-def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
+def planned_cores(profile: Profile) -> int:
+    """Return the cores the loader plans its threads for on the profile's machine.
+
+    The cores calibrate ran with (``cpu_count``), else the parallelism it measured,
+    rounded up.
+    """
+    return round(profile.cpu_count) or max(1, int(np.ceil(profile.cores)))
+
+
+def decode_threads_for(backend: str, profile: Profile, num_workers: int) -> int:
+    """Return the decode threads per process the loader starts with ``backend``.
+
+    On the profile's machine: its share of :func:`planned_cores`.
+    """
+    if backend in SERIAL_DECODE:
+        return 1
+    return split_cores(planned_cores(profile), num_workers)
+
+
+def _busy_cores(profile: Profile, measured: float, num_workers: int, dec_threads: int) -> float:
+    """Return the cores the loader keeps busy.
+
+    ``measured`` (calibrate's, on all of its cores) per core, times the cores the
+    loader's threads can occupy, at most all of them.
+
+    A process runs its decode threads and :data:`PIPELINE_THREADS` more; with workers,
+    each worker does, beside the main process's one. The parts that do not divide
+    (assembly, the consumer, the main process's densify) are bounded on their own.
+    """
+    cores = planned_cores(profile)
+    per_core = measured / cores
+    processes = max(1, num_workers)
+    runnable = processes * (dec_threads + PIPELINE_THREADS) + (1 if num_workers else 0)
+    return max(per_core * min(cores, runnable), min(measured, 1.0))
+
+
+def _reads_in_flight(backend: str, codec: str, profile: Profile, dec_threads: int) -> int:
     """Return how many reads one process keeps in flight for a fetch.
 
     The tensorstore backend reads local blosc and uncompressed stores with its direct
@@ -464,7 +519,7 @@ def _reads_in_flight(backend: str, codec: str, profile: Profile) -> int:
     comes on top, and the model leaves it out). Otherwise the backend's own limit.
     """
     if _direct_reads(backend, codec, profile):
-        return DECODE_THREADS["tensorstore"]
+        return dec_threads
     return BACKEND_IN_FLIGHT[backend]
 
 
@@ -492,6 +547,7 @@ def predict(
     profile: Profile,
     options: ModelOptions = ModelOptions(),
     matrix: str = "X",
+    cores: int | None = None,
 ) -> Prediction:
     """Predicted throughput of reading ``manifest``'s store with ``settings``.
 
@@ -505,6 +561,9 @@ def predict(
         Storage profile of the store's location.
     options
         Loader details (read-ahead, output kind).
+    cores
+        Predict for the profile's machine with this many cores (default: the cores
+        it was calibrated with).
     """
     stats = sample_fetch_stats(
         manifest,
@@ -520,6 +579,7 @@ def predict(
         settings=settings,
         profile=profile,
         options=options,
+        cores=cores,
     )
 
 

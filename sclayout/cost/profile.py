@@ -146,7 +146,9 @@ class Profile:
         measures it: :func:`sclayout.cost.calibrate.measure_pipeline`); a fetch's
         CPU time divided by it is the fastest that fetch can go.
     cpu_count
-        Cores of the machine (0: unknown, taken as ``cores``).
+        Cores calibrate could use (its CPU affinity and cgroup quota,
+        :func:`loader.cores.usable_cores`): the core count the loader plans its
+        threads for on this machine (0: unknown, taken as ``cores`` rounded up).
     worker_cores
         Cores the loader keeps busy with 2 DataLoader workers (their processes and
         the main one together) when it never waits for storage; 0: not measured
@@ -283,6 +285,24 @@ class Profile:
                 f"codec={name!r}: not in profile {self.name!r}; known: "
                 f"{', '.join(sorted(self.codecs))} (recalibrate with `sclayout calibrate`)"
             ) from None
+
+    def at_cores(self, cores: int) -> Profile:
+        """Return the profile of this machine given ``cores`` cores.
+
+        Instead of the cores it was calibrated with: the same storage and speed per
+        core, the parallelism calibrate measured (``cores``, ``worker_cores``) scaled per
+        core. The model then starts as many decode threads as the loader would there.
+        """
+        if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
+            raise SpecError(f"cores={cores!r}: give a whole number of cores >= 1")
+        base = round(self.cpu_count) or max(1, math.ceil(self.cores))
+        scale = cores / base
+        return replace(
+            self,
+            cores=max(0.5, self.cores * scale),
+            cpu_count=float(cores),
+            worker_cores=self.worker_cores * scale,
+        )
 
     def with_(self, **changes: Any) -> Profile:
         """Return a copy of the profile with ``changes``."""

@@ -61,6 +61,23 @@ def test_recommend_prints_a_ranked_table_and_the_reason(data, run_cli):
     assert "pick: #1 — fastest predicted" in r.stdout
 
 
+def test_recommend_predicts_for_a_given_core_count(data, run_cli):
+    src, _ = data
+    picks = {}
+    for cores in ("2", "32"):
+        args = ("recommend", src, "--label", "plate", "--profile", "local-disk-here")
+        r = run_cli(*args, *SMALL_SPACE, "--cores", cores, "--json", "--top", "1000")
+        assert r.exit_code == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert out["profile_note"].endswith(f"predicted for {cores} cores")
+        keys = ("block_size", "fetch_factor", "order", "codec", "csr_chunk_nnz", "workers")
+        picks[cores] = {tuple(row[k] for k in keys): row for row in out["ranked"]}
+    same = picks["2"].keys() & picks["32"].keys()
+    assert same  # the same candidates, each at least as fast on 32 cores as on 2
+    assert all(picks["32"][k]["cells_per_s"] >= picks["2"][k]["cells_per_s"] for k in same)
+    assert any(picks["32"][k]["cells_per_s"] > picks["2"][k]["cells_per_s"] for k in same)
+
+
 def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting(data, run_cli):
     _, store = data
     r = run_cli(

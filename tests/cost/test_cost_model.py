@@ -274,3 +274,61 @@ def test_a_loopback_servers_cpu_runs_beside_the_loader(flat_profile, predict_fla
 def test_unknown_read_cpu_scope_is_refused(flat_profile):
     with pytest.raises(SpecError, match="read_cpu_scope='disk': unknown; known: process, machine"):
         flat_profile(read_cpu_scope="disk")
+
+
+def _cpu_heavy(flat_profile, cores: int | None, *, backend: str = "tensorstore", workers=0):
+    # storage free; 80 ms of decode (8 MB at 100 MB/s) that divides among threads;
+    # 3 ms dense scatter + 1 ms per fetch on the consumer's side, which does not
+    profile = flat_profile(
+        latency_s=1e-6,
+        bandwidth_Bps=1e12,
+        concurrency=((1, 1e9),),
+        codecs={"none": CodecSpeed(2.0, 1e8)},
+        densify_s_per_value=3e-9,
+        cores=2.0,
+        cpu_count=2,
+    )
+    settings = LoaderSettings(batch_size=100, fetch_factor=10, num_workers=workers, backend=backend)
+    return predict_from_stats(
+        STATS, n_vars=1000, codec="none", settings=settings, profile=profile, cores=cores
+    )
+
+
+@pytest.mark.parametrize(
+    ("cores", "fetch_ms", "bound"),
+    [(None, 42.0, "cpu"), (2, 42.0, "cpu"), (8, 10.5, "cpu"), (32, 4.0, "assembly")],
+    ids=["calibrated", "2", "8", "32"],
+)
+def test_cpu_parts_divide_by_the_cores_the_serial_part_does_not(
+    flat_profile, cores, fetch_ms, bound
+):
+    # 84 ms of CPU per fetch over 2, 8, 32 cores: 42, 10.5, 2.6 ms; the consumer's
+    # 3 + 1 ms stay serial and bound the fetch at 32 cores
+    p = _cpu_heavy(flat_profile, cores)
+    assert p.fetch_s == pytest.approx(fetch_ms / 1e3)
+    assert p.bound == bound
+
+
+def test_a_backend_decoding_on_one_thread_gains_nothing_from_more_cores(flat_profile):
+    p8, p32 = (_cpu_heavy(flat_profile, n, backend="zarr") for n in (8, 32))
+    assert p8.fetch_s == pytest.approx(p32.fetch_s)
+    assert p8.fetch_s > _cpu_heavy(flat_profile, 8).fetch_s
+
+
+def test_workers_share_the_cores_the_main_process_keeps_one(flat_profile):
+    from sclayout.cost.model import decode_threads_for
+
+    base = flat_profile(cores=1.5, cpu_count=2, worker_cores=1.8)
+    assert decode_threads_for("tensorstore", base, 0) == 2
+    assert decode_threads_for("tensorstore", base, 2) == 1
+    big = base.at_cores(32)
+    assert (big.cpu_count, big.cores, big.worker_cores) == (32.0, 24.0, pytest.approx(28.8))
+    assert decode_threads_for("tensorstore", big, 0) == 32
+    assert decode_threads_for("tensorstore", big, 4) == 7  # (32 - 1) // 4
+    assert decode_threads_for("zarr", big, 0) == 1
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True])
+def test_at_cores_refuses_a_bad_count(flat_profile, bad):
+    with pytest.raises(SpecError, match=r"^cores=.*: give a whole number of cores >= 1$"):
+        flat_profile().at_cores(bad)
