@@ -198,9 +198,7 @@ def http_context_spec(
 
 def remote_concurrency_spec(limit: int) -> dict[str, Any]:
     """Return the tensorstore context members capping requests in flight per remote kind."""
-    return {
-        f"{kind}_request_concurrency": {"limit": int(limit)} for kind in ("http", "s3", "gcs")
-    }
+    return {f"{kind}_request_concurrency": {"limit": int(limit)} for kind in ("http", "s3", "gcs")}
 
 
 def check_timeout(timeout: float) -> float:

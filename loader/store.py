@@ -50,9 +50,9 @@ from loader.backends import (
     get_backend,
     http_context_spec,
     is_url,
-    ts_kvstore,
     read_error,
     timed_out,
+    ts_kvstore,
 )
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size

@@ -57,6 +57,7 @@ from sclayout.convert.plan import (
     plan_dense,
     shard_bytes_for_budget,
 )
+from sclayout.convert.remote import delete_store, remote_store_state, upload_tree
 from sclayout.convert.source import (
     DIRECT_PIECE,
     IO_THREADS,
@@ -72,7 +73,6 @@ from sclayout.convert.sources import (
     check_sources,
     read_var_names,
 )
-from sclayout.convert.remote import delete_store, remote_store_state, upload_tree
 from sclayout.convert.space import (
     check_free_space,
     estimate_store_bytes,

@@ -48,9 +48,9 @@ def _failed(url: str, what: str, e: Exception) -> InputError:
 
 
 def remote_store_state(url: str) -> str:
-    """Whether DST ``url`` holds a store: ``"store"``, ``"partial"`` (objects but no
-    root ``zarr.json``) or ``"empty"``.
+    """Return what DST ``url`` holds: ``"store"``, ``"partial"`` or ``"empty"``.
 
+    ``"partial"``: objects but no root ``zarr.json`` (an interrupted conversion).
     Also proves the bucket answers: :class:`InputError` (naming the variables to
     check) when it cannot be read.
     """
@@ -82,9 +82,7 @@ def upload_tree(local: str | os.PathLike[str], url: str, *, under: str = "") -> 
     manifest marks the store complete). Returns the number of objects written.
     """
     root = Path(local)
-    keys = sorted(
-        p.relative_to(root).as_posix() for p in (root / under).rglob("*") if p.is_file()
-    )
+    keys = sorted(p.relative_to(root).as_posix() for p in (root / under).rglob("*") if p.is_file())
     last = [k for k in keys if k == ROOT_KEY]
     rest = [k for k in keys if k != ROOT_KEY]
     try:
@@ -92,8 +90,7 @@ def upload_tree(local: str | os.PathLike[str], url: str, *, under: str = "") -> 
         for group in (rest, last):
             for i in range(0, len(group), UPLOAD_IN_FLIGHT):
                 pending: list[Future] = [
-                    kv.write(k, (root / k).read_bytes())
-                    for k in group[i : i + UPLOAD_IN_FLIGHT]
+                    kv.write(k, (root / k).read_bytes()) for k in group[i : i + UPLOAD_IN_FLIGHT]
                 ]
                 for f in pending:
                     f.result()

@@ -55,9 +55,8 @@ _arrays: dict[tuple, Any] = {}
 def _open_zarr(root: str, path: str) -> Any:
     if is_url(root):
         raise InputError(f"DST {root}: the zarr write backend writes local stores only")
-    return zarr.open_array(
-        store=os.path.join(root, path), mode="r+", zarr_format=3, config={"write_empty_chunks": True}
-    )
+    config = {"write_empty_chunks": True}
+    return zarr.open_array(store=os.path.join(root, path), mode="r+", zarr_format=3, config=config)
 
 
 def _write_zarr(arr: Any, start: int, values: np.ndarray) -> Future:

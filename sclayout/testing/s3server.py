@@ -104,7 +104,7 @@ class S3Server:
             r.read()
 
     def variables(self) -> dict[str, str]:
-        """The AWS variables that point a client at this server."""
+        """Return the AWS variables that point a client at this server."""
         return {**ENVIRONMENT, "AWS_ENDPOINT_URL": self.endpoint}
 
     @contextlib.contextmanager
