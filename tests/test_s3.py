@@ -118,7 +118,6 @@ def test_s3_reads_are_ranged_and_coalesced(s3, shared_store):
 
 def test_calibrate_reads_a_store_in_a_bucket(s3_store, tiny_plan):
     from sclayout.cost.calibrate import calibrate
-
     from sclayout.cost.profile import get_preset
 
     # the storage alone: the CPU figures are this machine's wherever the data lives
@@ -137,6 +136,12 @@ def test_cli_reads_and_writes_s3(s3, s3_store, shared_store, run_cli, assert_one
         "--seconds", "0.3", "--profile", "s3-same-region", "--json",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
+    # the checks read a copy of the store, and name the URL
+    for args in (("inspect", url), ("verify", url), ("verify", src, url)):
+        r = run_cli(*args)
+        assert r.exit_code == 0, r.stderr
+        assert "sclayout-check-" not in r.stdout + r.stderr
+    assert url in run_cli("inspect", url).stdout
     # a new store, then refused over an existing one, then replaced with --overwrite
     cli = "s3://data/cli.zarr"
     r = run_cli("convert", src, cli, "--block-size", "8", "--json")

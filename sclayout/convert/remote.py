@@ -18,7 +18,7 @@ from typing import Any
 from loader.backends import http_context_spec, remote_concurrency_spec, ts_kvstore
 from loader.errors import InputError
 
-__all__ = ["delete_store", "remote_store_state", "upload_tree"]
+__all__ = ["delete_store", "download_tree", "remote_store_state", "upload_tree"]
 
 UPLOAD_IN_FLIGHT = 64
 """Objects uploaded at once (the loader's remote concurrency)."""
@@ -96,4 +96,26 @@ def upload_tree(local: str | os.PathLike[str], url: str, *, under: str = "") -> 
                     f.result()
     except ValueError as e:
         raise _failed(url, "writing", e) from None
+    return len(keys)
+
+
+def download_tree(url: str, local: str | os.PathLike[str]) -> int:
+    """Copy every object under ``url``'s prefix into folder ``local``; return their number.
+
+    For the checks that walk a store's files (``verify``, ``inspect``): they read every
+    object anyway, and then read the copy as a local store.
+    """
+    root = Path(local)
+    try:
+        kv = _kvstore(url)
+        keys = sorted(k.decode() for k in kv.list().result())
+        for i in range(0, len(keys), UPLOAD_IN_FLIGHT):
+            group = keys[i : i + UPLOAD_IN_FLIGHT]
+            for key, f in [(k, kv.read(k)) for k in group]:
+                dest = root / key
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_bytes(f.result().value)
+    except ValueError as e:
+        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise InputError(f"{url}: reading failed ({cause}); {_fix(url)}") from None
     return len(keys)
