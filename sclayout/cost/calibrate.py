@@ -841,7 +841,8 @@ def calibrate(
 ) -> Profile:
     """Measure a storage profile of ``target`` and of this CPU.
 
-    ``target`` is a local directory or an http(s) URL of a layout store.
+    ``target`` is a local directory or an http(s), ``s3://`` or ``gs://`` URL of a
+    layout store.
 
     Parameters
     ----------
