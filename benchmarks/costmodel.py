@@ -2,7 +2,10 @@
 
 For two storage profiles — local disk, cold (evicted before and every 0.5 s: the
 regime of a dataset far larger than RAM), and HTTP with 2 ms injected per-request
-latency (``sclayout.testing.httpserver`` in a subprocess, loopback) — the script
+latency (``sclayout.testing.httpserver`` in a subprocess, loopback) — and, with
+``--profiles s3``, S3 with the same 2 ms per request (moto's server,
+``sclayout.testing.s3server``, in a subprocess; the two stores of :data:`S3_STORES`
+uploaded to it, recommend's pick not measured) — the script
 
 1. in each of ``--runs`` rounds, calibrates the profile (``sclayout.cost.calibrate``)
    and then measures every configuration once (>= 20: store layout — block size, row
@@ -30,6 +33,7 @@ Usage::
     python benchmarks/costmodel.py            # full run (~20 min on 2 cores)
     python benchmarks/costmodel.py --build    # only convert the stores
     python benchmarks/costmodel.py --smoke    # tiny dataset, seconds (for tests)
+    python benchmarks/costmodel.py --profiles s3 --merge   # add the S3 profile's rows
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ BATCH = 64
 MIN_DIVERSITY = 0.95
 MEMORY_BUDGET = 4 * 10**9
 HTTP_DELAY = 0.002
+S3_BUCKET = "costmodel"
+S3_STORES = ("orig_b16_lz4", "shuf_b64_lz4")
+"""Stores the S3 profile measures (uploaded to the loopback S3 server, which keeps them
+in its memory and temporary files): the two that most configurations read."""
 
 
 @dataclass(frozen=True)
@@ -191,6 +199,44 @@ class HttpServer:
         self.proc.wait(timeout=30)
 
 
+class S3Server:
+    """``python -m sclayout.testing.s3server --delay D`` (moto) in a subprocess, with
+    ``stores`` uploaded to bucket :data:`S3_BUCKET`; the AWS variables of this process
+    (and so of its DataLoader workers) point at it."""
+
+    def __init__(self, stores: list[Path], delay: float) -> None:
+        from sclayout.convert.remote import upload_tree
+        from sclayout.testing.s3server import ENVIRONMENT
+
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "sclayout.testing.s3server",
+                "--bucket",
+                S3_BUCKET,
+                "--delay",
+                str(delay),
+                "--max-seconds",
+                "7200",
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        endpoint = self.proc.stdout.readline().strip()
+        os.environ.update({**ENVIRONMENT, "AWS_ENDPOINT_URL": endpoint})
+        self.url = f"s3://{S3_BUCKET}/"
+        for p in stores:
+            t0 = time.perf_counter()
+            n = upload_tree(p, self.url + p.name)
+            print(f"[s3] uploaded {p.name}: {n} objects in {time.perf_counter() - t0:.0f} s")
+
+    def close(self) -> None:
+        time.sleep(2.0)  # read-ahead fetches in flight land first (see HttpServer.close)
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 def _warm(paths: Any) -> None:
     """Read every file of the stores once, so that they sit in the page cache."""
     for path in paths:
@@ -222,8 +268,12 @@ def run_profile(
     from sclayout.cost.model import predict
 
     root = next(iter(stores.values())).parent
-    server = HttpServer(root, HTTP_DELAY) if kind == "http" else None
-    if server is not None:
+    if kind == "s3":
+        stores = {k: v for k, v in stores.items() if k in S3_STORES}
+        server: Any = S3Server(list(stores.values()), HTTP_DELAY)
+    else:
+        server = HttpServer(root, HTTP_DELAY) if kind == "http" else None
+    if kind == "http":
         # the HTTP profile stands for a remote store: its server reads from memory,
         # not from this VM's disk (whose speed the local profile measures, and which
         # varied 10x within minutes on some days here)
@@ -244,6 +294,8 @@ def run_profile(
         # whole run, and each prediction uses the machine as measured minutes before.
         configs = []
         for store, b, f, w in CONFIGS:
+            if store not in stores:  # the S3 profile's subset
+                continue
             path = stores[store]
             reader = open_layout(loc(path), block_size=b)
             if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
@@ -421,9 +473,10 @@ def plot(rows: list[dict[str, Any]], picks: list[dict[str, Any]], path: Path) ->
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 5), dpi=90)
-    colors = {"local": "tab:blue", "http": "tab:orange"}
-    names = {"local": "local disk, cold", "http": f"HTTP +{HTTP_DELAY * 1e3:.0f} ms"}
-    for kind in ("local", "http"):
+    colors = {"local": "tab:blue", "http": "tab:orange", "s3": "tab:green"}
+    delay = f"+{HTTP_DELAY * 1e3:.0f} ms"
+    names = {"local": "local disk, cold", "http": f"HTTP {delay}", "s3": f"S3 (moto) {delay}"}
+    for kind in ("local", "http", "s3"):
         sel = [r for r in rows if r["profile"] == kind]
         if sel:
             ax.scatter(
@@ -550,7 +603,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         rows += got
         try:
-            if not args.no_pick:
+            if not args.no_pick and kind != "s3":  # a pick's store is not uploaded
                 picks.append(
                     check_pick(
                         kind,

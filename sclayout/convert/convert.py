@@ -208,7 +208,9 @@ def convert(
         The source dataset, or a list of them: the store holds their rows in this
         order (before ``order`` reorders them), see docs/convert.md.
     dst
-        The layout store to create (a directory).
+        The layout store to create: a directory, or an ``s3://`` / ``gs://`` URL
+        (docs/object-stores.md: shards are written straight to the bucket, the
+        manifest last; ``overwrite`` then deletes the old store first).
     join
         Sources whose genes differ: ``"inner"`` (genes in every source) or
         ``"outer"`` (their union; a gene a source lacks is a structural zero).
