@@ -590,7 +590,9 @@ def main(argv: list[str] | None = None) -> None:
     runs, seconds = (1, 0.15) if args.smoke else (args.runs, args.seconds)
     src = _source(args.smoke)
     root = _cache()
-    stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in STORES}
+    only_s3 = set(args.profiles.split(",")) == {"s3"}
+    needed = [sd for sd in STORES if not only_s3 or sd.name in S3_STORES]
+    stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in needed}
     if args.build:
         return
     rows: list[dict[str, Any]] = []
