@@ -169,26 +169,17 @@ def build_store(src: Path, dst: Path, sd: StoreDef) -> Path:
 # ---------------------------------------------------------------- HTTP server
 
 
-class HttpServer:
-    """``python -m sclayout.testing.httpserver ROOT --delay D`` in a subprocess (so that the
-    server's Python does not share the loader's GIL)."""
+class ServerProcess:
+    """``python -m MODULE ARGS`` in a subprocess (so that the server's Python does not
+    share the loader's GIL); its first line of output is its address."""
 
-    def __init__(self, root: Path, delay: float) -> None:
+    def __init__(self, module: str, *args: object) -> None:
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sclayout.testing.httpserver",
-                str(root),
-                "--delay",
-                str(delay),
-                "--max-seconds",
-                "7200",
-            ],
+            [sys.executable, "-m", module, *map(str, args), "--max-seconds", "7200"],
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.url = self.proc.stdout.readline().strip()
+        self.address = self.proc.stdout.readline().strip()
 
     def close(self) -> None:
         # a BlockDataset left mid-epoch still has its read-ahead fetches in flight;
@@ -199,42 +190,30 @@ class HttpServer:
         self.proc.wait(timeout=30)
 
 
-class S3Server:
-    """``python -m sclayout.testing.s3server --delay D`` (moto) in a subprocess, with
-    ``stores`` uploaded to bucket :data:`S3_BUCKET`; the AWS variables of this process
-    (and so of its DataLoader workers) point at it."""
+class HttpServer(ServerProcess):
+    """``python -m sclayout.testing.httpserver ROOT --delay D``; ``url`` serves ROOT."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        super().__init__("sclayout.testing.httpserver", root, "--delay", delay)
+        self.url = self.address
+
+
+class S3Server(ServerProcess):
+    """``python -m sclayout.testing.s3server --delay D`` (moto), with ``stores`` uploaded
+    to bucket :data:`S3_BUCKET`; the AWS variables of this process (and so of its
+    DataLoader workers) point at it."""
 
     def __init__(self, stores: list[Path], delay: float) -> None:
         from sclayout.convert.remote import upload_tree
         from sclayout.testing.s3server import ENVIRONMENT
 
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sclayout.testing.s3server",
-                "--bucket",
-                S3_BUCKET,
-                "--delay",
-                str(delay),
-                "--max-seconds",
-                "7200",
-            ],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        endpoint = self.proc.stdout.readline().strip()
-        os.environ.update({**ENVIRONMENT, "AWS_ENDPOINT_URL": endpoint})
+        super().__init__("sclayout.testing.s3server", "--bucket", S3_BUCKET, "--delay", delay)
+        os.environ.update({**ENVIRONMENT, "AWS_ENDPOINT_URL": self.address})
         self.url = f"s3://{S3_BUCKET}/"
         for p in stores:
             t0 = time.perf_counter()
             n = upload_tree(p, self.url + p.name)
             print(f"[s3] uploaded {p.name}: {n} objects in {time.perf_counter() - t0:.0f} s")
-
-    def close(self) -> None:
-        time.sleep(2.0)  # read-ahead fetches in flight land first (see HttpServer.close)
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 def _warm(paths: Any) -> None:
