@@ -222,8 +222,11 @@ def test_a_server_that_goes_away_fails_reads_with_one_line(shared_store):
     assert "\n" not in str(e.value) and "check that the server is up" in str(e.value)
 
 
-def test_a_bucketless_url_is_refused(shared_store):
+def test_a_bucketless_url_or_a_prefix_without_a_store_is_refused(s3, shared_store):
+    from loader.errors import NotALayoutStoreError
     from sclayout.convert.convert import convert
 
     with pytest.raises(InputError, match="no bucket"):
         convert(shared_store[0], "s3://")
+    with pytest.raises(NotALayoutStoreError, match=r"s3://data/none\.zarr/zarr\.json not found"):
+        open_layout("s3://data/none.zarr")
