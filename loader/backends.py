@@ -135,7 +135,7 @@ class TensorstoreSettings:
     """Concurrent file reads: a fetch touches on the order of a hundred inner chunks, and
     all of them should be in flight at once (docs/design.md, "Reads in flight")."""
     HTTP_CONCURRENCY = 64
-    """Concurrent HTTP requests, for the same reason."""
+    """Concurrent HTTP requests (also S3 and GCS requests), for the same reason."""
     HTTP_RETRIES = 6
     """Retries of a failed HTTP request (server error, connection refused or reset)
     before the read fails with :class:`loader.errors.ReadError`; back-off from
@@ -217,7 +217,7 @@ def timed_out(location: str, path: str, timeout: float) -> ReadError:
 
 
 def object_store_endpoint() -> dict[str, Any]:
-    """Return the ``s3`` driver's endpoint and region, from the usual AWS variables.
+    """Return the ``s3`` driver's endpoint, region and credentials, from the AWS variables.
 
     ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (an S3-compatible server: MinIO,
     moto, a provider other than AWS) and ``AWS_REGION`` or ``AWS_DEFAULT_REGION``;
