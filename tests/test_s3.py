@@ -10,8 +10,6 @@ import sys
 import numpy as np
 import pytest
 
-pytest.importorskip("moto.server", reason="moto[server] (a dev extra) runs the S3 server")
-
 from loader.errors import InputError, ReadError
 from loader.store import open_layout
 from sclayout.testing.s3server import serve_s3
