@@ -2,7 +2,10 @@
 
 For two storage profiles — local disk, cold (evicted before and every 0.5 s: the
 regime of a dataset far larger than RAM), and HTTP with 2 ms injected per-request
-latency (``sclayout.testing.httpserver`` in a subprocess, loopback) — the script
+latency (``sclayout.testing.httpserver`` in a subprocess, loopback) — and, with
+``--profiles s3``, S3 with the same 2 ms per request (moto's server,
+``sclayout.testing.s3server``, in a subprocess; the two stores of :data:`S3_STORES`
+uploaded to it, recommend's pick not measured) — the script
 
 1. in each of ``--runs`` rounds, calibrates the profile (``sclayout.cost.calibrate``)
    and then measures every configuration once (>= 20: store layout — block size, row
@@ -30,6 +33,7 @@ Usage::
     python benchmarks/costmodel.py            # full run (~20 min on 2 cores)
     python benchmarks/costmodel.py --build    # only convert the stores
     python benchmarks/costmodel.py --smoke    # tiny dataset, seconds (for tests)
+    python benchmarks/costmodel.py --profiles s3 --merge   # add the S3 profile's rows
 """
 
 from __future__ import annotations
@@ -56,6 +60,10 @@ BATCH = 64
 MIN_DIVERSITY = 0.95
 MEMORY_BUDGET = 4 * 10**9
 HTTP_DELAY = 0.002
+S3_BUCKET = "costmodel"
+S3_STORES = ("orig_b16_lz4", "shuf_b64_lz4")
+"""Stores the S3 profile measures (uploaded to the loopback S3 server, which keeps them
+in its memory and temporary files): the two that most configurations read."""
 
 
 @dataclass(frozen=True)
@@ -161,26 +169,17 @@ def build_store(src: Path, dst: Path, sd: StoreDef) -> Path:
 # ---------------------------------------------------------------- HTTP server
 
 
-class HttpServer:
-    """``python -m sclayout.testing.httpserver ROOT --delay D`` in a subprocess (so that the
-    server's Python does not share the loader's GIL)."""
+class ServerProcess:
+    """``python -m MODULE ARGS`` in a subprocess (so that the server's Python does not
+    share the loader's GIL); its first line of output is its address."""
 
-    def __init__(self, root: Path, delay: float) -> None:
+    def __init__(self, module: str, *args: object) -> None:
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "sclayout.testing.httpserver",
-                str(root),
-                "--delay",
-                str(delay),
-                "--max-seconds",
-                "7200",
-            ],
+            [sys.executable, "-m", module, *map(str, args), "--max-seconds", "7200"],
             stdout=subprocess.PIPE,
             text=True,
         )
-        self.url = self.proc.stdout.readline().strip()
+        self.address = self.proc.stdout.readline().strip()
 
     def close(self) -> None:
         # a BlockDataset left mid-epoch still has its read-ahead fetches in flight;
@@ -189,6 +188,32 @@ class HttpServer:
         time.sleep(2.0)
         self.proc.terminate()
         self.proc.wait(timeout=30)
+
+
+class HttpServer(ServerProcess):
+    """``python -m sclayout.testing.httpserver ROOT --delay D``; ``url`` serves ROOT."""
+
+    def __init__(self, root: Path, delay: float) -> None:
+        super().__init__("sclayout.testing.httpserver", root, "--delay", delay)
+        self.url = self.address
+
+
+class S3Server(ServerProcess):
+    """``python -m sclayout.testing.s3server --delay D`` (moto), with ``stores`` uploaded
+    to bucket :data:`S3_BUCKET`; the AWS variables of this process (and so of its
+    DataLoader workers) point at it."""
+
+    def __init__(self, stores: list[Path], delay: float) -> None:
+        from sclayout.convert.remote import upload_tree
+        from sclayout.testing.s3server import ENVIRONMENT
+
+        super().__init__("sclayout.testing.s3server", "--bucket", S3_BUCKET, "--delay", delay)
+        os.environ.update({**ENVIRONMENT, "AWS_ENDPOINT_URL": self.address})
+        self.url = f"s3://{S3_BUCKET}/"
+        for p in stores:
+            t0 = time.perf_counter()
+            n = upload_tree(p, self.url + p.name)
+            print(f"[s3] uploaded {p.name}: {n} objects in {time.perf_counter() - t0:.0f} s")
 
 
 def _warm(paths: Any) -> None:
@@ -222,8 +247,12 @@ def run_profile(
     from sclayout.cost.model import predict
 
     root = next(iter(stores.values())).parent
-    server = HttpServer(root, HTTP_DELAY) if kind == "http" else None
-    if server is not None:
+    if kind == "s3":
+        stores = {k: v for k, v in stores.items() if k in S3_STORES}
+        server: Any = S3Server(list(stores.values()), HTTP_DELAY)
+    else:
+        server = HttpServer(root, HTTP_DELAY) if kind == "http" else None
+    if kind == "http":
         # the HTTP profile stands for a remote store: its server reads from memory,
         # not from this VM's disk (whose speed the local profile measures, and which
         # varied 10x within minutes on some days here)
@@ -246,6 +275,8 @@ def run_profile(
         # whole run, and each prediction uses the machine as measured minutes before.
         configs = []
         for store, b, f, w in CONFIGS:
+            if store not in stores:  # the S3 profile's subset
+                continue
             if smoke and w and any(c[3] for c in configs):
                 # each worker run spawns processes: --smoke measures one to check the path
                 print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke runs one worker configuration")
@@ -429,9 +460,10 @@ def plot(rows: list[dict[str, Any]], picks: list[dict[str, Any]], path: Path) ->
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 5), dpi=90)
-    colors = {"local": "tab:blue", "http": "tab:orange"}
-    names = {"local": "local disk, cold", "http": f"HTTP +{HTTP_DELAY * 1e3:.0f} ms"}
-    for kind in ("local", "http"):
+    colors = {"local": "tab:blue", "http": "tab:orange", "s3": "tab:green"}
+    delay = f"+{HTTP_DELAY * 1e3:.0f} ms"
+    names = {"local": "local disk, cold", "http": f"HTTP {delay}", "s3": f"S3 (moto) {delay}"}
+    for kind in ("local", "http", "s3"):
         sel = [r for r in rows if r["profile"] == kind]
         if sel:
             ax.scatter(
@@ -545,7 +577,9 @@ def main(argv: list[str] | None = None) -> None:
     runs, seconds = (1, 0.15) if args.smoke else (args.runs, args.seconds)
     src = _source(args.smoke)
     root = _cache()
-    stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in STORES}
+    only_s3 = set(args.profiles.split(",")) == {"s3"}
+    needed = [sd for sd in STORES if not only_s3 or sd.name in S3_STORES]
+    stores = {sd.name: build_store(src, _store_path(root, sd, args.smoke), sd) for sd in needed}
     if args.build:
         return
     rows: list[dict[str, Any]] = []
@@ -558,7 +592,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         rows += got
         try:
-            if not args.no_pick:
+            if not args.no_pick and kind != "s3":  # a pick's store is not uploaded
                 picks.append(
                     check_pick(
                         kind,

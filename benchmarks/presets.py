@@ -48,7 +48,7 @@ CPU_FIELDS = (
     "worker_cores",
     "worker_cpu_s_per_cell",
 )
-CITED = ("local-nvme", "network-disk", "http-object-store")
+CITED = ("local-nvme", "network-disk", "http-object-store", "s3-same-region")
 MEASURED_HERE = (
     "measured on this project's 2-core x86_64 VM (virtio disk) by `python "
     "benchmarks/costmodel.py` on {date} (nothing else heavy running)"

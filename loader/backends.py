@@ -47,7 +47,7 @@ import numpy as np
 
 from loader.argtypes import typechecked
 from loader.errors import InputError, LayoutError, ReadError
-from loader.location import is_url
+from loader.location import is_object_store, is_url, split_bucket
 
 __all__ = [
     "BACKENDS",
@@ -59,8 +59,10 @@ __all__ = [
     "get_backend",
     "http_context_spec",
     "is_url",
+    "object_store_endpoint",
     "read_error",
     "register_backend",
+    "remote_concurrency_spec",
     "timed_out",
     "ts_kvstore",
 ]
@@ -134,7 +136,7 @@ class TensorstoreSettings:
     """Concurrent file reads: a fetch touches on the order of a hundred inner chunks, and
     all of them should be in flight at once (docs/design.md, "Reads in flight")."""
     HTTP_CONCURRENCY = 64
-    """Concurrent HTTP requests, for the same reason."""
+    """Concurrent HTTP requests (also S3 and GCS requests), for the same reason."""
     HTTP_RETRIES = 6
     """Retries of a failed HTTP request (server error, connection refused or reset)
     before the read fails with :class:`loader.errors.ReadError`; back-off from
@@ -188,13 +190,18 @@ def http_context_spec(
     os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", stall)
     os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
     delay = float(retry_delay)
+    backoff = {"initial_delay": f"{delay}s", "max_delay": f"{max(delay, 8.0)}s"}
+    # the object-store drivers count attempts (at least 1), the http driver retries
     return {
-        "http_request_retries": {
-            "max_retries": retries,
-            "initial_delay": f"{delay}s",
-            "max_delay": f"{max(delay, 8.0)}s",
-        }
+        "http_request_retries": {"max_retries": retries, **backoff},
+        "s3_request_retries": {"max_retries": max(1, retries), **backoff},
+        "gcs_request_retries": {"max_retries": max(1, retries), **backoff},
     }
+
+
+def remote_concurrency_spec(limit: int) -> dict[str, Any]:
+    """Return the tensorstore context members capping requests in flight per remote kind."""
+    return {f"{kind}_request_concurrency": {"limit": int(limit)} for kind in ("http", "s3", "gcs")}
 
 
 def check_timeout(timeout: float) -> float:
@@ -212,8 +219,45 @@ def timed_out(location: str, path: str, timeout: float) -> ReadError:
     )
 
 
+def object_store_endpoint() -> dict[str, Any]:
+    """Return the ``s3`` driver's endpoint, region and credentials, from the AWS variables.
+
+    ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (an S3-compatible server: MinIO,
+    moto, a provider other than AWS) and ``AWS_REGION`` or ``AWS_DEFAULT_REGION``;
+    members left out when unset, and tensorstore then finds the bucket's region
+    itself. Credentials: ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY`` and
+    ``AWS_SESSION_TOKEN`` when set (read by tensorstore), else tensorstore's default
+    chain (``~/.aws/credentials`` and ``AWS_PROFILE``, then the instance metadata).
+    """
+    out: dict[str, Any] = {}
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
+        # straight to the variables: the default chain first probes ~/.aws and logs each miss
+        out["aws_credentials"] = {"type": "environment"}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint:
+        out["endpoint"] = endpoint.rstrip("/")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region:
+        out["aws_region"] = region
+    return out
+
+
 def ts_kvstore(location: str, path: str) -> dict[str, Any]:
-    """Return the tensorstore kvstore spec of ``path`` inside the store at ``location``."""
+    """Return the tensorstore kvstore spec of ``path`` inside the store at ``location``.
+
+    ``path`` ``""`` gives the store's root as a prefix (keys are then read relative to
+    it). ``s3://`` and ``gs://`` go to tensorstore's ``s3`` and ``gcs`` drivers
+    (:func:`object_store_endpoint`; the ``gcs`` driver reads its own variables:
+    ``GOOGLE_APPLICATION_CREDENTIALS``, and ``TENSORSTORE_GCS_HTTP_URL`` for a test
+    server).
+    """
+    if is_object_store(location):
+        scheme, bucket, prefix = split_bucket(location)
+        key = "/".join(p for p in (prefix, path) if p) + ("" if path else "/")
+        key = key.lstrip("/")
+        if scheme == "s3":
+            return {"driver": "s3", "bucket": bucket, "path": key, **object_store_endpoint()}
+        return {"driver": "gcs", "bucket": bucket, "path": key}
     if is_url(location):
         return {"driver": "http", "base_url": location.rstrip("/") + "/", "path": path}
     return {"driver": "file", "path": os.path.join(location, path)}
@@ -269,7 +313,7 @@ class TensorstoreBackend:
                     "cache_pool": {"total_bytes_limit": int(o["cache_bytes"])},
                     "data_copy_concurrency": {"limit": int(copy_threads)},
                     "file_io_concurrency": {"limit": int(o["file_io_concurrency"])},
-                    "http_request_concurrency": {"limit": TensorstoreSettings.HTTP_CONCURRENCY},
+                    **remote_concurrency_spec(TensorstoreSettings.HTTP_CONCURRENCY),
                     **self._http,
                 }
             )

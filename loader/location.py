@@ -1,6 +1,7 @@
 """Where a store lives and what it is.
 
-A local path or an ``http(s)://`` URL; an HDF5 (.h5ad) file or not.
+A local path, an ``http(s)://`` URL, or an object-store URL (``s3://bucket/prefix``,
+``gs://bucket/prefix``); an HDF5 (.h5ad) file or not.
 
 A module of its own because the backends, the direct shard reader, the reader and the
 converter's checks all ask it, and none of them may import another for it.
@@ -10,17 +11,48 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["HDF5_SIGNATURE", "is_hdf5", "is_url"]
+__all__ = [
+    "HDF5_SIGNATURE",
+    "OBJECT_STORE_SCHEMES",
+    "is_hdf5",
+    "is_object_store",
+    "is_url",
+    "split_bucket",
+]
 
 HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 """The HDF5 superblock signature; it sits at byte 0, or at 512, 1024, 2048, ... when
 the file has a user block (HDF5 file format specification, section II.A)."""
 _USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
 
+OBJECT_STORE_SCHEMES = ("s3://", "gs://")
+"""URL schemes read and written through tensorstore's ``s3`` and ``gcs`` kvstore drivers."""
+
 
 def is_url(location: str) -> bool:
-    """Whether ``location`` is an ``http(s)://`` URL (else a local path)."""
-    return location.startswith(("http://", "https://"))
+    """Whether ``location`` is a remote URL: ``http(s)://``, ``s3://`` or ``gs://``.
+
+    Everything else is a local path. Remote stores are read through tensorstore's
+    kvstore drivers, never by the local direct shard reader.
+    """
+    return location.startswith(("http://", "https://", *OBJECT_STORE_SCHEMES))
+
+
+def is_object_store(location: str) -> bool:
+    """Whether ``location`` is an ``s3://`` or ``gs://`` URL (writable, listable)."""
+    return location.startswith(OBJECT_STORE_SCHEMES)
+
+
+def split_bucket(location: str) -> tuple[str, str, str]:
+    """``(scheme, bucket, prefix)`` of an object-store URL; ``prefix`` has no end slash.
+
+    ``ValueError`` when ``location`` names no bucket (``s3://`` alone).
+    """
+    scheme, _, rest = location.partition("://")
+    bucket, _, prefix = rest.partition("/")
+    if not bucket:
+        raise ValueError(f"{location!r}: no bucket; write {scheme}://BUCKET/PREFIX")
+    return scheme, bucket, prefix.strip("/")
 
 
 def is_hdf5(path: str | os.PathLike[str]) -> bool:

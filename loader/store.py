@@ -52,6 +52,7 @@ from loader.backends import (
     is_url,
     read_error,
     timed_out,
+    ts_kvstore,
 )
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
@@ -170,7 +171,7 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
         http = dict(http or {})
         timeout = check_timeout(http.pop("timeout", TensorstoreSettings.HTTP_TIMEOUT))
         context = ts.Context(http_context_spec(**http))
-        spec = {"driver": "http", "base_url": location + "/"}
+        spec = ts_kvstore(location, "")
         try:
             reading = ts.KvStore.open(spec, context=context).result(timeout=timeout).read(key)
             got = reading.result(timeout=timeout)
@@ -598,7 +599,7 @@ class LayoutReader:
             return h5py.File(self.location, "r")
         if is_url(self.location):
             raise InputError(
-                f"obs columns of a store read over HTTP ({self.location}) are not "
+                f"obs columns of a remote store ({self.location}) are not "
                 "supported yet; read obs from a local copy of the store"
             )
         import zarr

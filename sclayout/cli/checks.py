@@ -8,8 +8,12 @@ source: a STORE chunk that cannot be read; one line on stderr, printed by
 
 from __future__ import annotations
 
+import contextlib
 import json
+import shutil
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict
 
 import click
@@ -24,6 +28,44 @@ from sclayout.cli._common import (
 )
 
 __all__ = ["inspect_cmd", "verify_cmd"]
+
+_SHOWN_AS: dict[str, str] = {}
+"""Local copy of an object-store DST -> its URL, for the messages printed."""
+
+
+@contextlib.contextmanager
+def _readable(dst: str) -> Iterator[str]:
+    """Yield a local path for ``dst``: itself, or a temporary copy of an s3:// / gs:// store.
+
+    The checks walk a store's files and read every byte; an object store's is copied
+    first (docs/object-stores.md), and messages name the URL, not the copy.
+    """
+    from loader.errors import SclayoutError
+    from loader.location import is_object_store
+
+    if not is_object_store(dst):
+        yield dst
+        return
+    from sclayout.convert.remote import download_tree
+
+    tmp = tempfile.mkdtemp(prefix="sclayout-check-")
+    local = f"{tmp}/store"
+    try:
+        download_tree(dst.rstrip("/"), local)
+        _SHOWN_AS[local] = dst.rstrip("/")
+        yield local
+    except SclayoutError as e:  # its one line names the URL too
+        e.args = (_shown(str(e)),)
+        raise
+    finally:
+        _SHOWN_AS.pop(local, None)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _shown(text: str) -> str:
+    for local, url in _SHOWN_AS.items():
+        text = text.replace(local, url)
+    return text
 
 
 @click.command(
@@ -75,10 +117,17 @@ def verify_cmd(
     sclayout verify SRC... DST     also every value equal to its source (several
                                    sources: through the store's provenance)
     """  # noqa: D301  (\b, a backspace, is click's mark for a block it must not rewrap)
-    from loader.errors import InputError
-
     if progress is None or quiet:
         progress = show_progress(quiet)
+    with _readable(paths[-1]) as dst:
+        _verify((*paths[:-1], dst), memory_budget, quick, progress, as_json)
+
+
+def _verify(
+    paths: tuple[str, ...], memory_budget: str, quick: bool, progress: bool, as_json: bool
+) -> None:
+    from loader.errors import InputError
+
     if len(paths) == 1:
         from sclayout.convert.verify_store import check_store
 
@@ -111,13 +160,13 @@ def _finish(
     Findings go to stdout, remarks to stderr; exit 0 when ``ok``, else 1.
     """
     if as_json is not None:
-        click.echo(json.dumps(as_json, indent=1, default=str))
+        click.echo(_shown(json.dumps(as_json, indent=1, default=str)))
     else:
         for line in findings:
-            click.echo(line)
+            click.echo(_shown(line))
         for line in remarks:
-            click.echo(line, err=True)
-        click.echo(summary)
+            click.echo(_shown(line), err=True)
+        click.echo(_shown(summary))
     sys.exit(EXIT_OK if ok else EXIT_DIFFERS)
 
 
@@ -137,7 +186,8 @@ def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """
     from sclayout.convert.inspect import inspect_store, render_inspect
 
-    info = inspect_store(store)
-    click.echo(json.dumps(info, indent=1) if as_json else render_inspect(info))
+    with _readable(store) as local:
+        info = inspect_store(local)
+        click.echo(_shown(json.dumps(info, indent=1) if as_json else render_inspect(info)))
     if info["missing_chunks"]:
         sys.exit(EXIT_DIFFERS)

@@ -53,18 +53,27 @@ def read_sources_file(path: Path) -> list[Path]:
     return [p if p.is_absolute() else path.parent / p for p in out]
 
 
-def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[list[Path], Path]:
-    """``SRC [SRC ...] DST`` (DST last, as with ``cp``) plus ``--sources-from``."""
+def split_paths(
+    paths: tuple[str | Path, ...], sources_from: Path | None
+) -> tuple[list[Path], Path | str]:
+    """``SRC [SRC ...] DST`` (DST last, as with ``cp``) plus ``--sources-from``.
+
+    DST stays a string when it is an ``s3://`` or ``gs://`` URL (a ``Path`` would fold
+    its ``//``).
+    """
     from loader.errors import InputError
+    from loader.location import is_object_store
 
     if not paths:
         raise InputError("missing DST: sclayout convert SRC [SRC ...] DST")
-    srcs = list(paths[:-1]) + (read_sources_file(sources_from) if sources_from else [])
+    srcs = [Path(p) for p in paths[:-1]]
+    srcs += read_sources_file(sources_from) if sources_from else []
     if not srcs:
         raise InputError(
             "missing SRC: sclayout convert SRC [SRC ...] DST (or --sources-from FILE DST)"
         )
-    return srcs, paths[-1]
+    dst = str(paths[-1])
+    return srcs, dst if is_object_store(dst) else Path(dst)
 
 
 @click.command(
@@ -80,7 +89,7 @@ def split_paths(paths: tuple[Path, ...], sources_from: Path | None) -> tuple[lis
         "sclayout convert data.zarr store.zarr --scheduler tcp://10.0.0.5:8786 --json",
     ),
 )
-@click.argument("paths", nargs=-1, type=click.Path(path_type=Path), metavar="SRC... DST")
+@click.argument("paths", nargs=-1, type=click.Path(path_type=str), metavar="SRC... DST")
 @click.option(
     "--sources-from",
     type=click.Path(path_type=Path),
@@ -216,7 +225,8 @@ def convert_command(
     seconds = time.perf_counter() - t0
     if quiet and not as_json:
         return
-    written, files = _dir_bytes(dst)
+    remote = isinstance(dst, str)  # s3:// or gs://: sizes are not listed back
+    written, files = (0, 0) if remote else _dir_bytes(dst)
     sources = manifest.sources or ({"fingerprint": manifest.source},)
     src_bytes = sum(e["fingerprint"].get("size", 0) for e in sources)
     arrays = sum(len(m.arrays) for m in manifest.matrices.values())
@@ -232,8 +242,8 @@ def convert_command(
             "order": manifest.order.kind,
             "matrices": len(manifest.matrices),
             "arrays": arrays,
-            "bytes_written": written,
-            "files": files,
+            "bytes_written": None if remote else written,
+            "files": None if remote else files,
             "seconds": round(seconds, 3),
         }
         click.echo(json.dumps(summary, indent=1))
@@ -246,6 +256,7 @@ def convert_command(
         f"converted {what} -> {dst}: {manifest.n_obs} rows x {manifest.n_vars} vars, "
         f"{manifest.n_blocks} blocks of {manifest.block_size}, order {manifest.order.kind}, "
         f"{len(manifest.matrices)} matrices ({arrays} arrays), "
-        f"{written / 1e6:.1f} MB in {files} files, {seconds:.1f} s, "
+        + ("" if remote else f"{written / 1e6:.1f} MB in {files} files, ")
+        + f"{seconds:.1f} s, "
         f"{src_bytes / 1e6 / max(seconds, 1e-9):.0f} MB/s of source"
     )

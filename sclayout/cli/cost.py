@@ -152,8 +152,8 @@ def calibrate_command(
 ) -> None:
     """Measure a storage profile of TARGET and of this CPU.
 
-    TARGET is a local directory (read with a cold cache) or the http(s) URL of a layout
-    store. The profile holds latency, bandwidth, throughput vs requests in flight,
+    TARGET is a local directory (read with a cold cache) or the http(s), s3:// or gs://
+    URL of a layout store. The profile holds latency, bandwidth, throughput vs requests in flight,
     codec decode speeds and assembly cost.
 
     The profile is what `recommend --profile` and `bench --profile` predict with.

@@ -15,6 +15,7 @@ import functools
 import itertools
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -36,6 +37,7 @@ from loader.layout import (
     block_pointer_path,
     parse_block_size,
 )
+from loader.location import is_object_store, split_bucket
 from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
 from sclayout.convert._buffers import release_scratch
@@ -57,6 +59,7 @@ from sclayout.convert.plan import (
     plan_dense,
     shard_bytes_for_budget,
 )
+from sclayout.convert.remote import delete_store, remote_store_state, upload_tree
 from sclayout.convert.source import (
     DIRECT_PIECE,
     IO_THREADS,
@@ -209,7 +212,9 @@ def convert(
         The source dataset, or a list of them: the store holds their rows in this
         order (before ``order`` reorders them), see docs/convert.md.
     dst
-        The layout store to create (a directory).
+        The layout store to create: a directory, or an ``s3://`` / ``gs://`` URL
+        (docs/object-stores.md: shards are written straight to the bucket, the
+        manifest last; ``overwrite`` then deletes the old store first).
     join
         Sources whose genes differ: ``"inner"`` (genes in every source) or
         ``"outer"`` (their union; a gene a source lacks is a structural zero).
@@ -280,36 +285,53 @@ def convert(
     opts = dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
     if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
         raise InputError(f"jobs={jobs!r}: must be a positive integer")
-    src_p, dst_p = Path(srcs[0]), Path(os.path.abspath(dst))
+    src_p = Path(srcs[0])
+    remote = os.fspath(dst).rstrip("/") if is_object_store(os.fspath(dst)) else None
     several = len(srcs) > 1 or infos[0].legacy or var_names is not None
     if several:
         check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
     else:
         check_obs_columns(src_p, opts.order.columns, info=infos[0])
-    tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
-    longest = max(len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode()))
-    if longest > NAME_MAX:
-        raise InputError(
-            f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, the "
-            f"file system allows {NAME_MAX}); choose a shorter name"
+    if remote is not None:
+        _check_remote_destination(remote, overwrite=overwrite)
+        # no rename in an object store: small elements and the reorder's scratch are
+        # staged locally, the shards go straight to the bucket (sclayout.convert.remote)
+        tmp = Path(tempfile.mkdtemp(prefix="sclayout-convert-")) / "store"
+        dst_p = tmp
+    else:
+        dst_p = Path(os.path.abspath(dst))
+        tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
+        longest = max(
+            len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode())
         )
-    _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
-    check_destination_apart(dst_p, srcs)
-    check_destination(dst_p, overwrite=overwrite, src=src_p)
+        if longest > NAME_MAX:
+            raise InputError(
+                f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
+                f"the file system allows {NAME_MAX}); choose a shorter name"
+            )
+        _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+        check_destination_apart(dst_p, srcs)
+        check_destination(dst_p, overwrite=overwrite, src=src_p)
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
     try:
         need = _store_bytes(srcs, infos, opts.codec)
-        check_free_space(dst_p, need)  # the old DST stays until the rename: not free
+        if remote is None:
+            check_free_space(dst_p, need)  # the old DST stays until the rename: not free
         if several:
             inp = sources_input(
                 srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
             )
-            manifest = _convert_into(inp, tmp, opts, runner)
+            manifest = _convert_into(inp, tmp, opts, runner, remote)
         else:
             with open_group(src_p) as root:
-                manifest = _convert_into(single_input(Source(root, src_p)), tmp, opts, runner)
-        _install(tmp, dst_p, overwrite=overwrite)
+                manifest = _convert_into(
+                    single_input(Source(root, src_p)), tmp, opts, runner, remote
+                )
+        if remote is None:
+            _install(tmp, dst_p, overwrite=overwrite)
+        else:
+            upload_tree(tmp, remote)  # the root zarr.json (the manifest) last
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(e):
@@ -335,7 +357,28 @@ def convert(
         close_handles()
         close_dst()
         release_scratch()
+        if remote is not None:
+            shutil.rmtree(tmp.parent, ignore_errors=True)
     return manifest
+
+
+def _check_remote_destination(url: str, *, overwrite: bool) -> None:
+    """Refuse an object-store DST that holds objects, unless ``overwrite`` (then delete them).
+
+    An object store cannot swap a new store in by renaming: ``--overwrite`` deletes the
+    old store before the new one is written (docs/object-stores.md).
+    """
+    try:
+        split_bucket(url)
+    except ValueError as e:
+        raise InputError(f"DST {e}") from None
+    state = remote_store_state(url)
+    if state == "empty":
+        return
+    if not overwrite:
+        what = "a layout store" if state == "store" else "objects but no layout store"
+        raise InputError(f"DST {url} holds {what}: pass --overwrite to replace it")
+    delete_store(url)
 
 
 def _rss() -> int:
@@ -423,7 +466,10 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
 # -- the conversion ----------------------------------------------------------------------
 
 
-def _convert_into(inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner) -> Manifest:
+def _convert_into(
+    inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner, remote: str | None = None
+) -> Manifest:
+    """Write the store into local folder ``tmp``; the big arrays into ``remote`` if given."""
     n_obs, n_vars = inp.n_obs, inp.n_vars
     obs = inp.obs
     missing = [c for c in opts.order.columns if c not in obs.columns]
@@ -446,7 +492,7 @@ def _convert_into(inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner) -
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     work = working_memory(opts.memory_budget, n_obs=n_obs)
-    ctx = _Ctx(str(tmp), opts, block_size, runner, perm, inv, identity, work)
+    ctx = _Ctx(remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work)
     for target, parts in inp.matrices:
         layout, pointer = _convert_matrix(ctx, target, parts)
         matrices[target.path] = layout
@@ -476,6 +522,9 @@ def _convert_into(inp: Input, tmp: Path, opts: ConvertOptions, runner: Runner) -
 @dataclass(frozen=True)
 class _Ctx:
     dst: str
+    """Where the big arrays' shards go: ``local``, or an ``s3://`` / ``gs://`` URL."""
+    local: str
+    """The local folder holding the store's small elements and the reorder's scratch."""
     opts: ConvertOptions
     block_size: int
     runner: Runner
@@ -539,6 +588,15 @@ def _array_layout(path: str, arr: zarr.Array, codec: str) -> ArrayLayout:
     )
 
 
+def _publish(ctx: _Ctx, path: str) -> None:
+    """Upload the metadata of the arrays at ``path`` when their shards go to a bucket.
+
+    The tasks open the arrays there before writing their shards.
+    """
+    if ctx.dst != ctx.local:
+        upload_tree(ctx.local, ctx.dst, under=path)
+
+
 def _convert_matrix(
     ctx: _Ctx, info: MatrixInfo, parts: list[Part]
 ) -> tuple[MatrixLayout, np.ndarray | None]:
@@ -547,7 +605,7 @@ def _convert_matrix(
     compressors = get_codec(opts.codec) + checksum_codecs(opts.checksums)
     n_obs, n_vars = info.shape
     shard_bytes = shard_bytes_for_budget(opts.memory_budget)
-    root = zarr.open_group(ctx.dst, mode="r+", zarr_format=3)
+    root = zarr.open_group(ctx.local, mode="r+", zarr_format=3)
     if info.encoding == "dense":
         plan = plan_dense(
             n_obs=n_obs,
@@ -560,6 +618,7 @@ def _convert_matrix(
         )
         dtypes = _stored_dtypes(ctx, info, parts)
         arrays = create_matrix(root, info, plan, nnz=0, compressors=compressors, dtypes=dtypes)
+        _publish(ctx, info.path)
         _fill_dense(ctx, info, plan, parts)
         layout = MatrixLayout(
             encoding="dense",
@@ -596,6 +655,7 @@ def _convert_matrix(
     )
     dtypes = _stored_dtypes(ctx, info, parts)
     arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
+    _publish(ctx, info.path)
     one = parts[0]
     if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
         _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
@@ -662,7 +722,7 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
     per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES + (8 if coo else 0)
     bucket = ctx.work // (ctx.jobs * per_elem)
     bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
-    workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
+    workdir = os.path.join(ctx.local, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
     jobs: list[Any] = []
@@ -743,7 +803,7 @@ def _fill_dense(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, parts: list[Part]
     row_bytes = max(1, n_vars * info.itemsize)
     bucket_rows = ctx.work // (ctx.jobs * 3 * row_bytes)
     bounds = ext.bucket_bounds(n_obs, shard=shard_rows, bucket=bucket_rows)
-    workdir = os.path.join(ctx.dst, WORK_DIR, info.path.replace("/", "__"))
+    workdir = os.path.join(ctx.local, WORK_DIR, info.path.replace("/", "__"))
     read_rows = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * row_bytes))
     jobs = [
         ext.RouteDenseJob(p.src, p.path, a, b, ctx.inv, bounds, workdir, None if p.plain else p)

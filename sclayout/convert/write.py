@@ -24,8 +24,15 @@ import tensorstore as ts
 import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 
+from loader.backends import (
+    TensorstoreSettings,
+    http_context_spec,
+    remote_concurrency_spec,
+    ts_kvstore,
+)
 from loader.cores import usable_cores
 from loader.errors import InputError
+from loader.location import is_url
 from sclayout.convert._buffers import release_scratch
 from sclayout.convert.plan import ArrayPlan, MatrixPlan
 from sclayout.convert.source import MatrixInfo, read_slice
@@ -46,10 +53,11 @@ _lock = threading.Lock()
 _arrays: dict[tuple, Any] = {}
 
 
-def _open_zarr(path: str) -> Any:
-    return zarr.open_array(
-        store=path, mode="r+", zarr_format=3, config={"write_empty_chunks": True}
-    )
+def _open_zarr(root: str, path: str) -> Any:
+    if is_url(root):
+        raise InputError(f"DST {root}: the zarr write backend writes local stores only")
+    config = {"write_empty_chunks": True}
+    return zarr.open_array(store=os.path.join(root, path), mode="r+", zarr_format=3, config=config)
 
 
 def _write_zarr(arr: Any, start: int, values: np.ndarray) -> Future:
@@ -59,22 +67,26 @@ def _write_zarr(arr: Any, start: int, values: np.ndarray) -> Future:
     return done
 
 
-def _open_tensorstore(path: str) -> Any:
+def _open_tensorstore(root: str, path: str) -> Any:
     # every chunk is stored, even one equal to the fill value: a version-2 store
     # promises that an absent chunk is damage (loader.layout.Manifest.all_chunks_stored)
     spec = {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": path},
+        "kvstore": ts_kvstore(root, path),  # a local folder, or s3:// / gs:// (remote.py)
         "store_data_equal_to_fill_value": True,
     }
-    return ts.open(spec, open=True).result()
+    if not is_url(root):
+        return ts.open(spec, open=True).result()
+    in_flight = remote_concurrency_spec(TensorstoreSettings.HTTP_CONCURRENCY)
+    context = ts.Context({**http_context_spec(), **in_flight})
+    return ts.open(spec, open=True, context=context).result()
 
 
 def _write_tensorstore(arr: Any, start: int, values: np.ndarray) -> Any:
     return arr[start : start + values.shape[0]].write(values)
 
 
-WRITERS: dict[str, tuple[Callable[[str], Any], Callable[[Any, int, np.ndarray], Any]]] = {
+WRITERS: dict[str, tuple[Callable[[str, str], Any], Callable[[Any, int, np.ndarray], Any]]] = {
     "tensorstore": (_open_tensorstore, _write_tensorstore),
     "zarr": (_open_zarr, _write_zarr),
 }
@@ -85,11 +97,15 @@ WRITE_BACKEND = "tensorstore"
 
 
 def open_dst(root: str, path: str, *, backend: str = WRITE_BACKEND) -> Any:
-    """Open array ``path`` of the store being written (cached per process)."""
+    """Open array ``path`` of the store being written (cached per process).
+
+    ``root``: a local folder, or an ``s3://`` / ``gs://`` URL whose array metadata is
+    already uploaded (:mod:`sclayout.convert.remote`).
+    """
     key = (root, path, backend, os.getpid())
     with _lock:
         if key not in _arrays:
-            _arrays[key] = WRITERS[backend][0](os.path.join(root, path))
+            _arrays[key] = WRITERS[backend][0](root, path)
         return _arrays[key]
 
 

@@ -47,9 +47,16 @@ from typing import Any
 import numpy as np
 
 from loader.argtypes import typechecked
-from loader.backends import http_context_spec, is_url
+from loader.backends import (
+    http_context_spec,
+    is_url,
+    object_store_endpoint,
+    remote_concurrency_spec,
+    ts_kvstore,
+)
 from loader.cores import usable_cores
-from loader.errors import InputError
+from loader.errors import InputError, SclayoutError
+from loader.location import is_object_store
 from sclayout.cost.profile import CodecSpeed, Profile
 
 __all__ = [
@@ -214,8 +221,61 @@ def _http_files(base: str) -> list[tuple[str, int]]:
     return files
 
 
+def _object_store_files(location: str) -> list[tuple[str, int]]:
+    """Shard objects of a layout store in a bucket, with their sizes.
+
+    An object store is read through tensorstore, which cannot ask an object's size:
+    each shard's size is its index's (read from the shard's end) last byte used plus
+    the index itself.
+    """
+    import tensorstore as ts
+
+    from loader.store import read_manifest
+
+    try:
+        manifest = read_manifest(location)
+    except SclayoutError as e:
+        raise InputError(
+            f"calibrate {location}: cannot read a layout store manifest there ({e}); pass "
+            "the URL of a layout store"
+        ) from None
+    kv = ts.KvStore.open(ts_kvstore(location, ""), context=ts.Context(http_context_spec()))
+    kv = kv.result()
+    files = []
+    for m in manifest.matrices.values():
+        for a in m.arrays.values():
+            meta = json.loads(kv.read(f"{a.path}/zarr.json").result().value)
+            codecs = meta.get("codecs", ())
+            shard = next((c for c in codecs if c["name"] == "sharding_indexed"), None)
+            if shard is None:
+                continue
+            conf = shard["configuration"]
+            n = int(np.prod([s // c for s, c in zip(a.shards, conf["chunk_shape"], strict=True)]))
+            crc = any(c["name"] == "crc32c" for c in conf.get("index_codecs", ()))
+            index_bytes = 16 * n + 4 * crc
+            at_end = conf.get("index_location", "end") == "end"
+            where = slice(-index_bytes, None) if at_end else slice(0, index_bytes)
+            for i in range(min(-(-a.shape[0] // a.shards[0]), 64)):
+                key = f"{a.path}/c/{i}" + "/0" * (len(a.shape) - 1)
+                got = kv.read(key, byte_range=where).result()
+                if got.state != "value":
+                    continue
+                entries = np.frombuffer(got.value[: 16 * n], dtype="<u8").reshape(n, 2)
+                used = entries[entries[:, 0] != np.iinfo(np.uint64).max]
+                size = int((used[:, 0] + used[:, 1]).max()) if used.size else 0
+                size = size + index_bytes if at_end else size
+                if size >= SMALL_BYTES:
+                    files.append((key, size))
+    return files
+
+
 def _target(target: str) -> tuple[dict[str, Any], list[tuple[str, int]], str | None]:
-    if is_url(target):
+    if is_object_store(target):
+        location = target.rstrip("/")
+        files = _object_store_files(location)
+        kv = ts_kvstore(location, "")
+        local = None
+    elif is_url(target):
         base = target.rstrip("/") + "/"
         files = _http_files(base)
         kv = {"driver": "http", "base_url": base}
@@ -253,9 +313,9 @@ class _Reader:
         ctx = ts.Context(
             {
                 "file_io_concurrency": {"limit": max(IN_FLIGHT)},
-                "http_request_concurrency": {"limit": max(IN_FLIGHT)},
+                **remote_concurrency_spec(max(IN_FLIGHT)),
                 # the loader's bounded retries: a vanished server fails, not hangs
-                **(http_context_spec() if kv_spec["driver"] == "http" else {}),
+                **(http_context_spec() if kv_spec["driver"] != "file" else {}),
             }
         )
         self.kv = ts.KvStore.open(kv_spec, context=ctx).result()
@@ -731,7 +791,6 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     """
     import tensorstore as ts
 
-    from loader.backends import ts_kvstore
     from loader.store import read_manifest
 
     location = target.rstrip("/")
@@ -794,7 +853,8 @@ def calibrate(
 ) -> Profile:
     """Measure a storage profile of ``target`` and of this CPU.
 
-    ``target`` is a local directory or an http(s) URL of a layout store.
+    ``target`` is a local directory or an http(s), ``s3://`` or ``gs://`` URL of a
+    layout store.
 
     Parameters
     ----------
@@ -854,7 +914,8 @@ def calibrate(
         # the median per level (a burst of other I/O on a shared disk then spoils one
         # sample of a level, not the level)
         cpu_samples: list[tuple[float, float, float]] = []
-        machine_wide = is_url(target) and _is_loopback(target)
+        server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
+        machine_wide = is_url(target) and _is_loopback(server)
 
         def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
             """Requests/s of reading ``make()``'s ranges over and over.

@@ -1,0 +1,156 @@
+"""An S3-protocol server on loopback (moto's server mode) that counts requests.
+
+For tests and benchmarks of layout stores in an object store: moto's WSGI app
+(``moto[server]``, a dev extra) behind a thin layer that counts requests (ranged GETs
+apart) and can add a fixed delay to each, standing for an object store's latency.
+
+Examples
+--------
+>>> with serve_s3(buckets=("data",)) as s3:  # doctest: +SKIP
+...     with s3.environment():
+...         reader = open_layout("s3://data/store.zarr")
+
+``python -m sclayout.testing.s3server --bucket data`` runs one in its own process and
+prints its endpoint (a test kills it to see a server go away).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["S3Server", "S3Stats", "serve_s3"]
+
+ENVIRONMENT = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_REGION": "us-east-1",
+}
+"""Credentials and region a client of the test server signs with (moto accepts any)."""
+
+
+@dataclass
+class S3Stats:
+    """Requests the server answered, by kind (thread-safe through ``lock``)."""
+
+    requests: int = 0
+    gets: int = 0
+    ranged_gets: int = 0
+    puts: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, method: str, ranged: bool) -> None:
+        """Count one request."""
+        with self.lock:
+            self.requests += 1
+            self.gets += method == "GET"
+            self.ranged_gets += method == "GET" and ranged
+            self.puts += method == "PUT"
+
+    def reset(self) -> None:
+        """Set every counter back to zero."""
+        with self.lock:
+            self.requests = self.gets = self.ranged_gets = self.puts = 0
+
+
+def _quiet_handler() -> type:
+    from werkzeug.serving import WSGIRequestHandler
+
+    class Quiet(WSGIRequestHandler):
+        def log_request(self, *args: Any, **kwargs: Any) -> None:  # no access log
+            pass
+
+    return Quiet
+
+
+class S3Server:
+    """A running loopback S3 server; ``endpoint`` is its ``http://127.0.0.1:PORT``."""
+
+    def __init__(self, *, delay: float = 0.0) -> None:
+        from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+        from werkzeug.serving import make_server
+
+        self.delay = float(delay)
+        self.stats = S3Stats()
+        moto_app = DomainDispatcherApplication(create_backend_app)
+
+        def app(environ: dict[str, Any], start_response: Any) -> Any:
+            self.stats.add(environ.get("REQUEST_METHOD", ""), "HTTP_RANGE" in environ)
+            if self.delay:
+                time.sleep(self.delay)
+            return moto_app(environ, start_response)
+
+        self._server = make_server(
+            "127.0.0.1", 0, app, threaded=True, request_handler=_quiet_handler()
+        )
+        self._server.daemon_threads = True
+        self.endpoint = f"http://127.0.0.1:{self._server.server_port}"
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="sclayout-s3server", daemon=True
+        )
+        self._thread.start()
+
+    def create_bucket(self, name: str) -> None:
+        """Create bucket ``name`` (moto takes the unsigned request)."""
+        req = urllib.request.Request(f"{self.endpoint}/{name}", method="PUT")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+
+    def variables(self) -> dict[str, str]:
+        """Return the AWS variables that point a client at this server."""
+        return {**ENVIRONMENT, "AWS_ENDPOINT_URL": self.endpoint}
+
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[S3Server]:
+        """Set :meth:`variables` in ``os.environ`` inside the block, then restore it."""
+        saved = {k: os.environ.get(k) for k in self.variables()}
+        os.environ.update(self.variables())
+        try:
+            yield self
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def stop(self) -> None:
+        """Stop serving and close the listening socket."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def serve_s3(*, buckets: Sequence[str] = (), delay: float = 0.0) -> Iterator[S3Server]:
+    """Run an :class:`S3Server` with ``buckets`` created, for the ``with`` block."""
+    server = S3Server(delay=delay)
+    try:
+        for b in buckets:
+            server.create_bucket(b)
+        yield server
+    finally:
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until killed; print the endpoint once the buckets exist."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bucket", action="append", default=[], help="bucket to create")
+    ap.add_argument("--delay", type=float, default=0.0, help="seconds added to each request")
+    ap.add_argument("--max-seconds", type=float, default=600.0, help="stop after this long")
+    a = ap.parse_args(argv)
+    with serve_s3(buckets=a.bucket, delay=a.delay) as s:
+        print(s.endpoint, flush=True)
+        time.sleep(a.max_seconds)
+
+
+if __name__ == "__main__":
+    main()
