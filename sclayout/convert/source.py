@@ -173,12 +173,16 @@ class DirectH5Reader:
             offsets[info.chunk_offset[0] // chunk] = info.byte_offset
         return cls(fd, dtype, ds.shape, chunk, offsets, direct_fd=direct_fd)
 
-    def read(self, start: int, stop: int, *, buffer: str | None = None) -> np.ndarray:
-        """Rows ``[start, stop)``; into this thread's scratch buffer ``buffer`` if given."""
+    def read(
+        self, start: int, stop: int, *, buffer: str | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Rows ``[start, stop)``; into ``out`` or this thread's scratch buffer ``buffer``."""
         stop = min(stop, self.shape[0])
         start = min(start, stop)
         shape = (stop - start, *self.shape[1:])
-        if buffer is None:
+        if out is not None:
+            out = out.reshape(shape)
+        elif buffer is None:
             out = np.empty(shape, dtype=self.dtype)
         else:
             out = scratch(buffer, int(np.prod(shape, dtype=np.int64)), self.dtype).reshape(shape)
@@ -386,18 +390,31 @@ def _open_array(src: str, array: str) -> Any:
 
 
 def read_slice(
-    src: str, array: str, start: int, stop: int, *, buffer: str | None = None
+    src: str,
+    array: str,
+    start: int,
+    stop: int,
+    *,
+    buffer: str | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """``src[array][start:stop]`` along the first axis, from a cached reader.
 
     ``buffer`` names a per-thread scratch buffer to read into (direct HDF5 reads
-    only); the result is then valid until this thread reuses that name.
+    only); the result is then valid until this thread reuses that name. ``out`` (of
+    the array's dtype and the slice's size) is filled and returned instead.
     """
     with reading(src, array):
         reader = _open_array(src, array)
-        if isinstance(reader, DirectH5Reader):
-            return reader.read(start, stop, buffer=buffer)
-        return np.asarray(reader[start:stop])
+        direct = isinstance(reader, DirectH5Reader)
+        if direct and (out is None or out.dtype == reader.dtype):
+            return reader.read(start, stop, buffer=buffer, out=out)
+        values = reader.read(start, stop) if direct else np.asarray(reader[start:stop])
+        if out is None:
+            return values
+        out = out.reshape(values.shape)
+        out[...] = values
+        return out
 
 
 def reading(src: str | os.PathLike, what: str) -> Any:
