@@ -511,12 +511,13 @@ def _write_uns_sclayout(
 def _store_bytes(srcs: list[Path], infos: list[Any], codec: str) -> int:
     """Bytes the store of ``srcs`` is expected to take (a legacy file: its own size)."""
     total = 0
+    ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
             total += tree_bytes(src)[0]
             continue
         with open_group(Path(src)) as root:
-            total += estimate_store_bytes(Source(root, Path(src)), codec)
+            total += estimate_store_bytes(Source(root, Path(src)), codec, ratios=ratios)
     return total
 
 

@@ -37,7 +37,7 @@ import scipy.sparse as sp
 
 from loader.errors import InputError
 from sclayout.convert.checks import SourceInfo, inspect_source
-from sclayout.convert.source import MatrixInfo, open_group, source_tables
+from sclayout.convert.source import MatrixInfo, Source, open_group, source_tables
 
 __all__ = [
     "JOINS",
@@ -227,6 +227,8 @@ class Combined:
     raw_x: str | None = None
     """One source only: the source key of raw's X, kept as it is (its own genes)."""
     raw_var: pd.DataFrame | None = None
+    matrices: list[dict[str, MatrixInfo]] = field(default_factory=list)
+    """Per source: X and its layers (by path), described while the source was open."""
 
 
 def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
@@ -352,10 +354,14 @@ def combine(
     """Read and merge the sources' obs, var, obsm and uns (module docstring's rules)."""
     tables = []
     layer_sets = []
-    for s in srcs:
+    matrices = []
+    for s in srcs:  # each source opened once: its metadata is read while it is at hand
         with open_group(s) as root:
             tables.append(source_tables(root, s))
             layer_sets.append(set(root["layers"].keys()) if "layers" in root else set())
+            src = Source(root, s)
+            keys = ["X", *(f"layers/{k}" for k in sorted(layer_sets[-1]))]
+            matrices.append({k: src.matrix_info(k) for k in keys})
     genes = plan_genes(
         [pd.Index(t["var"].index) for t in tables], names, join=join, var_names=var_names
     )
@@ -398,6 +404,7 @@ def combine(
         varm=dict(tables[0]["varm"]) if keep_varm else {},
         raw_x=tables[0]["raw_x"] if one else None,
         raw_var=tables[0]["raw_var"] if one else None,
+        matrices=matrices,
     )
 
 

@@ -94,31 +94,49 @@ def _ratio(source: Source, key: str, n: int, compressors: Any) -> float:
     return max(arr.nbytes_stored() - meta, 1) / sample.nbytes
 
 
-def _matrix_bytes(source: Source, info: MatrixInfo, compressors: Any) -> int:
+SAMPLED_SOURCES = 3
+"""Sources whose arrays are sampled for the codec's ratio; the next sources of a
+conversion take the mean ratio of those for the same array and dtype (an atlas's files
+hold the same kind of data, and each sample is a cold read of every file)."""
+
+
+def _matrix_bytes(
+    source: Source, info: MatrixInfo, compressors: Any, ratios: dict[tuple, list[float]]
+) -> int:
+    def ratio(key: str, n: int, dtype: Any) -> float:
+        seen = ratios.setdefault((key.rsplit("/", 1)[-1], info.path, str(dtype)), [])
+        if len(seen) < SAMPLED_SOURCES:
+            seen.append(_ratio(source, key, n, compressors))
+        return sum(seen) / len(seen)
+
     n_obs, n_vars = info.shape
     if info.encoding == "dense":
-        return int(n_obs * n_vars * info.itemsize * _ratio(source, info.path, n_obs, compressors))
+        return int(n_obs * n_vars * info.itemsize * ratio(info.path, n_obs, info.dtype))
     nnz = info.nnz
-    parts = [("data", info.itemsize), ("indices", np.dtype(info.index_dtype).itemsize)]
+    parts = [("data", info.dtype), ("indices", np.dtype(info.index_dtype))]
     total = (n_obs + 1) * 8  # indptr: int64, compresses well, counted raw
-    for part, itemsize in parts:
-        total += int(nnz * itemsize * _ratio(source, f"{info.path}/{part}", nnz, compressors))
+    for part, dtype in parts:
+        total += int(nnz * dtype.itemsize * ratio(f"{info.path}/{part}", nnz, dtype))
     return total
 
 
-def estimate_store_bytes(source: Source, codec: str) -> int:
+def estimate_store_bytes(
+    source: Source, codec: str, *, ratios: dict[tuple, list[float]] | None = None
+) -> int:
     """Bytes the layout store of ``source`` is expected to take with ``codec``.
 
     Row-aligned matrices (X, layers, raw/X): their stored values (``nnz`` values and
     indices, or every cell of a dense matrix) times the ratio the codec reaches on a
     sample. Every other element (obs, var, obsm, uns...) is copied and counted at its
-    size in the source.
+    size in the source. ``ratios``, shared by the calls for the sources of one
+    conversion, keeps the ratios measured so far (:data:`SAMPLED_SOURCES`).
     """
     compressors = get_codec(codec)
     matrices = source.row_matrices()
     in_source = sum(_stored_in_source(source, m.path) for m in matrices)
     other = max(0, _tree_bytes(Path(source.path)) - in_source)
-    return other + sum(_matrix_bytes(source, m, compressors) for m in matrices)
+    ratios = {} if ratios is None else ratios
+    return other + sum(_matrix_bytes(source, m, compressors, ratios) for m in matrices)
 
 
 def device_of(path: Path) -> str:
