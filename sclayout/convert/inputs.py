@@ -191,7 +191,8 @@ def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray, kw: dict[
     quiet_write(root, "var", comb.var, kw)
     quiet_write(root, "obsm", {k: take_rows(v, perm) for k, v in comb.obsm.items()}, kw)
     quiet_write(root, "varm", comb.varm, kw)
-    for key in ("varp", "obsp", "layers"):
+    quiet_write(root, "obsp", {k: permute_pairwise(v, perm) for k, v in comb.obsp.items()}, kw)
+    for key in ("varp", "layers"):
         quiet_write(root, key, {}, kw)
     uns = dict(comb.uns)
     uns.pop("sclayout", None)
