@@ -738,9 +738,6 @@ def _task_slices(
             cur.append((k, a, b))
             size += int(cum[b] - cum[a])
             a = b
-            if size >= step:
-                tasks.append(cur)
-                cur, size = [], 0
     if cur:
         tasks.append(cur)
     return tasks

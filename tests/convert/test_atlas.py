@@ -666,3 +666,32 @@ def test_verify_finds_a_changed_value_and_a_wrong_source_list(tmp_path, mixed):
     assert not report.equal and any("differs in DST row" in d for d in report.differences)
     r = _cli("verify", *paths[:2], tmp_path / "out")
     assert r.exit_code == 1 and "built from 3 sources, 2 given" in r.stdout
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 9), max_size=12), min_size=2, max_size=6),
+    step=st.integers(1, 30),
+)
+def test_route_tasks_span_sources_and_take_every_row_once(sizes, step):
+    """Tasks cut across CSR sources: every row once, in order, about ``step`` elements each."""
+    from sclayout.convert.convert import _task_slices
+    from sclayout.convert.parts import Part
+    from sclayout.convert.source import MatrixInfo
+
+    parts, ptrs = [], []
+    for nnz in sizes:
+        ptr = np.r_[0, np.cumsum(nnz)].astype(np.int64)
+        info = MatrixInfo("X", "csr", (len(nnz), 10), np.dtype("f4"), np.dtype("i4"), ptr[-1])
+        parts.append(Part("src", info, 0, 10, np.dtype("f4"), np.dtype("i4")))
+        ptrs.append(ptr)
+    tasks = _task_slices(parts, ptrs, step)
+    slices = [s for t in tasks for s in t]
+    rows = [(k, r) for k, a, b in slices for r in range(a, b)]
+    assert rows == [(k, r) for k, nnz in enumerate(sizes) for r in range(len(nnz))]
+    sizes_of = [sum(int(ptrs[k][b] - ptrs[k][a]) for k, a, b in t) for t in tasks]
+    for t, n in zip(tasks, sizes_of, strict=True):
+        assert n <= step or (len(t) == 1 and t[0][2] - t[0][1] == 1)  # or one large row
+    for n, nxt in zip(sizes_of[:-1], tasks[1:], strict=True):  # a task is short only
+        k, a, _ = nxt[0]  # when the next row would not fit in it
+        assert n + int(ptrs[k][a + 1] - ptrs[k][a]) > step
