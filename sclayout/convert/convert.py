@@ -646,7 +646,7 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
     direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
     jobs: list[Any] = []
     if not coo and len(parts) > 1:
-        for task in _task_slices(parts, ptrs, read_elems):
+        for task in task_slices(parts, ptrs, read_elems):
             (k, a, b), more = task[0], tuple((parts[j], c, d, ptrs[j]) for j, c, d in task[1:])
             p = parts[k]
             jobs.append(
@@ -705,7 +705,7 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
     shutil.rmtree(workdir, ignore_errors=True)  # route files of every bucket: free the disk now
 
 
-def _task_slices(
+def task_slices(
     parts: list[Part], ptrs: list[np.ndarray | None], step: int
 ) -> list[list[tuple[int, int, int]]]:
     """Cut the rows of several parts into route tasks of about ``step`` elements each.

@@ -675,7 +675,7 @@ def test_verify_finds_a_changed_value_and_a_wrong_source_list(tmp_path, mixed):
 )
 def test_route_tasks_span_sources_and_take_every_row_once(sizes, step):
     """Tasks cut across CSR sources: every row once, in order, about ``step`` elements each."""
-    from sclayout.convert.convert import _task_slices
+    from sclayout.convert.convert import task_slices
     from sclayout.convert.parts import Part
     from sclayout.convert.source import MatrixInfo
 
@@ -685,7 +685,7 @@ def test_route_tasks_span_sources_and_take_every_row_once(sizes, step):
         info = MatrixInfo("X", "csr", (len(nnz), 10), np.dtype("f4"), np.dtype("i4"), ptr[-1])
         parts.append(Part("src", info, 0, 10, np.dtype("f4"), np.dtype("i4")))
         ptrs.append(ptr)
-    tasks = _task_slices(parts, ptrs, step)
+    tasks = task_slices(parts, ptrs, step)
     slices = [s for t in tasks for s in t]
     rows = [(k, r) for k, a, b in slices for r in range(a, b)]
     assert rows == [(k, r) for k, nnz in enumerate(sizes) for r in range(len(nnz))]
