@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,21 +238,42 @@ def _write_file(path: str, buf: np.ndarray, *, direct: bool) -> None:
         os.close(fd)
 
 
+PIECE_READERS = 4
+"""Slices of one task read at once: each is read by the I/O threads, and slices of small
+sources alone would leave most of them idle (a shallow queue reads a disk slowly)."""
+
+
 def _read_pieces(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
     """Read the CSR slices of a task end to end into this thread's route buffers.
 
-    Returns their pointer, data, indices and the output row of every row.
+    The slices are read concurrently, each at its place in the buffers. Returns their
+    pointer, data, indices and the output row of every row.
     """
     pieces = [(job.part, job.r0, job.r1, job.indptr), *job.more]
-    total = sum(int(p[b]) - int(p[a]) for _, a, b, p in pieces)
-    data = scratch("route-data", total, job.part.dtype)
-    indices = scratch("route-indices", total, job.part.index_dtype)
+    sizes = [int(p[b]) - int(p[a]) for _, a, b, p in pieces]
+    starts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    data = scratch("route-data", int(starts[-1]), job.part.dtype)
+    indices = scratch("route-indices", int(starts[-1]), job.part.index_dtype)
+
+    def read(k: int) -> tuple[np.ndarray, int]:
+        part, a, b, p = pieces[k]
+        at = slice(int(starts[k]), int(starts[k + 1]))
+        q, d, _ = part.read_rows(a, b, p, out=(data[at], indices[at]))
+        return q, d.size
+
+    if len(pieces) == 1:
+        done = [read(0)]
+    else:
+        with ThreadPoolExecutor(min(PIECE_READERS, len(pieces))) as pool:
+            done = list(pool.map(read, range(len(pieces))))
     ptrs, rows, pos = [np.zeros(1, np.int64)], [], 0
-    for part, a, b, p in pieces:
-        q, d, _ = part.read_rows(a, b, p, out=(data[pos:], indices[pos:]))
+    for k, ((q, m), (part, a, b, _)) in enumerate(zip(done, pieces, strict=True)):
+        if pos != starts[k]:  # a gene map kept fewer entries before: close the gap
+            data[pos : pos + m] = data[starts[k] : starts[k] + m]
+            indices[pos : pos + m] = indices[starts[k] : starts[k] + m]
         ptrs.append(q[1:] + pos)
         rows.append(job.inv[part.row0 + a : part.row0 + b])
-        pos += d.size
+        pos += m
     return np.concatenate(ptrs), data[:pos], indices[:pos], np.concatenate(rows)
 
 
