@@ -19,6 +19,7 @@ Usage::
     .venv/bin/python benchmarks/convert.py                 # full, 3 runs per order
     .venv/bin/python benchmarks/convert.py --repeat 1      # when time is short
     .venv/bin/python benchmarks/convert.py --quick         # tiny smoke run (tests)
+    .venv/bin/python benchmarks/convert.py --atlas         # plate files vs one file (issue 17)
 
 Writes ``benchmarks/results/convert.{json,md}`` (``--results DIR`` elsewhere; ``--quick``
 writes to a temporary folder unless ``--results`` is given).
@@ -75,7 +76,7 @@ QUICK = {"n_obs": 3000, "n_vars": 1000, "nnz_per_cell": 100, "n_plates": 3, "n_c
 """Smoke-test dataset: seconds to build and convert."""
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny generated dataset, 1 run")
     p.add_argument("--repeat", type=int, default=None, help="runs per order [3; quick: 1]")
@@ -102,7 +103,16 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
     )
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--atlas",
+        action="store_true",
+        help="the atlas rows instead (plate files vs one file; benchmarks/convert_atlas.py)",
+    )
+    args, rest = p.parse_known_args(argv)
+    if args.atlas:
+        return args, rest
+    if rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
     unknown = set(args.orders.split(",")) - set(ORDERS)
     if unknown:
         p.error(f"--orders: unknown {sorted(unknown)}; known: {', '.join(ORDERS)}")
@@ -110,7 +120,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.repeat = 1 if args.quick else 3
     if args.repeat <= 0:
         p.error(f"--repeat={args.repeat}: must be a positive integer")
-    return args
+    return args, []
+
+
+def _atlas(argv: Sequence[str]) -> int:
+    """The atlas rows (issue 17): benchmarks/convert_atlas.py with the remaining options."""
+    import convert_atlas
+
+    return convert_atlas.main(list(argv))
 
 
 def _one_run(
@@ -251,7 +268,12 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
+    args, rest = _parse(argv)
+    if args.atlas:
+        shared = ["--quick"] if args.quick else []
+        shared += ["--repeat", str(args.repeat)] if args.repeat else []
+        shared += ["--results", str(args.results)] if args.results else []
+        return _atlas([*shared, *rest])
     if args.render:
         results = args.results or RESULTS
         payload = json.loads((results / "convert.json").read_text())

@@ -568,12 +568,13 @@ def _write_uns_sclayout(
 def _store_bytes(srcs: list[Path], infos: list[Any], codec: str) -> int:
     """Bytes the store of ``srcs`` is expected to take (a legacy file: its own size)."""
     total = 0
+    ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
             total += tree_bytes(src)[0]
             continue
         with open_group(Path(src)) as root:
-            total += estimate_store_bytes(Source(root, Path(src)), codec)
+            total += estimate_store_bytes(Source(root, Path(src)), codec, ratios=ratios)
     return total
 
 
@@ -726,24 +727,35 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
     jobs: list[Any] = []
-    for p, ptr in zip(parts, ptrs, strict=True):
-        native = "csc" if coo else "csr"
-        part = None if p.plain and p.encoding == native else p
-        for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
-            if coo:
-                jobs.append(
-                    ext.RouteCscJob(
-                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                        info.index_dtype, part,
-                    )
-                )  # fmt: skip
-            else:
-                jobs.append(
-                    ext.RouteRowsJob(
-                        p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                        len(jobs), direct, part,
-                    )
-                )  # fmt: skip
+    if not coo and len(parts) > 1:
+        for task in task_slices(parts, ptrs, read_elems):
+            (k, a, b), more = task[0], tuple((parts[j], c, d, ptrs[j]) for j, c, d in task[1:])
+            p = parts[k]
+            jobs.append(
+                ext.RouteRowsJob(
+                    p.src, p.path, a, b, ptrs[k], ctx.inv, out_ptr, bounds, workdir,
+                    len(jobs), direct, p, more,
+                )
+            )  # fmt: skip
+    else:
+        for p, ptr in zip(parts, ptrs, strict=True):
+            native = "csc" if coo else "csr"
+            part = None if p.plain and p.encoding == native else p
+            for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
+                if coo:
+                    jobs.append(
+                        ext.RouteCscJob(
+                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                            info.index_dtype, part,
+                        )
+                    )  # fmt: skip
+                else:
+                    jobs.append(
+                        ext.RouteRowsJob(
+                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
+                            len(jobs), direct, part,
+                        )
+                    )  # fmt: skip
     kind = "csc" if coo else "rows"
     tables = ctx.runner.run(
         ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
@@ -773,6 +785,44 @@ def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
     width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
     ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)
     shutil.rmtree(workdir, ignore_errors=True)  # route files of every bucket: free the disk now
+
+
+def task_slices(
+    parts: list[Part], ptrs: list[np.ndarray | None], step: int
+) -> list[list[tuple[int, int, int]]]:
+    """Cut the rows of several parts into route tasks of about ``step`` elements each.
+
+    A task is a list of (part number, first row, end row): consecutive CSR parts share
+    a task, so small sources (or the tails of large ones) add no small tasks; a dense
+    part is cut on its own.
+    """
+    tasks: list[list[tuple[int, int, int]]] = []
+    cur: list[tuple[int, int, int]] = []
+    size = 0
+    for k, (p, ptr) in enumerate(zip(parts, ptrs, strict=True)):
+        n = p.shape[0]
+        if ptr is None:  # dense: its own tasks
+            if cur:
+                tasks.append(cur)
+                cur, size = [], 0
+            tasks += [[(k, a, b)] for a, b in itertools.pairwise(_row_cuts(p, None, step))]
+            continue
+        cum = ptr - ptr[0]
+        a = 0
+        while a < n:
+            b = min(n, int(np.searchsorted(cum, cum[a] + step - size, side="right")) - 1)
+            if b <= a:
+                if cur:  # the next row does not fit: close this task first
+                    tasks.append(cur)
+                    cur, size = [], 0
+                    continue
+                b = a + 1
+            cur.append((k, a, b))
+            size += int(cum[b] - cum[a])
+            a = b
+    if cur:
+        tasks.append(cur)
+    return tasks
 
 
 def _parallel(ctx: _Ctx, task_bytes: int) -> int:

@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -200,6 +201,11 @@ class RouteRowsJob:
     part: Part | None = None
     """Several sources or a gene map: where this source's rows go (``indptr`` is then
     the source's own pointer, ``r0``/``r1`` its own rows)."""
+    more: tuple[tuple[Part, int, int, np.ndarray], ...] = ()
+    """Several sources: further CSR slices (part, its rows ``r0``/``r1``, its pointer)
+    routed by the same task, so a task reads as much as with one source whatever the
+    sizes of the sources (the task count, and so the segments per bucket, stay those
+    of one source)."""
 
 
 SEGMENT_COLUMNS = ("task", "bucket", "rows", "meta_row", "elems", "elem")
@@ -232,6 +238,45 @@ def _write_file(path: str, buf: np.ndarray, *, direct: bool) -> None:
         os.close(fd)
 
 
+PIECE_READERS = 4
+"""Slices of one task read at once: each is read by the I/O threads, and slices of small
+sources alone would leave most of them idle (a shallow queue reads a disk slowly)."""
+
+
+def _read_pieces(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
+    """Read the CSR slices of a task end to end into this thread's route buffers.
+
+    The slices are read concurrently, each at its place in the buffers. Returns their
+    pointer, data, indices and the output row of every row.
+    """
+    pieces = [(job.part, job.r0, job.r1, job.indptr), *job.more]
+    sizes = [int(p[b]) - int(p[a]) for _, a, b, p in pieces]
+    starts = np.r_[0, np.cumsum(sizes)].astype(np.int64)
+    data = scratch("route-data", int(starts[-1]), job.part.dtype)
+    indices = scratch("route-indices", int(starts[-1]), job.part.index_dtype)
+
+    def read(k: int) -> tuple[np.ndarray, int]:
+        part, a, b, p = pieces[k]
+        at = slice(int(starts[k]), int(starts[k + 1]))
+        q, d, _ = part.read_rows(a, b, p, out=(data[at], indices[at]))
+        return q, d.size
+
+    if len(pieces) == 1:
+        done = [read(0)]
+    else:
+        with ThreadPoolExecutor(min(PIECE_READERS, len(pieces))) as pool:
+            done = list(pool.map(read, range(len(pieces))))
+    ptrs, rows, pos = [np.zeros(1, np.int64)], [], 0
+    for k, ((q, m), (part, a, b, _)) in enumerate(zip(done, pieces, strict=True)):
+        if pos != starts[k]:  # a gene map kept fewer entries before: close the gap
+            data[pos : pos + m] = data[starts[k] : starts[k] + m]
+            indices[pos : pos + m] = indices[starts[k] : starts[k] + m]
+        ptrs.append(q[1:] + pos)
+        rows.append(job.inv[part.row0 + a : part.row0 + b])
+        pos += m
+    return np.concatenate(ptrs), data[:pos], indices[:pos], np.concatenate(rows)
+
+
 def route_rows(job: RouteRowsJob) -> np.ndarray:
     """Run a :class:`RouteRowsJob`; returns its segment table (:data:`SEGMENT_COLUMNS`)."""
     if job.part is None:
@@ -240,13 +285,15 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
         data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
         indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
         ptr = s[job.r0 : job.r1 + 1] - e0
-        row0 = 0
-    else:
+        out_row = job.inv[job.r0 : job.r1]
+    elif not job.more and job.part.encoding == "dense":
         ptr, data, indices = job.part.read_rows(job.r0, job.r1, job.indptr)
-        row0 = job.part.row0
+        out_row = job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1]
+    else:
+        ptr, data, indices, out_row = _read_pieces(job)
     nnz = np.diff(ptr)
     keep = np.flatnonzero(nnz > 0)
-    out_start = job.out_ptr[job.inv[row0 + job.r0 : row0 + job.r1][keep]]
+    out_start = job.out_ptr[out_row[keep]]
     nnz = nnz[keep]
     first = np.searchsorted(job.bounds, out_start, side="right") - 1
     last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1

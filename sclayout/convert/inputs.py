@@ -24,7 +24,7 @@ import zarr
 from loader.errors import InputError
 from sclayout.convert.checks import SourceInfo
 from sclayout.convert.parts import Part
-from sclayout.convert.source import MatrixInfo, Source, fingerprint, open_group
+from sclayout.convert.source import MatrixInfo, Source, fingerprint, io_map, open_group
 from sclayout.convert.sources import Combined, combine, source_names
 from sclayout.convert.write import index_dtype_for
 
@@ -111,22 +111,24 @@ def sources_input(
     row0 = np.r_[0, np.cumsum(sizes)].astype(np.int64)
     matrices: list[tuple[MatrixInfo, list[Part]]] = []
     entries = []
-    for k, s in enumerate(srcs):
-        with open_group(s) as root:
-            src = Source(root, s)
-            mats = [src.matrix_info("X")] + [src.matrix_info(f"layers/{n}") for n in comb.layers]
-            x = mats[0]
-            nnz = x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1]
-            entries.append(
-                {
-                    "name": names[k],
-                    "row0": int(row0[k]),
-                    "n_obs": int(sizes[k]),
-                    "n_vars": int(x.shape[1]),
-                    "genes_present": int(genes.present[k]),
-                    "fingerprint": fingerprint(s, n_obs=sizes[k], n_vars=x.shape[1], nnz=nnz),
-                }
-            )
+    xs = [m["X"] for m in comb.matrices]
+    nnzs = [x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1] for x in xs]
+    prints = io_map(  # plain file reads, in parallel: the sources' ends are cold
+        lambda k: fingerprint(srcs[k], n_obs=sizes[k], n_vars=xs[k].shape[1], nnz=nnzs[k]),
+        range(len(srcs)),
+    )
+    for k, x in enumerate(xs):
+        entries.append(
+            {
+                "name": names[k],
+                "row0": int(row0[k]),
+                "n_obs": int(sizes[k]),
+                "n_vars": int(x.shape[1]),
+                "genes_present": int(genes.present[k]),
+                "fingerprint": prints[k],
+            }
+        )
+        mats = [x] + [comb.matrices[k][f"layers/{n}"] for n in comb.layers]
         for j, info in enumerate(mats):
             if k == 0:
                 matrices.append((info, []))
@@ -189,7 +191,8 @@ def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray, kw: dict[
     quiet_write(root, "var", comb.var, kw)
     quiet_write(root, "obsm", {k: take_rows(v, perm) for k, v in comb.obsm.items()}, kw)
     quiet_write(root, "varm", comb.varm, kw)
-    for key in ("varp", "obsp", "layers"):
+    quiet_write(root, "obsp", {k: permute_pairwise(v, perm) for k, v in comb.obsp.items()}, kw)
+    for key in ("varp", "layers"):
         quiet_write(root, key, {}, kw)
     uns = dict(comb.uns)
     uns.pop("sclayout", None)

@@ -76,12 +76,20 @@ class Part:
         return rows, out, data
 
     def read_rows(
-        self, r0: int, r1: int, indptr: np.ndarray | None
+        self,
+        r0: int,
+        r1: int,
+        indptr: np.ndarray | None,
+        *,
+        out: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Rows ``[r0, r1)`` of a CSR or dense source as output CSR.
 
         The output is ptr from 0, data, indices; indices are sorted within rows when the
-        source's are.
+        source's are. ``out`` (data and indices buffers of the output's dtypes, at least
+        as long as the entries the source stores in those rows) receives the values
+        without a fresh array per call: the returned data and indices are its first
+        elements.
         """
         n = r1 - r0
         if self.encoding == "dense":
@@ -90,14 +98,18 @@ class Part:
             data = values[rows, cols]
         else:
             e0, e1 = int(indptr[r0]), int(indptr[r1])
-            data = read_slice(self.src, f"{self.path}/data", e0, e1)
-            cols = read_slice(self.src, f"{self.path}/indices", e0, e1)
             if self.colmap is None:
+                m = e1 - e0
+                o_data, o_idx = (None, None) if out is None else (out[0][:m], out[1][:m])
+                data = read_slice(self.src, f"{self.path}/data", e0, e1, out=o_data)
+                cols = read_slice(self.src, f"{self.path}/indices", e0, e1, out=o_idx)
                 return (
                     indptr[r0 : r1 + 1] - e0,
                     data.astype(self.dtype, copy=False),
                     cols.astype(self.index_dtype, copy=False),
                 )
+            data = read_slice(self.src, f"{self.path}/data", e0, e1)
+            cols = read_slice(self.src, f"{self.path}/indices", e0, e1)
             rows = np.repeat(np.arange(n), np.diff(indptr[r0 : r1 + 1]))
         rows, cols, data = self._map(rows, cols, data)
         if not self.monotonic:
@@ -105,6 +117,10 @@ class Part:
             rows, cols, data = rows[order], cols[order], data[order]
         ptr = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(np.bincount(rows, minlength=n), out=ptr[1:])
+        if out is not None:
+            m = data.size
+            out[0][:m], out[1][:m] = data, cols
+            return ptr, out[0][:m], out[1][:m]
         return ptr, data.astype(self.dtype, copy=False), cols.astype(self.index_dtype, copy=False)
 
     def read_entries(

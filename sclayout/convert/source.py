@@ -173,12 +173,16 @@ class DirectH5Reader:
             offsets[info.chunk_offset[0] // chunk] = info.byte_offset
         return cls(fd, dtype, ds.shape, chunk, offsets, direct_fd=direct_fd)
 
-    def read(self, start: int, stop: int, *, buffer: str | None = None) -> np.ndarray:
-        """Rows ``[start, stop)``; into this thread's scratch buffer ``buffer`` if given."""
+    def read(
+        self, start: int, stop: int, *, buffer: str | None = None, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Rows ``[start, stop)``; into ``out`` or this thread's scratch buffer ``buffer``."""
         stop = min(stop, self.shape[0])
         start = min(start, stop)
         shape = (stop - start, *self.shape[1:])
-        if buffer is None:
+        if out is not None:
+            out = out.reshape(shape)
+        elif buffer is None:
             out = np.empty(shape, dtype=self.dtype)
         else:
             out = scratch(buffer, int(np.prod(shape, dtype=np.int64)), self.dtype).reshape(shape)
@@ -386,18 +390,31 @@ def _open_array(src: str, array: str) -> Any:
 
 
 def read_slice(
-    src: str, array: str, start: int, stop: int, *, buffer: str | None = None
+    src: str,
+    array: str,
+    start: int,
+    stop: int,
+    *,
+    buffer: str | None = None,
+    out: np.ndarray | None = None,
 ) -> np.ndarray:
     """``src[array][start:stop]`` along the first axis, from a cached reader.
 
     ``buffer`` names a per-thread scratch buffer to read into (direct HDF5 reads
-    only); the result is then valid until this thread reuses that name.
+    only); the result is then valid until this thread reuses that name. ``out`` (of
+    the array's dtype and the slice's size) is filled and returned instead.
     """
     with reading(src, array):
         reader = _open_array(src, array)
-        if isinstance(reader, DirectH5Reader):
-            return reader.read(start, stop, buffer=buffer)
-        return np.asarray(reader[start:stop])
+        direct = isinstance(reader, DirectH5Reader)
+        if direct and (out is None or out.dtype == reader.dtype):
+            return reader.read(start, stop, buffer=buffer, out=out)
+        values = reader.read(start, stop) if direct else np.asarray(reader[start:stop])
+        if out is None:
+            return values
+        out = out.reshape(values.shape)
+        out[...] = values
+        return out
 
 
 def reading(src: str | os.PathLike, what: str) -> Any:
@@ -530,14 +547,17 @@ def is_legacy(root: Any) -> bool:
     return not hasattr(obs, "keys") or hasattr(obs, "dtype") or "encoding-type" not in obs.attrs
 
 
-def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
+def source_tables(root: Any, path: str | os.PathLike, *, pairwise: bool = False) -> dict[str, Any]:
     """Read a source's small elements whole: obs, var, obsm, varm, uns.
 
-    ``has`` says which of raw, varm, varp, obsp it holds; ``x_dtype`` is the dtype of X.
+    ``has`` says whether it holds raw and the keys of its varm, varp and obsp;
+    ``x_dtype`` is the dtype of X.
 
     ``raw_x`` is the key of raw's X (``raw/X``, or ``raw.X`` in a legacy file) or None,
     ``raw_var`` raw's var. A legacy (anndata < 0.7) file is read through anndata in
-    backed mode: its tables are built in memory, X stays on disk.
+    backed mode: its tables are built in memory, X stays on disk. ``pairwise`` also
+    reads ``obsp`` (one source keeps it; a legacy file's graphs in ``uns/neighbors``
+    are anndata's obsp).
     """
     x_dtype = Source(root, path).matrix_info("X").dtype
     if is_legacy(root):
@@ -552,12 +572,13 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
                     "uns": dict(adata.uns),
                     "has": {
                         "raw": adata.raw is not None,
-                        "varm": len(adata.varm) > 0,
-                        "varp": False,
-                        "obsp": False,
+                        "varm": sorted(adata.varm.keys()),
+                        "varp": [],
+                        "obsp": sorted(adata.obsp.keys()),
                     },
                     "x_dtype": x_dtype,
                     "varm": {k: np.asarray(v) for k, v in adata.varm.items()},
+                    "obsp": dict(adata.obsp) if pairwise else {},
                     "raw_x": "raw.X" if "raw.X" in root else None,
                     "raw_var": adata.raw.var.copy() if adata.raw is not None else None,
                 }
@@ -573,9 +594,11 @@ def source_tables(root: Any, path: str | os.PathLike) -> dict[str, Any]:
         "var": src.read_elem("var"),
         "obsm": get("obsm"),
         "uns": get("uns"),
-        "has": {k: bool(src.keys(k)) for k in ("varm", "varp", "obsp")} | {"raw": src.has("raw/X")},
+        "has": {k: sorted(src.keys(k)) for k in ("varm", "varp", "obsp")}
+        | {"raw": src.has("raw/X")},
         "x_dtype": x_dtype,
         "varm": get("varm"),
+        "obsp": get("obsp") if pairwise else {},
         "raw_x": "raw/X" if src.has("raw/X") else None,
         "raw_var": src.read_elem("raw/var") if src.has("raw/X") and src.has("raw/var") else None,
     }

@@ -18,12 +18,14 @@ The rules (docs/convert.md):
   ``obs_names`` repeat across sources, every name gets ``-<source name>`` appended.
 - **Other elements.** layers and obsm present in every source are concatenated;
   others are dropped with a note (``strict`` refuses instead). ``uns`` comes from the
-  first source; ``raw``, ``varm``, ``varp`` and ``obsp`` are dropped with a note
-  (one source keeps its raw as it is, and its varm when its genes are kept).
+  first source; ``raw`` and every ``varm``, ``varp`` and ``obsp`` entry are dropped
+  with a note each (one source keeps its raw as it is, its obsp, and its varm when
+  its genes are kept); ``strict`` refuses them too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Sequence
@@ -37,7 +39,7 @@ import scipy.sparse as sp
 
 from loader.errors import InputError
 from sclayout.convert.checks import SourceInfo, inspect_source
-from sclayout.convert.source import MatrixInfo, open_group, source_tables
+from sclayout.convert.source import MatrixInfo, Source, open_group, source_tables
 
 __all__ = [
     "JOINS",
@@ -224,9 +226,13 @@ class Combined:
     notes: list[str] = field(default_factory=list)
     varm: dict[str, Any] = field(default_factory=dict)
     """One source with its own genes only: its varm."""
+    obsp: dict[str, Any] = field(default_factory=dict)
+    """One source: its obsp (rows and columns are its cells, permuted like them)."""
     raw_x: str | None = None
     """One source only: the source key of raw's X, kept as it is (its own genes)."""
     raw_var: pd.DataFrame | None = None
+    matrices: list[dict[str, MatrixInfo]] = field(default_factory=list)
+    """Per source: X and its layers (by path), described while the source was open."""
 
 
 def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
@@ -322,8 +328,12 @@ def merge_var(
                 conflicts[c] = conflicts.get(c, 0) + differ
             merged = merged.where(merged.notna(), s)
         values = merged.infer_objects()
+        dtypes = {f[c].dtype for f in frames if c in f.columns}
         if categorical:
             values = values.astype("category")
+        elif len(dtypes) == 1 and (values.notna().all() or next(iter(dtypes)).kind == "f"):
+            with contextlib.suppress(TypeError, ValueError):  # keep the sources' dtype
+                values = values.astype(next(iter(dtypes)))
         var[c] = values
     return var, conflicts
 
@@ -352,10 +362,14 @@ def combine(
     """Read and merge the sources' obs, var, obsm and uns (module docstring's rules)."""
     tables = []
     layer_sets = []
-    for s in srcs:
+    matrices = []
+    for s in srcs:  # each source opened once: its metadata is read while it is at hand
         with open_group(s) as root:
-            tables.append(source_tables(root, s))
+            tables.append(source_tables(root, s, pairwise=len(srcs) == 1))
             layer_sets.append(set(root["layers"].keys()) if "layers" in root else set())
+            src = Source(root, s)
+            keys = ["X", *(f"layers/{k}" for k in sorted(layer_sets[-1]))]
+            matrices.append({k: src.matrix_info(k) for k in keys})
     genes = plan_genes(
         [pd.Index(t["var"].index) for t in tables], names, join=join, var_names=var_names
     )
@@ -377,10 +391,13 @@ def combine(
             obsm[k] = _stack(values)
     one = len(tables) == 1 and tables[0]["raw_x"] is not None and tables[0]["raw_var"] is not None
     keep_varm = len(tables) == 1 and genes.join == "same"  # var-aligned: same genes only
-    for key in ("raw", "varm", "varp", "obsp"):
-        kept = (key == "raw" and one) or (key == "varm" and keep_varm)
-        if any(t["has"].get(key) for t in tables) and not kept:
-            notes.append(f"{key} dropped: not combined across sources")
+    if not one and any(t["has"]["raw"] for t in tables):
+        notes.append("raw dropped: each source's raw has its own genes, not combined")
+    for key in ("varm", "varp", "obsp"):  # one note per element dropped
+        if (key == "varm" and keep_varm) or (key == "obsp" and len(tables) == 1):
+            continue
+        for k in sorted(set().union(*(t["has"][key] for t in tables))):
+            notes.append(f"{key} {k!r} dropped: not combined across sources")
     dtypes = {str(t["x_dtype"]) for t in tables}
     if strict and notes:
         raise InputError(f"--strict: {notes[0]}; drop --strict to convert without it")
@@ -396,8 +413,10 @@ def combine(
         var_conflicts=conflicts,
         notes=notes,
         varm=dict(tables[0]["varm"]) if keep_varm else {},
+        obsp=dict(tables[0]["obsp"]) if len(tables) == 1 else {},
         raw_x=tables[0]["raw_x"] if one else None,
         raw_var=tables[0]["raw_var"] if one else None,
+        matrices=matrices,
     )
 
 

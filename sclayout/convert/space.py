@@ -97,39 +97,58 @@ def _ratio(sample: np.ndarray, compressors: Any) -> float:
     return max(arr.nbytes_stored() - meta, 1) / sample.nbytes
 
 
-def _matrix_bytes(source: Source, info: MatrixInfo, compressors: Any) -> int:
+SAMPLED_SOURCES = 3
+"""Sources whose arrays are sampled for the codec's ratio; the next sources of a
+conversion take the mean of those for the same array (an atlas's files hold the same
+kind of data, and each sample is a cold read of every file)."""
+
+
+def _matrix_bytes(
+    source: Source, info: MatrixInfo, compressors: Any, ratios: dict[tuple, list[float]]
+) -> int:
     """Return the stored bytes of a matrix, in the dtypes convert narrows a sample to.
 
-    The narrowing is judged on the sample: a guess, as the codec's ratio is.
+    The narrowing is judged on the sample: a guess, as the codec's ratio is. ``ratios``
+    keeps the stored bytes per value measured on the first :data:`SAMPLED_SOURCES`
+    sources, by array.
     """
+
+    def per_value(key: str, n: int, role: int) -> float:
+        seen = ratios.setdefault((key.rsplit("/", 1)[-1], info.path), [])
+        if len(seen) < SAMPLED_SOURCES:
+            sample = _sample(source, key, n)
+            # the column id dtype depends on n_vars only, once narrowing is on
+            sample = sample.astype(stored_dtypes(info, value_stats(sample))[role])
+            seen.append(sample.itemsize * _ratio(sample, compressors))
+        return sum(seen) / len(seen)
+
     n_obs, n_vars = info.shape
     if info.encoding == "dense":
-        values = _sample(source, info.path, n_obs)
-        values = values.astype(stored_dtypes(info, value_stats(values))[0])
-        return int(n_obs * n_vars * values.itemsize * _ratio(values, compressors))
+        return int(n_obs * n_vars * per_value(info.path, n_obs, 0))
     nnz = info.nnz
-    values = _sample(source, f"{info.path}/data", nnz)
-    indices = _sample(source, f"{info.path}/indices", nnz)
-    value_dtype, index_dtype = stored_dtypes(info, value_stats(values))
     total = (n_obs + 1) * 8  # indptr: int64, compresses well, counted raw
-    for sample in (values.astype(value_dtype), indices.astype(index_dtype)):
-        total += int(nnz * sample.itemsize * _ratio(sample, compressors))
+    total += int(nnz * per_value(f"{info.path}/data", nnz, 0))
+    total += int(nnz * per_value(f"{info.path}/indices", nnz, 1))
     return total
 
 
-def estimate_store_bytes(source: Source, codec: str) -> int:
+def estimate_store_bytes(
+    source: Source, codec: str, *, ratios: dict[tuple, list[float]] | None = None
+) -> int:
     """Bytes the layout store of ``source`` is expected to take with ``codec``.
 
     Row-aligned matrices (X, layers, raw/X): their stored values (``nnz`` values and
     indices, or every cell of a dense matrix) times the ratio the codec reaches on a
     sample. Every other element (obs, var, obsm, uns...) is copied and counted at its
-    size in the source.
+    size in the source. ``ratios``, shared by the calls for the sources of one
+    conversion, keeps the ratios measured so far (:data:`SAMPLED_SOURCES`).
     """
     compressors = get_codec(codec)
     matrices = source.row_matrices()
     in_source = sum(_stored_in_source(source, m.path) for m in matrices)
     other = max(0, _tree_bytes(Path(source.path)) - in_source)
-    return other + sum(_matrix_bytes(source, m, compressors) for m in matrices)
+    ratios = {} if ratios is None else ratios
+    return other + sum(_matrix_bytes(source, m, compressors, ratios) for m in matrices)
 
 
 def device_of(path: Path) -> str:

@@ -269,6 +269,151 @@ def test_legacy_files_convert_and_verify(tmp_path):
     assert _cli("verify", *p, tmp_path / "both").exit_code == 0
 
 
+def write_pbmc68k_like(path: Path, n: int = 30, n_genes: int = 12, seed: int = 0) -> Path:
+    """An h5ad laid out as scanpy's bundled ``pbmc68k_reduced.h5ad`` (anndata < 0.7).
+
+    Dense X; obs, var, obsm and varm as compound datasets; categorical codes with their
+    categories in ``uns/<col>_categories``; ``raw.X`` an ``h5sparse`` CSR group beside
+    ``raw.var``; uns nested groups holding ``h5sparse`` graphs, length-1 parameter
+    arrays and compound (record) arrays.
+    """
+    rng = np.random.default_rng(seed)
+    genes = [f"G{j}" for j in range(n_genes)]
+    raw = sp.random(n, n_genes, density=0.5, format="csr", random_state=seed, dtype=np.float32)
+    x = np.log1p(raw.toarray()).astype(np.float32)
+    graph = sp.random(n, n, density=0.1, format="csr", random_state=seed + 1)
+
+    def h5sparse(group: h5py.Group, m: sp.csr_matrix) -> None:
+        group.attrs["h5sparse_format"] = "csr"
+        group.attrs["h5sparse_shape"] = np.array(m.shape)
+        for k in ("data", "indices", "indptr"):
+            group.create_dataset(k, data=getattr(m, k))
+
+    with h5py.File(path, "w") as f:
+        f.create_dataset("X", data=x)
+        obs = np.zeros(
+            n, dtype=[("index", "S12"), ("bulk_labels", "i1"), ("n_genes", "i8"), ("S_score", "f4")]
+        )
+        obs["index"] = [f"AAC{seed}-{i}".encode() for i in range(n)]
+        obs["bulk_labels"] = rng.integers(0, 3, n)
+        obs["n_genes"] = (raw > 0).sum(1).A1
+        obs["S_score"] = rng.normal(size=n)
+        f.create_dataset("obs", data=obs)
+        var = np.zeros(n_genes, dtype=[("index", "S8"), ("means", "f4"), ("highly_variable", "?")])
+        var["index"] = [g.encode() for g in genes]
+        var["means"] = x.mean(0)
+        var["highly_variable"] = rng.random(n_genes) < 0.5
+        f.create_dataset("var", data=var)
+        obsm = np.zeros(n, dtype=[("X_pca", "f4", (3,)), ("X_umap", "f4", (2,))])
+        obsm["X_pca"], obsm["X_umap"] = rng.normal(size=(n, 3)), rng.normal(size=(n, 2))
+        f.create_dataset("obsm", data=obsm)
+        varm = np.zeros(n_genes, dtype=[("PCs", "f4", (3,))])
+        varm["PCs"] = rng.normal(size=(n_genes, 3))
+        f.create_dataset("varm", data=varm)
+        h5sparse(f.create_group("raw.X"), raw)
+        raw_var = np.zeros(n_genes, dtype=[("index", "S8")])
+        raw_var["index"] = var["index"]
+        f.create_dataset("raw.var", data=raw_var)
+        uns = f.create_group("uns")
+        uns.create_dataset("bulk_labels_categories", data=np.array([b"CD14+", b"CD19+ B", b"NK"]))
+        uns.create_dataset(
+            "bulk_labels_colors", data=np.array([b"#1f77b4", b"#ff7f0e", b"#279e68"])
+        )
+        h5sparse(uns.create_group("neighbors/connectivities"), graph)
+        uns.create_dataset("neighbors/params/n_neighbors", data=np.array([10]))
+        uns.create_dataset("neighbors/params/method", data=np.array([b"umap"]))
+        uns.create_dataset("pca/variance", data=rng.random(3).astype(np.float32))
+        names = np.zeros(4, dtype=[("CD14+", "S8"), ("NK", "S8")])
+        names["CD14+"], names["NK"] = [g.encode() for g in genes[:4]], [b"G9"] * 4
+        uns.create_dataset("rank_genes_groups/names", data=names)
+    return path
+
+
+@pytest.mark.filterwarnings("ignore:.*without encoding metadata")
+@pytest.mark.filterwarnings("ignore:.*very old version of AnnData")
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_pbmc68k_like_legacy_file_converts_and_verifies(tmp_path):
+    """The layout of scanpy's pbmc68k_reduced, built here so the test never skips."""
+    src = write_pbmc68k_like(tmp_path / "pbmc68k_like.h5ad")
+    convert(src, tmp_path / "one", order="shuffled", seed=1)
+    got, want = _store_in_source_order(tmp_path / "one"), ad.read_h5ad(src)
+    np.testing.assert_array_equal(_dense(got.X), want.X)
+    pd.testing.assert_frame_equal(got.obs, want.obs)
+    pd.testing.assert_frame_equal(got.var, want.var)
+    np.testing.assert_array_equal(_dense(got.raw.X), _dense(want.raw.X))
+    assert list(got.raw.var_names) == list(want.raw.var_names)
+    np.testing.assert_array_equal(got.varm["PCs"], want.varm["PCs"])
+    np.testing.assert_array_equal(got.obsm["X_umap"], want.obsm["X_umap"])
+    assert set(got.uns) - {"sclayout"} == set(want.uns)
+    # anndata reads the old uns/neighbors graph as obsp: kept, rows and columns permuted
+    assert list(got.obsp) == ["connectivities"]
+    np.testing.assert_array_equal(
+        _dense(got.obsp["connectivities"]), _dense(want.obsp["connectivities"])
+    )
+    assert _cli("verify", src, tmp_path / "one").exit_code == 0
+    # two of them: what cannot be combined is dropped with one note each
+    other = write_pbmc68k_like(tmp_path / "pbmc68k_like_2.h5ad", n=20, seed=1)
+    m = convert([src, other], tmp_path / "two", order="shuffled")
+    two = _store_in_source_order(tmp_path / "two")
+    np.testing.assert_array_equal(_dense(two.X), np.vstack([want.X, ad.read_h5ad(other).X]))
+    assert two.raw is None and "PCs" not in two.varm
+    assert set(m.notes) >= {
+        "raw dropped: each source's raw has its own genes, not combined",
+        "varm 'PCs' dropped: not combined across sources",
+    }
+    assert _cli("verify", src, other, tmp_path / "two").exit_code == 0
+
+
+def test_raw_varm_obsp_of_several_sources_noted_one_by_one_or_refused(tmp_path):
+    a, b = _adata(12, ["g1", "g2", "g3"], seed=1), _adata(8, ["g1", "g2", "g3"], seed=2)
+    for x in (a, b):
+        x.raw = x.copy()
+        x.varm["loadings"] = np.ones((3, 2))
+        x.obsp["distances"] = sp.identity(x.n_obs, format="csr")
+    b.obsp["connectivities"] = sp.identity(b.n_obs, format="csr")
+    paths = [_write(a, tmp_path / "a.h5ad"), _write(b, tmp_path / "b.zarr")]
+    m = convert(paths, tmp_path / "out")
+    assert list(m.notes) == [
+        "raw dropped: each source's raw has its own genes, not combined",
+        "varm 'loadings' dropped: not combined across sources",
+        "obsp 'connectivities' dropped: not combined across sources",
+        "obsp 'distances' dropped: not combined across sources",
+    ]
+    s = ad.read_zarr(tmp_path / "out")
+    assert s.raw is None and not s.varm and not s.obsp
+    r = _cli("convert", *paths, tmp_path / "strict", "--strict")
+    assert r.exit_code == 2 and r.stderr.count("\n") == 1
+    assert "--strict: raw dropped" in r.stderr and not (tmp_path / "strict").exists()
+
+
+@pytest.mark.parametrize("order", ["original", "shuffled"])
+def test_zarr_v2_and_v3_sources_convert_alone_and_together(tmp_path, order):
+    """anndata writes zarr format 2 by default (0.12): both formats, and h5ad beside them."""
+    a = _adata(40, ["g1", "g2", "g3", "g4"], seed=1)
+    a.layers["counts"] = a.X.copy()
+    a.obsm["X_pca"] = np.arange(80, dtype=np.float32).reshape(40, 2)
+    paths = [_write(a[:15].copy(), tmp_path / "a.h5ad")]
+    for fmt, rows in ((2, slice(15, 30)), (3, slice(30, 40))):
+        with ad.settings.override(zarr_write_format=fmt):
+            paths.append(_write(a[rows].copy(), tmp_path / f"v{fmt}.zarr"))
+    assert (tmp_path / "v2.zarr" / ".zgroup").exists() and (
+        tmp_path / "v3.zarr" / "zarr.json"
+    ).exists()
+    convert(paths[1], tmp_path / "alone", order=order)
+    alone = _store_in_source_order(tmp_path / "alone")
+    np.testing.assert_array_equal(_dense(alone.X), _dense(a[15:30].X))
+    np.testing.assert_array_equal(alone.obsm["X_pca"], a.obsm["X_pca"][15:30])
+    convert(paths, tmp_path / "all", order=order, source_key="")
+    got = _store_in_source_order(tmp_path / "all")
+    np.testing.assert_array_equal(_dense(got.X), _dense(a.X))
+    np.testing.assert_array_equal(_dense(got.layers["counts"]), _dense(a.X))
+    np.testing.assert_array_equal(got.obsm["X_pca"], a.obsm["X_pca"])
+    pd.testing.assert_frame_equal(got.obs, a.obs, check_categorical=False)
+    for store in ("alone", "all"):
+        srcs = [paths[1]] if store == "alone" else paths
+        assert _cli("verify", *srcs, tmp_path / store).exit_code == 0
+
+
 # -- bad input ---------------------------------------------------------------------------
 
 
@@ -524,3 +669,32 @@ def test_verify_finds_a_changed_value_and_a_wrong_source_list(tmp_path, mixed):
     assert not report.equal and any("differs in DST row" in d for d in report.differences)
     r = _cli("verify", *paths[:2], tmp_path / "out")
     assert r.exit_code == 1 and "built from 3 sources, 2 given" in r.stdout
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.lists(st.integers(0, 9), max_size=12), min_size=2, max_size=6),
+    step=st.integers(1, 30),
+)
+def test_route_tasks_span_sources_and_take_every_row_once(sizes, step):
+    """Tasks cut across CSR sources: every row once, in order, about ``step`` elements each."""
+    from sclayout.convert.convert import task_slices
+    from sclayout.convert.parts import Part
+    from sclayout.convert.source import MatrixInfo
+
+    parts, ptrs = [], []
+    for nnz in sizes:
+        ptr = np.r_[0, np.cumsum(nnz)].astype(np.int64)
+        info = MatrixInfo("X", "csr", (len(nnz), 10), np.dtype("f4"), np.dtype("i4"), ptr[-1])
+        parts.append(Part("src", info, 0, 10, np.dtype("f4"), np.dtype("i4")))
+        ptrs.append(ptr)
+    tasks = task_slices(parts, ptrs, step)
+    slices = [s for t in tasks for s in t]
+    rows = [(k, r) for k, a, b in slices for r in range(a, b)]
+    assert rows == [(k, r) for k, nnz in enumerate(sizes) for r in range(len(nnz))]
+    sizes_of = [sum(int(ptrs[k][b] - ptrs[k][a]) for k, a, b in t) for t in tasks]
+    for t, n in zip(tasks, sizes_of, strict=True):
+        assert n <= step or (len(t) == 1 and t[0][2] - t[0][1] == 1)  # or one large row
+    for n, nxt in zip(sizes_of[:-1], tasks[1:], strict=True):  # a task is short only
+        k, a, _ = nxt[0]  # when the next row would not fit in it
+        assert n + int(ptrs[k][a + 1] - ptrs[k][a]) > step
