@@ -105,6 +105,9 @@ source number and row (provenance). The obs table is counted as it is read: the
 working memory is what the budget leaves beside the process's resident size."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
+MIN_WORK = 64 * 2**20
+"""Least working memory a budget above the process's size must leave for the tasks
+(a few shards' worth: less would only make the conversion crawl)."""
 TMP_TAG = "sclayout-tmp"
 OLD_TAG = "sclayout-old"
 NAME_MAX = 255
@@ -344,13 +347,34 @@ def _rss() -> int:
 def working_memory(budget: int, *, n_obs: int) -> int:
     """Bytes the conversion tasks may use.
 
-    The budget minus the process's current resident memory, the driver's per-row arrays,
-    the I/O threads' staging buffers and a margin; at least a quarter of the budget
-    (tiny budgets in tests are below any interpreter's footprint).
+    The budget minus the process's current resident memory (the obs table included),
+    the per-cell tables (:data:`DRIVER_BYTES_PER_ROW` a cell), the I/O threads' staging
+    buffers and a margin. A budget below the process's own size (tiny budgets in tests)
+    gets a quarter of itself: tasks as small as they go.
+
+    Raises
+    ------
+    InputError
+        When a budget above the process's size leaves less than :data:`MIN_WORK`: the
+        per-cell tables of this many cells do not fit in it.
     """
     staging = IO_THREADS * DIRECT_PIECE  # the I/O threads' O_DIRECT staging buffers
-    spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN - staging
+    rss = _rss()
+    held = rss + DRIVER_BYTES_PER_ROW * n_obs + WORK_MARGIN + staging
+    spare = budget - held
+    if budget >= rss and spare < MIN_WORK:
+        need = -(-(held + MIN_WORK) // 10**8) / 10  # GB, rounded up to 0.1
+        raise InputError(
+            f"--memory-budget {_gb(budget)} is too small for {n_obs:,} cells: the process "
+            f"({_gb(rss)}) and its per-cell tables ({DRIVER_BYTES_PER_ROW} bytes a cell, "
+            f"{_gb(DRIVER_BYTES_PER_ROW * n_obs)}) leave too little to convert with; "
+            f"pass --memory-budget {need:g}GB or more"
+        )
     return max(spare, budget // 4)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 # -- destination safety ------------------------------------------------------------------
