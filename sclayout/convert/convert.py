@@ -355,19 +355,21 @@ def working_memory(budget: int, *, n_obs: int) -> int:
     Raises
     ------
     InputError
-        When a budget above the process's size leaves less than :data:`MIN_WORK`: the
-        per-cell tables of this many cells do not fit in it.
+        When a budget above the process's size leaves less than :data:`MIN_WORK` and
+        the per-cell tables take at least that much (about 10^6 cells and more): the
+        tables of this many cells do not fit in it.
     """
     staging = IO_THREADS * DIRECT_PIECE  # the I/O threads' O_DIRECT staging buffers
     rss = _rss()
-    held = rss + DRIVER_BYTES_PER_ROW * n_obs + WORK_MARGIN + staging
+    tables = DRIVER_BYTES_PER_ROW * n_obs
+    held = rss + tables + WORK_MARGIN + staging
     spare = budget - held
-    if budget >= rss and spare < MIN_WORK:
+    if budget >= rss and spare < MIN_WORK <= tables:
         need = -(-(held + MIN_WORK) // 10**8) / 10  # GB, rounded up to 0.1
         raise InputError(
             f"--memory-budget {_gb(budget)} is too small for {n_obs:,} cells: the process "
             f"({_gb(rss)}) and its per-cell tables ({DRIVER_BYTES_PER_ROW} bytes a cell, "
-            f"{_gb(DRIVER_BYTES_PER_ROW * n_obs)}) leave too little to convert with; "
+            f"{_gb(tables)}) leave too little to convert with; "
             f"pass --memory-budget {need:g}GB or more"
         )
     return max(spare, budget // 4)
