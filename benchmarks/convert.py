@@ -113,7 +113,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
     )
     p.add_argument("--scale", default="", help="comma-separated sizes (cells): the scale table")
-    p.add_argument("--scale-nnz", type=int, default=400, help="non-zeros per cell [400]")
+    p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
     args = p.parse_args(argv)

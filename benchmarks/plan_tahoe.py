@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     if gz_src is None:
         from sclayout.testing.datasets import cached_tahoe_like
 
-        gz_src = cached_tahoe_like(n_obs=200_000, nnz_per_cell=400, sampler="sparse")
+        gz_src = cached_tahoe_like(n_obs=200_000, nnz_per_cell=250, sampler="sparse")
     gzip_mb_s, gzip_ratio = _gzip_mb_s(gz_src)
     conv = conversion(args, scale, gzip_mb_s, gzip_ratio)
     train = training(args)
