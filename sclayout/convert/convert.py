@@ -75,6 +75,7 @@ from sclayout.convert.space import (
     estimate_store_bytes,
     is_no_space,
     no_space_error,
+    route_bytes,
 )
 from sclayout.convert.write import (
     CopyJob,
@@ -294,7 +295,8 @@ def convert(
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
     try:
-        need = _store_bytes(srcs, infos, opts.codec)
+        reorder = several or opts.order.kind != "original"
+        need = _store_bytes(srcs, infos, opts.codec, reorder=reorder)
         check_free_space(dst_p, need)  # the old DST stays until the rename: not free
         if several:
             inp = sources_input(
@@ -534,15 +536,21 @@ def _write_uns_sclayout(
     return provenance
 
 
-def _store_bytes(srcs: list[Path], infos: list[Any], codec: str) -> int:
-    """Bytes the store of ``srcs`` is expected to take (a legacy file: its own size)."""
+def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: bool) -> int:
+    """Free bytes a conversion of ``srcs`` needs.
+
+    The store (a legacy file: its own size), plus the route files of a reordering
+    conversion.
+    """
     total = 0
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
-            total += tree_bytes(src)[0]
+            total += tree_bytes(src)[0] * (2 if reorder else 1)
             continue
         with open_group(Path(src)) as root:
-            total += estimate_store_bytes(Source(root, Path(src)), codec)
+            source = Source(root, Path(src))
+            total += estimate_store_bytes(source, codec)
+            total += route_bytes(source) if reorder else 0
     return total
 
 

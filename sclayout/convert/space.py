@@ -29,6 +29,7 @@ __all__ = [
     "estimate_store_bytes",
     "is_no_space",
     "no_space_error",
+    "route_bytes",
 ]
 
 _READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
@@ -119,6 +120,25 @@ def estimate_store_bytes(source: Source, codec: str) -> int:
     in_source = sum(_stored_in_source(source, m.path) for m in matrices)
     other = max(0, _tree_bytes(Path(source.path)) - in_source)
     return other + sum(_matrix_bytes(source, m, compressors) for m in matrices)
+
+
+def route_bytes(source: Source) -> int:
+    """Bytes of the route files a reordering conversion of ``source`` writes.
+
+    They hold the largest row-aligned matrix uncompressed (values and indices, plus 16
+    bytes a row, 8 an entry more for CSC) and stay beside the store until that matrix
+    is written, so a shuffled conversion needs them free on top of the store.
+    """
+    most = 0
+    for m in source.row_matrices():
+        n_obs, n_vars = m.shape
+        if m.encoding == "dense":
+            need = n_obs * n_vars * m.itemsize + 8 * n_obs
+        else:
+            per = m.itemsize + np.dtype(m.index_dtype).itemsize + (8 if m.encoding == "csc" else 0)
+            need = m.nnz * per + 16 * n_obs
+        most = max(most, need)
+    return most
 
 
 def device_of(path: Path) -> str:

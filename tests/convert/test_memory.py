@@ -81,3 +81,24 @@ def test_shuffled_conversion_buffers_stay_within_a_small_budget(tmp_path, monkey
     got = ad.read_zarr(tmp_path / "s.zarr").X
     perm = get_order("shuffled")(n, seed=1)
     assert (got != x[perm]).nnz == 0
+
+
+def test_route_files_are_counted_in_the_disk_space_a_shuffle_needs(tmp_path, monkeypatch, source):
+    """A shuffled conversion writes the matrix uncompressed as route files beside the
+    store: the free-space check asks for them (the source order does not)."""
+    from sclayout.convert import space
+    from sclayout.convert.source import Source, open_group
+
+    src, x = source
+    with open_group(src) as root:
+        assert space.route_bytes(Source(root, src)) == x.nnz * 8 + 16 * x.shape[0]
+        store = space.estimate_store_bytes(Source(root, src), "blosc-lz4")
+
+    def usage(path):  # room for the store, not for the route files
+        return type("usage", (), {"total": 10**12, "used": 0, "free": store + x.nnz})()
+
+    monkeypatch.setattr(space.shutil, "disk_usage", usage)
+    with pytest.raises(InputError, match="not enough disk space"):
+        convert(src, tmp_path / "s.zarr", order="shuffled")
+    assert list(tmp_path.iterdir()) == []
+    convert(src, tmp_path / "o.zarr", order="original")
