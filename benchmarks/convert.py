@@ -354,10 +354,20 @@ def _scale(args: argparse.Namespace) -> int:
     sizes = [int(x) for x in args.scale.split(",")]
     results = args.results or RESULTS
     work = args.work or bench_dir() / "convert-scale"
+    meta = {
+        "command": command_line(),
+        "sizes": sizes,
+        "nnz_per_cell": args.scale_nnz,
+        "memory_budget": args.memory_budget,
+        "memory_budget_bytes": parse_memory_budget(args.memory_budget),
+        "load_seconds": args.load_seconds,
+        "regime": args.regime,
+        "environment": environment(),
+    }
     rows = []
-    for n in sizes:
-        src = cached_tahoe_like(n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse")
-        for order in args.orders.split(","):
+    for order in args.orders.split(","):  # every size of one order first: rows that
+        for n in sizes:  # compare are done together if the run is cut short
+            src = cached_tahoe_like(n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse")
             r = _one_run(
                 src, order, work, regime=args.regime, extra=args.extra.split(),
                 budget=args.memory_budget,
@@ -371,18 +381,10 @@ def _scale(args: argparse.Namespace) -> int:
                 flush=True,
             )
             rows.append(r)
-    meta = {
-        "command": command_line(),
-        "sizes": sizes,
-        "nnz_per_cell": args.scale_nnz,
-        "memory_budget": args.memory_budget,
-        "memory_budget_bytes": parse_memory_budget(args.memory_budget),
-        "load_seconds": args.load_seconds,
-        "regime": args.regime,
-        "environment": environment(),
-    }
-    md = _scale_markdown(rows, meta)
-    js, mdp = write_results("convert-scale", {"meta": meta, "runs": rows}, md, results=results)
+            md = _scale_markdown(rows, meta)  # after every run: a cut-short run keeps its rows
+            js, mdp = write_results(
+                "convert-scale", {"meta": meta, "runs": rows}, md, results=results
+            )
     print(md)
     print(f"wrote {js} and {mdp}")
     return 0
