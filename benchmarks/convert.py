@@ -14,15 +14,25 @@ would not, so nothing read may stay cached); ``--regime cold`` only evicts befor
 Targets (issue 2, this 2-core machine): ≥ 300 MB/s for ``original``, ≥ 200 MB/s for
 ``shuffled`` and ``stratified``, peak RSS ≤ 2 GiB for every order.
 
+Scale table (``--scale 200000,1000000,5000000``): one Tahoe-like set per size, built
+out of core with the sparse sampler (``--scale-nnz`` non-zeros per cell, the same for
+every size so the rows compare), each converted once per order with its peak RSS against
+``--memory-budget``, then read by the loader (``BlockDataset``'s read loop, batch 64,
+dense output) for ``--load-seconds`` while the store is evicted every 0.5 s (the ≫RAM
+regime). Target: at the largest size, MB/s and cells/s ≥ 0.85× those at the smallest,
+and peak RSS ≤ the budget at every size and order.
+
 Usage::
 
     .venv/bin/python benchmarks/convert.py                 # full, 3 runs per order
+    .venv/bin/python benchmarks/convert.py --scale 200000,1000000,5000000 --repeat 1
     .venv/bin/python benchmarks/convert.py --repeat 1      # when time is short
     .venv/bin/python benchmarks/convert.py --quick         # tiny smoke run (tests)
     .venv/bin/python benchmarks/convert.py --atlas         # plate files vs one file (issue 17)
 
-Writes ``benchmarks/results/convert.{json,md}`` (``--results DIR`` elsewhere; ``--quick``
-writes to a temporary folder unless ``--results`` is given).
+Writes ``benchmarks/results/convert.{json,md}``, or ``convert-scale.{json,md}`` with
+``--scale`` (``--results DIR`` elsewhere; ``--quick`` writes to a temporary folder unless
+``--results`` is given).
 """
 
 from __future__ import annotations
@@ -103,6 +113,10 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
     )
+    p.add_argument("--scale", default="", help="comma-separated sizes (cells): the scale table")
+    p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
+    p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
+    p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
     p.add_argument(
         "--atlas",
         action="store_true",
@@ -138,6 +152,7 @@ def _one_run(
     regime: str,
     extra: Sequence[str],
     profile: Path | None = None,
+    budget: str | None = None,
 ) -> dict[str, Any]:
     out_parent = work / order
     shutil.rmtree(out_parent, ignore_errors=True)
@@ -146,6 +161,7 @@ def _one_run(
     check = check_eviction(src)
     evict(src)
     cmd = [*sclayout_cmd(), "convert", str(src), str(dst), "-q", *ORDERS[order], *extra]
+    cmd += ["--memory-budget", budget] if budget else []
     if profile is not None:
         profile.mkdir(parents=True, exist_ok=True)
         spy = pyspy_cmd(profile / f"{order}.txt")
@@ -267,6 +283,130 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     )
 
 
+def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[str, float]:
+    """The loader's cells/s on ``store`` (BlockDataset's read loop, batch 64, dense), the
+    store evicted before and every 0.5 s during the run; timed from the first minibatch."""
+    import time
+
+    from loader import open_layout
+    from loader import sampler as S
+    from loader._pipeline import run_plan
+    from loader.dataset import DEFAULT_PREFETCH
+
+    evict(store)
+    reader = open_layout(store)
+    cfg = S.SamplerConfig(
+        block_lengths=reader.block_lengths(), batch_size=64, fetch_factor=fetch_factor, seed=0
+    )
+    n, t0 = 0, None
+    with Evictor([store]):
+        it = run_plan(S.worker_plan(cfg, 0), reader, output="dense", prefetch=DEFAULT_PREFETCH)
+        for batch in it:
+            if t0 is None:  # opening and the first fetch are not timed
+                t0 = time.perf_counter()
+                continue
+            n += len(batch["index"])
+            if time.perf_counter() - t0 >= seconds:
+                break
+        dt = time.perf_counter() - (t0 or time.perf_counter())
+        it.close()
+    return {"cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n}
+
+
+SCALE_TARGET = 0.85
+"""At the largest size, MB/s and cells/s at least this fraction of the smallest's."""
+
+
+def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    budget = meta["memory_budget_bytes"]
+    base = {r["order"]: r for r in rows if r["n_obs"] == min(x["n_obs"] for x in rows)}
+    table = []
+    for r in rows:
+        b = base[r["order"]]
+        table.append(
+            {
+                "cells": f"{r['n_obs']:,}",
+                "order": r["order"],
+                "src": format_bytes(r["source_bytes"]),
+                "mb_s": f"{r['source_mb_s']:,.0f} ({r['source_mb_s'] / b['source_mb_s']:.2f}×)",
+                "rss": f"{format_bytes(r['peak_rss'])} "
+                + ("✓" if r["peak_rss"] <= budget else "✗"),
+                "out": format_bytes(r["output_bytes"]),
+                "files": f"{r['files']:,}",
+                "cps": f"{r['cells_per_s']:,.0f} ({r['cells_per_s'] / b['cells_per_s']:.2f}×)",
+                "load": f"{r['load_avg_1min']:.1f}",
+            }
+        )
+    cols = {
+        "cells": "cells",
+        "order": "order",
+        "src": "h5ad",
+        "mb_s": "convert MB/s (× smallest)",
+        "rss": f"peak RSS (≤ {meta['memory_budget']})",
+        "out": "store",
+        "files": "files",
+        "cps": "loader cells/s, ≫RAM (× smallest)",
+        "load": "load avg",
+    }
+    env = meta["environment"]
+    return (
+        "### Scale: `sclayout convert` and the loader from 200k to 5M cells\n\n"
+        f"Tahoe-like sets built out of core with the sparse sampler, {meta['nnz_per_cell']} "
+        "non-zeros per cell, 20,000 genes; one conversion per size and order (source and "
+        "work folder evicted every 0.5 s), then the loader (BlockDataset's read loop, batch "
+        f"64, fetch factor 16, dense) for {meta['load_seconds']:.0f} s with the store evicted "
+        f"every 0.5 s. Target: at the largest size ≥ {SCALE_TARGET}× the smallest's MB/s "
+        "and cells/s, peak RSS ≤ the budget everywhere. The machine was shared with other "
+        "jobs (load avg column): compare ratios within this run.\n\n"
+        f"{markdown_table(table, cols)}\n\n"
+        f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
+        f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
+    )
+
+
+def _scale(args: argparse.Namespace) -> int:
+    """The scale table: every size and order converted once, then loaded."""
+    from sclayout.convert.plan import parse_memory_budget
+
+    sizes = [int(x) for x in args.scale.split(",")]
+    results = args.results or RESULTS
+    work = args.work or bench_dir() / "convert-scale"
+    meta = {
+        "command": command_line(),
+        "sizes": sizes,
+        "nnz_per_cell": args.scale_nnz,
+        "memory_budget": args.memory_budget,
+        "memory_budget_bytes": parse_memory_budget(args.memory_budget),
+        "load_seconds": args.load_seconds,
+        "regime": args.regime,
+        "environment": environment(),
+    }
+    rows = []
+    for order in args.orders.split(","):  # every size of one order first: rows that
+        for n in sizes:  # compare are done together if the run is cut short
+            src = cached_tahoe_like(n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse")
+            r = _one_run(
+                src, order, work, regime=args.regime, extra=args.extra.split(),
+                budget=args.memory_budget,
+            )  # fmt: skip
+            r.update(n_obs=n, **_load_rate(work / order / "store.zarr", seconds=args.load_seconds))
+            shutil.rmtree(work / order, ignore_errors=True)
+            print(
+                f"{n:,} cells {order}: {r['source_mb_s']:,.0f} MB/s, peak RSS "
+                f"{format_bytes(r['peak_rss'])}, {format_bytes(r['output_bytes'])} in "
+                f"{r['files']} files, loader {r['cells_per_s']:,.0f} cells/s",
+                flush=True,
+            )
+            rows.append(r)
+            md = _scale_markdown(rows, meta)  # after every run: a cut-short run keeps its rows
+            js, mdp = write_results(
+                "convert-scale", {"meta": meta, "runs": rows}, md, results=results
+            )
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = _parse(argv)
     if args.atlas:
@@ -274,6 +414,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared += ["--repeat", str(args.repeat)] if args.repeat else []
         shared += ["--results", str(args.results)] if args.results else []
         return _atlas([*shared, *rest])
+    if args.scale:
+        return _scale(args)
     if args.render:
         results = args.results or RESULTS
         payload = json.loads((results / "convert.json").read_text())

@@ -5,7 +5,8 @@ wrong" (its largest error is at large fetches whose reads wait).
 For each round, every (regime, fetch factor) pair is run once, interleaved, with
 :class:`loader.BlockDataset` (batch 64, dense, the store's block size) for
 ``--seconds``; the medians over rounds are reported with the model's prediction and
-planned read bytes (``sclayout.cost.model.predict`` on the ``local-disk-here`` preset;
+planned read bytes (``sclayout.cost.model.predict`` on the ``local-disk-here`` profile,
+measured here and kept in ``benchmarks/results/presets/``;
 its absolute level is not the point, the ratio between fetch sizes is):
 
 - ``warm``: the store in the page cache;
@@ -40,6 +41,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]  # not ./loader.py
 RESULTS = ROOT / "results"
+HERE_PROFILE = RESULTS / "presets" / "local-disk-here.json"
 DEFAULT_STORE = Path.home() / ".cache/sclayout-bench/costmodel/full_orig_b16_lz4.zarr"
 HTTP_DELAY = 0.002
 WARMUP_BATCHES = 3
@@ -98,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     from loader.spec import LoaderSettings
     from loader.store import open_layout
     from sclayout.cost.model import predict
-    from sclayout.cost.profile import get_preset
+    from sclayout.cost.profile import load_profile
 
     ffs = [int(f) for f in args.fetch_factors.split(",")]
     regimes = args.regimes.split(",")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
             reader.manifest,
             reader.block_pointer,
             settings=settings,
-            profile=get_preset("local-disk-here"),
+            profile=load_profile(HERE_PROFILE),
         )
         model[f] = {
             "cells_per_s": p.cells_per_s,

@@ -1,6 +1,8 @@
-"""Refresh the preset profiles shipped in ``sclayout/cost/presets`` from calibrations.
+"""Refresh the profiles measured here and the cited presets from calibrations.
 
-The three presets measured on the project's dev VM come from ``sclayout calibrate``:
+The three profiles measured on the project's dev VM come from ``sclayout calibrate`` and
+are written to ``benchmarks/results/presets/`` (they describe one VM, so the wheel does
+not ship them; pass one by path: ``--profile benchmarks/results/presets/NAME.json``):
 
 - ``local-disk-here``: the local profile ``benchmarks/costmodel.py`` calibrated
   (``benchmarks/results/costmodel-profile-local.json``);
@@ -8,7 +10,8 @@ The three presets measured on the project's dev VM come from ``sclayout calibrat
 - ``http-loopback-20ms``: calibrated here, against ``python -m sclayout.testing.httpserver``
   adding 20 ms per request, serving the same store.
 
-The cited presets (``local-nvme``, ``network-disk``, ``http-object-store``) keep
+The cited presets shipped in ``sclayout/cost/presets`` (``local-nvme``,
+``network-disk``, ``http-object-store``) keep
 their storage figures (taken from data sheets and vendor guides, cited in their
 ``source``) and take their CPU figures (codecs, assembly, per-fetch and per-read
 CPU, parallelism) from ``local-disk-here``: the CPU is this machine's wherever the
@@ -19,7 +22,7 @@ the loader reads a URL by.
 Usage::
 
     python benchmarks/costmodel.py     # first: calibrates and validates
-    python benchmarks/presets.py       # then: rewrites the presets
+    python benchmarks/presets.py       # then: rewrites the profiles and presets
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 PRESETS = ROOT.parent / "sclayout" / "cost" / "presets"
 RESULTS = ROOT / "results"
+MEASURED = RESULTS / "presets"
 STORE = "full_orig_b16_lz4.zarr"
 CPU_FIELDS = (
     "codecs",
@@ -126,8 +130,9 @@ def main(argv: list[str] | None = None) -> None:
             ),
         )
     for name, p in sorted(out.items()):
-        p.save(PRESETS / f"{name}.json")
-        print(f"wrote {PRESETS / f'{name}.json'}")
+        path = (PRESETS if name in CITED else MEASURED) / f"{name}.json"
+        p.save(path)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,25 @@ def test_tahoe_like_streams_in_several_chunks(tmp_path, monkeypatch):
     assert np.diff(a.X.indptr).mean() == pytest.approx(SMALL["nnz_per_cell"], rel=0.1)
 
 
+def test_sparse_sampler_streams_canonical_rows_of_the_asked_density(tmp_path, monkeypatch):
+    """The sparse sampler (the scale table's sets) writes several chunks of canonical CSR
+    rows, ``nnz_per_cell`` distinct genes a cell on average, integer counts, the same
+    labels as the dense sampler, deterministically."""
+    monkeypatch.setattr(datasets, "DENSE_CHUNK_ENTRIES", 4 * 80 * 50)  # 50 rows per chunk
+    path = make_tahoe_like(tmp_path / "s.h5ad", seed=3, sampler="sparse", **SMALL)
+    dense = make_tahoe_like(tmp_path / "d.h5ad", seed=3, **SMALL)
+    a, d = ad.read_h5ad(path), ad.read_h5ad(dense)
+    assert a.X.has_canonical_format and a.shape == d.shape
+    assert np.diff(a.X.indptr).mean() == pytest.approx(SMALL["nnz_per_cell"], rel=0.1)
+    assert np.all(a.X.data >= 1) and np.all(a.X.data == np.round(a.X.data))
+    assert a.obs.equals(d.obs)
+    again = make_tahoe_like(tmp_path / "t.h5ad", seed=3, sampler="sparse", **SMALL)
+    with h5py.File(path) as f, h5py.File(again) as g:
+        assert np.array_equal(f["X/indices"][:], g["X/indices"][:])
+    with pytest.raises(InputError, match="sampler='fast': use 'dense' or 'sparse'"):
+        make_tahoe_like(tmp_path / "x.h5ad", sampler="fast", **SMALL)
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [

@@ -81,7 +81,11 @@ def test_both_packages_import_from_the_wheel(installed):
 def test_wheel_ships_type_markers_presets_and_license(installed):
     _, info = installed
     assert info["typed"] == [True, True]
-    assert "local-disk-here.json" in info["presets"]
+    # the cited presets ship; profiles measured on one VM stay in benchmarks/results/presets
+    assert {"local-nvme.json", "network-disk.json", "http-object-store.json"} <= set(
+        info["presets"]
+    )
+    assert "local-disk-here.json" not in info["presets"]
     assert info["license_files"] == ["LICENSE"]
 
 

@@ -8,11 +8,13 @@ asks for the same role again, so tasks use each role for one purpose only.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 
 import numpy as np
 
-__all__ = ["ALIGN", "aligned_scratch", "release_scratch", "scratch"]
+__all__ = ["ALIGN", "aligned_scratch", "release_scratch", "scratch", "trim_heap"]
 
 ALIGN = 4096
 """Alignment of ``O_DIRECT`` offsets, lengths and buffers (the page size covers every
@@ -43,9 +45,33 @@ def scratch(role: str, n: int, dtype: np.dtype) -> np.ndarray:
 
 
 def release_scratch() -> None:
-    """Drop every scratch buffer (end of a conversion)."""
+    """Drop every scratch buffer (end of a phase) and hand the freed memory back."""
     with _lock:
         _pool.clear()
+    trim_heap()
+
+
+def _libc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None
+
+
+_malloc_trim = _libc_trim()
+
+
+def trim_heap() -> None:
+    """Return the free pages of every malloc arena to the system (glibc; else a no-op).
+
+    A task frees thousands of chunk-sized buffers (tensorstore's encoded chunks, numpy
+    temporaries) in a dozen threads' arenas; glibc keeps that memory mapped, so without
+    a trim the resident size creeps up task after task, past the memory budget on long
+    conversions. Called after every task.
+    """
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 def aligned_scratch(role: str, nbytes: int) -> np.ndarray:

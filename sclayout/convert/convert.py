@@ -80,6 +80,7 @@ from sclayout.convert.space import (
     estimate_store_bytes,
     is_no_space,
     no_space_error,
+    route_bytes,
 )
 from sclayout.convert.write import (
     CopyJob,
@@ -110,6 +111,9 @@ source number and row (provenance). The obs table is counted as it is read: the
 working memory is what the budget leaves beside the process's resident size."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
+MIN_WORK = 64 * 2**20
+"""Least working memory a budget above the process's size must leave for the tasks
+(a few shards' worth: less would only make the conversion crawl)."""
 TMP_TAG = "sclayout-tmp"
 OLD_TAG = "sclayout-old"
 NAME_MAX = 255
@@ -315,7 +319,8 @@ def convert(
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
     try:
-        need = _store_bytes(srcs, infos, opts.codec)
+        reorder = several or opts.order.kind != "original"
+        need = _store_bytes(srcs, infos, opts.codec, reorder=reorder)
         if remote is None:
             check_free_space(dst_p, need)  # the old DST stays until the rename: not free
         if several:
@@ -395,13 +400,36 @@ def _rss() -> int:
 def working_memory(budget: int, *, n_obs: int) -> int:
     """Bytes the conversion tasks may use.
 
-    The budget minus the process's current resident memory, the driver's per-row arrays,
-    the I/O threads' staging buffers and a margin; at least a quarter of the budget
-    (tiny budgets in tests are below any interpreter's footprint).
+    The budget minus the process's current resident memory (the obs table included),
+    the per-cell tables (:data:`DRIVER_BYTES_PER_ROW` a cell), the I/O threads' staging
+    buffers and a margin. A budget below the process's own size (tiny budgets in tests)
+    gets a quarter of itself: tasks as small as they go.
+
+    Raises
+    ------
+    InputError
+        When a budget above the process's size leaves less than :data:`MIN_WORK` and
+        the per-cell tables take at least that much (about 10^6 cells and more): the
+        tables of this many cells do not fit in it.
     """
     staging = IO_THREADS * DIRECT_PIECE  # the I/O threads' O_DIRECT staging buffers
-    spare = budget - _rss() - DRIVER_BYTES_PER_ROW * n_obs - WORK_MARGIN - staging
+    rss = _rss()
+    tables = DRIVER_BYTES_PER_ROW * n_obs
+    held = rss + tables + WORK_MARGIN + staging
+    spare = budget - held
+    if budget >= rss and spare < MIN_WORK <= tables:
+        need = -(-(held + MIN_WORK) // 10**8) / 10  # GB, rounded up to 0.1
+        raise InputError(
+            f"--memory-budget {_gb(budget)} is too small for {n_obs:,} cells: the process "
+            f"({_gb(rss)}) and its per-cell tables ({DRIVER_BYTES_PER_ROW} bytes a cell, "
+            f"{_gb(tables)}) leave too little to convert with; "
+            f"pass --memory-budget {need:g}GB or more"
+        )
     return max(spare, budget // 4)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
 
 
 # -- destination safety ------------------------------------------------------------------
@@ -565,16 +593,22 @@ def _write_uns_sclayout(
     return provenance
 
 
-def _store_bytes(srcs: list[Path], infos: list[Any], codec: str) -> int:
-    """Bytes the store of ``srcs`` is expected to take (a legacy file: its own size)."""
+def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: bool) -> int:
+    """Free bytes a conversion of ``srcs`` needs.
+
+    The store (a legacy file: its own size), plus the route files of a reordering
+    conversion.
+    """
     total = 0
     ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
-            total += tree_bytes(src)[0]
+            total += tree_bytes(src)[0] * (2 if reorder else 1)
             continue
         with open_group(Path(src)) as root:
-            total += estimate_store_bytes(Source(root, Path(src)), codec, ratios=ratios)
+            source = Source(root, Path(src))
+            total += estimate_store_bytes(source, codec, ratios=ratios)
+            total += route_bytes(source) if reorder else 0
     return total
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from sclayout.convert import source
-from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch
+from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch, trim_heap
 from sclayout.convert.parts import Part
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
 from sclayout.convert.write import submit_region, write_region
@@ -328,6 +328,7 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
     table = np.stack(
         [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
     ).astype(np.int64)
+    trim_heap()
     return table
 
 
@@ -389,6 +390,7 @@ def route_csc(job: RouteCscJob) -> int:
         for b in np.unique(first[sel] + k):
             s = sel[first[sel] + k == b]
             _append(job.workdir, int(b), {"meta": out_row[s], "data": data[s], "idx": cols[s]})
+    trim_heap()
     return data.nbytes + rows.nbytes
 
 
@@ -422,6 +424,7 @@ def route_dense(job: RouteDenseJob) -> int:
     for b in np.unique(first):
         a, z = cuts[b], cuts[b + 1]
         _append(job.workdir, int(b), {"meta": o_row[a:z], "data": o_val[a:z]})
+    trim_heap()
     return values.nbytes
 
 
@@ -507,6 +510,13 @@ def _load_segments(job: AssembleJob) -> tuple[np.ndarray, ...]:
 
 def assemble(job: AssembleJob) -> int:
     """Run an :class:`AssembleJob`; returns bytes written (uncompressed)."""
+    try:
+        return _assemble(job)
+    finally:
+        trim_heap()
+
+
+def _assemble(job: AssembleJob) -> int:
     if job.kind == "dense":
         parts = _load(job.workdir, job.bucket, {"meta": np.dtype(np.int64), "data": job.dtype})
         values = parts["data"].reshape(parts["meta"].size, job.n_vars)

@@ -31,6 +31,7 @@ __all__ = [
     "estimate_store_bytes",
     "is_no_space",
     "no_space_error",
+    "route_bytes",
 ]
 
 _READ_ERRORS = (OSError, RuntimeError, KeyError, ValueError)
@@ -149,6 +150,25 @@ def estimate_store_bytes(
     other = max(0, _tree_bytes(Path(source.path)) - in_source)
     ratios = {} if ratios is None else ratios
     return other + sum(_matrix_bytes(source, m, compressors, ratios) for m in matrices)
+
+
+def route_bytes(source: Source) -> int:
+    """Bytes of the route files a reordering conversion of ``source`` writes.
+
+    They hold the largest row-aligned matrix uncompressed (values and indices, plus 16
+    bytes a row, 8 an entry more for CSC) and stay beside the store until that matrix
+    is written, so a shuffled conversion needs them free on top of the store.
+    """
+    most = 0
+    for m in source.row_matrices():
+        n_obs, n_vars = m.shape
+        if m.encoding == "dense":
+            need = n_obs * n_vars * m.itemsize + 8 * n_obs
+        else:
+            per = m.itemsize + np.dtype(m.index_dtype).itemsize + (8 if m.encoding == "csc" else 0)
+            need = m.nnz * per + 16 * n_obs
+        most = max(most, need)
+    return most
 
 
 def device_of(path: Path) -> str:

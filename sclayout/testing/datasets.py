@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import os
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -210,10 +211,16 @@ def _progress(total: int, enabled: bool, desc: str):
 
 
 def tahoe_like_name(
-    *, n_obs: int = 200_000, n_vars: int = 20_000, nnz_per_cell: int = 2_000, seed: int = 0
+    *,
+    n_obs: int = 200_000,
+    n_vars: int = 20_000,
+    nnz_per_cell: int = 2_000,
+    seed: int = 0,
+    sampler: str = "dense",
 ) -> str:
     """Cache file name of :func:`make_tahoe_like` output for these parameters."""
-    return f"tahoe_like_{n_obs}x{n_vars}_nnz{nnz_per_cell}_seed{seed}.h5ad"
+    tag = "" if sampler == "dense" else f"_{sampler}"
+    return f"tahoe_like_{n_obs}x{n_vars}_nnz{nnz_per_cell}_seed{seed}{tag}.h5ad"
 
 
 def cached_tahoe_like(
@@ -222,10 +229,13 @@ def cached_tahoe_like(
     n_vars: int = 20_000,
     nnz_per_cell: int = 2_000,
     seed: int = 0,
+    sampler: str = "dense",
     progress: bool = False,
 ) -> Path:
     """Return the Tahoe-like dataset from the cache, built on first use."""
-    name = tahoe_like_name(n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, seed=seed)
+    name = tahoe_like_name(
+        n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, seed=seed, sampler=sampler
+    )
     return cached(
         name,
         make_tahoe_like,
@@ -233,6 +243,7 @@ def cached_tahoe_like(
         n_vars=n_vars,
         nnz_per_cell=nnz_per_cell,
         seed=seed,
+        sampler=sampler,
         progress=progress,
     )
 
@@ -269,6 +280,7 @@ def make_tahoe_like(
     n_plates: int = 14,
     n_cell_lines: int = 50,
     seed: int = 0,
+    sampler: str = "dense",
     progress: bool = False,
 ) -> Path:
     """Write a synthetic, Tahoe-100M-like count matrix as ``.h5ad``, out of core.
@@ -293,6 +305,14 @@ def make_tahoe_like(
         Categories of ``obs["plate"]`` and ``obs["cell_line"]``.
     seed
         Same seed, same file (byte for byte in X).
+    sampler
+        ``"dense"`` draws every cell × gene entry as described above (time grows with
+        ``n_obs × n_vars``). ``"sparse"`` draws each cell's detected genes directly
+        (time grows with the non-zeros, so 10^6-10^7 cells take minutes): a cell of
+        line *c* draws ``K ~ Poisson(k_c · L_i)`` genes with replacement from its
+        rates, ``k_c`` solved so that a cell has on average ``nnz_per_cell`` distinct
+        genes; a gene's count is how often it was drawn. Same labels and gene
+        programs, different bytes.
     progress
         Show a progress bar.
 
@@ -317,6 +337,8 @@ def make_tahoe_like(
         raise InputError(
             f"n_plates={n_plates}, n_cell_lines={n_cell_lines}: must be positive integers"
         )
+    if sampler not in ("dense", "sparse"):
+        raise InputError(f"sampler={sampler!r}: use 'dense' or 'sparse'")
     structure_ss, rows_ss = np.random.SeedSequence(seed).spawn(2)
     rng = np.random.default_rng(structure_ss)
 
@@ -357,7 +379,11 @@ def make_tahoe_like(
     _write_skeleton(path, obs, var)
     del obs
 
-    rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // n_vars)
+    if sampler == "sparse":
+        draws = _solve_draws(weights, float(nnz_per_cell))
+        rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // (4 * nnz_per_cell))
+    else:
+        rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // n_vars)
     starts = range(0, n_obs, rows_per_chunk)
     chunk_seeds = rows_ss.spawn(len(starts))
     writer = _CSRWriter(path, n_obs=n_obs, n_vars=n_vars, expected_nnz=n_obs * nnz_per_cell)
@@ -365,12 +391,23 @@ def make_tahoe_like(
         with _progress(n_obs, progress, "generating") as bar:
             for start, ss in zip(starts, chunk_seeds, strict=True):
                 stop = min(start + rows_per_chunk, n_obs)
-                data, indices, row_nnz = _tahoe_rows(
-                    np.random.default_rng(ss),
-                    line_rates[line_code[start:stop]],
-                    plate_effect[plate_code[start:stop]],
-                    size_factor[start:stop],
-                )
+                if sampler == "sparse":
+                    data, indices, row_nnz = _tahoe_rows_sparse(
+                        np.random.default_rng(ss),
+                        line_rates,
+                        plate_effect,
+                        draws,
+                        line_code[start:stop],
+                        plate_code[start:stop],
+                        size_factor[start:stop],
+                    )
+                else:
+                    data, indices, row_nnz = _tahoe_rows(
+                        np.random.default_rng(ss),
+                        line_rates[line_code[start:stop]],
+                        plate_effect[plate_code[start:stop]],
+                        size_factor[start:stop],
+                    )
                 writer.append(data, indices, row_nnz)
                 if bar is not None:
                     bar.update(stop - start)
@@ -396,6 +433,79 @@ def _tahoe_rows(
     rows, cols = np.divmod(flat, n_vars)
     row_nnz = np.bincount(rows, minlength=m)
     return counts, cols.astype(np.int32), row_nnz
+
+
+def _solve_draws(weights: np.ndarray, target: float) -> np.ndarray:
+    """Per row of ``weights`` (summing to 1), draws k with ``sum_j 1 - exp(-k w_j) = target``.
+
+    Drawing Poisson(k) genes with replacement from ``w`` then yields ``target``
+    distinct genes on average. Bisection, vectorised over rows.
+    """
+    lo, hi = np.zeros(len(weights)), np.full(len(weights), target)
+
+    def distinct(k: np.ndarray) -> np.ndarray:
+        return (-np.expm1(-k[:, None] * weights)).sum(axis=1)
+
+    while np.any(distinct(hi) < target):
+        hi = np.where(distinct(hi) < target, hi * 2, hi)
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        below = distinct(mid) < target
+        lo, hi = np.where(below, mid, lo), np.where(below, hi, mid)
+    return (lo + hi) / 2
+
+
+def _sorted_uniforms(rng: np.random.Generator, k: np.ndarray) -> np.ndarray:
+    """For each n in ``k``, n uniforms in [0, 1) in increasing order, concatenated.
+
+    Normalised partial sums of exponential spacings (no sort): the i-th of n sorted
+    uniforms is ``(E_1 + ... + E_i) / (E_1 + ... + E_{n+1})``.
+    """
+    spacing = rng.standard_exponential(int(k.sum()) + k.size)
+    total = np.cumsum(spacing)
+    ends = np.cumsum(k + 1) - 1  # last spacing of each row: its normaliser
+    base = np.r_[0.0, total[ends[:-1]]]
+    row = np.repeat(np.arange(k.size), k + 1)
+    keep = np.ones(total.size, dtype=bool)
+    keep[ends] = False
+    span = total[ends] - base
+    return ((total - base[row]) / span[row])[keep]
+
+
+def _tahoe_rows_sparse(
+    rng: np.random.Generator,
+    line_rates: np.ndarray,
+    plate_effect: np.ndarray,
+    draws: np.ndarray,
+    line: np.ndarray,
+    plate: np.ndarray,
+    size: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One chunk of rows drawn gene by detected gene (``sampler="sparse"``); CSR pieces.
+
+    Rows of one (plate, line) group are consecutive, so the chunk is cut into runs of
+    one group, each sampled from its group's cumulative rates. Each row's draws are
+    sorted uniforms, so its genes come out sorted and repeats are adjacent.
+    """
+    m = len(line)
+    group = plate.astype(np.int64) * line_rates.shape[0] + line
+    cuts = np.r_[0, np.flatnonzero(np.diff(group)) + 1, m]
+    k = rng.poisson(draws[line] * size)
+    u = _sorted_uniforms(rng, k)
+    genes = np.empty(u.size, dtype=np.int64)
+    at = np.r_[0, np.cumsum(k)]
+    for a, b in itertools.pairwise(cuts):
+        c, p = int(line[a]), int(plate[a])
+        cdf = np.cumsum(line_rates[c] * plate_effect[p], dtype=np.float64)
+        lo, hi = int(at[a]), int(at[b])
+        genes[lo:hi] = np.searchsorted(cdf, u[lo:hi] * cdf[-1], side="right")
+    np.minimum(genes, line_rates.shape[1] - 1, out=genes)
+    rows = np.repeat(np.arange(m), k)
+    new = np.ones(genes.size, dtype=bool)
+    new[1:] = (genes[1:] != genes[:-1]) | (rows[1:] != rows[:-1])
+    first = np.flatnonzero(new)
+    counts = np.diff(np.r_[first, genes.size]).astype(np.float32)  # draws of each gene
+    return counts, genes[first].astype(np.int32), np.bincount(rows[first], minlength=m)
 
 
 # --------------------------------------------------------------------- tiled real

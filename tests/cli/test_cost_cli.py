@@ -12,6 +12,9 @@ from loader.spec import LayoutSpec
 from loader.store import open_layout
 from sclayout.cost.profile import load_profile
 
+HERE = str(Path(__file__).resolve().parents[2] / "benchmarks/results/presets/local-disk-here.json")
+"""The profile measured on the project's VM (not shipped: benchmarks/results/presets/)."""
+
 SMALL_SPACE = (
     "--block-sizes", "4,8,16", "--fetch-factors", "2,4,8", "--codecs", "blosc-lz4,zstd",
     "--worker-counts", "0", "--batch-size", "16",
@@ -27,7 +30,7 @@ def test_recommend_spec_is_accepted_by_convert_and_the_dataset(data, tmp_path, r
     src, _ = data
     spec_path, plot = tmp_path / "spec.json", tmp_path / "front.png"
     r = run_cli(
-        "recommend", src, "--label", "plate", "--profile", "local-disk-here",
+        "recommend", src, "--label", "plate", "--profile", HERE,
         "--min-diversity", "0.9", "--spec-out", spec_path, "--plot", plot, "--json",
         *SMALL_SPACE,
     )  # fmt: skip
@@ -86,7 +89,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         "--label",
         "plate",
         "--profile",
-        "local-disk-here",
+        HERE,
         "--json",
         *SMALL_SPACE,
     )
@@ -125,9 +128,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
 )  # fmt: skip
 def test_recommend_bad_input(data, args, parts, assert_one_line_error, run_cli):
     src, _ = data
-    r = run_cli(
-        "recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate", *args
-    )
+    r = run_cli("recommend", src, "--profile", HERE, *SMALL_SPACE, "--label", "plate", *args)
     assert_one_line_error(r, *parts)
 
 
@@ -139,7 +140,7 @@ def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data, run_c
         "recommend",
         src,
         "--profile",
-        "local-disk-here",
+        HERE,
         *SMALL_SPACE,
         "--min-diversity",
         "0.5",
@@ -151,7 +152,7 @@ def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data, run_c
 
 def test_recommend_never_replaces_a_file_unasked(data, tmp_path, assert_one_line_error, run_cli):
     src, _ = data
-    args = ("recommend", src, "--profile", "local-disk-here", *SMALL_SPACE, "--label", "plate")
+    args = ("recommend", src, "--profile", HERE, *SMALL_SPACE, "--label", "plate")
     keep = tmp_path / "mine.json"
     keep.write_text("my notes")
     r = run_cli(*args, "--spec-out", keep, "--min-diversity", "0.5")
@@ -176,10 +177,10 @@ def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(
     data, tmp_path, assert_one_line_error, run_cli
 ):
     src, _ = data
-    r = run_cli("recommend", src, "--profile", "local-disk-here", "--orders", "stratified")
+    r = run_cli("recommend", src, "--profile", HERE, "--orders", "stratified")
     assert_one_line_error(r, "--orders stratified: needs --label COLUMN")
     (tmp_path / "notes.txt").write_text("hello")
-    r = run_cli("recommend", tmp_path / "notes.txt", "--profile", "local-disk-here")
+    r = run_cli("recommend", tmp_path / "notes.txt", "--profile", HERE)
     assert_one_line_error(r, "is neither HDF5 (.h5ad) nor a zarr store")
 
 
@@ -198,10 +199,9 @@ def test_recommend_stratified_needs_a_label_and_a_source_must_be_anndata(
 def test_malformed_profile_is_a_one_line_error(
     data, tmp_path, change, part, assert_one_line_error, run_cli
 ):
-    from sclayout.cost.profile import get_preset
 
     src, _ = data
-    d = {**get_preset("local-disk-here").to_dict(), **change}
+    d = {**load_profile(HERE).to_dict(), **change}
     (tmp_path / "p.json").write_text(json.dumps(d))
     r = run_cli("recommend", src, "--profile", tmp_path / "p.json", *SMALL_SPACE)
     assert_one_line_error(r, part)
@@ -212,10 +212,9 @@ def test_recommend_searches_only_the_codecs_its_profile_measured(
 ):
     """A profile calibrated before a codec existed: the default codec list skips the
     codec and says so; naming it with --codecs is a one-line error."""
-    from sclayout.cost.profile import get_preset
 
     src, _ = data
-    d = get_preset("local-disk-here").to_dict()
+    d = load_profile(HERE).to_dict()
     d["codecs"].pop("blosc-lz4hc", None)
     (tmp_path / "old.json").write_text(json.dumps(d))
     space = [a for a in SMALL_SPACE if a not in ("--codecs", "blosc-lz4,zstd")]
@@ -224,7 +223,7 @@ def test_recommend_searches_only_the_codecs_its_profile_measured(
     assert "not searched: blosc-lz4hc (recalibrate" in r.stdout
     args = ("recommend", src, "--label", "plate", *space, "--json", "--top", "1000")
     old = json.loads(run_cli(*args, "--profile", tmp_path / "old.json").stdout)
-    new = json.loads(run_cli(*args, "--profile", "local-disk-here").stdout)
+    new = json.loads(run_cli(*args, "--profile", HERE).stdout)
     assert "blosc-lz4hc" not in {row["codec"] for row in old["ranked"]}
     assert "blosc-lz4hc" in {row["codec"] for row in new["ranked"]}
     assert old["n_candidates"] < new["n_candidates"]
@@ -262,7 +261,7 @@ def test_bench_prints_measured_beside_predicted(data, run_cli):
         "--label",
         "plate",
         "--profile",
-        "local-disk-here",
+        HERE,
         "--json",
     )
     assert r.exit_code == 0, r.stderr
@@ -297,15 +296,12 @@ def test_calibrate_writes_a_profile(data, tmp_path, run_cli, smoke_quick):
 def test_calibrate_cpu_from_keeps_the_cpu_figures_of_a_preset(
     data, tmp_path, assert_one_line_error, run_cli
 ):
-    from sclayout.cost.profile import get_preset, load_profile
 
     _, store = data
     out = tmp_path / "p.json"
-    r = run_cli(
-        "calibrate", store, "--out", out, "--quick", "--quiet", "--cpu-from", "local-disk-here"
-    )
+    r = run_cli("calibrate", store, "--out", out, "--quick", "--quiet", "--cpu-from", HERE)
     assert r.exit_code == 0, r.stderr
-    p, preset = load_profile(out), get_preset("local-disk-here")
+    p, preset = load_profile(out), load_profile(HERE)
     assert p.codecs == preset.codecs and p.cores == preset.cores
     assert p.densify_s_per_value == preset.densify_s_per_value
     assert p.latency_s != preset.latency_s  # the storage is this store's, measured now
@@ -318,7 +314,7 @@ def test_bench_times_a_dataset_of_one_minibatch_over_several_epochs(data, run_cl
     _, store = data
     r = run_cli(
         "bench", store, "--batch-size", "100000", "--runs", "1", "--seconds", "0.3",
-        "--profile", "local-disk-here", "--json",
+        "--profile", HERE, "--json",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     out = json.loads(r.stdout)  # strict JSON: no NaN
@@ -367,12 +363,11 @@ def test_recommend_without_profile_calibrates_the_data_location_quickly(
 def test_search_api_skips_default_codecs_an_old_profile_lacks(data):
     from dataclasses import replace
 
-    from sclayout.cost.profile import get_preset
     from sclayout.cost.search import SearchSpace, measured_codecs, search
     from sclayout.cost.stats import read_dataset_stats
 
     src, _ = data
-    prof = get_preset("local-disk-here")
+    prof = load_profile(HERE)
     old = replace(prof, codecs={k: v for k, v in prof.codecs.items() if k != "blosc-lz4hc"})
     space, missing = measured_codecs(SearchSpace(), old)
     assert missing == ("blosc-lz4hc",) and "blosc-lz4hc" not in space.codecs
@@ -392,7 +387,7 @@ def test_recommend_on_an_original_store_below_the_target_names_settings_and_conv
     src, _ = data
     store = tmp_path / "original.zarr"
     make_store(src, store, block_size=8, order="original", seed=3)
-    args = ("recommend", store, "--label", "plate", "--profile", "local-disk-here")
+    args = ("recommend", store, "--label", "plate", "--profile", HERE)
     args += ("--min-diversity", "0.99", *SMALL_SPACE)
     r = run_cli(*args, "--json")
     assert r.exit_code == 0, r.stderr

@@ -115,7 +115,7 @@ def test_recommend_and_bench_read_a_store_over_http(server, run_cli):
         "recommend",
         server.url,
         "--profile",
-        "http-loopback-2ms",
+        "http-object-store",
         "--json",
         "--fetch-factors",
         "2,4",
@@ -141,7 +141,7 @@ def test_recommend_and_bench_read_a_store_over_http(server, run_cli):
         "--seconds",
         "0.3",
         "--profile",
-        "http-loopback-2ms",
+        "http-object-store",
         "--json",
     )
     assert r.exit_code == 0, r.stderr
