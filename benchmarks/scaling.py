@@ -11,7 +11,7 @@ main process's densify, serial).
 
 Usage::
 
-    .venv/bin/python benchmarks/scaling.py --store STORE.zarr --profile local-disk-here
+    .venv/bin/python benchmarks/scaling.py --store STORE.zarr
 
 Writes ``benchmarks/results/scaling.{json,md}``.
 """
@@ -41,7 +41,11 @@ def _ints(text: str) -> tuple[int, ...]:
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--store", type=Path, required=True, help="a layout store")
-    p.add_argument("--profile", default="local-disk-here", help="profile file or preset")
+    p.add_argument(
+        "--profile",
+        default=str(RESULTS / "presets" / "local-disk-here.json"),
+        help="profile file or preset [this machine's: results/presets/local-disk-here.json]",
+    )
     p.add_argument("--cores", default="2,8,16,32", help="core counts [2,8,16,32]")
     p.add_argument("--workers", default="0,2,4,8", help="DataLoader workers [0,2,4,8]")
     p.add_argument("--outputs", default="dense,csr", help="dense,csr")

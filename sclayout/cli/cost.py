@@ -349,7 +349,7 @@ def _plot(result: Any, path: Path, title: str) -> None:
         "sclayout recommend data.h5ad --label cell_type --spec-out spec.json",
         "sclayout recommend data.h5ad --label plate --profile nvme.json --plot front.png",
         "sclayout recommend store.zarr --profile local-nvme --worker-counts 0,2,4 --json",
-        "sclayout recommend store.zarr --profile local-disk-here --cores 32",
+        "sclayout recommend store.zarr --profile local-nvme --cores 32",
         "sclayout recommend plate*.h5ad --label source --spec-out spec.json",
     ),
 )

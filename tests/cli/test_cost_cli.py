@@ -68,7 +68,7 @@ def test_recommend_predicts_for_a_given_core_count(data, run_cli):
     src, _ = data
     picks = {}
     for cores in ("2", "32"):
-        args = ("recommend", src, "--label", "plate", "--profile", "local-disk-here")
+        args = ("recommend", src, "--label", "plate", "--profile", "local-nvme")
         r = run_cli(*args, *SMALL_SPACE, "--cores", cores, "--json", "--top", "1000")
         assert r.exit_code == 0, r.stderr
         out = json.loads(r.stdout)
