@@ -9,8 +9,8 @@ scheduler or on a dask.distributed cluster unchanged.
 from __future__ import annotations
 
 import dataclasses
-
 import os
+import socket
 import threading
 import uuid
 import warnings
@@ -327,6 +327,7 @@ class Runner:
                     "install it with `pip install sclayout[distributed]`"
                 ) from None
             try:
+                _reachable(scheduler)  # refused at once, not after the client's timeout
                 self.client = Client(scheduler, timeout="10s")
             except OSError as e:
                 raise InputError(
@@ -403,6 +404,14 @@ class Runner:
         """Close the dask client, if one was started."""
         if self.client is not None:
             self.client.close()
+
+
+def _reachable(address: str) -> None:
+    """Raise :class:`OSError` if a ``tcp://host:port`` address refuses a connection."""
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme in ("", "tcp") and host and port.isdigit():
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
 
 
 SCATTER_BYTES = 1 << 20
