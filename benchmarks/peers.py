@@ -135,7 +135,10 @@ def _sclayout_run(
         it: Iterator = iter(ds.dataloader(num_workers=workers))
         t0 = time.perf_counter()
         cells_seen = 0
-        while cells_seen < 3 * BATCH or time.perf_counter() - t0 < 2.0:  # warm-up
+        warm_cap = labels_by_index.size // 10  # a fast loader must not spend the pass
+        while cells_seen < 3 * BATCH or (
+            time.perf_counter() - t0 < 2.0 and cells_seen < warm_cap
+        ):  # warm-up: 2 s, at most a tenth of the pass
             cells_seen += int(next(it)["index"].shape[0])
         cap = labels_by_index.size - cells_seen
         got, cells = [], 0
