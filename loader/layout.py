@@ -10,7 +10,8 @@ Root attribute ``sclayout``::
 
     {"format": "sclayout-layout", "version": 1, "tool_version": "0.1.0",
      "n_obs": ..., "n_vars": ..., "block_size": ...,
-     "order": {"kind": "original"|"shuffled"|"stratified", "seed": ..., "columns": [...]},
+     "order": {"kind": "original"|"shuffled"|"stratified"|"grouped", "seed": ...,
+               "columns": [...]},
      "matrices": {"X": {"encoding": "csr"|"dense", "shape": [n_obs, n_vars],
                         "dtype": "float32", "nnz": ...,
                         "block_pointer": "uns/sclayout/block_indptr/X" | null,
@@ -88,7 +89,7 @@ MANIFEST_KEY = "sclayout"
 SCLAYOUT_UNS = "uns/sclayout"
 """Group holding sclayout's own arrays. It lives under ``uns`` because anndata's
 reader passes every other root key to the ``AnnData`` constructor."""
-ORDER_KINDS = ("original", "shuffled", "stratified")
+ORDER_KINDS = ("original", "shuffled", "stratified", "grouped")
 ENCODINGS = ("csr", "dense")
 
 _TOOL_VERSION = "0.1.0"
@@ -246,8 +247,8 @@ class RowOrder:
         object.__setattr__(self, "columns", tuple(self.columns))
         if self.kind not in ORDER_KINDS:
             raise SpecError(f"order={self.kind!r}: unknown; known: {', '.join(ORDER_KINDS)}")
-        if self.kind == "stratified" and not self.columns:
-            raise SpecError("order='stratified' needs at least one obs column (--by COL)")
+        if self.kind in ("stratified", "grouped") and not self.columns:
+            raise SpecError(f"order={self.kind!r} needs at least one obs column (--by COL)")
 
     def to_dict(self) -> dict[str, Any]:
         """Return the row order as its manifest entry (JSON-ready)."""
@@ -256,7 +257,10 @@ class RowOrder:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> RowOrder:
         """Return the row order described by ``d``; a malformed one is a :class:`SpecError`."""
-        form = '{"kind": "original"|"shuffled"|"stratified", "seed": int, "columns": [names]}'
+        form = (
+            '{"kind": "original"|"shuffled"|"stratified"|"grouped", "seed": int, '
+            '"columns": [names]}'
+        )
         if not isinstance(d, Mapping) or "kind" not in d:
             raise SpecError(f"order={d!r}: must be an object {form}")
         columns = d.get("columns", ())

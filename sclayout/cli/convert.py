@@ -84,6 +84,7 @@ def split_paths(
         "sclayout convert data.h5ad store.zarr --order stratified --by plate --block-size 32",
         "sclayout convert data.h5ad store.zarr --spec spec.json --overwrite",
         "sclayout convert plate*.h5ad atlas.zarr --order stratified --by source --by cell_type",
+        "sclayout convert data.h5ad store.zarr --order grouped --by split --by cell_type",
         "sclayout convert --sources-from files.txt atlas.zarr --join outer",
         "sclayout convert a.h5ad b.zarr panel.zarr --var-names genes.txt",
         "sclayout convert data.zarr store.zarr --scheduler tcp://10.0.0.5:8786 --json",
@@ -122,7 +123,9 @@ def split_paths(
     default=None,
     help="Row order [original].",
 )
-@click.option("--by", multiple=True, help="obs column to stratify by (repeatable).")
+@click.option(
+    "--by", multiple=True, help="obs column to stratify or group by (repeatable; grouped: first)."
+)
 @click.option("--seed", type=int, default=None, help="Seed of the permutation [0].")
 @click.option("--codec", type=LazyChoice(codec_names), default=None, help="Codec [blosc-lz4].")
 @click.option(
@@ -188,15 +191,15 @@ def convert_command(
         layout_spec = LayoutSpec.load(spec)
         st = layout_spec.store
         kind = order or st.order.kind
-        if by and kind != "stratified":
+        if by and kind not in ("stratified", "grouped"):
             raise InputError(
-                f"--by {by[0]!r}: columns are only used with --order stratified "
+                f"--by {by[0]!r}: columns are only used with --order stratified or grouped "
                 f"(order is {kind!r}); drop --by or pass --order stratified"
             )
         merged_order = RowOrder(
             kind=kind,
             seed=seed if seed is not None else st.order.seed,
-            columns=by or (st.order.columns if kind == "stratified" else ()),
+            columns=by or (st.order.columns if kind in ("stratified", "grouped") else ()),
         )
         layout_spec = layout_spec.with_store(
             block_size=size or st.block_size, order=merged_order, codec=codec or st.codec

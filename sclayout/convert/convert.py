@@ -157,14 +157,14 @@ def resolve_options(
         block_size = store.block_size
     if store is not None:
         order = order if order != "original" else store.order.kind
-        if not by and order == "stratified":
+        if not by and order in ("stratified", "grouped"):
             by = store.order.columns
         if seed == 0 and store.order.seed is not None:
             seed = store.order.seed
         codec = codec if codec != "blosc-lz4" else store.codec
-    if by and order != "stratified":
+    if by and order not in ("stratified", "grouped"):
         raise InputError(
-            f"--by {by[0]!r}: columns are only used with --order stratified "
+            f"--by {by[0]!r}: columns are only used with --order stratified or grouped "
             f"(order is {order!r}); drop --by or pass --order stratified"
         )
     get_order(order)
@@ -235,9 +235,12 @@ def convert(
     block_size
         Rows per block; default: the spec's, else :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`.
     order
-        ``original``, ``shuffled`` or ``stratified`` (see :mod:`sclayout.convert.order`).
+        ``original``, ``shuffled``, ``stratified`` or ``grouped`` (see
+        :mod:`sclayout.convert.order`).
     by
-        obs columns to stratify by (``order="stratified"``).
+        obs columns to stratify by (``order="stratified"``); with ``order="grouped"``
+        the first is the column to group by (e.g. a train/validation split), the rest
+        stratify within each group.
     seed
         Seed of the shuffled/stratified permutation.
     codec

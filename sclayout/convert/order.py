@@ -130,4 +130,37 @@ def stratified(
     return order.astype(np.int64)
 
 
-ORDERS: dict[str, OrderFn] = {"original": original, "shuffled": shuffled, "stratified": stratified}
+def grouped(
+    n_obs: int, *, obs: pd.DataFrame | None = None, by: Sequence[str] = (), seed: int = 0
+) -> np.ndarray:
+    """Rows grouped by the first ``by`` column, each group one contiguous run.
+
+    Groups follow the column's sorted values (NaN last). Within a group rows are
+    stratified by the remaining columns, or shuffled when there are none. A split column
+    (train/validation) laid out this way makes ``rows={"split": "train"}`` select whole
+    blocks, so the loader reads nothing it does not deliver.
+    """
+    if obs is None:
+        raise SpecError("order='grouped' needs the obs table")
+    if not by:
+        raise SpecError("order='grouped' needs an obs column to group by (--by COL)")
+    _column_codes(obs, by[:1])  # names a missing column
+    codes, values = pd.factorize(obs[by[0]], sort=True, use_na_sentinel=False)
+    groups = np.asarray(codes, dtype=np.int64)
+    parts = []
+    for g in range(len(values)):
+        rows = np.flatnonzero(groups == g)
+        if by[1:]:
+            inner = stratified(rows.size, obs=obs.iloc[rows], by=by[1:], seed=seed + g)
+        else:
+            inner = _rng(seed, 3, g).permutation(rows.size)
+        parts.append(rows[inner])
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
+
+ORDERS: dict[str, OrderFn] = {
+    "original": original,
+    "shuffled": shuffled,
+    "stratified": stratified,
+    "grouped": grouped,
+}

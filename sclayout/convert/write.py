@@ -8,8 +8,11 @@ scheduler or on a dask.distributed cluster unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 import threading
+import uuid
 import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -324,6 +327,7 @@ class Runner:
                     "install it with `pip install sclayout[distributed]`"
                 ) from None
             try:
+                _reachable(scheduler)  # refused at once, not after the client's timeout
                 self.client = Client(scheduler, timeout="10s")
             except OSError as e:
                 raise InputError(
@@ -347,7 +351,7 @@ class Runner:
             if self.client is not None:
                 from distributed import as_completed
 
-                futures = self.client.get(dsk, keys, sync=False)
+                futures = self._submit(fn, jobs, keys)
                 for _ in as_completed(futures):
                     bar.update()
                 return self.client.gather(futures)
@@ -371,10 +375,52 @@ class Runner:
             bar.close()
             release_scratch()  # one phase's buffers must not outlive it (peak memory)
 
+    def _submit(self, fn: Callable[[Any], Any], jobs: list[Any], keys: list[str]) -> list[Any]:
+        """Submit ``fn(job)`` for every job to the cluster, each large array sent once.
+
+        The per-cell tables a phase's jobs share (the permutation, the pointers) would
+        otherwise travel inside every pickled task; they are scattered to the cluster
+        once and each task refers to them.
+        """
+        shared: dict[int, Any] = {}  # id(array) -> its future
+        submitted = []
+        for key, job in zip(keys, jobs, strict=True):
+            arrays = {}
+            if dataclasses.is_dataclass(job):
+                for f in dataclasses.fields(job):
+                    v = getattr(job, f.name)
+                    if isinstance(v, np.ndarray) and v.nbytes >= SCATTER_BYTES:
+                        if id(v) not in shared:
+                            shared[id(v)] = self.client.scatter(v, hash=False)
+                        arrays[f.name] = shared[id(v)]
+            if arrays:
+                job = dataclasses.replace(job, **{name: None for name in arrays})
+            submitted.append(
+                self.client.submit(_with_arrays, fn, job, arrays, key=f"{key}-{uuid.uuid4().hex}")
+            )
+        return submitted
+
     def close(self) -> None:
         """Close the dask client, if one was started."""
         if self.client is not None:
             self.client.close()
+
+
+def _reachable(address: str) -> None:
+    """Raise :class:`OSError` if a ``tcp://host:port`` address refuses a connection."""
+    scheme, _, rest = address.rpartition("://")
+    host, _, port = rest.rpartition(":")
+    if scheme in ("", "tcp") and host and port.isdigit():
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+
+
+SCATTER_BYTES = 1 << 20
+"""Array fields of a job at least this large go to a cluster once, not in every task."""
+
+
+def _with_arrays(fn: Callable[[Any], Any], job: Any, arrays: dict[str, np.ndarray]) -> Any:
+    """Run ``fn`` on ``job`` with its scattered array fields put back (a cluster task)."""
+    return fn(dataclasses.replace(job, **arrays) if arrays else job)
 
 
 def _bar(total: int, desc: str, enabled: bool):

@@ -338,9 +338,9 @@ def store_permutation(
     from sclayout.convert.order import get_order
 
     seed = 0 if seed is None else int(seed)
-    if kind == "stratified":
+    if kind in ("stratified", "grouped"):
         if strata is None:
-            raise InputError("order='stratified' needs a column to stratify by (--label COL)")
+            raise InputError(f"order={kind!r} needs a column to stratify by (--label COL)")
         obs = pd.DataFrame({"_by": np.asarray(strata)})
         return get_order(kind)(n_obs, obs=obs, by=("_by",), seed=seed)
     return get_order(kind)(n_obs, obs=None, by=(), seed=seed)

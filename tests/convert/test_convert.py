@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -723,3 +724,41 @@ def test_runner_stops_its_tasks_before_an_error_reaches_the_caller():
     assert len(done) == finished  # nothing ran on after run() raised
     assert finished <= 3  # the queued tasks never started
     assert runner.run(lambda i: i * 2, [1, 2, 3], desc="ok") == [2, 4, 6]
+
+
+@dataclasses.dataclass(frozen=True)
+class _TableJob:
+    table: np.ndarray
+    row: int
+
+
+def _sum_row(job: _TableJob) -> float:
+    return float(job.table[job.row].sum())
+
+
+def test_a_cluster_receives_a_shared_table_once_not_in_every_task():
+    """With a scheduler, the per-cell tables the jobs share travel once (scattered)."""
+    pytest.importorskip("distributed")
+    from distributed import LocalCluster
+
+    from sclayout.convert.write import SCATTER_BYTES, Runner
+
+    table = np.arange(4 * SCATTER_BYTES // 8, dtype=np.float64).reshape(4, -1)
+    jobs = [_TableJob(table, i % 4) for i in range(10)]
+    with LocalCluster(
+        n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+    ) as cluster:
+        runner = Runner(jobs=None, scheduler=cluster.scheduler_address, progress=False)
+        try:
+            scattered, sent = [], []
+            scatter, submit = runner.client.scatter, runner.client.submit
+            runner.client.scatter = lambda *a, **k: scattered.append(a) or scatter(*a, **k)
+            runner.client.submit = lambda fn, f, job, *a, **k: (
+                sent.append(job) or submit(fn, f, job, *a, **k)
+            )
+            got = runner.run(_sum_row, jobs, desc="rows")
+        finally:
+            runner.close()
+    assert got == [_sum_row(j) for j in jobs]
+    assert len(scattered) == 1 and len(sent) == len(jobs)
+    assert all(job.table is None for job in sent)  # no task carries the table itself
