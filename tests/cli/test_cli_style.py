@@ -89,7 +89,7 @@ def test_enumerations_are_choices_from_the_library_lists() -> None:
         assert isinstance(opt.type, click.Choice) and opt.type.choices == tuple(ORDER_KINDS)
     for opt in (conv["codec"], rec["codecs"]):
         assert isinstance(opt.type, click.Choice) and opt.type.choices == tuple(CODECS)
-    assert "[original|shuffled|stratified]" in run("convert", "--help").output
+    assert "[original|shuffled|stratified|grouped]" in run("convert", "--help").output
 
 
 def test_workers_is_one_integer_wherever_it_is_shown() -> None:

@@ -482,7 +482,7 @@ def test_sources_from_file(tmp_path):
 
 
 @settings(
-    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     data=st.data(),
@@ -671,7 +671,7 @@ def test_verify_finds_a_changed_value_and_a_wrong_source_list(tmp_path, mixed):
     assert r.exit_code == 1 and "built from 3 sources, 2 given" in r.stdout
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     sizes=st.lists(st.lists(st.integers(0, 9), max_size=12), min_size=2, max_size=6),
     step=st.integers(1, 30),

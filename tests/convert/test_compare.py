@@ -19,7 +19,7 @@ from sclayout.convert._compare import (
 shapes = st.tuples(st.integers(1, 30), st.integers(1, 12))
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(shape=shapes, seed=st.integers(0, 2**32 - 1), density=st.floats(0.0, 1.0))
 def test_one_changed_entry_is_exactly_one_bad_row(shape, seed, density) -> None:
     rng = np.random.default_rng(seed)

@@ -174,7 +174,9 @@ def test_stratified_by_two_columns_nests_them(make_adata):
 
 
 def test_unknown_order_lists_known():
-    with pytest.raises(SpecError, match=r"order='zigzag': unknown; known: original, shuffled"):
+    with pytest.raises(
+        SpecError, match=r"order='zigzag': unknown; known: grouped, original, shuffled, stratified"
+    ):
         get_order("zigzag")
 
 

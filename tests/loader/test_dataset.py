@@ -114,7 +114,7 @@ def test_dataloader_exactly_once(case, num_workers, drop_last, check_epoch, memo
     assert len(batches) == len(ds) == len(dl)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     n=st.integers(1, 150),
     block=st.integers(1, 20),

@@ -85,7 +85,7 @@ def csr_cases(draw):
     return m, indptr, bp, np.array(blocks, dtype=np.int64)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(csr_cases())
 def test_csr_plan_covers_exactly_the_needed_elements(case):
     m, indptr, bp, blocks = case
@@ -109,7 +109,7 @@ def test_csr_plan_covers_exactly_the_needed_elements(case):
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(
     n_obs=st.integers(1, 300),
     block_size=st.integers(1, 40),

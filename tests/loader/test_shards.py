@@ -64,7 +64,7 @@ def _read(direct: _shards.DirectArray, ranges: np.ndarray) -> np.ndarray:
     return got if isinstance(got, np.ndarray) else got.result()
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(data=st.data())
 @pytest.mark.parametrize("name", ["blosc-1d", "raw-1d", "blosc-2d", "sparse-1d"])
 def test_ranges_equal_source(arrays, name, data):
