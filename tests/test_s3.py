@@ -171,7 +171,7 @@ def test_a_dask_cluster_converts_several_files_into_s3(s3, tmp_path, make_adata)
     url = "s3://data/cluster.zarr"
     with (
         LocalCluster(
-            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
         ) as cluster,
         Client(cluster),
     ):

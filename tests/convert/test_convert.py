@@ -748,7 +748,7 @@ def test_a_cluster_receives_a_shared_table_once_not_in_every_task():
     table = np.arange(4 * SCATTER_BYTES // 8, dtype=np.float64).reshape(4, -1)
     jobs = [_TableJob(table, i % 4) for i in range(10)]
     with LocalCluster(
-        n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None
+        n_workers=2, threads_per_worker=1, processes=False, dashboard_address=":0"
     ) as cluster:
         runner = Runner(jobs=None, scheduler=cluster.scheduler_address, progress=False)
         try:
