@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 
+from loader import _buffers as buffers
 from loader.cores import decode_threads
 from loader.errors import LayoutError
 from loader.location import is_url
@@ -506,7 +507,7 @@ class DirectArray:
                 return whole[int(ranges[0, 0]) : int(ranges[0, 1])].copy()
             return np.concatenate([whole[int(a) : int(b)] for a, b in ranges])
         total = int((ranges[:, 1] - ranges[:, 0]).sum())
-        out = np.empty((total, *self.shape[1:]), dtype=self.dtype)
+        out = buffers.empty((total, *self.shape[1:]), self.dtype)
         tasks = self._tasks(ranges)
         announce = []
         if _FADV_WILLNEED is not None and ANNOUNCE_READS:

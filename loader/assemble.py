@@ -21,10 +21,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import scipy.sparse as sp
 
+from loader import _buffers as buffers
 from loader.errors import InputError, LayoutError
 
 try:  # scipy's C++ kernels behind csr[rows] and toarray(); private but stable for years
@@ -41,6 +43,7 @@ __all__ = [
     "check_source_ids",
     "fetch_rows",
     "get_output",
+    "widen",
 ]
 
 
@@ -185,7 +188,7 @@ class CSRRows:
     def dense(self, pos: np.ndarray) -> np.ndarray:
         """Rows ``pos`` as a C-contiguous float32 ``(len(pos), n_vars)`` array."""
         n = pos.shape[0]
-        out = np.zeros((n, self.n_vars), dtype=np.float32)
+        out = buffers.zeros((n, self.n_vars), np.float32)
         if n and _scatter_decreasing(pos, self.indptr, self.indices, self.data, out):
             return out
         if _contiguous(pos):
@@ -230,7 +233,7 @@ class CSRRows:
         i = bisect.bisect_right(prep.rises, a)
         if i < len(prep.rises) and prep.rises[i] < b:
             return None
-        out = np.zeros((b - a, self.n_vars), dtype=np.float32)
+        out = buffers.zeros((b - a, self.n_vars), np.float32)
         _scatter_ptr(prep.ptr[2 * a : 2 * b], self.indices, self.data, out)
         return out
 
@@ -365,8 +368,17 @@ def fetch_rows(
     indptr[0] = 0
     np.cumsum(step, out=indptr[1:])
     if dtype is not None:
-        data = data.astype(dtype, copy=False)
-    return CSRRows(data, indices.astype(idx_dtype, copy=False), indptr, int(n_vars))
+        data = widen(data, dtype)
+    return CSRRows(data, widen(indices, idx_dtype), indptr, int(n_vars))
+
+
+def widen(values: np.ndarray, dtype: Any) -> np.ndarray:
+    """``values`` in ``dtype`` (itself if already so), a large copy in reused memory."""
+    if values.dtype == dtype:
+        return values
+    out = buffers.empty(values.shape, dtype)
+    np.copyto(out, values, casting="unsafe")
+    return out
 
 
 def check_indices(indices: np.ndarray, n_vars: int, where: str) -> None:

@@ -42,6 +42,7 @@ from loader.assemble import (
     check_source_ids,
     fetch_rows,
     get_output,
+    widen,
 )
 from loader.backends import (
     TensorstoreSettings,
@@ -687,7 +688,7 @@ class LayoutReader:
                 dtype=self.layout.dtype,
             )
         else:  # narrowed values widened to the matrix's dtype, as fetch_rows does
-            values = DenseRows(got["values"].astype(self.layout.dtype, copy=False))
+            values = DenseRows(widen(got["values"], self.layout.dtype))
         if "source_index" in got:
             index = got["source_index"].astype(np.int64, copy=False)
             check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)

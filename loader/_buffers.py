@@ -1,0 +1,129 @@
+"""Large fetch buffers, handed out again once nothing references them.
+
+A fetch decodes into arrays of hundreds of megabytes that live for a few minibatches.
+Fresh ones cost the kernel a zeroed page for every page written, more CPU than some
+decoding (docs/design.md, "Read-ahead"), so :func:`empty` hands out memory of fetches
+already dropped instead.
+
+A buffer is reused only when no array refers to it any more: each one is lent as an
+array (the *lease*) whose views all refer to it, and a finalizer returns the memory
+when the lease is collected, so a minibatch that shares a fetch's memory keeps that
+memory out of the pool for as long as it lives.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MIN_BYTES", "SPARE_BYTES", "empty", "reusing", "spare_bytes", "zeros"]
+
+MIN_BYTES = 4 << 20
+"""Smaller arrays come from numpy: the allocator reuses those itself."""
+SPARE_BYTES = 2 << 30
+"""Most bytes of unused buffers kept for reuse (about the buffers of one large fetch);
+more are unmapped when returned."""
+_SLACK = 8
+"""A new buffer is 1/_SLACK larger than asked, so fetches that vary a little in size
+fit the buffers of earlier ones."""
+_PAGE = 2 << 20
+
+
+class _Pool:
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spare: list[mmap.mmap] = []  # unused buffers, any size
+        self.loops = 0  # read loops running: spares are kept only while one runs
+
+    def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
+        """The smallest spare buffer of at least ``nbytes``, or a new one (``True``)."""
+        with self.lock:
+            fits = [m for m in self.spare if len(m) >= nbytes]
+            if fits:
+                best = min(fits, key=len)
+                self.spare.remove(best)
+                return best, False
+        size = -(-(nbytes + nbytes // _SLACK) // _PAGE) * _PAGE
+        return mmap.mmap(-1, size), True
+
+    def give(self, buf: mmap.mmap) -> None:
+        """Keep ``buf`` for reuse, dropping the largest spares past :data:`SPARE_BYTES`."""
+        with self.lock:
+            if not self.loops:
+                return
+            self.spare.append(buf)
+            self.spare.sort(key=len)
+            while sum(len(m) for m in self.spare) > SPARE_BYTES:
+                self.spare.pop()
+
+    def loop(self, step: int) -> None:
+        with self.lock:
+            self.loops = max(0, self.loops + step)
+            if not self.loops:
+                self.spare.clear()
+
+
+_POOL = _Pool()
+
+
+def _reset_after_fork() -> None:
+    global _POOL
+    _POOL = _Pool()
+
+
+os.register_at_fork(after_in_child=_reset_after_fork)
+
+
+def _returned(pool: _Pool, buf: mmap.mmap) -> None:
+    if pool is _POOL:  # not a pool left behind by a fork
+        pool.give(buf)
+
+
+def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    shape = tuple(int(s) for s in (shape if isinstance(shape, tuple | list) else (shape,)))
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    if nbytes < MIN_BYTES or not _POOL.loops:
+        return (np.zeros if zero else np.empty)(shape, dtype=dtype)
+    pool = _POOL
+    buf, fresh = pool.take(nbytes)
+    lease = np.frombuffer(buf, dtype=np.uint8)
+    weakref.finalize(lease, _returned, pool, buf).atexit = False
+    out = lease[:nbytes]
+    if zero and not fresh:  # a new mapping is zero already
+        out.fill(0)
+    return out.view(dtype).reshape(shape)
+
+
+def empty(shape: Any, dtype: Any) -> np.ndarray:
+    """An uninitialised C-contiguous array, as ``np.empty``; large ones in reused memory
+    while a read loop runs."""
+    return _lend(shape, dtype, zero=False)
+
+
+def zeros(shape: Any, dtype: Any) -> np.ndarray:
+    """A zeroed C-contiguous array, as ``np.zeros``; large ones as :func:`empty`."""
+    return _lend(shape, dtype, zero=True)
+
+
+@contextmanager
+def reusing() -> Iterator[None]:
+    """Reuse large buffers while the block runs (a read loop); the spares go after it."""
+    _POOL.loop(+1)
+    try:
+        yield
+    finally:
+        _POOL.loop(-1)
+
+
+def spare_bytes() -> int:
+    """Bytes of unused buffers this process keeps for reuse."""
+    with _POOL.lock:
+        return sum(len(m) for m in _POOL.spare)
