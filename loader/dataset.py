@@ -31,8 +31,8 @@ Workers and fork safety
 Memory
     ``prefetch`` fetches (default 2) are in flight while one is consumed: peak ≈
     ``(prefetch + 1)`` decoded fetches per process (a fetch is about
-    ``fetch_factor × batch_size`` rows, at least one block), plus one minibatch and
-    the reader's chunk cache. With :class:`BlockDataLoader` workers, add per worker a
+    ``fetch_factor × batch_size`` rows, at least one block), plus the minibatches
+    finished ahead (at most 64 MB, at least one) and the reader's chunk cache. With :class:`BlockDataLoader` workers, add per worker a
     ring of 4 shared-memory group buffers (each ≈ 16 minibatches as CSR × 1.25).
 
 Workers and the main process
@@ -206,8 +206,9 @@ class BlockDataset:
     rank, world_size
         DDP position; default: from ``torch.distributed`` if initialised, else 0 / 1.
     prefetch
-        Fetches kept in flight ahead of the one being consumed (0: no read-ahead;
-        default :data:`DEFAULT_PREFETCH`).
+        Fetches kept in flight ahead of the one being consumed (default
+        :data:`DEFAULT_PREFETCH`). 0: no read-ahead, and no batch thread either (every
+        step runs on the thread that iterates; docs/design.md, "Read-ahead").
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
     dtype
