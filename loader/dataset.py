@@ -32,8 +32,9 @@ Memory
     ``prefetch`` fetches (default 2) are in flight while one is consumed: peak ≈
     ``(prefetch + 1)`` decoded fetches per process (a fetch is about
     ``fetch_factor × batch_size`` rows, at least one block), plus the minibatches
-    finished ahead (at most 64 MB, at least one) and the reader's chunk cache. With :class:`BlockDataLoader` workers, add per worker a
-    ring of 4 shared-memory group buffers (each ≈ 16 minibatches as CSR × 1.25).
+    finished ahead (at most 64 MB, at least one) and the reader's chunk cache. With
+    :class:`BlockDataLoader` workers, add per worker a ring of 4 shared-memory group
+    buffers (each ≈ 16 minibatches as CSR × 1.25).
 
 Workers and the main process
     Under :class:`BlockDataLoader`, a worker does not send minibatches one by one:
