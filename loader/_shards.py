@@ -41,7 +41,9 @@ Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -109,9 +111,10 @@ class _Meta:
     decodable: bool = True
     """Whether this module decodes the inner chunks (else it only reads shard indexes)."""
 
-    @property
+    @functools.cached_property
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        """Bytes of one row (asked once per run of chunks read)."""
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
     @property
     def chunks_per_shard(self) -> int:
