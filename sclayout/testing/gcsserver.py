@@ -39,7 +39,7 @@ __all__ = ["GcsServer", "GcsStats", "serve_gcs"]
 _OBJECT = re.compile(r"^/storage/v1/b/([^/]+)/o/(.+)$")
 _LIST = re.compile(r"^/storage/v1/b/([^/]+)/o/?$")
 _UPLOAD = re.compile(r"^/upload/storage/v1/b/([^/]+)/o/?$")
-_RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
 @dataclass
@@ -167,15 +167,18 @@ class _Handler(BaseHTTPRequestHandler):
         header = self.headers.get("Range")
         if header:
             r = _RANGE.match(header.strip())
-            if r is None or int(r.group(1)) >= max(size, 1):
+            first, last = (r.group(1), r.group(2)) if r else ("", "")
+            if first == "" and last != "":  # the last N bytes (a shard's index)
+                first, last = str(max(size - int(last), 0)), ""
+            if first == "" or int(first) >= max(size, 1):
                 self.server.stats.add(media=True, ranged=True)
                 self._send(
                     HTTPStatus.REQUESTED_RANGE_NOT_SATISFIABLE,
                     headers={"Content-Range": f"bytes */{size}"},
                 )
                 return
-            start = int(r.group(1))
-            stop = size if r.group(2) == "" else min(int(r.group(2)) + 1, size)
+            start = int(first)
+            stop = size if last == "" else min(int(last) + 1, size)
             ranged = True
         with open(target, "rb") as fh:
             fh.seek(start)
