@@ -13,6 +13,9 @@ not exist yet — and turns each plan into time with a storage profile:
     planner's coalesced reads: tensorstore merges the byte ranges of adjacent inner
     chunks of one shard into one request (counted on the loopback HTTP server: a
     fetch makes about as many requests as planned reads, far fewer than inner chunks).
+    Through tensorstore (a remote store), the row pointers (``indptr``,
+    ``source_index``) are requested once and then served from its chunk cache when
+    they fit there (:func:`pointers_cached`): their reads are not counted per fetch.
 ``t_decode``
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
     per-chunk CPU, spread over the decode threads (one per core the profile's
@@ -24,7 +27,7 @@ not exist yet — and turns each plan into time with a storage profile:
     ``gather_s_per_nnz`` (CSR output, or the rows a worker hands over).
 ``t_overhead``
     per fetch CPU + the CPU of reading (per request and per byte read: client,
-    kernel and, for a loopback server, the server's).
+    kernel and, for a loopback server, the server process's).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
