@@ -34,6 +34,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sclayout.testing.loopback import LoopbackServer
+
 __all__ = ["GcsServer", "GcsStats", "serve_gcs"]
 
 _OBJECT = re.compile(r"^/storage/v1/b/([^/]+)/o/(.+)$")
@@ -253,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(HTTPStatus.NO_CONTENT)
 
 
-class GcsServer:
+class GcsServer(LoopbackServer):
     """A running loopback GCS server over ``root``; ``endpoint`` is its ``http://127.0.0.1:PORT``."""
 
     def __init__(self, root: str | os.PathLike[str], *, delay: float = 0.0) -> None:
@@ -279,26 +281,6 @@ class GcsServer:
     def variables(self) -> dict[str, str]:
         """Return the variables that point tensorstore's ``gcs`` driver at this server."""
         return {"TENSORSTORE_GCS_HTTP_URL": self.endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
-
-    @contextlib.contextmanager
-    def environment(self) -> Iterator[GcsServer]:
-        """Set :meth:`variables` in ``os.environ`` inside the block, then restore it."""
-        saved = {k: os.environ.get(k) for k in self.variables()}
-        os.environ.update(self.variables())
-        try:
-            yield self
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    def stop(self) -> None:
-        """Stop serving and close the listening socket."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
 
 
 @contextlib.contextmanager
