@@ -53,6 +53,24 @@ def test_costmodel_benchmark_smoke(tmp_path, run_benchmark):
         assert r["rel_error"] == pytest.approx(r["predicted"] / r["measured"] - 1)
     assert doc["summary"]["local"]["n"] == len(doc["rows"])
     assert (tmp_path / "results" / "costmodel-profile-local-smoke.json").exists()
+    # predicted again from the stored calibrations (--repredict), by the same model: the
+    # same figures (in this process: a second run of the script costs its start-up)
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("costmodel_script", BENCH / "costmodel.py")
+    script = importlib.util.module_from_spec(spec)
+    again = json.loads(json.dumps(doc))
+    for r in again["rows"]:
+        r["predicted"] = 0.0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, spec.name, script)  # its dataclasses look it up there
+        mp.setattr(sys, "path", list(sys.path))  # the script edits sys.path
+        spec.loader.exec_module(script)
+        mp.setenv("SCLAYOUT_BENCH_DIR", env["SCLAYOUT_BENCH_DIR"])
+        script.repredict(again, smoke=True)
+    assert [r["predicted"] for r in again["rows"]] == pytest.approx(
+        [r["predicted"] for r in doc["rows"]], rel=1e-9
+    )
 
 
 def test_fetch_size_benchmark_writes_a_row_per_regime_and_fetch(

@@ -22,8 +22,9 @@ The figures of steps 4–6 are each the median of :data:`CPU_ROUNDS` interleaved
 rounds (the 2-worker run is one sample), as the concurrency curve of step 2 is.
 
 The CPU that reading costs (per request and per byte) is fitted to the CPU time
-of steps 2–3: the process's for a local target, the machine's for a server on
-this machine.
+of steps 2–3: the process's for a local target; for a server on this machine, the
+process's plus the server process's (found by its listening port), whose work
+competes with the loader for the same cores (other jobs on the machine do not count).
 
 About a minute in total (``quick=True``: a few seconds, rougher).
 """
@@ -384,16 +385,22 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
 # ---------------------------------------------------------------- CPU measurements
 
 
-def _busy_cpu_s(machine: bool) -> float:
-    """CPU seconds spent so far by this process, or by the whole machine.
+def _busy_cpu_s(machine: bool, server_pid: int | None = None) -> float:
+    """CPU seconds spent so far by this process, plus a loopback server's.
 
     For the process: user + system (a local read's page-cache work runs in the reading
-    thread's system calls). With ``machine``, the whole machine (Linux ``/proc/stat``:
-    user, nice, system, irq, softirq, steal), so that a loopback HTTP server's work
-    counts too: on the machine the loader runs on, it competes with the loader for the
-    same cores.
+    thread's system calls). With ``server_pid`` (a server on this machine, in another
+    process: :func:`_listening_pid`), that process's user + system time is added: its
+    work competes with the loader for the same cores, and other jobs on the machine do
+    not count. With ``machine`` and no server process found, the whole machine's (Linux
+    ``/proc/stat``: user, nice, system, irq, softirq, steal), which also counts every
+    other job's CPU: on a busy machine an overestimate, the fallback only.
     """
-    if machine:
+    if server_pid is not None and server_pid != os.getpid():
+        server = _process_cpu_s(server_pid)
+        if server is not None:
+            return time.process_time() + server
+    if machine and server_pid is None:
         try:
             with open("/proc/stat") as f:
                 fields = f.readline().split()
@@ -404,6 +411,63 @@ def _busy_cpu_s(machine: bool) -> float:
             busy = t[0] + t[1] + t[2] + sum(t[5:8])  # user nice system irq softirq steal
             return busy / os.sysconf("SC_CLK_TCK")
     return time.process_time()
+
+
+def _process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process ``pid`` (Linux ``/proc``), ``None`` if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _listening_pid(port: int) -> int | None:
+    """Return the process listening on loopback TCP ``port`` (Linux ``/proc``), if visible.
+
+    The listening socket's inode is found in ``/proc/net/tcp`` (and ``tcp6``), then
+    the process holding it among ``/proc/*/fd``; ``None`` when either is not readable
+    (another user's process, no ``/proc``).
+    """
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if len(f) > 9 and f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                inodes.add(f"socket:[{f[9]}]")
+    if not inodes:
+        return None
+    try:
+        pids = [p for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return None
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                if os.readlink(f"/proc/{pid}/fd/{fd}") in inodes:
+                    return int(pid)
+            except OSError:
+                continue
+    return None
+
+
+def _loopback_server_pid(url: str) -> int | None:
+    """Return the process serving ``url`` on this machine, if it can be found."""
+    import urllib.parse
+
+    parts = urllib.parse.urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return _listening_pid(port)
 
 
 def fit_costs(samples: Sequence[tuple[float, float, float]]) -> tuple[float, float]:
@@ -916,13 +980,14 @@ def calibrate(
         cpu_samples: list[tuple[float, float, float]] = []
         server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
         machine_wide = is_url(target) and _is_loopback(server)
+        server_pid = _loopback_server_pid(server) if machine_wide else None
 
         def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
             """Requests/s of reading ``make()``'s ranges over and over.
 
             Also records the CPU per request and per byte.
             """
-            cpu0 = _busy_cpu_s(machine_wide)
+            cpu0 = _busy_cpu_s(machine_wide, server_pid)
             state = {"n": 0}
 
             def step() -> int:
@@ -931,7 +996,7 @@ def calibrate(
                 return reader.read_all(ranges)
 
             dt, _, nbytes = _timed_loop(step, seconds)
-            cpu_samples.append((state["n"], nbytes, _busy_cpu_s(machine_wide) - cpu0))
+            cpu_samples.append((state["n"], nbytes, _busy_cpu_s(machine_wide, server_pid) - cpu0))
             return state["n"] / dt, nbytes / dt
 
         rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}

@@ -13,6 +13,9 @@ not exist yet — and turns each plan into time with a storage profile:
     planner's coalesced reads: tensorstore merges the byte ranges of adjacent inner
     chunks of one shard into one request (counted on the loopback HTTP server: a
     fetch makes about as many requests as planned reads, far fewer than inner chunks).
+    Through tensorstore (a remote store), the row pointers (``indptr``,
+    ``source_index``) are requested once and then served from its chunk cache when
+    they fit there (:func:`pointers_cached`): their reads are not counted per fetch.
 ``t_decode``
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
     per-chunk CPU, spread over the decode threads (one per core the profile's
@@ -24,7 +27,7 @@ not exist yet — and turns each plan into time with a storage profile:
     ``gather_s_per_nnz`` (CSR output, or the rows a worker hands over).
 ``t_overhead``
     per fetch CPU + the CPU of reading (per request and per byte read: client,
-    kernel and, for a loopback server, the server's).
+    kernel and, for a loopback server, the server process's).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
@@ -163,6 +166,14 @@ class FetchStats:
     max_bytes_read: float
     max_rows: float
     max_nnz: float
+    pointer_reads: float = 0.0
+    """Of ``reads``: those of the row pointers (``indptr`` and ``source_index``)."""
+    pointer_chunks: float = 0.0
+    """Of ``chunks``: the row pointers' inner chunks."""
+    pointer_bytes_read: float = 0.0
+    """Of ``bytes_read``: the row pointers' bytes."""
+    pointer_array_bytes: float = 0.0
+    """Decoded bytes of the whole ``indptr`` and ``source_index`` arrays."""
 
 
 @dataclass(frozen=True)
@@ -299,6 +310,7 @@ def sample_fetch_stats(
     rng = np.random.default_rng(np.random.SeedSequence([options.seed, 7]))
     fetches = fetch_blocks(n_blocks, k, options.sample_fetches, rng)
     rows, nnz, req, chunks, reads, need, read = ([] for _ in range(7))
+    p_reads, p_chunks, p_bytes = [], [], []
     for blocks in fetches:
         plan = plan_fetch(
             blocks,
@@ -321,6 +333,10 @@ def sample_fetch_stats(
             c = layout.arrays["indptr"].chunks[0]
             ptr_chunks = sum(-(-(rr.stop - rr.start) // c) for rr in ptr)
         ptr_bytes = sum((rr.stop - rr.start) * 8 for rr in ptr)
+        # indptr's own reads are in the plan; source_index's are the same again
+        p_reads.append(2 * len(ptr))
+        p_chunks.append(2 * ptr_chunks)
+        p_bytes.append(2 * ptr_bytes)
         chunks.append(plan["n_chunks"] + ptr_chunks)
         reads.append(plan["n_requests"] + len(ptr))
         req.append(chunks[-1] if options.requests == "chunks" else reads[-1])
@@ -337,6 +353,10 @@ def sample_fetch_stats(
         max_bytes_read=float(np.max(read)),
         max_rows=float(np.max(rows)),
         max_nnz=float(np.max(nnz)),
+        pointer_reads=float(np.mean(p_reads)) if layout.is_csr else 0.0,
+        pointer_chunks=float(np.mean(p_chunks)) if layout.is_csr else 0.0,
+        pointer_bytes_read=float(np.mean(p_bytes)) if layout.is_csr else 0.0,
+        pointer_array_bytes=float((2 * manifest.n_obs + 1) * 8) if layout.is_csr else 0.0,
     )
 
 
@@ -366,9 +386,14 @@ def predict_from_stats(
     workers = max(1, settings.num_workers)
     dec_threads = decode_threads_for(backend, profile, settings.num_workers)
     cores = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
-    R = stats.requests
+    R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
+    if pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
+        # read once, then served from tensorstore's chunk cache: no request per fetch
+        R -= stats.pointer_chunks if options.requests == "chunks" else stats.pointer_reads
+        n_chunks -= stats.pointer_chunks
+        bytes_read -= stats.pointer_bytes_read
     speed = profile.codec(codec)
-    compressed = stats.bytes_read / speed.ratio
+    compressed = bytes_read / speed.ratio
     c = max(1.0, min(R, _reads_in_flight(backend, codec, profile, dec_threads)))
 
     # ---- storage
@@ -378,7 +403,7 @@ def predict_from_stats(
 
     t_io = io_time(c)
     # ---- CPU
-    t_decode = stats.bytes_read / speed.decode_Bps + stats.chunks * speed.chunk_s
+    t_decode = bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s
     dec_parallel = min(dec_threads, cores)
     dense = options.output == "dense"
     t_dense = stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0
@@ -452,10 +477,28 @@ def predict_from_stats(
         rows_per_fetch=stats.rows,
         requests_per_fetch=R,
         read_bytes_per_fetch=compressed,
-        overread=stats.bytes_read / max(stats.bytes_needed, 1.0) - 1.0,
+        overread=bytes_read / max(stats.bytes_needed, 1.0) - 1.0,
         peak_memory=int(peak),
         workers=workers,
     )
+
+
+def pointers_cached(
+    stats: FetchStats, *, backend: str, codec: str, profile: Profile, options: ModelOptions
+) -> bool:
+    """Whether the row pointers stay in tensorstore's chunk cache between fetches.
+
+    A store read through tensorstore (a remote one: not the direct shard reader)
+    keeps decoded chunks in a cache of :data:`CACHE_BYTES` per process. Every fetch
+    reads ``indptr`` and ``source_index`` at its blocks' rows, so their chunks are the
+    most recently used; when both arrays whole, beside the chunks of the fetches in
+    flight (``1 + read_ahead``), fit in the cache, they are requested once and then
+    served from it: a fetch's requests are those of ``data`` and ``indices`` alone.
+    """
+    if backend != "tensorstore" or _direct_reads(backend, codec, profile):
+        return False
+    passing = (1 + options.read_ahead) * stats.max_bytes_read
+    return stats.pointer_array_bytes + passing <= CACHE_BYTES
 
 
 def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: float) -> float:

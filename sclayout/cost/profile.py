@@ -139,8 +139,9 @@ class Profile:
         cold local read; a loopback server's and the HTTP client's work).
     read_cpu_scope
         ``"process"``: the reading CPU is the loader process's own (a local disk);
-        ``"machine"``: measured machine-wide, mostly another process's (a server on
-        this machine), which runs beside the loader.
+        ``"machine"``: partly another process's (a server on this machine: calibrate
+        adds the CPU of the process listening on its port, or, when that process
+        cannot be found, the whole machine's), which runs beside the loader.
     cores
         Cores the loader keeps busy when it never waits for storage (calibrate
         measures it: :func:`sclayout.cost.calibrate.measure_pipeline`); a fetch's

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from sclayout.testing.loopback import LoopbackServer
 
 __all__ = ["S3Server", "S3Stats", "serve_s3"]
 
@@ -70,7 +71,7 @@ def _quiet_handler() -> type:
     return Quiet
 
 
-class S3Server:
+class S3Server(LoopbackServer):
     """A running loopback S3 server; ``endpoint`` is its ``http://127.0.0.1:PORT``."""
 
     def __init__(self, *, delay: float = 0.0) -> None:
@@ -106,26 +107,6 @@ class S3Server:
     def variables(self) -> dict[str, str]:
         """Return the AWS variables that point a client at this server."""
         return {**ENVIRONMENT, "AWS_ENDPOINT_URL": self.endpoint}
-
-    @contextlib.contextmanager
-    def environment(self) -> Iterator[S3Server]:
-        """Set :meth:`variables` in ``os.environ`` inside the block, then restore it."""
-        saved = {k: os.environ.get(k) for k in self.variables()}
-        os.environ.update(self.variables())
-        try:
-            yield self
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-
-    def stop(self) -> None:
-        """Stop serving and close the listening socket."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=10)
 
 
 @contextlib.contextmanager

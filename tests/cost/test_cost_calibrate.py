@@ -222,3 +222,34 @@ def test_calibrate_cpu_from_measures_the_storage_only(
     assert p.latency_s != cpu.latency_s and p.latency_s > 0
     assert [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
     assert "CPU figures from profile 'flat'" in p.source
+
+
+def test_a_loopback_servers_cpu_is_its_own_process(tmp_path):
+    """calibrate counts the CPU of the process serving the port, not the whole machine's."""
+    import socket
+    import subprocess
+    import sys
+
+    from sclayout.cost.calibrate import _busy_cpu_s, _loopback_server_pid, _process_cpu_s
+
+    cmd = [sys.executable, "-m", "sclayout.testing.httpserver", str(tmp_path)]
+    server = subprocess.Popen([*cmd, "--max-seconds", "60"], stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        assert _loopback_server_pid(url + "store.zarr/") == server.pid
+        busy = _busy_cpu_s(True, server.pid)
+        assert busy >= _process_cpu_s(server.pid) > 0  # its start-up, at least
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+    # nobody listening: not found (calibrate then falls back to the machine's CPU)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        free = s.getsockname()[1]
+    assert _loopback_server_pid(f"http://127.0.0.1:{free}/") is None
+    # a server in this very process: its CPU is the process's own
+    from sclayout.testing.httpserver import serve_directory
+
+    with serve_directory(tmp_path) as here:
+        assert _loopback_server_pid(here.url) == os.getpid()

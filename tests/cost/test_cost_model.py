@@ -332,3 +332,47 @@ def test_workers_share_the_cores_the_main_process_keeps_one(flat_profile):
 def test_at_cores_refuses_a_bad_count(flat_profile, bad):
     with pytest.raises(SpecError, match=r"^cores=.*: give a whole number of cores >= 1$"):
         flat_profile().at_cores(bad)
+
+
+def test_row_pointers_in_tensorstores_cache_cost_no_request_per_fetch(flat_profile):
+    # 200 requests a fetch, 150 of them the row pointers' (indptr and source_index),
+    # whose arrays (1 MB) and 3 fetches of 8 MB fit in the 64 MB chunk cache: read
+    # through tensorstore (a remote store), a fetch requests data and indices only
+    pointers = FetchStats(
+        **{
+            **STATS.__dict__,
+            **dict(requests=200, reads=200, chunks=200, pointer_reads=150, pointer_chunks=150),
+            **dict(pointer_bytes_read=2e6, pointer_array_bytes=1e6),
+        }
+    )
+
+    def predict_at(stats, kind="http", codec="none", read_ahead=2):
+        return predict_from_stats(
+            stats,
+            n_vars=1000,
+            codec=codec,
+            settings=LoaderSettings(batch_size=100, fetch_factor=10),
+            profile=flat_profile(kind=kind, bandwidth_Bps=1e12),
+            options=ModelOptions(read_ahead=read_ahead),
+        )
+
+    remote = predict_at(pointers)
+    assert remote.requests_per_fetch == 50
+    assert remote.t_io == pytest.approx(0.050)  # 50 requests at 1,000/s
+    assert remote.read_bytes_per_fetch == pytest.approx(6e6 / 2)  # ratio 2
+    # the local direct shard reader does not go through the cache: all 200 counted
+    assert predict_at(pointers, kind="local").requests_per_fetch == 200
+    # arrays too large for the cache beside the fetches in flight: all 200 counted
+    big = FetchStats(**{**pointers.__dict__, "pointer_array_bytes": CACHE_BYTES - 20e6})
+    assert predict_at(big).requests_per_fetch == 200
+    assert predict_at(big, read_ahead=0).requests_per_fetch == 50
+
+
+def test_sample_fetch_stats_counts_the_row_pointers_reads(shared_store):
+    reader = open_layout(shared_store[1])
+    settings = LoaderSettings(batch_size=16, fetch_factor=4, backend="tensorstore")
+    s = sample_fetch_stats(reader.manifest, reader.block_pointer, settings=settings)
+    # indptr's reads are the plan's, source_index's the same again
+    assert 0 < s.pointer_reads < s.reads and s.pointer_reads % 2 == 0
+    assert 0 < s.pointer_chunks < s.chunks and 0 < s.pointer_bytes_read < s.bytes_read
+    assert s.pointer_array_bytes == (2 * reader.n_obs + 1) * 8
