@@ -20,7 +20,11 @@ every size so the rows compare), each converted once per order with its peak RSS
 ``--memory-budget``, then read by the loader (``BlockDataset``'s read loop, batch 64,
 dense output) for ``--load-seconds`` while the store is evicted every 0.5 s (the ≫RAM
 regime). Target: at the largest size, MB/s and cells/s ≥ 0.85× those at the smallest,
-and peak RSS ≤ the budget at every size and order.
+and peak RSS ≤ the budget at every size and order. The sets are generated once into
+``--work``/data and reused by every later run; with ``--keep`` the stores stay in
+``--work``/stores and a later run reuses each one converted from the same source with
+the same options (its conversion figures then come from the run that made it;
+``--reconvert`` converts again).
 
 Usage::
 
@@ -100,7 +104,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--source", type=Path, default=None, help="convert this file instead")
     p.add_argument("--results", type=Path, default=None, help="where to write convert.{json,md}")
     p.add_argument("--work", type=Path, default=None, help="folder for the output stores")
-    p.add_argument("--keep", action="store_true", help="keep the output stores")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the output stores (--scale: in --work/stores, reused by the next run)",
+    )
     p.add_argument(
         "--render", action="store_true", help="only rewrite convert.md from convert.json"
     )
@@ -117,6 +125,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
+    p.add_argument(
+        "--reconvert",
+        action="store_true",
+        help="--scale: convert again even where --work keeps a matching store",
+    )
     p.add_argument(
         "--atlas",
         action="store_true",
@@ -328,7 +341,8 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "cells": f"{r['n_obs']:,}",
                 "order": r["order"],
                 "src": format_bytes(r["source_bytes"]),
-                "mb_s": f"{r['source_mb_s']:,.0f} ({r['source_mb_s'] / b['source_mb_s']:.2f}×)",
+                "mb_s": f"{r['source_mb_s']:,.0f} ({r['source_mb_s'] / b['source_mb_s']:.2f}×)"
+                + (" †" if r.get("store_reused") else ""),
                 "rss": f"{format_bytes(r['peak_rss'])} "
                 + ("✓" if r["peak_rss"] <= budget else "✗"),
                 "out": format_bytes(r["output_bytes"]),
@@ -359,13 +373,55 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "and cells/s, peak RSS ≤ the budget everywhere. The machine was shared with other "
         "jobs (load avg column): compare ratios within this run.\n\n"
         f"{markdown_table(table, cols)}\n\n"
-        f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
+        + (
+            "†: store kept by an earlier run (`--keep`) and reused: its conversion figures "
+            "are that run's (`--reconvert` times them again).\n\n"
+            if any(r.get("store_reused") for r in rows)
+            else ""
+        )
+        + f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
         f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
     )
 
 
+def _store_key(src: Path, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a kept store of the scale table was converted from and with: reused only
+    when all of it matches."""
+    st = src.stat()
+    return {
+        "source": src.name,
+        "source_bytes": st.st_size,
+        "source_mtime": st.st_mtime,
+        "options": ORDERS[order],
+        "extra": args.extra.split(),
+        "memory_budget": args.memory_budget,
+        "regime": args.regime,
+    }
+
+
+def _convert_or_reuse(
+    src: Path, order: str, folder: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The conversion row of ``src`` in ``order``: the kept store's, when ``folder``
+    holds one converted from the same source with the same options (and not
+    ``--reconvert``), else a timed conversion into ``folder``, kept for the next run."""
+    record = folder / order / "convert.json"
+    key = _store_key(src, order, args)
+    if not args.reconvert and record.is_file():
+        kept = json.loads(record.read_text())
+        if kept.get("key") == key and (folder / order / "store.zarr" / "zarr.json").is_file():
+            return {**kept["row"], "store_reused": True}
+    row = _one_run(
+        src, order, folder, regime=args.regime, extra=args.extra.split(),
+        budget=args.memory_budget,
+    )  # fmt: skip
+    record.write_text(json.dumps({"key": key, "row": row}, indent=1))
+    return {**row, "store_reused": False}
+
+
 def _scale(args: argparse.Namespace) -> int:
-    """The scale table: every size and order converted once, then loaded."""
+    """The scale table: every size and order converted once (or its kept store reused),
+    then loaded."""
     from sclayout.convert.plan import parse_memory_budget
 
     sizes = [int(x) for x in args.scale.split(",")]
@@ -384,17 +440,21 @@ def _scale(args: argparse.Namespace) -> int:
     rows = []
     for order in args.orders.split(","):  # every size of one order first: rows that
         for n in sizes:  # compare are done together if the run is cut short
-            src = cached_tahoe_like(n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse")
-            r = _one_run(
-                src, order, work, regime=args.regime, extra=args.extra.split(),
-                budget=args.memory_budget,
-            )  # fmt: skip
-            r.update(n_obs=n, **_load_rate(work / order / "store.zarr", seconds=args.load_seconds))
-            shutil.rmtree(work / order, ignore_errors=True)
+            src = cached_tahoe_like(
+                n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse", root=work / "data"
+            )
+            folder = work / "stores" / f"{n}"
+            r = _convert_or_reuse(src, order, folder, args)
+            store = folder / order / "store.zarr"
+            r.update(n_obs=n, **_load_rate(store, seconds=args.load_seconds))
+            if not args.keep:
+                shutil.rmtree(folder / order, ignore_errors=True)
             print(
-                f"{n:,} cells {order}: {r['source_mb_s']:,.0f} MB/s, peak RSS "
-                f"{format_bytes(r['peak_rss'])}, {format_bytes(r['output_bytes'])} in "
-                f"{r['files']} files, loader {r['cells_per_s']:,.0f} cells/s",
+                f"{n:,} cells {order}: {r['source_mb_s']:,.0f} MB/s"
+                + (" (kept store)" if r["store_reused"] else "")
+                + f", peak RSS {format_bytes(r['peak_rss'])}, "
+                f"{format_bytes(r['output_bytes'])} in {r['files']} files, loader "
+                f"{r['cells_per_s']:,.0f} cells/s",
                 flush=True,
             )
             rows.append(r)
