@@ -296,13 +296,16 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     )
 
 
-def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[str, float]:
+def load_rate(
+    store: Path, *, seconds: float, fetch_factor: int = 16, **reader_options: Any
+) -> dict[str, float]:
     """The loader's cells/s on ``store`` (BlockDataset's read loop, batch 64, dense), the
     store evicted before and every 0.5 s during the run; timed from the first minibatch.
 
     Epoch after epoch until ``seconds`` have passed, so that every size is timed for as
     long, each epoch's sampling plan included (one 200k-cell epoch takes a second or
-    two: timing it alone would leave its start-up out of the larger sizes' share)."""
+    two: timing it alone would leave its start-up out of the larger sizes' share).
+    ``reader_options`` go to :func:`loader.open_layout`."""
     import time
 
     from loader import open_layout
@@ -311,18 +314,19 @@ def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[s
     from loader.dataset import DEFAULT_PREFETCH
 
     evict(store)
-    reader = open_layout(store)
+    reader = open_layout(store, **reader_options)
     cfg = S.SamplerConfig(
         block_lengths=reader.block_lengths(), batch_size=64, fetch_factor=fetch_factor, seed=0
     )
     n, t0, epoch, done = 0, None, 0, False
+    cpu0 = io0 = None
     with Evictor([store]):
         while not done:
             plan = S.worker_plan(cfg, epoch)
             it = run_plan(plan, reader, output="dense", prefetch=DEFAULT_PREFETCH)
             for batch in it:
                 if t0 is None:  # opening and the first fetch are not timed
-                    t0 = time.perf_counter()
+                    t0, cpu0, io0 = time.perf_counter(), os.times(), _proc_io()
                     continue
                 n += len(batch["index"])
                 if time.perf_counter() - t0 >= seconds:
@@ -331,7 +335,26 @@ def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[s
             it.close()
             epoch += 1
         dt = time.perf_counter() - (t0 or time.perf_counter())
-    return {"cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n, "epochs": epoch}
+    cpu1, io1 = os.times(), _proc_io()
+    out: dict[str, float] = {
+        "cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n, "epochs": epoch
+    }  # fmt: skip
+    if n and cpu0 is not None:  # CPU per cell barely depends on how busy the machine is
+        cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+        out["load_cpu_us_per_cell"] = 1e6 * cpu / n
+        if io0 and io1:
+            out["load_read_bytes_per_cell"] = (io1["read_bytes"] - io0["read_bytes"]) / n
+            out["load_reads_per_cell"] = (io1["syscr"] - io0["syscr"]) / n
+    return out
+
+
+def _proc_io() -> dict[str, int]:
+    """This process's I/O counters (``/proc/self/io``; empty where there is none)."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+    except OSError:
+        return {}
 
 
 SCALE_TARGET = 0.85
@@ -356,6 +379,10 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "out": format_bytes(r["output_bytes"]),
                 "files": f"{r['files']:,}",
                 "cps": f"{r['cells_per_s']:,.0f} ({r['cells_per_s'] / b['cells_per_s']:.2f}×)",
+                "cpu": f"{r['load_cpu_us_per_cell']:.2f}" if "load_cpu_us_per_cell" in r else "",
+                "rd": f"{r['load_read_bytes_per_cell']:,.0f}"
+                if "load_read_bytes_per_cell" in r
+                else "",
                 "load": f"{r['load_avg_1min']:.1f}",
             }
         )
@@ -368,6 +395,8 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "out": "store",
         "files": "files",
         "cps": "loader cells/s, ≫RAM (× smallest)",
+        "cpu": "loader CPU µs/cell",
+        "rd": "loader bytes read/cell",
         "load": "load avg",
     }
     env = meta["environment"]
@@ -376,10 +405,12 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Tahoe-like sets built out of core with the sparse sampler, {meta['nnz_per_cell']} "
         "non-zeros per cell, 20,000 genes; one conversion per size and order (source and "
         "work folder evicted every 0.5 s), then the loader (BlockDataset's read loop, batch "
-        f"64, fetch factor 16, dense) for {meta['load_seconds']:.0f} s with the store evicted "
-        f"every 0.5 s. Target: at the largest size ≥ {SCALE_TARGET}× the smallest's MB/s "
-        "and cells/s, peak RSS ≤ the budget everywhere. The machine was shared with other "
-        "jobs (load avg column): compare ratios within this run.\n\n"
+        f"64, fetch factor 16, dense) for {meta['load_seconds']:.0f} s, epoch after epoch, "
+        f"with the store evicted every 0.5 s. Target: at the largest size ≥ {SCALE_TARGET}× "
+        "the smallest's MB/s and cells/s, peak RSS ≤ the budget everywhere. Load avg: "
+        "1-minute load average after the conversion (2 = both cores busy); the loader's CPU "
+        "µs per cell (user + system, all its threads) depends little on it, its cells/s "
+        "does: compare ratios within one run.\n\n"
         f"{markdown_table(table, cols)}\n\n"
         + (
             "†: store kept by an earlier run (`--keep`) and reused: its conversion figures "
@@ -454,7 +485,7 @@ def _scale(args: argparse.Namespace) -> int:
             folder = work / "stores" / f"{n}"
             r = _convert_or_reuse(src, order, folder, args)
             store = folder / order / "store.zarr"
-            r.update(n_obs=n, **_load_rate(store, seconds=args.load_seconds))
+            r.update(n_obs=n, **load_rate(store, seconds=args.load_seconds))
             if not args.keep:
                 shutil.rmtree(folder / order, ignore_errors=True)
             print(

@@ -130,6 +130,7 @@ def test_scale_table_reuses_its_sets_and_kept_stores(tmp_path, run_benchmark):
     made = (src.stat().st_mtime_ns, (store / "zarr.json").stat().st_mtime_ns)
     first = json.loads((results / "convert-scale.json").read_text())["runs"][0]
     assert first["store_reused"] is False and first["load_cells"] > 0
+    assert first["load_cpu_us_per_cell"] > 0 and first["epochs"] >= 1
 
     out = run_benchmark(*args)
     again = json.loads((results / "convert-scale.json").read_text())["runs"][0]
