@@ -20,7 +20,11 @@ every size so the rows compare), each converted once per order with its peak RSS
 ``--memory-budget``, then read by the loader (``BlockDataset``'s read loop, batch 64,
 dense output) for ``--load-seconds`` while the store is evicted every 0.5 s (the ≫RAM
 regime). Target: at the largest size, MB/s and cells/s ≥ 0.85× those at the smallest,
-and peak RSS ≤ the budget at every size and order.
+and peak RSS ≤ the budget at every size and order. The sets are generated once into
+``--work``/data and reused by every later run; with ``--keep`` the stores stay in
+``--work``/stores and a later run reuses each one converted from the same source with
+the same options (its conversion figures then come from the run that made it;
+``--reconvert`` converts again).
 
 Usage::
 
@@ -100,7 +104,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--source", type=Path, default=None, help="convert this file instead")
     p.add_argument("--results", type=Path, default=None, help="where to write convert.{json,md}")
     p.add_argument("--work", type=Path, default=None, help="folder for the output stores")
-    p.add_argument("--keep", action="store_true", help="keep the output stores")
+    p.add_argument(
+        "--keep",
+        action="store_true",
+        help="keep the output stores (--scale: in --work/stores, reused by the next run)",
+    )
     p.add_argument(
         "--render", action="store_true", help="only rewrite convert.md from convert.json"
     )
@@ -117,6 +125,11 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
+    p.add_argument(
+        "--reconvert",
+        action="store_true",
+        help="--scale: convert again even where --work keeps a matching store",
+    )
     p.add_argument(
         "--atlas",
         action="store_true",
@@ -283,9 +296,16 @@ def _markdown(summaries: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     )
 
 
-def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[str, float]:
+def load_rate(
+    store: Path, *, seconds: float, fetch_factor: int = 16, **reader_options: Any
+) -> dict[str, float]:
     """The loader's cells/s on ``store`` (BlockDataset's read loop, batch 64, dense), the
-    store evicted before and every 0.5 s during the run; timed from the first minibatch."""
+    store evicted before and every 0.5 s during the run; timed from the first minibatch.
+
+    Epoch after epoch until ``seconds`` have passed, so that every size is timed for as
+    long, each epoch's sampling plan included (one 200k-cell epoch takes a second or
+    two: timing it alone would leave its start-up out of the larger sizes' share).
+    ``reader_options`` go to :func:`loader.open_layout`."""
     import time
 
     from loader import open_layout
@@ -294,23 +314,47 @@ def _load_rate(store: Path, *, seconds: float, fetch_factor: int = 16) -> dict[s
     from loader.dataset import DEFAULT_PREFETCH
 
     evict(store)
-    reader = open_layout(store)
+    reader = open_layout(store, **reader_options)
     cfg = S.SamplerConfig(
         block_lengths=reader.block_lengths(), batch_size=64, fetch_factor=fetch_factor, seed=0
     )
-    n, t0 = 0, None
+    n, t0, epoch, done = 0, None, 0, False
+    cpu0 = io0 = None
     with Evictor([store]):
-        it = run_plan(S.worker_plan(cfg, 0), reader, output="dense", prefetch=DEFAULT_PREFETCH)
-        for batch in it:
-            if t0 is None:  # opening and the first fetch are not timed
-                t0 = time.perf_counter()
-                continue
-            n += len(batch["index"])
-            if time.perf_counter() - t0 >= seconds:
-                break
+        while not done:
+            plan = S.worker_plan(cfg, epoch)
+            it = run_plan(plan, reader, output="dense", prefetch=DEFAULT_PREFETCH)
+            for batch in it:
+                if t0 is None:  # opening and the first fetch are not timed
+                    t0, cpu0, io0 = time.perf_counter(), os.times(), _proc_io()
+                    continue
+                n += len(batch["index"])
+                if time.perf_counter() - t0 >= seconds:
+                    done = True
+                    break
+            it.close()
+            epoch += 1
         dt = time.perf_counter() - (t0 or time.perf_counter())
-        it.close()
-    return {"cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n}
+    cpu1, io1 = os.times(), _proc_io()
+    out: dict[str, float] = {
+        "cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n, "epochs": epoch
+    }  # fmt: skip
+    if n and cpu0 is not None:  # CPU per cell barely depends on how busy the machine is
+        cpu = cpu1.user + cpu1.system - cpu0.user - cpu0.system
+        out["load_cpu_us_per_cell"] = 1e6 * cpu / n
+        if io0 and io1:
+            out["load_read_bytes_per_cell"] = (io1["read_bytes"] - io0["read_bytes"]) / n
+            out["load_reads_per_cell"] = (io1["syscr"] - io0["syscr"]) / n
+    return out
+
+
+def _proc_io() -> dict[str, int]:
+    """This process's I/O counters (``/proc/self/io``; empty where there is none)."""
+    try:
+        with open("/proc/self/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+    except OSError:
+        return {}
 
 
 SCALE_TARGET = 0.85
@@ -328,12 +372,17 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 "cells": f"{r['n_obs']:,}",
                 "order": r["order"],
                 "src": format_bytes(r["source_bytes"]),
-                "mb_s": f"{r['source_mb_s']:,.0f} ({r['source_mb_s'] / b['source_mb_s']:.2f}×)",
+                "mb_s": f"{r['source_mb_s']:,.0f} ({r['source_mb_s'] / b['source_mb_s']:.2f}×)"
+                + (" †" if r.get("store_reused") else ""),
                 "rss": f"{format_bytes(r['peak_rss'])} "
                 + ("✓" if r["peak_rss"] <= budget else "✗"),
                 "out": format_bytes(r["output_bytes"]),
                 "files": f"{r['files']:,}",
                 "cps": f"{r['cells_per_s']:,.0f} ({r['cells_per_s'] / b['cells_per_s']:.2f}×)",
+                "cpu": f"{r['load_cpu_us_per_cell']:.2f}" if "load_cpu_us_per_cell" in r else "",
+                "rd": f"{r['load_read_bytes_per_cell']:,.0f}"
+                if "load_read_bytes_per_cell" in r
+                else "",
                 "load": f"{r['load_avg_1min']:.1f}",
             }
         )
@@ -346,6 +395,8 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         "out": "store",
         "files": "files",
         "cps": "loader cells/s, ≫RAM (× smallest)",
+        "cpu": "loader CPU µs/cell",
+        "rd": "loader bytes read/cell",
         "load": "load avg",
     }
     env = meta["environment"]
@@ -354,18 +405,62 @@ def _scale_markdown(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"Tahoe-like sets built out of core with the sparse sampler, {meta['nnz_per_cell']} "
         "non-zeros per cell, 20,000 genes; one conversion per size and order (source and "
         "work folder evicted every 0.5 s), then the loader (BlockDataset's read loop, batch "
-        f"64, fetch factor 16, dense) for {meta['load_seconds']:.0f} s with the store evicted "
-        f"every 0.5 s. Target: at the largest size ≥ {SCALE_TARGET}× the smallest's MB/s "
-        "and cells/s, peak RSS ≤ the budget everywhere. The machine was shared with other "
-        "jobs (load avg column): compare ratios within this run.\n\n"
+        f"64, fetch factor 16, dense) for {meta['load_seconds']:.0f} s, epoch after epoch, "
+        f"with the store evicted every 0.5 s. Target: at the largest size ≥ {SCALE_TARGET}× "
+        "the smallest's MB/s and cells/s, peak RSS ≤ the budget everywhere. Load avg: "
+        "1-minute load average after the conversion (2 = both cores busy); the loader's CPU "
+        "µs per cell (user + system, all its threads) depends little on it, its cells/s "
+        "does: compare ratios within one run.\n\n"
         f"{markdown_table(table, cols)}\n\n"
-        f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
+        + (
+            "†: store kept by an earlier run (`--keep`) and reused: its conversion figures "
+            "are that run's (`--reconvert` times them again).\n\n"
+            if any(r.get("store_reused") for r in rows)
+            else ""
+        )
+        + f"Command: `{meta['command']}` — {env['date']}, git {env['git']}, "
         f"{env['cpus']} CPUs, {env['memory_gib']} GiB RAM.\n"
     )
 
 
+def _store_key(src: Path, order: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What a kept store of the scale table was converted from and with: reused only
+    when all of it matches."""
+    st = src.stat()
+    return {
+        "source": src.name,
+        "source_bytes": st.st_size,
+        "source_mtime": st.st_mtime,
+        "options": ORDERS[order],
+        "extra": args.extra.split(),
+        "memory_budget": args.memory_budget,
+        "regime": args.regime,
+    }
+
+
+def _convert_or_reuse(
+    src: Path, order: str, folder: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """The conversion row of ``src`` in ``order``: the kept store's, when ``folder``
+    holds one converted from the same source with the same options (and not
+    ``--reconvert``), else a timed conversion into ``folder``, kept for the next run."""
+    record = folder / order / "convert.json"
+    key = _store_key(src, order, args)
+    if not args.reconvert and record.is_file():
+        kept = json.loads(record.read_text())
+        if kept.get("key") == key and (folder / order / "store.zarr" / "zarr.json").is_file():
+            return {**kept["row"], "store_reused": True}
+    row = _one_run(
+        src, order, folder, regime=args.regime, extra=args.extra.split(),
+        budget=args.memory_budget,
+    )  # fmt: skip
+    record.write_text(json.dumps({"key": key, "row": row}, indent=1))
+    return {**row, "store_reused": False}
+
+
 def _scale(args: argparse.Namespace) -> int:
-    """The scale table: every size and order converted once, then loaded."""
+    """The scale table: every size and order converted once (or its kept store reused),
+    then loaded."""
     from sclayout.convert.plan import parse_memory_budget
 
     sizes = [int(x) for x in args.scale.split(",")]
@@ -384,17 +479,21 @@ def _scale(args: argparse.Namespace) -> int:
     rows = []
     for order in args.orders.split(","):  # every size of one order first: rows that
         for n in sizes:  # compare are done together if the run is cut short
-            src = cached_tahoe_like(n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse")
-            r = _one_run(
-                src, order, work, regime=args.regime, extra=args.extra.split(),
-                budget=args.memory_budget,
-            )  # fmt: skip
-            r.update(n_obs=n, **_load_rate(work / order / "store.zarr", seconds=args.load_seconds))
-            shutil.rmtree(work / order, ignore_errors=True)
+            src = cached_tahoe_like(
+                n_obs=n, nnz_per_cell=args.scale_nnz, sampler="sparse", root=work / "data"
+            )
+            folder = work / "stores" / f"{n}"
+            r = _convert_or_reuse(src, order, folder, args)
+            store = folder / order / "store.zarr"
+            r.update(n_obs=n, **load_rate(store, seconds=args.load_seconds))
+            if not args.keep:
+                shutil.rmtree(folder / order, ignore_errors=True)
             print(
-                f"{n:,} cells {order}: {r['source_mb_s']:,.0f} MB/s, peak RSS "
-                f"{format_bytes(r['peak_rss'])}, {format_bytes(r['output_bytes'])} in "
-                f"{r['files']} files, loader {r['cells_per_s']:,.0f} cells/s",
+                f"{n:,} cells {order}: {r['source_mb_s']:,.0f} MB/s"
+                + (" (kept store)" if r["store_reused"] else "")
+                + f", peak RSS {format_bytes(r['peak_rss'])}, "
+                f"{format_bytes(r['output_bytes'])} in {r['files']} files, loader "
+                f"{r['cells_per_s']:,.0f} cells/s",
                 flush=True,
             )
             rows.append(r)

@@ -22,8 +22,9 @@ this module
    threads reach the fetch (once the previous fetch's reads have all started), so the
    kernel reads ahead the rest of the fetch while its first runs are decoded.
 
-Small arrays (``indptr``, ``source_index``: at most :data:`SMALL_ARRAY_BYTES`
-decoded) are read and decoded whole on first use and served from memory.
+Small arrays (at most :data:`SMALL_ARRAY_BYTES` decoded; per-row tables such as
+``indptr`` up to :data:`ROW_TABLE_BYTES`) are read and decoded whole on first use and
+served from memory.
 
 Anything else (other codecs, HTTP, index at an unknown place, chunks that do not
 span the trailing dimensions) is left to tensorstore: :func:`open_direct` returns
@@ -59,6 +60,7 @@ from loader.errors import LayoutError
 from loader.location import is_url
 
 __all__ = [
+    "ROW_TABLE_BYTES",
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
@@ -77,6 +79,12 @@ ANNOUNCE_READS = True
 decode threads' queue, ahead of the fetch's own reads (see :func:`submit_reads`)."""
 SMALL_ARRAY_BYTES = 32 * 2**20
 """Arrays up to this many decoded bytes are read whole once and kept in memory."""
+ROW_TABLE_BYTES = 64 * 2**20
+"""A per-row table (the matrix's ``indptr``, the source index: 8 bytes a row each) up to
+this many decoded bytes (8,388,608 rows) is read whole once and kept in memory. Read
+with each fetch instead, it costs every block one more small read and decode (a whole
+inner chunk of ``indptr`` for one block's rows): more CPU per cell than the block's own
+data on sparse stores (docs/benchmarks.md, "Scale: 200k to 5M cells")."""
 
 _DTYPES = {
     "bool": "|b1",

@@ -39,7 +39,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -277,6 +277,7 @@ class TensorstoreBackend:
         cache_bytes: int = TensorstoreSettings.CACHE_BYTES,
         direct: bool = True,
         whole_array_bytes: int | None = None,
+        row_tables: Sequence[str] = (),
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
@@ -295,6 +296,7 @@ class TensorstoreBackend:
         }
         self.direct = bool(direct)
         self.whole_array_bytes = whole_array_bytes
+        self.row_tables = frozenset(row_tables)
         self._pid = -1
         self._arrays: dict[str, Any] = {}
         self._direct: dict[str, Any] = {}
@@ -357,9 +359,11 @@ class TensorstoreBackend:
         if not self.direct:
             return None
         if path not in self._direct:
-            from loader._shards import SMALL_ARRAY_BYTES, open_direct
+            from loader._shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
-            whole = SMALL_ARRAY_BYTES if self.whole_array_bytes is None else self.whole_array_bytes
+            whole = self.whole_array_bytes
+            if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
+                whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES
             self._direct[path] = open_direct(
                 self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
             )

@@ -14,8 +14,9 @@ ids, the delivery order and the dense scatter's pointers); a
 copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
 :class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
-``indptr`` and ``source_index`` arrays when they are at most 32 MiB
-(:data:`loader._shards.SMALL_ARRAY_BYTES`: 1.6 MB each for 200,000 rows).
+``indptr`` and ``source_index`` arrays (8 bytes a row each) when they are at most
+64 MiB each (:data:`loader._shards.ROW_TABLE_BYTES`, up to 8,388,608 rows: 1.6 MB each
+for 200,000 rows, 40 MB each for 5,000,000).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
@@ -34,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from loader._shards import ROW_TABLE_BYTES
 from loader.argtypes import typechecked
 from loader.assemble import (
     CSRRows,
@@ -94,11 +96,12 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 
 _malloc_tuned = False
 
-INDEX_IN_MEMORY_BYTES = 32 * 2**20
-"""A store's source index (8 bytes per row) up to this size (4M rows) is read whole
-once and each fetch's ids are taken from memory; larger ones are read with each
-fetch. anndata writes the index in zstd chunks of 50,000 rows, which tensorstore
-otherwise decodes again for every fetch that touches them."""
+INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
+"""A store's source index (8 bytes per row) up to this size (8M rows, as for
+``indptr``: :data:`loader._shards.ROW_TABLE_BYTES`) is read whole once and each fetch's
+ids are taken from memory; larger ones are read with each fetch, through tensorstore
+(zstd chunks of tens of thousands of rows), at a cost per fetch that the cells do not
+pay back."""
 
 
 def tune_malloc() -> bool:
@@ -437,6 +440,8 @@ class LayoutReader:
         if kind == "store":
             # a version-2 store stores every chunk: an absent one is damage, not zeros
             options.setdefault("require_chunks", m.all_chunks_stored)
+            if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
+                options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0

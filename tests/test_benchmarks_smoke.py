@@ -133,3 +133,26 @@ def test_loader_threads_benchmark_on_a_small_store(tmp_path, run_benchmark, tiny
     assert {"consumer (main)", "decode"} <= set(run["roles"])
     assert run["roles"]["decode"]["threads"] == 2
     assert "| full | consumer (main) | 1 |" in (tmp_path / "loader_threads.md").read_text()
+
+
+@pytest.mark.slow  # one tiny set, one conversion in a child process, two loader runs: ~8 s
+def test_scale_table_reuses_its_sets_and_kept_stores(tmp_path, run_benchmark):
+    work, results = tmp_path / "work", tmp_path / "results"
+    args = [
+        BENCH / "convert.py", "--scale", "2000", "--scale-nnz", "10", "--orders", "original",
+        "--load-seconds", "0.1", "--work", work, "--results", results, "--keep",
+    ]  # fmt: skip
+    run_benchmark(*args)
+    (src,) = (work / "data").glob("*.h5ad")
+    store = work / "stores" / "2000" / "original" / "store.zarr"
+    made = (src.stat().st_mtime_ns, (store / "zarr.json").stat().st_mtime_ns)
+    first = json.loads((results / "convert-scale.json").read_text())["runs"][0]
+    assert first["store_reused"] is False and first["load_cells"] > 0
+    assert first["load_cpu_us_per_cell"] > 0 and first["epochs"] >= 1
+
+    out = run_benchmark(*args)
+    again = json.loads((results / "convert-scale.json").read_text())["runs"][0]
+    assert (src.stat().st_mtime_ns, (store / "zarr.json").stat().st_mtime_ns) == made
+    assert again["store_reused"] is True and "(kept store)" in out
+    assert again["seconds"] == first["seconds"] and again["load_cells"] > 0
+    assert "†" in (results / "convert-scale.md").read_text()

@@ -103,8 +103,8 @@ def shared_data_dir() -> Path | None:
     return path if path.is_dir() else None
 
 
-def cached(name: str, builder: Callable[..., Any], **kw: Any) -> Path:
-    """Return ``bench_dir()/name``, building it first with ``builder(tmp_path, **kw)`` if absent.
+def cached(name: str, builder: Callable[..., Any], *, root: Path | None = None, **kw: Any) -> Path:
+    """Return ``root/name``, building it first with ``builder(tmp_path, **kw)`` if absent.
 
     The build writes a temporary sibling and renames it into place, so an interrupted
     build never leaves a file that looks complete. A lock file serialises concurrent
@@ -116,10 +116,14 @@ def cached(name: str, builder: Callable[..., Any], **kw: Any) -> Path:
         File (or folder) name inside the cache; encode the parameters in it.
     builder
         Called as ``builder(path, **kw)``; must create ``path``.
+    root
+        Folder of the cache (created if absent); ``None``: :func:`bench_dir`.
     **kw
         Passed to ``builder``.
     """
-    root = bench_dir()
+    if root is None:
+        root = bench_dir()
+    root.mkdir(parents=True, exist_ok=True)
     final = root / name
     if final.exists():
         return final
@@ -231,14 +235,19 @@ def cached_tahoe_like(
     seed: int = 0,
     sampler: str = "dense",
     progress: bool = False,
+    root: Path | None = None,
 ) -> Path:
-    """Return the Tahoe-like dataset from the cache, built on first use."""
+    """Return the Tahoe-like dataset from the cache, built on first use.
+
+    The cache is ``root``, else :func:`bench_dir`.
+    """
     name = tahoe_like_name(
         n_obs=n_obs, n_vars=n_vars, nnz_per_cell=nnz_per_cell, seed=seed, sampler=sampler
     )
     return cached(
         name,
         make_tahoe_like,
+        root=root,
         n_obs=n_obs,
         n_vars=n_vars,
         nnz_per_cell=nnz_per_cell,

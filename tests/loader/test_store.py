@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 
-from loader.errors import FormatVersionError, InputError, NotALayoutStoreError, SpecError
+from loader.errors import (
+    FormatVersionError,
+    InputError,
+    LayoutError,
+    NotALayoutStoreError,
+    SpecError,
+)
 from loader.store import Fetched, LayoutReader, PendingFetch, open_layout
 
 N_OBS, N_VARS = 300, 50
@@ -304,6 +310,36 @@ def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatc
     np.testing.assert_array_equal(f.index, stored[f.rows])
     assert ("source_index" in asked[0]) is not in_memory
     check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
+
+
+@pytest.mark.parametrize("whole", [True, False])
+def test_indptr_is_kept_whole_up_to_the_row_table_size(built, adata, monkeypatch, whole):
+    """A store's ``indptr`` larger than the small-array size is still read whole once
+    (later fetches need none of its files) while within ``ROW_TABLE_BYTES``; beyond it,
+    each fetch reads its part."""
+    import os
+    import shutil
+
+    import loader._shards as shards
+
+    src = _path(built, "conv-shuffled-csr")
+    path = src.parent / f"copy-{whole}"
+    shutil.copytree(src, path)
+    monkeypatch.setattr(shards, "SMALL_ARRAY_BYTES", 0)
+    if not whole:
+        monkeypatch.setattr(shards, "ROW_TABLE_BYTES", 0)
+    reader = open_layout(path)
+    first = reader.submit(np.array([4, 0, 2])).result()
+    check_batch(first.take(np.arange(first.n_rows)), adata, output="dense")
+    for shard in (path / reader.layout.arrays["indptr"].path / "c").rglob("*"):
+        if shard.is_file():  # its shards emptied (open descriptors see it too)
+            os.truncate(shard, 0)
+    if whole:
+        again = reader.submit(np.array([1, 3])).result()
+        check_batch(again.take(np.arange(again.n_rows)), adata, output="dense")
+    else:
+        with pytest.raises(LayoutError):
+            reader.submit(np.array([1, 3])).result()
 
 
 @pytest.mark.parametrize(
