@@ -4,6 +4,7 @@ anndata's reading of the source."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import numpy as np
@@ -21,6 +22,11 @@ def double_and_tag(batch):
 
 def tag(batch):
     return {**batch, "collated": True}
+
+
+def refuse(batch):
+    """A module-level (picklable) transform that fails the way a user's check does."""
+    raise InputError(f"refused a minibatch of {len(batch['index'])} rows")
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -90,6 +96,16 @@ def test_bad_hooks_are_one_line_errors(stores, kw, msg):
     with pytest.raises(InputError, match=msg) as e:
         BlockDataset(stores["shuffled"], **kw)
     assert "\n" not in str(e.value)
+
+
+def test_a_transform_error_in_a_worker_arrives_after_the_workers_exited(stores):
+    """The error names the transform's message on one line, and the workers are gone
+    while the caller still holds it (not left to the garbage collector)."""
+    before = set(multiprocessing.active_children())
+    ds = BlockDataset(stores["shuffled"], batch_size=16, transform=refuse)
+    with pytest.raises(InputError, match=r"^refused a minibatch of 16 rows$") as e:
+        list(BlockDataLoader(ds, num_workers=1))
+    assert set(multiprocessing.active_children()) <= before, e.value
 
 
 def test_unpicklable_transform_with_workers_is_refused(stores):
