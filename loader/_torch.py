@@ -189,6 +189,9 @@ if torch is not None:
                 except SclayoutError as e:  # torch put the worker's traceback in it
                     _release_worker_frames(e)  # torch's iterator is freed here
                     raise worker_error(e) from None
+                except Exception as e:  # e.g. a user's transform, re-raised by torch
+                    _release_worker_frames(e)
+                    raise
                 if got != sum(remaining):
                     raise LayoutError(
                         f"BlockDataLoader: the workers delivered {got} minibatches of the "
@@ -219,6 +222,10 @@ if torch is not None:
                         _release_worker_frames(e)
                         del items  # torch's iterator is freed, its workers exit
                         raise worker_error(e) from None
+                    except Exception as e:  # any other error a worker raised
+                        _release_worker_frames(e)
+                        del items
+                        raise
                     if item is None or not isinstance(item, dict) or GROUP_KEY not in item:
                         raise LayoutError(
                             f"BlockDataLoader: worker {p} stopped {remaining[p]} "

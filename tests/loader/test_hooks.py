@@ -29,6 +29,11 @@ def refuse(batch):
     raise InputError(f"refused a minibatch of {len(batch['index'])} rows")
 
 
+def crash(batch):
+    """A module-level (picklable) transform with a bug of its own."""
+    raise ValueError(f"a bug met a minibatch of {len(batch['index'])} rows")
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_dtype_transform_collate_and_pin_are_applied(
     stores, monkeypatch, num_workers, check_epoch, stores_n_obs
@@ -98,12 +103,22 @@ def test_bad_hooks_are_one_line_errors(stores, kw, msg):
     assert "\n" not in str(e.value)
 
 
-def test_a_transform_error_in_a_worker_arrives_after_the_workers_exited(stores):
-    """The error names the transform's message on one line, and the workers are gone
-    while the caller still holds it (not left to the garbage collector)."""
+@pytest.mark.parametrize(
+    ("transform", "error", "msg"),
+    [
+        (refuse, InputError, r"^refused a minibatch of 16 rows$"),
+        (crash, ValueError, r"a bug met a minibatch of 16 rows"),
+    ],
+    ids=["sclayout-error", "other-error"],
+)
+def test_a_transform_error_in_a_worker_arrives_after_the_workers_exited(
+    stores, transform, error, msg
+):
+    """The error arrives (a SclayoutError as one line), and the workers are gone while
+    the caller still holds it (not left to the garbage collector)."""
     before = set(multiprocessing.active_children())
-    ds = BlockDataset(stores["shuffled"], batch_size=16, transform=refuse)
-    with pytest.raises(InputError, match=r"^refused a minibatch of 16 rows$") as e:
+    ds = BlockDataset(stores["shuffled"], batch_size=16, transform=transform)
+    with pytest.raises(error, match=msg) as e:
         list(BlockDataLoader(ds, num_workers=1))
     assert set(multiprocessing.active_children()) <= before, e.value
 
