@@ -9,6 +9,7 @@ module: the first use of either name does.
 from __future__ import annotations
 
 import functools
+import traceback
 import warnings
 from collections import deque
 from typing import Any
@@ -36,6 +37,18 @@ def worker_error(e: SclayoutError) -> SclayoutError:
         return e
     last = text.rstrip().splitlines()[-1]
     return type(e)(last.split(f"{type(e).__name__}: ", 1)[-1])
+
+
+def _release_worker_frames(e: BaseException) -> None:
+    """Clear the locals of the frames in ``e``'s traceback.
+
+    torch re-raises a worker's error from frames that hold both the error and the
+    DataLoader iterator, a cycle: left alone, the iterator and its idle workers live
+    until the garbage collector breaks it, and by then the collector has closed the
+    iterator's queues, so its shutdown waits torch's status-check timeout per worker.
+    Cleared, the iterator is freed when the loader drops it and its workers exit then.
+    """
+    traceback.clear_frames(e.__traceback__)
 
 
 def _accelerator_available() -> bool:
@@ -174,7 +187,11 @@ if torch is not None:
                         got += 1
                         yield batch
                 except SclayoutError as e:  # torch put the worker's traceback in it
+                    _release_worker_frames(e)  # torch's iterator is freed here
                     raise worker_error(e) from None
+                except Exception as e:  # e.g. a user's transform, re-raised by torch
+                    _release_worker_frames(e)
+                    raise
                 if got != sum(remaining):
                     raise LayoutError(
                         f"BlockDataLoader: the workers delivered {got} minibatches of the "
@@ -202,7 +219,13 @@ if torch is not None:
                     try:
                         item = next(items, None)
                     except SclayoutError as e:  # torch put the worker's traceback in it
+                        _release_worker_frames(e)
+                        del items  # torch's iterator is freed, its workers exit
                         raise worker_error(e) from None
+                    except Exception as e:  # any other error a worker raised
+                        _release_worker_frames(e)
+                        del items
+                        raise
                     if item is None or not isinstance(item, dict) or GROUP_KEY not in item:
                         raise LayoutError(
                             f"BlockDataLoader: worker {p} stopped {remaining[p]} "

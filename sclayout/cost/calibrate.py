@@ -149,7 +149,9 @@ class CalibrationPlan:
     def smoke(cls) -> CalibrationPlan:
         """Return a plan of a few hundredths of a second per step, no workers.
 
-        The shape of a calibration, not its figures (tests and benchmark smoke runs).
+        The shape of a calibration, not its figures (tests and benchmark smoke runs):
+        its codec and assembly timings run on the quick plan's small sample, since
+        building the full-size one took longer than all of its timings.
         """
         return cls(
             latency=0.05,
@@ -157,6 +159,7 @@ class CalibrationPlan:
             bandwidth=0.05,
             per_codec=0.02,
             assembly=0.05,
+            sample_elems=2**18,
             pipeline=0.05,
             workers=0.0,
         )

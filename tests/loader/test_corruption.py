@@ -7,6 +7,7 @@ reads back exactly or raises a one-line SclayoutError naming the store, and
 from __future__ import annotations
 
 import json
+import multiprocessing
 import shutil
 
 import numpy as np
@@ -258,7 +259,10 @@ def test_damage_found_in_a_dataloader_worker_is_one_line(stores, tmp_path):
     shutil.copytree(stores["blosc-lz4"], store)
     DAMAGE["flip16-data"](store)
     dataset = BlockDataset(str(store), batch_size=32)
+    before = set(multiprocessing.active_children())
     with pytest.raises(LayoutError) as e:
         for _ in dataset.dataloader(num_workers=1):
             pass
     assert "\n" not in str(e.value) and "fails its crc32c checksum" in str(e.value)
+    # the worker has exited although the error is still held (not left to the collector)
+    assert set(multiprocessing.active_children()) <= before

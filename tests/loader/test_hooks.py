@@ -4,6 +4,7 @@ anndata's reading of the source."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 
 import numpy as np
@@ -21,6 +22,16 @@ def double_and_tag(batch):
 
 def tag(batch):
     return {**batch, "collated": True}
+
+
+def refuse(batch):
+    """A module-level (picklable) transform that fails the way a user's check does."""
+    raise InputError(f"refused a minibatch of {len(batch['index'])} rows")
+
+
+def crash(batch):
+    """A module-level (picklable) transform with a bug of its own."""
+    raise ValueError(f"a bug met a minibatch of {len(batch['index'])} rows")
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -90,6 +101,26 @@ def test_bad_hooks_are_one_line_errors(stores, kw, msg):
     with pytest.raises(InputError, match=msg) as e:
         BlockDataset(stores["shuffled"], **kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("transform", "error", "msg"),
+    [
+        (refuse, InputError, r"^refused a minibatch of 16 rows$"),
+        (crash, ValueError, r"a bug met a minibatch of 16 rows"),
+    ],
+    ids=["sclayout-error", "other-error"],
+)
+def test_a_transform_error_in_a_worker_arrives_after_the_workers_exited(
+    stores, transform, error, msg
+):
+    """The error arrives (a SclayoutError as one line), and the workers are gone while
+    the caller still holds it (not left to the garbage collector)."""
+    before = set(multiprocessing.active_children())
+    ds = BlockDataset(stores["shuffled"], batch_size=16, transform=transform)
+    with pytest.raises(error, match=msg) as e:
+        list(BlockDataLoader(ds, num_workers=1))
+    assert set(multiprocessing.active_children()) <= before, e.value
 
 
 def test_unpicklable_transform_with_workers_is_refused(stores):
