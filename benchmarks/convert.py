@@ -310,7 +310,7 @@ def load_rate(
 
     from loader import open_layout
     from loader import sampler as S
-    from loader._pipeline import ahead_depth, run_plan
+    from loader._pipeline import run_plan
     from loader.dataset import DEFAULT_PREFETCH
 
     evict(store)
@@ -323,13 +323,7 @@ def load_rate(
     with Evictor([store]):
         while not done:
             plan = S.worker_plan(cfg, epoch)
-            it = run_plan(
-                plan,
-                reader,
-                output="dense",
-                prefetch=DEFAULT_PREFETCH,
-                ahead=ahead_depth(64 * reader.n_vars * 4),
-            )
+            it = run_plan(plan, reader, output="dense", prefetch=DEFAULT_PREFETCH)
             for batch in it:
                 if t0 is None:  # opening and the first fetch are not timed
                     t0, cpu0, io0 = time.perf_counter(), os.times(), _proc_io()

@@ -215,7 +215,7 @@ def _reader_loop(
     """BlockDataset's own read loop (its sampler plan and ``run_plan``, ``DEFAULT_PREFETCH``
     fetches ahead) without the DataLoader and the torch conversion around it."""
     from loader import sampler as S
-    from loader._pipeline import ahead_depth, run_plan
+    from loader._pipeline import run_plan
     from loader.dataset import DEFAULT_PREFETCH
 
     reader = open_layout(path, block_size=block_size)
@@ -225,14 +225,7 @@ def _reader_loop(
         fetch_factor=fetch_factor,
         seed=seed,
     )
-    batches = run_plan(
-        S.worker_plan(cfg, 0),
-        reader,
-        output=output,
-        prefetch=DEFAULT_PREFETCH,
-        ahead=ahead_depth(BATCH * reader.n_vars * 4),
-    )
-    for batch in batches:
+    for batch in run_plan(S.worker_plan(cfg, 0), reader, output=output, prefetch=DEFAULT_PREFETCH):
         yield batch["index"]
 
 

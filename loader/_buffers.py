@@ -43,9 +43,9 @@ class _Pool:
         self.loops = 0  # read loops running: spares are kept only while one runs
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
-        """The smallest spare buffer of at least ``nbytes``, or a new one (``True``)."""
+        """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
         with self.lock:
-            fits = [m for m in self.spare if len(m) >= nbytes]
+            fits = [m for m in self.spare if nbytes <= len(m) <= 2 * nbytes + _PAGE]
             if fits:
                 best = min(fits, key=len)
                 self.spare.remove(best)

@@ -3,18 +3,14 @@
 The only I/O loop of the dataset. ``prefetch`` fetches are in flight while the current
 one is consumed, so at most ``prefetch + 1`` fetches are held (a minibatch that takes
 its last rows from the next fetch holds both, and then one fewer is in flight).
-
-With ``ahead``, the loop runs on a thread of its own that cuts, densifies and converts
-minibatches before they are asked for, so the thread that trains only receives them
-(docs/design.md, "Read-ahead").
+While the loop runs, large arrays (a fetch's, a dense minibatch) reuse the memory of
+dropped ones (:mod:`loader._buffers`).
 """
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,16 +19,7 @@ from loader import _buffers as buffers
 from loader.errors import LayoutError
 from loader.sampler import Fetch, WorkerPlan
 
-__all__ = ["ahead_depth", "run_plan"]
-
-AHEAD_BATCHES = 4
-"""Most minibatches the batch thread finishes ahead of the consumer: enough to ride
-over the wait for the next fetch, few enough to hold little memory."""
-AHEAD_BYTES = 64 << 20
-"""Bytes of finished minibatches the batch thread may hold; large dense minibatches
-get fewer than :data:`AHEAD_BATCHES` ahead, never fewer than one."""
-_POLL_S = 0.1
-"""How often a batch thread with a full queue checks whether its consumer left."""
+__all__ = ["run_plan"]
 
 
 def run_plan(
@@ -44,87 +31,15 @@ def run_plan(
     obs: Sequence[str] = (),
     prefetch: int = 2,
     extras: Mapping[str, Any] | None = None,
-    ahead: int = 0,
-    finish: Callable[[dict[str, Any]], Any] | None = None,
-) -> Iterator[Any]:
+) -> Iterator[dict[str, Any]]:
     """Minibatches of ``plan`` from number ``skip`` on, as the reader's ``take`` gives them.
 
     Fetches before the one holding minibatch ``skip`` are never submitted. ``extras``:
     readers of more row-aligned elements on the same blocks, each fetched with the same
-    blocks and order; a minibatch holds each one's rows under its name. ``finish``, if
-    given, is applied to each minibatch. With ``ahead`` > 0, a thread runs the loop and
-    ``finish`` up to ``ahead`` minibatches before they are asked for; its errors are
-    raised here, where the minibatch would have been.
+    blocks and order; a minibatch holds each one's rows under its name.
     """
-    if ahead <= 0:
-        return _finished(_minibatches(plan, reader, skip, output, obs, prefetch, extras), finish)
-    return _ahead(
-        lambda: _finished(_minibatches(plan, reader, skip, output, obs, prefetch, extras), finish),
-        ahead,
-    )
-
-
-def ahead_depth(batch_bytes: int) -> int:
-    """Minibatches of ``batch_bytes`` each to finish ahead (:data:`AHEAD_BATCHES` at most,
-    :data:`AHEAD_BYTES` in all, at least one)."""
-    return max(1, min(AHEAD_BATCHES, AHEAD_BYTES // max(1, int(batch_bytes))))
-
-
-def _finished(batches: Iterator[dict[str, Any]], finish: Callable | None) -> Iterator[Any]:
-    """``finish`` of each minibatch, large buffers reused meanwhile."""
-    with buffers.reusing():
-        try:
-            for batch in batches:
-                yield batch if finish is None else finish(batch)
-        finally:
-            batches.close()  # type: ignore[attr-defined]
-
-
-def _ahead(make: Callable[[], Iterator[Any]], depth: int) -> Iterator[Any]:
-    """Iterate ``make()`` on a thread of its own, at most ``depth`` items ahead.
-
-    The iterator is made, run and closed on that thread. Leaving early (``close()``, an
-    error in the consumer, garbage collection) stops the thread at its next item.
-    """
-    items: queue.Queue = queue.Queue(maxsize=depth)
-    left = threading.Event()
-
-    def put(item: tuple[bool, Any]) -> bool:
-        while not left.is_set():
-            try:
-                items.put(item, timeout=_POLL_S)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def run() -> None:
-        try:
-            it = make()
-            try:
-                for item in it:
-                    if not put((True, item)):
-                        return
-            finally:
-                it.close()  # type: ignore[attr-defined]
-        except BaseException as e:  # raised again on the consumer's side
-            put((False, e))
-            return
-        put((False, None))
-
-    thread = threading.Thread(target=run, name="sclayout-batches", daemon=True)
-    thread.start()
-    try:
-        while True:
-            ok, item = items.get()
-            if ok:
-                yield item
-            elif item is None:
-                return
-            else:
-                raise item
-    finally:
-        left.set()
+    with buffers.reusing():  # fetch arrays and dense minibatches reuse dropped ones
+        yield from _minibatches(plan, reader, skip, output, obs, prefetch, extras)
 
 
 def _minibatches(
@@ -136,7 +51,7 @@ def _minibatches(
     prefetch: int,
     extras: Mapping[str, Any] | None,
 ) -> Iterator[dict[str, Any]]:
-    """:func:`run_plan`'s loop, on the thread that iterates it."""
+    """:func:`run_plan`'s loop."""
     extras = dict(extras or {})
     lengths = plan.cfg.block_lengths
     in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order

@@ -77,8 +77,8 @@ if torch is not None:
     class TorchBlockDataset(BlockDataset, IterableDataset):
         """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
 
-        def _materialize(self, batch: dict[str, Any]) -> dict[str, Any]:
-            return self.apply_dtype(to_torch(self._numpy_batch(batch)))
+        def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+            return self._apply_hooks(to_torch(self._numpy_batch(batch)))
 
         def dataloader(self, **kwargs: Any) -> BlockDataLoader:
             """A :class:`BlockDataLoader` over this dataset.

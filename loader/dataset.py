@@ -31,10 +31,9 @@ Workers and fork safety
 Memory
     ``prefetch`` fetches (default 2) are in flight while one is consumed: peak ≈
     ``(prefetch + 1)`` decoded fetches per process (a fetch is about
-    ``fetch_factor × batch_size`` rows, at least one block), plus the minibatches
-    finished ahead (at most 64 MB, at least one) and the reader's chunk cache. With
-    :class:`BlockDataLoader` workers, add per worker a ring of 4 shared-memory group
-    buffers (each ≈ 16 minibatches as CSR × 1.25).
+    ``fetch_factor × batch_size`` rows, at least one block), plus one minibatch and
+    the reader's chunk cache. With :class:`BlockDataLoader` workers, add per worker a
+    ring of 4 shared-memory group buffers (each ≈ 16 minibatches as CSR × 1.25).
 
 Workers and the main process
     Under :class:`BlockDataLoader`, a worker does not send minibatches one by one:
@@ -72,7 +71,7 @@ from typing import Any
 import numpy as np
 
 from loader import sampler as S
-from loader._pipeline import ahead_depth, run_plan
+from loader._pipeline import run_plan
 from loader.argtypes import typechecked
 from loader.errors import InputError, SclayoutError, SpecError
 from loader.layout import parse_block_size
@@ -207,9 +206,8 @@ class BlockDataset:
     rank, world_size
         DDP position; default: from ``torch.distributed`` if initialised, else 0 / 1.
     prefetch
-        Fetches kept in flight ahead of the one being consumed (default
-        :data:`DEFAULT_PREFETCH`). 0: no read-ahead, and no batch thread either (every
-        step runs on the thread that iterates; docs/design.md, "Read-ahead").
+        Fetches kept in flight ahead of the one being consumed (0: no read-ahead;
+        default :data:`DEFAULT_PREFETCH`).
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
     dtype
@@ -791,25 +789,6 @@ class BlockDataset:
             output = "view" if isinstance(reader, LayoutReader) else "csr"
         else:
             output = self.output
-        if not grouped:
-            # the batch thread cuts, densifies and converts; ``transform`` (user code) runs here
-            batches = run_plan(
-                plan,
-                reader,
-                skip=skip,
-                output=output,
-                obs=self.obs,
-                prefetch=self.prefetch,
-                extras=self._extras,
-                ahead=self._ahead_depth(),
-                finish=self._materialize,
-            )
-            if self.transform is None:
-                yield from batches
-                return
-            for batch in batches:
-                yield self.transform(batch)
-            return
         batches = run_plan(
             plan,
             reader,
@@ -819,6 +798,10 @@ class BlockDataset:
             prefetch=self.prefetch,
             extras=self._extras,
         )
+        if not grouped:
+            for batch in batches:
+                yield self._convert(batch)
+            return
         from loader._workers import GroupBuffers, pack_group
 
         assert info is not None
@@ -833,16 +816,8 @@ class BlockDataset:
         if group:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
-    def _ahead_depth(self) -> int:
-        """Minibatches finished ahead of the consumer (none without read-ahead)."""
-        if self.prefetch == 0:
-            return 0
-        per_cell = self.n_vars * 4 * (1 + len(self.extra))
-        return ahead_depth(self.batch_size * per_cell)
-
-    def _materialize(self, batch: dict[str, Any]) -> dict[str, Any]:
-        """Return a pipeline minibatch as the dataset yields it before ``transform``."""
-        return self.apply_dtype(self._numpy_batch(batch))
+    def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._apply_hooks(self._numpy_batch(batch))
 
     def _numpy_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
         """Return a minibatch of the pipeline as the documented numpy dict (float32 X)."""
@@ -879,6 +854,11 @@ class BlockDataset:
 
             batch["X"] = X.to(getattr(torch, self.dtype))
         return batch
+
+    def _apply_hooks(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """``dtype`` then ``transform``, where the batch is made."""
+        batch = self.apply_dtype(batch)
+        return batch if self.transform is None else self.transform(batch)
 
     def dataloader(self, **kwargs: Any) -> Any:
         """Return a :class:`BlockDataLoader` over this dataset.

@@ -48,8 +48,8 @@ Core counts: the decode threads per process are the loader's
 the CPU bound divides by calibrate's parallelism per core times the cores the
 loader's threads can occupy (never more threads than run). ``predict(..., cores=N)``
 predicts the same machine with ``N`` cores: the parts that divide (decode, the CPU
-bound) scale, while the assembly thread, the batch thread and the main process's
-densify stay serial and become the bound on many cores.
+bound) scale, while the assembly thread, the consumer and the main process's densify
+stay serial and become the bound on many cores.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
@@ -96,8 +96,7 @@ backend's direct shard reader and tensorstore's ``data_copy_concurrency`` use th
 process's share of the cores (:func:`loader.cores.split_cores`)."""
 PIPELINE_THREADS = 2
 """Threads of one pipeline besides its decode threads: the assembly thread and the
-batch thread (the training loop's thread only receives minibatches); they can keep a
-core each busy, no more."""
+consumer (the training loop's thread); they can keep a core each busy, no more."""
 CACHE_BYTES = 64 * 2**20
 """tensorstore chunk cache per process (``loader.backends.TensorstoreSettings``)."""
 PREFETCH_BATCHES = 2
@@ -544,7 +543,7 @@ def _busy_cores(profile: Profile, measured: float, num_workers: int, dec_threads
 
     A process runs its decode threads and :data:`PIPELINE_THREADS` more; with workers,
     each worker does, beside the main process's one. The parts that do not divide
-    (assembly, the batch thread, the main process's densify) are bounded on their own.
+    (assembly, the consumer, the main process's densify) are bounded on their own.
     """
     cores = planned_cores(profile)
     per_core = measured / cores
