@@ -17,7 +17,8 @@ Helpers (fixtures that return a function)
     cost-test source and store; ``run_cli`` runs ``sclayout`` in-process and
     ``assert_one_line_error`` checks its one-line error; ``tiny_plan`` is a calibration
     plan of hundredths of a second; ``spy_codec_timing`` records how calibrate times
-    codecs; ``run_benchmark`` / ``tiny_tahoe_like`` serve the benchmark smoke tests.
+    codecs; ``run_benchmark`` / ``tiny_tahoe_like`` serve the benchmark smoke tests;
+    ``assert_same_as_local`` checks a store in a bucket against its local copy.
 """
 
 from __future__ import annotations
@@ -348,6 +349,40 @@ def run_cli():
 @pytest.fixture(scope="session")
 def assert_one_line_error():
     return _assert_one_line_error
+
+
+def _assert_same_as_local(url: str, local_path: Path, remote: Any, **dataset_kw: Any) -> None:
+    """A store in a bucket against its local copy: the manifest, the block pointer, every
+    block's rows (``remote``: the reader opened on ``url``), and a ``BlockDataset`` pass
+    with ``dataset_kw`` (the same minibatches, every row once)."""
+    from loader import BlockDataset
+    from loader.store import open_layout
+
+    local = open_layout(local_path)
+    a, b = local.manifest.to_dict(), remote.manifest.to_dict()
+    a.pop("created"), b.pop("created")
+    assert a == b
+    assert np.array_equal(remote.block_pointer, local.block_pointer)
+    blocks = np.arange(local.n_blocks)
+    x, y = local.submit(blocks).result(), remote.submit(blocks).result()
+    assert np.array_equal(x.index, y.index)
+    pos = np.random.default_rng(0).permutation(x.n_rows)
+    xa, xb = x.take(pos)["X"], y.take(pos)["X"]
+    assert xa.dtype == xb.dtype and np.array_equal(xa, xb)
+    kw = dict(seed=5, output="csr", **dataset_kw)
+    one, two = list(BlockDataset(str(local_path), **kw)), list(BlockDataset(url, **kw))
+    assert len(one) == len(two) > 0
+    for p, q in zip(one, two, strict=True):
+        assert np.array_equal(p["index"], q["index"])
+        assert np.array_equal(p["X"].to_dense().numpy(), q["X"].to_dense().numpy())
+    seen = np.sort(np.concatenate([np.asarray(q["index"]) for q in two]))
+    assert np.array_equal(seen, np.arange(local.n_obs))
+
+
+@pytest.fixture(scope="session")
+def assert_same_as_local():
+    """:func:`_assert_same_as_local`: a store in an object store equals its local copy."""
+    return _assert_same_as_local
 
 
 @pytest.fixture(scope="session")

@@ -65,33 +65,9 @@ def test_object_store_urls_map_to_tensorstore_kvstores(monkeypatch):
         split_bucket("s3://")
 
 
-def test_open_layout_on_s3_equals_the_local_store(s3_store):
-    url, local_path = s3_store
-    local, remote = open_layout(local_path), open_layout(url)
-    a, b = local.manifest.to_dict(), remote.manifest.to_dict()
-    a.pop("created"), b.pop("created")
-    assert a == b
-    assert np.array_equal(remote.block_pointer, local.block_pointer)
-    blocks = np.arange(local.n_blocks)
-    x, y = local.submit(blocks).result(), remote.submit(blocks).result()
-    assert np.array_equal(x.index, y.index)
-    pos = np.random.default_rng(0).permutation(x.n_rows)
-    xa, xb = x.take(pos)["X"], y.take(pos)["X"]
-    assert xa.dtype == xb.dtype and np.array_equal(xa, xb)
-
-
-def test_block_dataset_on_s3_yields_every_row_once_as_locally(s3_store):
-    from loader import BlockDataset
-
+def test_a_store_on_s3_equals_the_local_store(s3_store, assert_same_as_local):
     url, local = s3_store
-    kw = dict(batch_size=256, fetch_factor=4, seed=5, output="csr")
-    a, b = list(BlockDataset(local, **kw)), list(BlockDataset(url, **kw))
-    assert len(a) == len(b) > 0
-    for x, y in zip(a, b, strict=True):
-        assert np.array_equal(x["index"], y["index"])
-        assert np.array_equal(x["X"].to_dense().numpy(), y["X"].to_dense().numpy())
-    seen = np.sort(np.concatenate([np.asarray(x["index"]) for x in b]))
-    assert np.array_equal(seen, np.arange(open_layout(local).n_obs))
+    assert_same_as_local(url, local, open_layout(url), batch_size=256, fetch_factor=4)
 
 
 def test_s3_reads_are_ranged_and_coalesced(s3, shared_store):
