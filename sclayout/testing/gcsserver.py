@@ -27,7 +27,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -283,18 +283,11 @@ class GcsServer(LoopbackServer):
         return {"TENSORSTORE_GCS_HTTP_URL": self.endpoint, "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test"}
 
 
-@contextlib.contextmanager
 def serve_gcs(
     root: str | os.PathLike[str], *, buckets: Sequence[str] = (), delay: float = 0.0
-) -> Iterator[GcsServer]:
+) -> contextlib.AbstractContextManager[GcsServer]:
     """Run a :class:`GcsServer` over ``root`` with ``buckets`` created, for the block."""
-    server = GcsServer(root, delay=delay)
-    try:
-        for b in buckets:
-            server.create_bucket(b)
-        yield server
-    finally:
-        server.stop()
+    return GcsServer(root, delay=delay).serving(buckets)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

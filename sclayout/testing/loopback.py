@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["LoopbackServer", "temporary_environment"]
@@ -39,6 +39,20 @@ class LoopbackServer:
     def variables(self) -> dict[str, str]:
         """Return the variables that point a client at this server."""
         raise NotImplementedError
+
+    def create_bucket(self, name: str) -> Any:
+        """Create bucket ``name``."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def serving(self, buckets: Sequence[str] = ()) -> Iterator[Any]:
+        """Create ``buckets``, yield this server for the block, then stop it."""
+        try:
+            for b in buckets:
+                self.create_bucket(b)
+            yield self
+        finally:
+            self.stop()
 
     @contextlib.contextmanager
     def environment(self) -> Iterator[Any]:

@@ -21,7 +21,7 @@ import contextlib
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,16 +109,11 @@ class S3Server(LoopbackServer):
         return {**ENVIRONMENT, "AWS_ENDPOINT_URL": self.endpoint}
 
 
-@contextlib.contextmanager
-def serve_s3(*, buckets: Sequence[str] = (), delay: float = 0.0) -> Iterator[S3Server]:
+def serve_s3(
+    *, buckets: Sequence[str] = (), delay: float = 0.0
+) -> contextlib.AbstractContextManager[S3Server]:
     """Run an :class:`S3Server` with ``buckets`` created, for the ``with`` block."""
-    server = S3Server(delay=delay)
-    try:
-        for b in buckets:
-            server.create_bucket(b)
-        yield server
-    finally:
-        server.stop()
+    return S3Server(delay=delay).serving(buckets)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
