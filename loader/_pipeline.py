@@ -2,7 +2,9 @@
 
 The only I/O loop of the dataset. ``prefetch`` fetches are in flight while the current
 one is consumed, so at most ``prefetch + 1`` fetches are held (a minibatch that takes
-its last rows from the next fetch holds both, and then one fewer is in flight).
+its last rows from the next fetch holds both, and then one fewer is in flight). Given a
+:class:`Carry`, the read-ahead goes on past the plan's end into the next pass's plan,
+so that the next epoch does not start with a read nobody overlapped.
 While the loop runs, large arrays (a fetch's, a dense minibatch) reuse the memory of
 dropped ones (:mod:`loader._buffers`).
 """
@@ -10,16 +12,45 @@ dropped ones (:mod:`loader._buffers`).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from loader import _buffers as buffers
+from loader.assemble import CSRRows
 from loader.errors import LayoutError
 from loader.sampler import Fetch, WorkerPlan
 
-__all__ = ["run_plan"]
+__all__ = ["Carry", "run_plan"]
+
+
+class Carry:
+    """The first fetches of the pass expected next, submitted before this pass ended.
+
+    ``next_plan`` computes that pass's plan; it is called once this pass has submitted
+    all of its own fetches. ``fetches`` then holds the submitted ones, in fetch order,
+    as ``(Fetch, pending, extras' pendings)``; :meth:`fetches_for` hands them over.
+    """
+
+    def __init__(self, next_plan: Callable[[], WorkerPlan], reader: Any) -> None:
+        self._next_plan = next_plan
+        self.reader = reader
+        self.plan: WorkerPlan | None = None
+        self.fetches: deque = deque()
+
+    def next_plan(self) -> WorkerPlan:
+        """The next pass's plan (computed on first use)."""
+        if self.plan is None:
+            self.plan = self._next_plan()
+        return self.plan
+
+    def fetches_for(self, plan: WorkerPlan, reader: Any) -> deque:
+        """The carried fetches if ``plan`` (read by ``reader``) is the plan they began,
+        else none (they are dropped)."""
+        if self.plan is None or self.plan.key != plan.key or self.reader is not reader:
+            return deque()
+        return self.fetches
 
 
 def run_plan(
@@ -31,15 +62,22 @@ def run_plan(
     obs: Sequence[str] = (),
     prefetch: int = 2,
     extras: Mapping[str, Any] | None = None,
+    carried: Sequence[tuple] = (),
+    ahead: Carry | None = None,
 ) -> Iterator[dict[str, Any]]:
     """Minibatches of ``plan`` from number ``skip`` on, as the reader's ``take`` gives them.
 
     Fetches before the one holding minibatch ``skip`` are never submitted. ``extras``:
     readers of more row-aligned elements on the same blocks, each fetched with the same
-    blocks and order; a minibatch holds each one's rows under its name.
+    blocks and order; a minibatch holds each one's rows under its name. ``carried``:
+    the plan's first fetches, submitted by the pass before (``skip`` must be 0).
+    ``ahead``: once every fetch of ``plan`` is submitted, the read-ahead submits the
+    next plan's first fetches into it.
     """
+    if carried and skip:
+        raise ValueError("run_plan: carried fetches start the plan; skip must be 0")
     with buffers.reusing():  # fetch arrays and dense minibatches reuse dropped ones
-        yield from _minibatches(plan, reader, skip, output, obs, prefetch, extras)
+        yield from _minibatches(plan, reader, skip, output, obs, prefetch, extras, carried, ahead)
 
 
 def _minibatches(
@@ -50,13 +88,23 @@ def _minibatches(
     obs: Sequence[str],
     prefetch: int,
     extras: Mapping[str, Any] | None,
+    carried: Sequence[tuple],
+    ahead: Carry | None,
 ) -> Iterator[dict[str, Any]]:
     """:func:`run_plan`'s loop."""
     extras = dict(extras or {})
     lengths = plan.cfg.block_lengths
-    in_flight: deque = deque()  # (Fetch, PendingFetch), in fetch order
+    # (Fetch, PendingFetch, extras' pendings), in fetch order
+    in_flight: deque = deque(carried)
     ready: dict[int, tuple[Fetch, Any]] = {}
-    next_k: int | None = None
+    next_k: int | None = len(carried) if carried else None
+    later: deque = ahead.fetches if ahead is not None else deque()
+
+    def submit(p: WorkerPlan, k: int) -> tuple:
+        f = p.fetch(k)
+        # the fetch in delivery order: minibatches are consecutive slices of it
+        more = {e: r.submit(f.blocks, order=f.order) for e, r in extras.items()}
+        return f, reader.submit(f.blocks, order=f.order), more
 
     def submit_more(k_from: int, *, at_least_one: bool = False) -> None:
         nonlocal next_k
@@ -65,12 +113,16 @@ def _minibatches(
         while next_k < plan.n_fetches and (
             len(ready) + len(in_flight) < prefetch + 1 or at_least_one
         ):
-            f = plan.fetch(next_k)
-            # the fetch in delivery order: minibatches are consecutive slices of it
-            more = {e: r.submit(f.blocks, order=f.order) for e, r in extras.items()}
-            in_flight.append((f, reader.submit(f.blocks, order=f.order), more))
+            in_flight.append(submit(plan, next_k))
             next_k += 1
             at_least_one = False
+        if ahead is None or next_k < plan.n_fetches:
+            return
+        while len(ready) + len(in_flight) + len(later) < prefetch + 1:
+            then = ahead.next_plan()
+            if len(later) >= then.n_fetches:
+                break
+            later.append(submit(then, len(later)))
 
     for parts in plan.batch_parts(skip):
         first = parts[0][0]
@@ -112,12 +164,15 @@ def _take(got: Any, a: int, b: int, output: str, obs: Sequence[str]) -> dict[str
 
 
 def concat_batches(pieces: list[dict[str, Any]]) -> dict[str, Any]:
-    """One minibatch from the parts ``take`` returned (dense or scipy CSR ``X``)."""
+    """One minibatch from the parts ``take`` returned (dense, scipy CSR or
+    :class:`~loader.assemble.CSRRows` ``X``)."""
     if len(pieces) == 1:
         return pieces[0]
     Xs = [p["X"] for p in pieces]
     if isinstance(Xs[0], np.ndarray):
         X = np.concatenate(Xs)
+    elif isinstance(Xs[0], CSRRows):
+        X = CSRRows.stack(Xs)
     else:
         import scipy.sparse as sp
 

@@ -17,6 +17,7 @@ from typing import Any
 from loader._workers import GROUP_KEY, GROUP_SLOTS, to_torch, unpack_group, worker_context
 from loader.dataset import BlockDataset
 from loader.errors import InputError, LayoutError, SclayoutError
+from loader.store import LayoutReader
 
 try:
     import torch
@@ -76,6 +77,14 @@ if torch is not None:
 
     class TorchBlockDataset(BlockDataset, IterableDataset):
         """:class:`BlockDataset` as a torch ``IterableDataset`` (batches of tensors)."""
+
+        def _pipeline_output(self, reader: Any) -> str:
+            # a store's CSR minibatches become tensors straight from their arrays, with
+            # no scipy matrix between (other readers, extra elements' too, give dense
+            # or CSR only)
+            if self.output == "csr" and isinstance(reader, LayoutReader) and not self.extra:
+                return "rows"
+            return self.output
 
         def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
             return self._apply_hooks(to_torch(self._numpy_batch(batch)))

@@ -34,21 +34,32 @@ worker id)."""
 
 
 def _matrix_tensor(X: Any) -> Any:
-    """A dense ndarray or scipy CSR matrix as a torch tensor (dense or sparse CSR)."""
+    """A dense ndarray, :class:`CSRRows` or scipy CSR matrix as a torch tensor (dense or
+    sparse CSR, with the arrays' own index dtype: int32 below 2**31 values)."""
     import torch
 
     if isinstance(X, np.ndarray):
         return torch.from_numpy(X)
+    n_vars = X.n_vars if isinstance(X, CSRRows) else X.shape[1]
+    indptr, indices = X.indptr, X.indices
+    if indptr.dtype != indices.dtype or indptr.dtype not in (np.int32, np.int64):
+        indptr, indices = indptr.astype(np.int64), indices.astype(np.int64)
+    args = (torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(X.data))
+    size = (indptr.shape[0] - 1, n_vars)
+    if _CSR_WARNINGS_SEEN:
+        return torch.sparse_csr_tensor(*args, size=size)
     with warnings.catch_warnings():
-        # torch warns once that it skips CSR invariant checks; CSRRows.csr built it valid.
+        # torch warns once per process that CSR is in beta and skips invariant checks
+        # (the arrays are valid CSR by construction)
         warnings.filterwarnings("ignore", message="Sparse invariant checks")
         warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta")
-        return torch.sparse_csr_tensor(
-            torch.from_numpy(X.indptr.astype(np.int64)),
-            torch.from_numpy(X.indices.astype(np.int64)),
-            torch.from_numpy(X.data),
-            size=X.shape,
-        )
+        out = torch.sparse_csr_tensor(*args, size=size)
+    _CSR_WARNINGS_SEEN.append(True)
+    return out
+
+
+_CSR_WARNINGS_SEEN: list[bool] = []
+"""Non-empty once this process made a CSR tensor: torch's two warnings are then spent."""
 
 
 def to_torch(batch: dict[str, Any]) -> dict[str, Any]:

@@ -71,8 +71,9 @@ from typing import Any
 import numpy as np
 
 from loader import sampler as S
-from loader._pipeline import run_plan
+from loader._pipeline import Carry, run_plan
 from loader.argtypes import typechecked
+from loader.assemble import CSRRows
 from loader.errors import InputError, SclayoutError, SpecError
 from loader.layout import parse_block_size
 
@@ -208,6 +209,12 @@ class BlockDataset:
     prefetch
         Fetches kept in flight ahead of the one being consumed (0: no read-ahead;
         default :data:`DEFAULT_PREFETCH`).
+    prefetch_next_epoch
+        Go on reading ahead past an epoch's end: the next epoch's first ``prefetch``
+        fetches are read while this epoch's last one is consumed, so that an epoch does
+        not begin by waiting for a read (in the process that iterates, without
+        DataLoader workers). After the last epoch those fetches stay read for nothing
+        until the dataset is dropped; ``False`` for a dataset read once.
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
     dtype
@@ -279,6 +286,7 @@ class BlockDataset:
         extra: Sequence[str] = (),
         store_weights: Sequence[float] | None = None,
         label: str | None = None,
+        prefetch_next_epoch: bool = True,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -313,7 +321,11 @@ class BlockDataset:
             rank = d_rank if rank is None else rank
             world_size = d_world if world_size is None else world_size
         S.check_position(rank, world_size)
-        for name, flag in (("drop_last", drop_last), ("replacement", replacement)):
+        for name, flag in (
+            ("drop_last", drop_last),
+            ("replacement", replacement),
+            ("prefetch_next_epoch", prefetch_next_epoch),
+        ):
             if not isinstance(flag, bool | np.bool_):
                 raise InputError(f"{name}={flag!r}: must be True or False")
 
@@ -432,6 +444,8 @@ class BlockDataset:
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
         self._advance = False  # the next pass starts the next epoch (see begin_pass)
         self.group_workers = False  # BlockDataLoader: workers send groups of minibatches
+        self.prefetch_next_epoch = bool(prefetch_next_epoch)
+        self._carry: Carry | None = None  # the next pass's first fetches, in flight
 
     def _check_diversity(self, reader: Any, label: str | None) -> None:
         """Warn once if the data lies in its original order and diversity is low.
@@ -517,6 +531,9 @@ class BlockDataset:
         S.check_nonnegative_int(epoch, "epoch")
         self._shared[_EPOCH] = int(epoch)
         self._advance = False
+        if self._carry is not None and self._carry.plan is not None:
+            if self._carry.plan.key[0] != epoch:
+                self._carry = None  # read for another epoch: free it now
 
     def __len__(self) -> int:
         """Minibatches per epoch on this rank (all workers together)."""
@@ -532,6 +549,7 @@ class BlockDataset:
     # -- pickling: no open handles ------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
+        state["_carry"] = None  # fetches in flight belong to this process
         if self._path is not None:
             state["_reader"] = None  # reopened lazily in the process that reads
         return state
@@ -664,6 +682,7 @@ class BlockDataset:
         self._shared[_START] = consumed
         self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
         self._consumed, self._consumed_epoch = consumed, epoch
+        self._carry = None
         # a state saved after a whole epoch resumes with the next one
         self._advance = consumed == total
 
@@ -755,18 +774,21 @@ class BlockDataset:
         counts = S.worker_batches(self.config, world_size=self.world_size, num_workers=num_workers)
         skip, rotation = S.resume_point(counts, start)
         logical = (worker + rotation) % num_workers
-        plan = S.worker_plan(
-            self.config,
-            epoch,
-            rank=self.rank,
-            world_size=self.world_size,
-            worker=logical,
-            num_workers=num_workers,
-        )
-        yield from self._execute(plan, int(skip[logical]))
+        place = {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "worker": logical,
+            "num_workers": num_workers,
+        }
+        plan = S.worker_plan(self.config, epoch, **place)
+        yield from self._execute(plan, int(skip[logical]), place)
 
-    def _execute(self, plan: S.WorkerPlan, skip: int):
+    def _execute(self, plan: S.WorkerPlan, skip: int, place: dict[str, int]):
         """Run ``plan`` from minibatch ``skip`` with read-ahead; convert each batch.
+
+        Without DataLoader workers, the read-ahead goes on into the next epoch's plan
+        (:attr:`prefetch_next_epoch`); what it submitted is kept for the next pass if
+        this one ran to its end.
 
         In a worker of :class:`BlockDataLoader`, minibatches travel to the main
         process in groups of :data:`WORKER_GROUP_BATCHES` (CSR when the store is CSR,
@@ -776,6 +798,13 @@ class BlockDataset:
         reader = self._get_reader()
         self._read_pid = os.getpid()
         info = _worker_info()
+        carry, self._carry = self._carry, None
+        carried = carry.fetches_for(plan, reader) if carry is not None and not skip else ()
+        del carry
+        ahead = None
+        if self.prefetch_next_epoch and info is None:
+            epoch = plan.key[0]
+            ahead = Carry(lambda: S.worker_plan(self.config, epoch + 1, **place), reader)
         if info is not None:
             from loader._shards import share_decode_threads
 
@@ -788,7 +817,7 @@ class BlockDataset:
             # another reader (e.g. a user's) is asked for CSR, which any reader gives
             output = "view" if isinstance(reader, LayoutReader) else "csr"
         else:
-            output = self.output
+            output = self._pipeline_output(reader)
         batches = run_plan(
             plan,
             reader,
@@ -797,10 +826,13 @@ class BlockDataset:
             obs=self.obs,
             prefetch=self.prefetch,
             extras=self._extras,
+            carried=carried,
+            ahead=ahead,
         )
         if not grouped:
             for batch in batches:
                 yield self._convert(batch)
+            self._carry = ahead  # the pass ran to its end
             return
         from loader._workers import GroupBuffers, pack_group
 
@@ -816,6 +848,10 @@ class BlockDataset:
         if group:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
+    def _pipeline_output(self, reader: Any) -> str:
+        """The output ``reader``'s fetches cut minibatches in for this dataset."""
+        return self.output
+
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:
         return self._apply_hooks(self._numpy_batch(batch))
 
@@ -824,18 +860,17 @@ class BlockDataset:
         X = batch["X"]
         if self.output == "dense":
             X = np.ascontiguousarray(X, dtype=np.float32)
-        else:
+        elif not isinstance(X, CSRRows):  # CSRRows are float32 (output "rows")
             X = X if X.dtype == np.float32 else X.astype(np.float32)
         index = np.asarray(batch["index"], dtype=np.int64)
         obs = {c: np.asarray(batch["obs"][c], dtype=np.int64) for c in self.obs}
         out = {"X": X, "obs": obs, "index": index}
         for e in self.extra:
             v = batch[e]
-            out[e] = (
-                v.astype(np.float32, copy=False)
-                if hasattr(v, "tocsr")
-                else np.ascontiguousarray(v, dtype=np.float32)
-            )
+            if hasattr(v, "tocsr"):
+                out[e] = v.astype(np.float32, copy=False)
+            else:
+                out[e] = np.ascontiguousarray(v, dtype=np.float32)
         return out
 
     def apply_dtype(self, batch: dict[str, Any]) -> dict[str, Any]:

@@ -52,6 +52,21 @@ def test_dense_csr_view_equal_scipy_indexing(kind, dtype, n_vars):
     np.testing.assert_array_equal(dense, want)
     np.testing.assert_array_equal(rows.csr(pos).toarray(), want)
     np.testing.assert_array_equal(rows.view(pos).toarray(), want)
+    own = rows.rows(pos)
+    assert own.data.dtype == np.float32 and own.indptr[0] == 0
+    assert not np.shares_memory(own.data, rows.data)
+    np.testing.assert_array_equal(own.to_scipy().toarray(), want)
+
+
+def test_stacked_rows_are_the_parts_one_after_the_other():
+    rows = rows_of(50, 30)
+    cuts = [(0, 7), (7, 8), (8, 8), (8, 31), (31, 50)]  # an empty part, a one-row part
+    # parts as the read loop cuts them: own memory, and views into a fetch
+    parts = [rows.rows(np.arange(a, b)) for a, b in cuts[:3]]
+    parts += [A.CSRRows(rows.data, rows.indices, rows.indptr[a : b + 1], 30) for a, b in cuts[3:]]
+    stacked = A.CSRRows.stack(parts)
+    assert stacked.indptr[0] == 0 and stacked.indptr.dtype == stacked.indices.dtype
+    np.testing.assert_array_equal(stacked.to_scipy().toarray(), rows.to_scipy().toarray())
 
 
 def test_empty_positions():

@@ -53,6 +53,7 @@ def test_values_equal_source(stores, source, output, as_numpy, check_epoch, stor
         X = b["X"]
         if output == "csr":
             assert X.layout == torch.sparse_csr and X.dtype == torch.float32
+            assert X.crow_indices().dtype == X.col_indices().dtype == torch.int32
         else:
             assert X.layout == torch.strided and X.dtype == torch.float32
         assert np.array_equal(as_numpy(X), truth["X"][idx].astype(np.float32))
@@ -234,10 +235,13 @@ class CountingReader:
         return Pending()
 
 
+@pytest.mark.parametrize("carry", [True, False])
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_read_ahead_is_bounded(prefetch, memory_reader):
+def test_read_ahead_is_bounded(prefetch, carry, memory_reader):
     reader = CountingReader(memory_reader(400, block_size=5))
-    ds = BlockDataset(reader, batch_size=10, fetch_factor=2, prefetch=prefetch)
+    ds = BlockDataset(
+        reader, batch_size=10, fetch_factor=2, prefetch=prefetch, prefetch_next_epoch=carry
+    )
     n_fetches = S.worker_plan(ds.config, 0).n_fetches
     for i, _ in enumerate(ds):
         submitted = sum(e[0] == "submit" for e in reader.events)
@@ -246,7 +250,9 @@ def test_read_ahead_is_bounded(prefetch, memory_reader):
         assert submitted - waited <= prefetch, (i, submitted, waited)
         if prefetch and waited < n_fetches:
             assert submitted > waited, "no read-ahead while consuming a fetch"
-    assert sum(e[0] == "submit" for e in reader.events) == n_fetches
+    # with carry, the next epoch's first fetches are what the read-ahead went on to
+    carried = prefetch if carry else 0
+    assert sum(e[0] == "submit" for e in reader.events) == n_fetches + carried
 
 
 @pytest.mark.parametrize("consumed", [0, 1, 7, 20, 21])
@@ -270,8 +276,9 @@ def test_resume_in_process_reads_no_skipped_fetch(consumed, indices, memory_read
         return
     assert same(rest, full[consumed:])
     read = sum(int(reader.block_lengths()[b].sum()) for b in reader.submitted)
-    # only the fetch holding the next batch onwards: remaining rows + < 2 fetches
-    assert read <= (len(full) - consumed) * batch + 2 * (batch * ff + 4)
+    # only the fetch holding the next batch onwards: remaining rows + < 2 fetches, and
+    # the next epoch's first fetches the read-ahead went on to
+    assert read <= (len(full) - consumed) * batch + (2 + fresh.prefetch) * (batch * ff + 4)
     assert fresh.state_dict()["consumed"] == len(full)
     assert len(indices(fresh)) == len(full)  # a completed pass: the next epoch follows
 

@@ -97,3 +97,91 @@ def test_a_state_saved_after_a_whole_epoch_resumes_with_the_next(make, flat, ref
     fresh = make()
     fresh.load_state_dict(state)
     assert np.array_equal(flat(fresh), reference(1))
+
+
+# -- read-ahead across an epoch's end (prefetch_next_epoch) ------------------------------
+
+
+@pytest.fixture
+def counted(memory_reader):
+    """``counted(**kw)``: ``(dataset, reader)``; the reader records every fetch submitted."""
+
+    def counted(**kw):
+        reader = memory_reader(97, block_size=4, seed=2)
+        return BlockDataset(reader, batch_size=8, fetch_factor=2, **kw), reader
+
+    return counted
+
+
+def test_the_next_epochs_first_fetches_are_submitted_before_its_pass(counted, flat, reference):
+    ds, reader = counted()
+    off, off_reader = counted(prefetch_next_epoch=False)
+    list(off)
+    n = len(off_reader.submitted)  # fetches of one epoch
+    list(ds)
+    assert len(reader.submitted) == n + ds.prefetch  # epoch 1's first ones, in flight
+    list(off)  # epoch 1
+    carried = off_reader.submitted[: len(reader.submitted)]
+    for got, want in zip(reader.submitted, carried, strict=True):
+        assert np.array_equal(got, want)  # the same blocks, in the same order
+    assert np.array_equal(flat(ds), reference(1))  # the carried fetches, delivered once
+    assert len(reader.submitted) == 2 * n + ds.prefetch  # none of epoch 1 submitted again
+
+
+def test_set_epoch_to_the_next_keeps_the_carried_fetches(counted, flat, reference):
+    ds, reader = counted()
+    for epoch in range(3):  # the usual DDP loop
+        ds.set_epoch(epoch)
+        assert np.array_equal(flat(ds), reference(epoch))
+    n = len(reader.submitted) - ds.prefetch
+    assert n % 3 == 0 and len(reader.submitted) == n + ds.prefetch
+
+
+@pytest.mark.parametrize("then", ["set_epoch", "load_state_dict", "abandon"])
+def test_carried_fetches_of_another_position_are_dropped(then, counted, flat, reference):
+    ds, reader = counted()
+    list(ds)  # epoch 0, epoch 1's first fetches carried
+    if then == "set_epoch":
+        ds.set_epoch(4)
+        assert np.array_equal(flat(ds), reference(4))
+        return
+    if then == "load_state_dict":
+        other, _ = counted()
+        list(other)
+        it = iter(other)
+        for _ in range(5):
+            next(it)
+        ds.load_state_dict(other.state_dict())  # epoch 1, 5 minibatches in
+        assert np.array_equal(flat(ds), reference(1)[5 * 8 :])
+        return
+    it = iter(ds)  # epoch 1 from its carried fetches, abandoned before its end
+    next(it)
+    del it
+    before = len(reader.submitted)
+    assert np.array_equal(flat(ds), reference(2))  # nothing carried from the abandoned pass
+    plain, plain_reader = counted(prefetch_next_epoch=False)
+    plain.set_epoch(2)
+    next(iter(plain))
+    assert np.array_equal(reader.submitted[before], plain_reader.submitted[0])
+
+
+def test_workers_do_not_carry(counted, flat, reference):
+    ds, _ = counted()
+    dl = BlockDataLoader(ds, num_workers=2, multiprocessing_context="fork")
+    for epoch in range(2):
+        assert np.array_equal(np.sort(flat(list(dl))), np.sort(reference(epoch)))
+
+
+@pytest.mark.parametrize("output", ["dense", "csr"])
+def test_carried_fetches_of_a_store_give_the_same_values(output, stores, as_numpy):
+    def epochs(**kw):
+        ds = BlockDataset(stores["shuffled"], batch_size=10, fetch_factor=3, output=output, **kw)
+        return [[(as_numpy(b["index"]), as_numpy(b["X"])) for b in ds] for _ in range(3)]
+
+    truth = stores["truth"]["shuffled"]["X"]
+    for got, want in zip(epochs(), epochs(prefetch_next_epoch=False), strict=True):
+        assert len(got) == len(want)
+        for (gi, gx), (wi, wx) in zip(got, want, strict=True):
+            assert np.array_equal(gi, wi)
+            np.testing.assert_array_equal(gx, wx)
+            np.testing.assert_allclose(gx, truth[gi], rtol=1e-6)

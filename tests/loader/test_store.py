@@ -461,7 +461,7 @@ def test_unknown_backend_output_and_positions(built):
     with pytest.raises(InputError, match="backend='h5py' cannot read store sources"):
         open_layout(built["own-original-csr"], backend="h5py")
     f = open_layout(built["own-original-csr"]).submit(np.array([0])).result()
-    with pytest.raises(InputError, match="output='coo': unknown; known: csr, dense, view"):
+    with pytest.raises(InputError, match="output='coo': unknown; known: csr, dense, rows, view"):
         f.take(np.arange(2), output="coo")
     with pytest.raises(InputError, match=r"positions out of range \[0, 16\)"):
         f.take(np.array([16]))
