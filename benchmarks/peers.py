@@ -31,6 +31,7 @@ Writes ``benchmarks/results/peers.{json,md}``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import subprocess
 import sys
@@ -48,6 +49,8 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(
 from _common import RESULTS, command_line, environment, markdown_table, write_results  # noqa: E402
 
 from loader import BlockDataset  # noqa: E402
+from loader.layout import FORMAT_VERSION  # noqa: E402
+from loader.spec import LayoutSpec  # noqa: E402
 from sclayout.cost.diversity import diversity_ratio  # noqa: E402
 from sclayout.pagecache import Evictor, evict  # noqa: E402
 from sclayout.testing.measure import check_eviction, median_of  # noqa: E402
@@ -58,9 +61,11 @@ SCDATASET = {"block_size": 64, "fetch_factor": 64}
 """scDataset's setting in the comparison: block 64 × fetch 64."""
 ANNBATCH = {"chunk_size": 32, "preload_nchunks": 256}
 """annbatch's loader setting (batch 64): chunks of 32 rows, 256 chunks preloaded."""
-SCLAYOUT = {"block_size": 1024, "fetch_factor": 64, "order": "stratified", "codec": "blosc-lz4hc"}
-"""sclayout's setting: a store stratified by plate and cell line, read in blocks of 1024
-rows, 64 minibatches a fetch."""
+SPEC = _HERE / "specs" / "tahoe_like_200k.json"
+"""sclayout's setting: ``recommend``'s pick for the Tahoe-like set (``sclayout recommend
+tahoe_like_200k.h5ad --label plate --spec-out SPEC``, its prediction dropped): a store
+stratified by plate in blocks of 256 rows, inner chunks of half a block's values,
+blosc-lz4hc, read 64 minibatches a fetch in one process."""
 
 
 def _labels(src: Path) -> np.ndarray:
@@ -92,23 +97,18 @@ def scheme_diversity(
     return diversity_ratio(got, stored)
 
 
-def _store(src: Path, work: Path) -> Path:
+def _store(src: Path, work: Path, spec: LayoutSpec) -> Path:
+    """sclayout's store of ``src`` converted with ``spec``, cached in ``work`` under a
+    name that changes with the spec's store settings and the store format version."""
     from sclayout.convert import convert
 
-    dst = work / f"{src.stem}-peers-{SCLAYOUT['order']}-{SCLAYOUT['codec']}.zarr"
+    key = json.dumps([spec.store.to_dict(), FORMAT_VERSION], sort_keys=True).encode()
+    dst = work / f"{src.stem}-peers-{hashlib.sha256(key).hexdigest()[:10]}.zarr"
     if not (dst / "zarr.json").exists():
         print(f"converting {src.name} -> {dst} ...", flush=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            convert(
-                src,
-                dst,
-                block_size=SCLAYOUT["block_size"],
-                order=SCLAYOUT["order"],
-                by=("plate", "cell_line"),
-                seed=0,
-                codec=SCLAYOUT["codec"],
-            )
+            convert(src, dst, spec=spec)
     return dst
 
 
@@ -116,20 +116,14 @@ def _sclayout_run(
     store: Path,
     labels_by_index: np.ndarray,
     *,
+    spec: LayoutSpec,
     output: str,
     workers: int,
     seconds: float,
     seed: int,
 ) -> dict:
     """One timed run of BlockDataset in the ≫RAM regime (the harness's method)."""
-    ds = BlockDataset(
-        str(store),
-        batch_size=BATCH,
-        block_size=SCLAYOUT["block_size"],
-        fetch_factor=SCLAYOUT["fetch_factor"],
-        output=output,
-        seed=seed,
-    )
+    ds = BlockDataset(str(store), spec=spec, batch_size=BATCH, output=output, seed=seed)
     evict([store])
     with Evictor([store]):
         it: Iterator = iter(ds.dataloader(num_workers=workers))
@@ -181,6 +175,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--python312", default=str(tmp / "benchvenv312/bin/python"))
     p.add_argument("--annbatch-store", type=Path, default=None)
     p.add_argument("--work", type=Path, default=None, help="where sclayout's store is cached")
+    p.add_argument(
+        "--spec", type=Path, default=SPEC, help="sclayout's layout spec (recommend --spec-out)"
+    )
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--name", default="peers")
@@ -196,6 +193,7 @@ def measure(
     python312: str,
     annbatch_store: Path | None = None,
     work: Path | None = None,
+    spec: Path = SPEC,
     seconds: float = 10.0,
     repeat: int = 3,
 ) -> tuple[list[dict], dict]:
@@ -204,7 +202,8 @@ def measure(
     facts for the record."""
     src, harness = src.resolve(), harness.resolve()
     annbatch_store = annbatch_store or src.with_name(f"{src.stem}_annbatch.zarr")
-    store = _store(src, work or src.parent)
+    layout = LayoutSpec.load(spec)
+    store = _store(src, work or src.parent, layout)
     labels = _labels(src)  # by source row: the ``index`` a batch carries
     check = check_eviction(src)
     print(check, flush=True)
@@ -234,7 +233,13 @@ def measure(
             if who == "sclayout":
                 run.append(
                     _sclayout_run(
-                        store, labels, output=output, workers=workers, seconds=seconds, seed=i
+                        store,
+                        labels,
+                        spec=layout,
+                        output=output,
+                        workers=workers,
+                        seconds=seconds,
+                        seed=i,
                     )
                 )
             elif who == "scDataset":
@@ -298,7 +303,7 @@ def measure(
         "seconds": seconds,
         "repeat": repeat,
         "batch_size": BATCH,
-        "sclayout": SCLAYOUT,
+        "sclayout": layout.to_dict(),
         "scdataset": SCDATASET,
         "annbatch": ANNBATCH,
         "cold_check_mb_s": check.cold_mb_s,
@@ -341,6 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         python312=a.python312,
         annbatch_store=a.annbatch_store,
         work=a.work,
+        spec=a.spec,
         seconds=a.seconds,
         repeat=a.repeat,
     )
