@@ -501,13 +501,19 @@ class DirectArray:
             return index
 
     # -- reading
-    def submit(self, ranges: np.ndarray) -> Future[np.ndarray] | np.ndarray:
+    def submit(
+        self, ranges: np.ndarray, dtype: Any = None
+    ) -> Future[np.ndarray] | np.ndarray:
         """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds);
-        returns the finished array (small arrays) or a future of it."""
-        return submit_reads([(self, ranges)])[0]
+        returns the finished array (small arrays) or a future of it.
+
+        ``dtype``: a wider dtype the decode threads cast each chunk to as they decode
+        it (narrowed values, compact column ids); small arrays come as stored.
+        """
+        return submit_reads([(self, ranges, dtype)])[0]
 
     def _start(
-        self, ranges: np.ndarray
+        self, ranges: np.ndarray, dtype: Any = None
     ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
         """The output array, decode tasks and announcements of reading ``ranges``, or
         the finished array (small arrays)."""
@@ -518,7 +524,7 @@ class DirectArray:
                 return whole[int(ranges[0, 0]) : int(ranges[0, 1])].copy()
             return np.concatenate([whole[int(a) : int(b)] for a, b in ranges])
         total = int((ranges[:, 1] - ranges[:, 0]).sum())
-        out = buffers.empty((total, *self.shape[1:]), self.dtype)
+        out = buffers.empty((total, *self.shape[1:]), self.dtype if dtype is None else dtype)
         tasks = self._tasks(ranges)
         announce = []
         if _FADV_WILLNEED is not None and ANNOUNCE_READS:
@@ -590,11 +596,13 @@ class DirectArray:
         return out
 
     def _run(self, out: np.ndarray, task: tuple) -> None:
-        """Read one run and decode its chunks into ``out`` (a decode thread)."""
+        """Read one run and decode its chunks into ``out`` (a decode thread), cast to
+        ``out``'s dtype if it is not the stored one."""
         m = self.meta
         C = m.chunk_rows
         row_bytes = m.row_bytes
         chunk_bytes = C * row_bytes
+        cast = out.dtype != self.dtype
         flat = out.reshape(-1).view(np.uint8)
         shard, start, length, chunks = task
         if start < 0:  # absent chunk or shard: fill value
@@ -614,13 +622,17 @@ class DirectArray:
         for off, nb, c, parts in chunks:
             src = raw[off : off + nb]
             full = len(parts) == 1 and parts[0][0] == 0 and parts[0][1] == C
-            if full:
+            if full and not cast:
                 d = parts[0][2]
                 target = flat[d * row_bytes : (d + C) * row_bytes]
             else:
                 target = _scratch("chunk", chunk_bytes)
             self._decode(src, target, c, chunk_bytes)
-            if not full:
+            if cast:  # from the decoded chunk while it is in cache
+                rows = target.view(self.dtype).reshape(C, *self.shape[1:])
+                for lo, hi, d in parts:
+                    np.copyto(out[d : d + hi - lo], rows[lo:hi], casting="unsafe")
+            elif not full:
                 for lo, hi, d in parts:
                     flat[d * row_bytes : (d + hi - lo) * row_bytes] = target[
                         lo * row_bytes : hi * row_bytes
@@ -661,23 +673,24 @@ class DirectArray:
 
 
 def submit_reads(
-    items: list[tuple[DirectArray, np.ndarray]],
+    items: list[tuple[DirectArray, np.ndarray, Any]],
 ) -> list[Future[np.ndarray] | np.ndarray]:
-    """Start reading ``ranges`` of each ``(array, ranges)``: one task queued on the
-    decode threads tells the kernel about every run of all of them, then each run's
-    read-and-decode task is queued behind it (FIFO, after earlier fetches' tasks).
-    Returns, per item, the finished array (small arrays) or a future.
+    """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
+    :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
+    about every run of all of them, then each run's read-and-decode task is queued
+    behind it (FIFO, after earlier fetches' tasks). Returns, per item, the finished
+    array (small arrays) or a future.
 
     The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
     the disk reads before it returns, time the consumer thread would otherwise lose.
     """
-    started = [a._start(r) for a, r in items]
+    started = [a._start(r, dtype) for a, r, dtype in items]
     announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]
     pool = _POOL.get()
     if announce:
         pool.submit(_announce, announce)
     out: list[Future[np.ndarray] | np.ndarray] = []
-    for (array, _), s in zip(items, started, strict=True):
+    for (array, _, _), s in zip(items, started, strict=True):
         if isinstance(s, np.ndarray):
             out.append(s)
             continue

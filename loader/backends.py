@@ -278,6 +278,7 @@ class TensorstoreBackend:
         direct: bool = True,
         whole_array_bytes: int | None = None,
         row_tables: Sequence[str] = (),
+        widen: Mapping[str, Any] | None = None,
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
@@ -297,6 +298,8 @@ class TensorstoreBackend:
         self.direct = bool(direct)
         self.whole_array_bytes = whole_array_bytes
         self.row_tables = frozenset(row_tables)
+        # path -> dtype: arrays stored narrow, cast by the decode threads of direct reads
+        self.widen = {path: np.dtype(d) for path, d in (widen or {}).items()}
         self._pid = -1
         self._arrays: dict[str, Any] = {}
         self._direct: dict[str, Any] = {}
@@ -394,7 +397,9 @@ class TensorstoreBackend:
         if direct_items:
             from loader._shards import submit_reads
 
-            got = submit_reads([(d, r) for _, d, r in direct_items])
+            got = submit_reads(
+                [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items]
+            )
             for (key, _, _), g in zip(direct_items, got, strict=True):
                 if isinstance(g, np.ndarray):
                     empty[key] = g

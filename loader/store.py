@@ -442,6 +442,7 @@ class LayoutReader:
             options.setdefault("require_chunks", m.all_chunks_stored)
             if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
                 options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
+            options.setdefault("widen", _widened(self.layout))
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0
@@ -704,6 +705,22 @@ class LayoutReader:
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
         prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
         return Fetched(self, rows[order], index[order], values, order, prep)
+
+
+def _widened(layout: MatrixLayout) -> dict[str, str]:
+    """The arrays stored narrower than a fetch holds them (compact dtypes), by path:
+    values in the matrix's dtype, column ids in int32. Backends that can cast while
+    decoding do (``TensorstoreBackend(widen=)``); :func:`fetch_rows` casts the rest."""
+    arrays = layout.arrays
+    if layout.is_csr:
+        wanted = [(arrays["data"], layout.dtype), (arrays["indices"], "int32")]
+    else:
+        wanted = [(arrays["values"], layout.dtype)]
+    return {
+        a.path: str(np.dtype(dtype))
+        for a, dtype in wanted
+        if np.dtype(a.dtype) != np.dtype(dtype) and np.can_cast(a.dtype, dtype, "safe")
+    }
 
 
 class PendingFetch:

@@ -155,6 +155,18 @@ def test_every_backend_widens(narrowed_store, backend):
     _check_loader(str(dst), a, backend=backend)
 
 
+def test_the_decode_threads_widen_a_fetch(narrowed_store):
+    """Read directly, the narrow arrays are cast chunk by chunk as they are decoded: the
+    backend hands the fetch its values in the matrix's dtype and its ids in int32."""
+    a, dst = narrowed_store
+    reader = open_layout(str(dst))
+    assert reader.backend_options["widen"] == {"X/data": "float32", "X/indices": "int32"}
+    got = reader.submit(np.arange(reader.n_blocks)).result()
+    want = sp.csr_matrix(a.X)[got.index]
+    assert got.values.data.dtype == np.float32 and got.values.indices.dtype == np.int32
+    assert np.array_equal(got.values.to_scipy().toarray(), want.toarray())
+
+
 def test_http_widens(narrowed_store):
     """Over HTTP (tensorstore's http kvstore) from a loopback Range server."""
     a, dst = narrowed_store

@@ -1,6 +1,7 @@
 """The direct shard reader (:mod:`loader._shards`): equal to zarr-python on every
 range (across inner-chunk and shard borders, the partial last chunk, absent chunks
-and shards), blosc and uncompressed inner chunks, 1-d and 2-d; arrays it cannot read
+and shards), blosc and uncompressed inner chunks, 1-d and 2-d, as stored or cast to a
+wider dtype while decoding; arrays it cannot read
 are left to tensorstore; a corrupted chunk is a clear error."""
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ def _direct(folder: Path) -> _shards.DirectArray:
     return got
 
 
-def _read(direct: _shards.DirectArray, ranges: np.ndarray) -> np.ndarray:
-    got = direct.submit(np.asarray(ranges, dtype=np.int64).reshape(-1, 2))
+def _read(direct: _shards.DirectArray, ranges: np.ndarray, dtype=None) -> np.ndarray:
+    got = direct.submit(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), dtype)
     return got if isinstance(got, np.ndarray) else got.result()
 
 
@@ -78,6 +79,9 @@ def test_ranges_equal_source(arrays, name, data):
     want = np.concatenate([values[a:b] for a, b in ranges])
     direct = _direct(folder)
     assert np.array_equal(_read(direct, ranges), want)
+    # cast to a wider dtype by the decode threads, chunk by chunk
+    wide = _read(direct, ranges, np.float64)
+    assert wide.dtype == np.float64 and np.array_equal(wide, want.astype(np.float64))
     # the same ranges through the whole-array path
     whole = _shards.open_direct(str(folder.parent), folder.name)
     assert np.array_equal(_read(whole, ranges), want)
@@ -184,7 +188,7 @@ def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypa
     monkeypatch.setattr(os, "posix_fadvise", spy)
     a, b = _direct(arrays["blosc-1d"][0]), _direct(arrays["blosc-2d"][0])
     ra, rb = np.array([[0, 1003]]), np.array([[5, 180]])
-    got = _shards.submit_reads([(a, ra), (b, rb)])
+    got = _shards.submit_reads([(a, ra, None), (b, rb, None)])
     assert np.array_equal(got[0].result(), arrays["blosc-1d"][1])
     assert np.array_equal(got[1].result(), arrays["blosc-2d"][1][5:180])
     # the announcing task is queued ahead of the reads but may still be running when they
