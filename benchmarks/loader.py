@@ -20,7 +20,9 @@ repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it
    if converted) in a child process pinned with ``taskset`` to the first 1, then 2 of
    the CPUs this process may use, warm (files read into the page cache first) and
    evicting (the parent evicts around the child): cells/s and the ratio to one core
-   (issue 19: ≥ 1.7× on 2 cores, warm);
+   (issue 19: ≥ 1.7× on 2 cores, warm), beside a control measured the same way: one
+   process per core copying 32 MB arrays, the machine's own scaling of memory-bound
+   work;
 6. ``peers`` (``--peers HARNESS_DIR --peers-source H5AD``): annbatch and scDataset beside
    sclayout through the peer harness, in the same run (:func:`peers.measure`).
 
@@ -357,6 +359,34 @@ def _cores_child(spec: str) -> int:
     return 0
 
 
+COPY_BYTES = 32 << 20
+"""Size of the arrays the memory-bound control copies (larger than the caches)."""
+
+
+def _copy_child(seconds: str) -> int:
+    """``--copy-child SECONDS``: copy a 32 MB array into another for that long (numpy,
+    one thread); print the copies per second as JSON."""
+    a = np.ones(COPY_BYTES // 4, dtype=np.float32)
+    b = np.empty_like(a)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < float(seconds):
+        np.copyto(b, a)
+        n += 1
+    print(json.dumps({"copies_per_s": n / (time.perf_counter() - t0)}))
+    return 0
+
+
+def _copy_control(cpus: Sequence[int], seconds: float) -> float:
+    """Copies per second of one copying process pinned to each of ``cpus``, together."""
+    cmd = [sys.executable, __file__, "--copy-child", str(seconds)]
+    procs = [
+        subprocess.Popen(["taskset", "-c", str(c), *cmd], stdout=subprocess.PIPE, text=True)
+        for c in cpus
+    ]
+    outs = [p.communicate()[0] for p in procs]
+    return sum(json.loads(o.strip().splitlines()[-1])["copies_per_s"] for o in outs)
+
+
 def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> list[dict]:
     """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per regime.
 
@@ -405,6 +435,8 @@ def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) ->
             row = {k: v for k, v in cfg.items() if k != "path"}
             row.update(kind="cores", cores=n, cpus=pin, regime=regime, runs=runs)
             row.update(median_of(runs))
+            # the machine's own scaling of memory-bound work, measured beside the row
+            row["copies_per_s"] = _copy_control(cpus[:n], min(seconds, 5.0))
             rows.append(row)
             print(
                 f"cores row: taskset -c {pin:8s} {regime:8s} {row['cells_per_s']:>10,.0f} cells/s",
@@ -413,6 +445,7 @@ def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) ->
     for r in rows:
         one = [x for x in rows if x["regime"] == r["regime"] and x["cores"] == 1]
         r["vs_one_core"] = r["cells_per_s"] / one[0]["cells_per_s"] if one else None
+        r["copies_vs_one_core"] = r["copies_per_s"] / one[0]["copies_per_s"] if one else None
     return rows
 
 
@@ -426,6 +459,7 @@ def _cores_markdown(rows: list[dict]) -> str:
                 "x": f"{r['vs_one_core']:.2f}×" if r.get("vs_one_core") else "",
                 "cpu": f"{r['cpu_us_per_cell']:.1f}",
                 "div": f"{r['diversity']:.3f}",
+                "copy": f"{r['copies_vs_one_core']:.2f}×" if r.get("copies_vs_one_core") else "",
             }
             for r in rows
         ],
@@ -436,6 +470,7 @@ def _cores_markdown(rows: list[dict]) -> str:
             "x": "× 1 core",
             "cpu": "CPU µs/cell",
             "div": "diversity",
+            "copy": "32 MB copies × 1 core",
         },
     )
     r0 = rows[0]
@@ -711,6 +746,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peers-python", default=str(tmp / "benchvenv/bin/python"))
     p.add_argument("--peers-python312", default=str(tmp / "benchvenv312/bin/python"))
     p.add_argument("--cores-child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--copy-child", default=None, help=argparse.SUPPRESS)
     p.add_argument(
         "--checksums",
         default="on",
@@ -754,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     if args.cores_child is not None:
         return _cores_child(args.cores_child)
+    if args.copy_child is not None:
+        return _copy_child(args.copy_child)
     tmp = None
     store_bs = STORE_BLOCK_SIZE
     if args.quick:

@@ -156,3 +156,14 @@ def test_scale_table_reuses_its_sets_and_kept_stores(tmp_path, run_benchmark):
     assert again["store_reused"] is True and "(kept store)" in out
     assert again["seconds"] == first["seconds"] and again["load_cells"] > 0
     assert "†" in (results / "convert-scale.md").read_text()
+
+
+def test_the_benchmarks_specs_load():
+    """The layout specs the benchmarks run (``peers.py --spec``) are valid specs."""
+    from loader.spec import LayoutSpec
+
+    specs = sorted((BENCH / "specs").glob("*.json"))
+    assert specs
+    for path in specs:
+        spec = LayoutSpec.load(path)
+        assert spec.store is not None and spec.loader is not None

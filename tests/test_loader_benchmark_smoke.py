@@ -37,7 +37,8 @@ def test_loader_benchmark_quick(tmp_path, run_benchmark):
 def test_loader_benchmark_compares_codecs_panels_and_cores(tmp_path, run_benchmark):
     """``--codecs a,b``: one store per order and codec, each measured and labelled;
     ``--panel-genes``: the panel row once with random rows, once with random blocks;
-    ``--cores-row 1``: the dataset row in a child pinned to one CPU."""
+    ``--cores-row 1``: the dataset row in a child pinned to one CPU, and the memory
+    copy control beside it."""
     run_benchmark(
         BENCH, "--quick", "--results", tmp_path, "--orders", "shuffled",
         "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", 0, "--regimes", "evicting",
@@ -57,6 +58,7 @@ def test_loader_benchmark_compares_codecs_panels_and_cores(tmp_path, run_benchma
     [core] = payload["cores"]
     assert (core["cores"], core["regime"], core["vs_one_core"]) == (1, "warm", 1.0)
     assert core["cells_per_s"] > 0 and core["diversity"] > 0.9
+    assert core["copies_per_s"] > 0 and core["copies_vs_one_core"] == 1.0  # the control
     assert "| taskset -c | cache |" in md
 
 
