@@ -501,9 +501,7 @@ class DirectArray:
             return index
 
     # -- reading
-    def submit(
-        self, ranges: np.ndarray, dtype: Any = None
-    ) -> Future[np.ndarray] | np.ndarray:
+    def submit(self, ranges: np.ndarray, dtype: Any = None) -> Future[np.ndarray] | np.ndarray:
         """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds);
         returns the finished array (small arrays) or a future of it.
 

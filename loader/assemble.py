@@ -284,7 +284,7 @@ class CSRRows:
 
     @staticmethod
     def stack(parts: list[CSRRows]) -> CSRRows:
-        """The rows of ``parts`` one after the other, in new memory."""
+        """Return the rows of ``parts`` one after the other, in new memory."""
         ends = np.cumsum([int(p.indptr[-1] - p.indptr[0]) for p in parts])
         dtype = np.int32 if int(ends[-1]) < 2**31 else np.int64
         indptr = [np.zeros(1, dtype=dtype)]

@@ -849,7 +849,7 @@ class BlockDataset:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
     def _pipeline_output(self, reader: Any) -> str:
-        """The output ``reader``'s fetches cut minibatches in for this dataset."""
+        """Return the output that ``reader``'s fetches cut this dataset's minibatches in."""
         return self.output
 
     def _convert(self, batch: dict[str, Any]) -> dict[str, Any]:

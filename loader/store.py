@@ -708,9 +708,12 @@ class LayoutReader:
 
 
 def _widened(layout: MatrixLayout) -> dict[str, str]:
-    """The arrays stored narrower than a fetch holds them (compact dtypes), by path:
-    values in the matrix's dtype, column ids in int32. Backends that can cast while
-    decoding do (``TensorstoreBackend(widen=)``); :func:`fetch_rows` casts the rest."""
+    """Return the dtype each array stored narrower than a fetch holds it has in a fetch.
+
+    By path (compact dtypes): values in the matrix's dtype, column ids in int32.
+    Backends that can cast while decoding do (``TensorstoreBackend(widen=)``);
+    :func:`fetch_rows` casts the rest.
+    """
     arrays = layout.arrays
     if layout.is_csr:
         wanted = [(arrays["data"], layout.dtype), (arrays["indices"], "int32")]
