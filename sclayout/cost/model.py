@@ -6,9 +6,11 @@ or on a *virtual* one built from the dataset's per-row nnz for a layout that doe
 not exist yet — and turns each plan into time with a storage profile:
 
 ``t_io``
-    ``max(requests / requests_per_s(in_flight), compressed_bytes / bandwidth)``, at
-    least one latency: with many reads in flight the storage is either
-    request-bound (the measured concurrency curve) or bandwidth-bound (a roofline).
+    ``requests / requests_per_s(in_flight) + bytes beyond / bandwidth``, at least one
+    latency: the concurrency curve was measured with reads of ``request_bytes``, so a
+    request costs its share of that curve, and the compressed bytes its requests
+    carry beyond ``requests × request_bytes`` cost bandwidth on top (a fetch of a few
+    large runs is not served at the curve's rate of small ones).
     ``in_flight = min(requests, backend concurrency)``; requests are the
     planner's coalesced reads: tensorstore merges the byte ranges of adjacent inner
     chunks of one shard into one request (counted on the loopback HTTP server: a
@@ -397,7 +399,8 @@ def predict_from_stats(
 
     # ---- storage
     def io_time(in_flight: float) -> float:
-        t = max(R / profile.requests_per_s(in_flight), compressed / profile.effective_bandwidth)
+        beyond = max(0.0, compressed - R * profile.request_bytes)
+        t = R / profile.requests_per_s(in_flight) + beyond / profile.effective_bandwidth
         return max(t, profile.latency_s)
 
     t_io = io_time(c)
