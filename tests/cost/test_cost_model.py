@@ -59,15 +59,16 @@ def predict_flat(flat_profile):
 
 
 def test_one_pipeline_by_hand(predict_flat):
-    # io: max(10 requests / 1000 per s, (8 MB / ratio 2) / 100 MB/s) = max(10, 40) ms
+    # io: 10 requests / 1000 per s + (8 MB / ratio 2) / 100 MB/s (every byte is beyond
+    # the flat profile's request size of 0) = 10 + 40 ms
     # decode: 8 MB / 1 GB/s = 8 ms on 2 threads -> 4 ms wall, in front of the assembly
     # assembly: 1000 x 1000 values x 1 ns = 1 ms scattered from the fetch; overhead 1 ms
     p = predict_flat()
-    assert p.t_io == pytest.approx(0.040)
+    assert p.t_io == pytest.approx(0.050)
     assert p.t_decode == pytest.approx(0.008)
     assert p.t_assembly == pytest.approx(0.001)
-    assert p.fetch_s == pytest.approx(0.044)  # max(40 + 4, 1 + 1) ms with read-ahead
-    assert p.cells_per_s == pytest.approx(1000 / 0.044)
+    assert p.fetch_s == pytest.approx(0.054)  # max(50 + 4, 1 + 1) ms with read-ahead
+    assert p.cells_per_s == pytest.approx(1000 / 0.054)
     assert p.bound == "io"
     assert p.overread == pytest.approx(0.0)
     # memory: 2 fetches x (8 MB decoded + 4 MB compressed) + cache + one dense
@@ -80,14 +81,15 @@ def test_csr_output_gathers_instead_of_densifying(predict_flat):
 
 
 def test_no_read_ahead_adds_the_stages(predict_flat):
-    assert predict_flat(read_ahead=0).fetch_s == pytest.approx(0.044 + 0.002)
+    assert predict_flat(read_ahead=0).fetch_s == pytest.approx(0.054 + 0.002)
 
 
 def test_workers_share_the_storage_and_the_cores(predict_flat):
-    # 2 pipelines of max(44, 10 gather + 1 + 8 ms copy in) each -> 22 ms per fetch, but the
-    # storage moves 4 MB per fetch at 100 MB/s whatever the parallelism: 40 ms
+    # 2 pipelines of max(54, 10 gather + 1 + 8 ms copy in) each -> 27 ms per fetch, but
+    # the storage serves 10 requests (10 ms) and moves 4 MB at 100 MB/s (40 ms) per
+    # fetch whatever the parallelism: 50 ms
     p = predict_flat(workers=2)
-    assert p.fetch_s == pytest.approx(0.040)
+    assert p.fetch_s == pytest.approx(0.050)
     assert p.bound == "storage"
     # memory: 2 workers x (2 fetches + cache + the minibatch in hand) + 2 x 2 queued
     # dense minibatches of 100 rows
@@ -104,7 +106,25 @@ def test_request_bound_with_many_small_reads(flat_profile):
         settings=LoaderSettings(batch_size=100, fetch_factor=10),
         profile=flat_profile(),
     )
-    assert p.t_io == pytest.approx(0.200)  # 200 requests / 1000 per s > 40 ms of bytes
+    assert p.t_io == pytest.approx(0.240)  # 200 requests / 1000 per s + 40 ms of bytes
+
+
+def test_bytes_beyond_the_calibrated_request_size_cost_bandwidth(flat_profile):
+    # the curve was measured with 64 KiB reads: 10 requests carrying 4 MB pay for
+    # 4,000,000 - 10 x 65,536 bytes beyond them at 100 MB/s; 100 requests carrying
+    # less than 100 x 64 KiB pay the curve alone
+    def t_io(requests: int) -> float:
+        stats = FetchStats(**{**STATS.__dict__, "requests": requests})
+        return predict_from_stats(
+            stats,
+            n_vars=1000,
+            codec="none",
+            settings=LoaderSettings(batch_size=100, fetch_factor=10),
+            profile=flat_profile(request_bytes=65536),
+        ).t_io
+
+    assert t_io(10) == pytest.approx(10 / 1000 + (4e6 - 10 * 65536) / 1e8)
+    assert t_io(100) == pytest.approx(100 / 1000)
 
 
 def test_shared_cores_bound_the_workers(flat_profile):
@@ -125,10 +145,10 @@ def test_a_backend_decoding_responses_as_they_land_overlaps_io_and_decode(
     flat_profile, predict_flat
 ):
     # over HTTP tensorstore decodes each response while the others are in flight:
-    # max(40 ms io, 8 ms decode / 2 threads) + the last of 10 responses' 0.8 ms decode
+    # max(50 ms io, 8 ms decode / 2 threads) + the last of 10 responses' 0.8 ms decode
     p = predict_flat(profile=flat_profile(kind="http"))
-    assert p.fetch_s == pytest.approx(0.0408)
-    assert predict_flat().fetch_s == pytest.approx(0.044)  # local direct reads: in series
+    assert p.fetch_s == pytest.approx(0.0508)
+    assert predict_flat().fetch_s == pytest.approx(0.054)  # local direct reads: in series
 
 
 def test_measured_worker_figures_replace_the_modelled_copies(flat_profile, predict_flat):
@@ -231,7 +251,7 @@ def test_every_inner_chunk_costs_its_decode_overhead(flat_profile, predict_flat)
     slow_chunks = flat_profile(codecs={"none": CodecSpeed(2.0, 1e9, chunk_s=4e-4)})
     p = predict_flat(profile=slow_chunks)
     assert p.t_decode == pytest.approx(0.012)
-    assert p.fetch_s == pytest.approx(0.040 + 0.006)
+    assert p.fetch_s == pytest.approx(0.050 + 0.006)
 
 
 def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads(
@@ -239,7 +259,8 @@ def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads(
 ):
     # the direct shard reader's decode threads issue blocking reads: 2 in flight, so
     # 200 requests at 100/s per read in flight take 1 s; tensorstore (gzip) keeps 64
-    # in flight and is bytes-bound; over HTTP every codec goes through tensorstore
+    # in flight: 200 / 6400 s; over HTTP every codec goes through tensorstore. The
+    # 4 MB they carry cost 40 ms at 100 MB/s on top (request size 0)
     curve = ((1, 100.0), (2, 200.0), (64, 6400.0))
     many = FetchStats(**{**STATS.__dict__, "requests": 200})
     codecs = {"blosc-lz4": CodecSpeed(2.0, 1e9), "gzip": CodecSpeed(2.0, 1e9)}
@@ -248,9 +269,9 @@ def test_local_blosc_stores_have_as_many_reads_in_flight_as_decode_threads(
         profile = flat_profile(kind=kind, concurrency=curve, codecs=codecs)
         return predict_flat(profile=profile, stats=many, codec=codec).t_io
 
-    assert t_io("blosc-lz4", "local") == pytest.approx(1.0)
-    assert t_io("gzip", "local") == pytest.approx(0.040)  # 4 MB at 100 MB/s > 200/6400 s
-    assert t_io("blosc-lz4", "http") == pytest.approx(0.040)
+    assert t_io("blosc-lz4", "local") == pytest.approx(1.0 + 0.040)
+    assert t_io("gzip", "local") == pytest.approx(200 / 6400 + 0.040)
+    assert t_io("blosc-lz4", "http") == pytest.approx(200 / 6400 + 0.040)
 
 
 def test_a_loopback_servers_cpu_runs_beside_the_loader(flat_profile, predict_flat):
@@ -358,7 +379,7 @@ def test_row_pointers_in_tensorstores_cache_cost_no_request_per_fetch(flat_profi
 
     remote = predict_at(pointers)
     assert remote.requests_per_fetch == 50
-    assert remote.t_io == pytest.approx(0.050)  # 50 requests at 1,000/s
+    assert remote.t_io == pytest.approx(0.050 + 3e6 / 1e12)  # 50 requests at 1,000/s
     assert remote.read_bytes_per_fetch == pytest.approx(6e6 / 2)  # ratio 2
     # the local direct shard reader does not go through the cache: all 200 counted
     assert predict_at(pointers, kind="local").requests_per_fetch == 200
