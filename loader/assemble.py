@@ -191,16 +191,10 @@ class CSRRows:
         out = buffers.zeros((n, self.n_vars), np.float32)
         if n and _scatter_decreasing(pos, self.indptr, self.indices, self.data, out):
             return out
-        if _contiguous(pos):
-            # views of just these rows, so a cast below touches the minibatch's
-            # values, not the whole fetch's
-            a = int(pos[0])
-            ptr = self.indptr[a : a + n + 1]
-            s, e = int(ptr[0]), int(ptr[-1])
-            ptr, indices, data = ptr - s, self.indices[s:e], self.data[s:e]
-        else:
-            src = self._gather(pos)
-            ptr, indices, data = src.indptr, src.indices, src.data
+        # views of just these rows for a contiguous range, so that a cast below touches
+        # the minibatch's values, not the whole fetch's
+        src = self._select(pos)[0]
+        ptr, indices, data = src.indptr, src.indices, src.data
         data = data if data.dtype == np.float32 else data.astype(np.float32)
         if n and csr_todense is not None:
             csr_todense(n, self.n_vars, ptr, indices, data, out)
@@ -242,19 +236,7 @@ class CSRRows:
 
         It shares this fetch's memory when ``pos`` is a contiguous range (no copy).
         """
-        n = pos.shape[0]
-        if _contiguous(pos):
-            a = int(pos[0])
-            s, e = int(self.indptr[a]), int(self.indptr[a + n])
-            sub = CSRRows(
-                self.data[s:e],
-                self.indices[s:e],
-                self.indptr[a : a + n + 1] - self.indptr[a],
-                self.n_vars,
-            )
-        else:
-            sub = self._gather(pos)
-        return sub.to_scipy()
+        return self._select(pos)[0].to_scipy()
 
     def rows(self, pos: np.ndarray) -> CSRRows:
         """Rows ``pos`` as float32 :class:`CSRRows` in their own memory.
@@ -262,21 +244,23 @@ class CSRRows:
         What :meth:`csr` wraps; torch tensors are made from it directly, since building
         and checking a scipy matrix costs more than cutting the rows.
         """
-        n = pos.shape[0]
-        if _contiguous(pos):
-            a = int(pos[0])
-            s, e = int(self.indptr[a]), int(self.indptr[a + n])
-            sub = CSRRows(
-                self.data[s:e].copy(),
-                self.indices[s:e].copy(),
-                self.indptr[a : a + n + 1] - self.indptr[a],
-                self.n_vars,
-            )
-        else:
-            sub = self._gather(pos)
-        if sub.data.dtype != np.float32:
-            sub = CSRRows(sub.data.astype(np.float32), sub.indices, sub.indptr, self.n_vars)
-        return sub
+        sub, shared = self._select(pos)
+        data = sub.data.astype(np.float32, copy=shared)  # a cast copies in any case
+        indices = sub.indices.copy() if shared else sub.indices
+        return CSRRows(data, indices, sub.indptr, self.n_vars)
+
+    def _select(self, pos: np.ndarray) -> tuple[CSRRows, bool]:
+        """Return rows ``pos`` and whether they share this fetch's arrays.
+
+        A contiguous range is views (``indptr`` rebased); other positions are one
+        gather into new memory.
+        """
+        if not _contiguous(pos):
+            return self._gather(pos), False
+        a, n = int(pos[0]), pos.shape[0]
+        ptr = self.indptr[a : a + n + 1]
+        s, e = int(ptr[0]), int(ptr[-1])
+        return CSRRows(self.data[s:e], self.indices[s:e], ptr - s, self.n_vars), True
 
     def csr(self, pos: np.ndarray) -> sp.csr_matrix:
         """Rows ``pos`` as a float32 ``scipy.sparse.csr_matrix`` (its own memory)."""
