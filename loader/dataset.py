@@ -800,7 +800,6 @@ class BlockDataset:
         info = _worker_info()
         carry, self._carry = self._carry, None
         carried = carry.fetches_for(plan, reader) if carry is not None and not skip else ()
-        del carry
         ahead = None
         if self.prefetch_next_epoch and info is None:
             epoch = plan.key[0]

@@ -165,7 +165,9 @@ def test_carried_fetches_of_another_position_are_dropped(then, counted, flat, re
     assert np.array_equal(reader.submitted[before], plain_reader.submitted[0])
 
 
-def test_workers_do_not_carry(counted, flat, reference):
+def test_with_workers_every_epoch_is_whole_though_the_dataset_carries(counted, flat, reference):
+    """Workers are processes of their own: they read each pass without carried fetches,
+    and every pass still delivers its epoch's rows."""
     ds, _ = counted()
     dl = BlockDataLoader(ds, num_workers=2, multiprocessing_context="fork")
     for epoch in range(2):
