@@ -41,11 +41,17 @@ __all__ = [
 ]
 
 
-def command_line() -> str:
-    """The command that is running, relative to the repository, for the record."""
+def command_line(placeholders: Mapping[str, str] | None = None) -> str:
+    """The command that is running, relative to the repository, for the record.
+
+    ``placeholders``: arguments recorded under a name instead of their value, such as
+    the peer harness's folder, which lies outside the repository.
+    """
     script = Path(sys.argv[0]).resolve()
     with_repo = script.relative_to(REPO) if script.is_relative_to(REPO) else script
-    return shlex.join([".venv/bin/python", str(with_repo), *sys.argv[1:]])
+    names = placeholders or {}
+    args = [names.get(a, a) for a in sys.argv[1:]]
+    return shlex.join([".venv/bin/python", str(with_repo), *args])
 
 
 def environment() -> dict[str, Any]:

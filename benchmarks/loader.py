@@ -870,7 +870,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         store_bytes = {o: tree_bytes(p)[0] for o, p in stores.items()}
         meta = {
-            "command": command_line(),
+            "command": command_line({str(args.peers): "HARNESS_DIR"} if args.peers else None),
             "name": args.name,
             "quick": args.quick,
             "repeat": args.repeat,

@@ -350,7 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seconds=a.seconds,
         repeat=a.repeat,
     )
-    meta = {"command": command_line(), **facts, "environment": environment()}
+    command = command_line({str(a.harness): "HARNESS_DIR"})
+    meta = {"command": command, **facts, "environment": environment()}
     md = (
         f"# sclayout vs annbatch and scDataset, one run\n\n`{meta['command']}`\n\n"
         f"≫RAM regime (evicted before and every 0.5 s during each run; check: cold "
