@@ -16,13 +16,14 @@ repository by :func:`sclayout.testing.datasets.cached_tahoe_like`), batch 64, it
    ``N``-gene ``var_names`` panel plus a random ``--rows-fraction`` ``rows`` mask (the
    training-shaped row of issue 18: target ≥ 0.9× the full store's cells/s), once
    with random rows and, on a shuffled store, once with random whole blocks.
-5. ``cores`` (``--cores-row 1,2``): the dataset row (0 workers, dense, stratified store
-   if converted) in a child process pinned with ``taskset`` to the first 1, then 2 of
-   the CPUs this process may use, warm (files read into the page cache first) and
-   evicting (the parent evicts around the child): cells/s and the ratio to one core
-   (issue 19: ≥ 1.7× on 2 cores, warm), beside a control measured the same way: one
-   process per core copying 32 MB arrays, the machine's own scaling of memory-bound
-   work;
+5. ``cores`` (``--cores-row 1,2``): the dataset row (0 workers, ``--cores-outputs``,
+   stratified store if converted; with ``--cores-spec SPEC`` the store and loader
+   settings of that spec instead) in a child process pinned with ``taskset`` to the
+   first 1, then 2 of the CPUs this process may use, warm (files read into the page
+   cache first) and evicting (the parent evicts around the child), in paired rounds:
+   cells/s and the median of the rounds' ratios to one core (issue 19: ≥ 1.7× on 2
+   cores, warm), beside a control measured the same way: one process per core copying
+   32 MB arrays, the machine's own scaling of memory-bound work;
 6. ``peers`` (``--peers HARNESS_DIR --peers-source H5AD``): annbatch and scDataset beside
    sclayout through the peer harness, in the same run (:func:`peers.measure`).
 
@@ -270,18 +271,19 @@ def _dataset_loop(
     workers: int,
     subset: dict | None = None,
     passes: int = 1,
+    spec: str | None = None,
 ) -> Iterator[np.ndarray]:
-    """The minibatches' source ids of ``passes`` epochs of ``BlockDataset``."""
+    """The minibatches' source ids of ``passes`` epochs of ``BlockDataset`` (with a
+    ``spec`` file: its loader settings instead of ``block_size`` and ``fetch_factor``)."""
     from loader import BlockDataset
+    from loader.spec import LayoutSpec
 
+    if spec is not None:
+        settings: dict = {"spec": LayoutSpec.load(spec)}
+    else:
+        settings = {"fetch_factor": fetch_factor, "block_size": block_size}
     ds = BlockDataset(
-        str(path),
-        batch_size=BATCH,
-        fetch_factor=fetch_factor,
-        block_size=block_size,
-        seed=seed,
-        output=output,
-        **(subset or {}),
+        str(path), batch_size=BATCH, seed=seed, output=output, **settings, **(subset or {})
     )
     dl = ds.dataloader(num_workers=workers)
     for _ in range(passes):
@@ -387,64 +389,105 @@ def _copy_control(cpus: Sequence[int], seconds: float) -> float:
     return sum(json.loads(o.strip().splitlines()[-1])["copies_per_s"] for o in outs)
 
 
-def _cores_rows(args: argparse.Namespace, src: Path, stores: dict[str, Path]) -> list[dict]:
-    """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per regime.
+def _cores_configs(
+    args: argparse.Namespace, src: Path, work: Path, stores: dict[str, Path]
+) -> list[dict]:
+    """The cores row's loader settings, one per output: ``--cores-spec``'s store and
+    loader settings (``recommend``'s pick), else the dataset row's."""
+    if args.cores_spec is not None:
+        import peers
 
-    Each run lasts ``--seconds`` (at least 5 s), epoch after epoch: one pass can take
-    under 2 s, and then the fetch decoded before the clock starts, consumed with no
-    decoding left to overlap, weighs on the ratio of cores.
+        from loader.spec import LayoutSpec
+
+        spec = LayoutSpec.load(args.cores_spec)
+        base = {
+            "source": f"spec {args.cores_spec.stem}",
+            "path": str(peers.spec_store(src, work, spec)),
+            "spec": str(args.cores_spec),
+            "block_size": spec.store.block_size,
+            "fetch_factor": spec.loader.fetch_factor,
+        }
+    else:
+        source = next((o for o in ("stratified", "shuffled") if o in stores), next(iter(stores)))
+        base = {
+            "source": source,
+            "path": str(stores[source]),
+            "block_size": args.dataset_bs,
+            "fetch_factor": args.dataset_ff,
+        }
+    return [{"kind": "dataset", **base, "output": o, "workers": 0} for o in args.cores_outputs]
+
+
+def _cores_run(cfg: dict, src: Path, pin: str, regime: str, seconds: float, seed: int) -> dict:
+    """One run of ``cfg`` in a child process pinned to CPUs ``pin``."""
+    path = Path(cfg["path"])
+    spec = {**cfg, "src": str(src), "cells": 10**12, "seconds": seconds, "seed": seed}
+    spec["passes"] = 10**6  # the clock stops the run
+    cmd = ["taskset", "-c", pin, sys.executable, __file__, "--cores-child", json.dumps(spec)]
+    if regime == "warm":
+        _warm([path])
+        evictor = None
+    else:
+        evict([path])
+        evictor = Evictor([path]).start()
+    try:
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    finally:
+        if evictor is not None:
+            evictor.stop()
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _cores_rows(
+    args: argparse.Namespace, src: Path, work: Path, stores: dict[str, Path]
+) -> list[dict]:
+    """The dataset row pinned to the first 1, 2, ... usable CPUs (``taskset``), per
+    regime and output.
+
+    Runs are paired: each round runs every core count once, in alternating order, and
+    a row's ``vs_one_core`` is the median over rounds of the round's ratio to one core,
+    so that the host's drift during the run (large on a shared VM) falls on both sides
+    of each ratio alike. Each run lasts ``--seconds`` (at least 5 s), epoch after
+    epoch: one pass can take under 2 s, and then the fetch decoded before the clock
+    starts, consumed with no decoding left to overlap, weighs on the ratio.
     """
-    source = next((o for o in ("stratified", "shuffled") if o in stores), next(iter(stores)))
-    path = stores[source]
     cpus = sorted(os.sched_getaffinity(0))
-    cfg = {
-        "kind": "dataset",
-        "source": source,
-        "path": str(path),
-        "block_size": args.dataset_bs,
-        "fetch_factor": args.dataset_ff,
-        "output": "dense",
-        "workers": 0,
-    }
+    counts = [n for n in args.cores_row if n <= len(cpus)]
+    for n in sorted(set(args.cores_row) - set(counts)):
+        print(f"cores row: {n} cores asked, {len(cpus)} usable: skipped", flush=True)
+    seconds = args.seconds if args.quick else max(args.seconds, 5.0)
     rows = []
     for regime in args.cores_regimes:
-        for n in args.cores_row:
-            if n > len(cpus):
-                print(f"cores row: {n} cores asked, {len(cpus)} usable: skipped", flush=True)
-                continue
-            pin = ",".join(map(str, cpus[:n]))
-            runs = []
+        for cfg in _cores_configs(args, src, work, stores):
+            runs: dict[int, list[dict]] = {n: [] for n in counts}
             for i in range(args.repeat):
-                seconds = args.seconds if args.quick else max(args.seconds, 5.0)
-                spec = {**cfg, "src": str(src), "cells": 10**12, "seconds": seconds}
-                spec["passes"] = 10**6  # the clock stops the run
-                cmd = ["taskset", "-c", pin, sys.executable, __file__]
-                cmd += ["--cores-child", json.dumps({**spec, "seed": i})]
-                if regime == "warm":
-                    _warm([path])
-                    evictor = None
-                else:
-                    evict([path])
-                    evictor = Evictor([path]).start()
-                try:
-                    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
-                finally:
-                    if evictor is not None:
-                        evictor.stop()
-                runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
-            row = {k: v for k, v in cfg.items() if k != "path"}
-            row.update(kind="cores", cores=n, cpus=pin, regime=regime, runs=runs)
-            row.update(median_of(runs))
-            # the machine's own scaling of memory-bound work, measured beside the row
-            row["copies_per_s"] = _copy_control(cpus[:n], min(seconds, 5.0))
-            rows.append(row)
-            print(
-                f"cores row: taskset -c {pin:8s} {regime:8s} {row['cells_per_s']:>10,.0f} cells/s",
-                flush=True,
-            )
+                for n in counts if i % 2 == 0 else counts[::-1]:
+                    pin = ",".join(map(str, cpus[:n]))
+                    runs[n].append(_cores_run(cfg, src, pin, regime, seconds, seed=i))
+            for n in counts:
+                pin = ",".join(map(str, cpus[:n]))
+                row = {k: v for k, v in cfg.items() if k not in ("path", "spec")}
+                row.update(kind="cores", cores=n, cpus=pin, regime=regime, runs=runs[n])
+                row.update(median_of(runs[n]))
+                if 1 in runs:
+                    pairs = zip(runs[n], runs[1], strict=True)
+                    row["vs_one_core"] = median_of(
+                        [a["cells_per_s"] / b["cells_per_s"] for a, b in pairs]
+                    )
+                # the machine's own scaling of memory-bound work, measured beside the row
+                row["copies_per_s"] = _copy_control(cpus[:n], min(seconds, 5.0))
+                rows.append(row)
+                print(
+                    f"cores row: taskset -c {pin:8s} {regime:8s} {cfg['output']:6s}"
+                    f"{row['cells_per_s']:>10,.0f} cells/s",
+                    flush=True,
+                )
     for r in rows:
-        one = [x for x in rows if x["regime"] == r["regime"] and x["cores"] == 1]
-        r["vs_one_core"] = r["cells_per_s"] / one[0]["cells_per_s"] if one else None
+        one = [
+            x
+            for x in rows
+            if (x["regime"], x["output"], x["cores"]) == (r["regime"], r["output"], 1)
+        ]
         r["copies_vs_one_core"] = r["copies_per_s"] / one[0]["copies_per_s"] if one else None
     return rows
 
@@ -455,6 +498,7 @@ def _cores_markdown(rows: list[dict]) -> str:
             {
                 "cpus": r["cpus"],
                 "regime": r["regime"],
+                "out": r["output"],
                 "cells": f"{r['cells_per_s']:,.0f}",
                 "x": f"{r['vs_one_core']:.2f}×" if r.get("vs_one_core") else "",
                 "cpu": f"{r['cpu_us_per_cell']:.1f}",
@@ -466,8 +510,9 @@ def _cores_markdown(rows: list[dict]) -> str:
         {
             "cpus": "taskset -c",
             "regime": "cache",
+            "out": "output",
             "cells": "cells/s",
-            "x": "× 1 core",
+            "x": "× 1 core (median of paired runs)",
             "cpu": "CPU µs/cell",
             "div": "diversity",
             "copy": "32 MB copies × 1 core",
@@ -476,7 +521,8 @@ def _cores_markdown(rows: list[dict]) -> str:
     r0 = rows[0]
     return (
         f"### Cores (BlockDataset, {r0['source']} store, block {r0['block_size']}, fetch "
-        f"factor {r0['fetch_factor']}, dense, 0 workers; target ≥ 1.7× on 2 cores, warm)\n\n"
+        f"factor {r0['fetch_factor']}, 0 workers, {len(r0['runs'])} paired rounds; "
+        "target ≥ 1.7× on 2 cores, warm)\n\n"
         f"{table}\n"
     )
 
@@ -582,6 +628,7 @@ def _make(cfg: dict, seed: int) -> Callable[[], Iterator[np.ndarray]]:
             workers=cfg["workers"],
             subset=cfg.get("subset"),
             passes=cfg.get("passes", 1),
+            spec=cfg.get("spec"),
             **kw,
         )
     return lambda: _reader_loop(cfg["path"], seed=seed, **kw)
@@ -740,6 +787,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--cores-row", default=None, help="also the dataset row on the first N CPUs, e.g. 1,2"
     )
     p.add_argument("--cores-regimes", default="warm,evicting", help="warm,evicting [both]")
+    p.add_argument("--cores-outputs", default="dense", help="the cores row's outputs [dense]")
+    p.add_argument(
+        "--cores-spec",
+        type=Path,
+        default=None,
+        help="run the cores row on the store and loader settings of this spec file "
+        "(e.g. benchmarks/specs/tahoe_like_200k.json, recommend's pick) [the dataset row's]",
+    )
     p.add_argument("--peers", type=Path, default=None, help="also the peers: harness folder")
     p.add_argument("--peers-source", type=Path, default=None, help="the harness's h5ad")
     tmp = Path(tempfile.gettempdir())
@@ -781,6 +836,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     args.checksums = tuple(flags[w] for w in words)
     args.cores_row = ints(args.cores_row) if args.cores_row else ()
     args.cores_regimes = tuple(o for o in args.cores_regimes.split(",") if o)
+    args.cores_outputs = tuple(o for o in args.cores_outputs.split(",") if o)
+    if any(o not in ("dense", "csr") for o in args.cores_outputs):
+        p.error(f"--cores-outputs {','.join(args.cores_outputs)!r}: give dense, csr or both")
     if any(r not in ("warm", "evicting") for r in args.cores_regimes):
         p.error(f"--cores-regimes {','.join(args.cores_regimes)!r}: give warm, evicting or both")
     return args
@@ -899,7 +957,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         md = _markdown(rows, meta)
         payload: dict = {"meta": meta, "rows": rows}
         if args.cores_row:
-            payload["cores"] = _cores_rows(args, src, stores)
+            payload["cores"] = _cores_rows(args, src, work, stores)
             if payload["cores"]:
                 md += "\n" + _cores_markdown(payload["cores"])
         if args.peers is not None:

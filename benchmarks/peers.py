@@ -97,7 +97,7 @@ def scheme_diversity(
     return diversity_ratio(got, stored)
 
 
-def _store(src: Path, work: Path, spec: LayoutSpec) -> Path:
+def spec_store(src: Path, work: Path, spec: LayoutSpec) -> Path:
     """sclayout's store of ``src`` converted with ``spec``, cached in ``work`` under a
     name that changes with the spec's store settings and the store format version."""
     from sclayout.convert import convert
@@ -203,7 +203,7 @@ def measure(
     src, harness = src.resolve(), harness.resolve()
     annbatch_store = annbatch_store or src.with_name(f"{src.stem}_annbatch.zarr")
     layout = LayoutSpec.load(spec)
-    store = _store(src, work or src.parent, layout)
+    store = spec_store(src, work or src.parent, layout)
     labels = _labels(src)  # by source row: the ``index`` a batch carries
     check = check_eviction(src)
     print(check, flush=True)

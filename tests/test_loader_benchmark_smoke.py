@@ -37,12 +37,15 @@ def test_loader_benchmark_quick(tmp_path, run_benchmark):
 def test_loader_benchmark_compares_codecs_panels_and_cores(tmp_path, run_benchmark):
     """``--codecs a,b``: one store per order and codec, each measured and labelled;
     ``--panel-genes``: the panel row once with random rows, once with random blocks;
-    ``--cores-row 1``: the dataset row in a child pinned to one CPU, and the memory
-    copy control beside it."""
+    ``--cores-row 1``: the dataset row in a child pinned to one CPU, for each of
+    ``--cores-outputs``, on ``--cores-spec``'s store and settings, and the memory copy
+    control beside it."""
+    spec = BENCH.parent / "specs" / "tahoe_like_200k.json"
     run_benchmark(
         BENCH, "--quick", "--results", tmp_path, "--orders", "shuffled",
         "--codecs", "blosc-lz4,blosc-lz4hc", "--workers", 0, "--regimes", "evicting",
         "--panel-genes", 20, "--cores-row", "1", "--cores-regimes", "warm",
+        "--cores-outputs", "dense,csr", "--cores-spec", spec,
     )  # fmt: skip
     payload = json.loads((tmp_path / "loader.json").read_text())
     sources = {r["source"] for r in payload["rows"] if r["kind"] == "store"}
@@ -55,11 +58,17 @@ def test_loader_benchmark_compares_codecs_panels_and_cores(tmp_path, run_benchma
         (s, by) for s in ("shuffled/blosc-lz4", "shuffled/blosc-lz4hc") for by in ("blocks", "rows")
     ]
     assert md.count("20-gene panel, 50% random rows") == md.count("50% random whole blocks") == 2
-    [core] = payload["cores"]
-    assert (core["cores"], core["regime"], core["vs_one_core"]) == (1, "warm", 1.0)
-    assert core["cells_per_s"] > 0 and core["diversity"] > 0.9
-    assert core["copies_per_s"] > 0 and core["copies_vs_one_core"] == 1.0  # the control
-    assert "| taskset -c | cache |" in md
+    assert [c["output"] for c in payload["cores"]] == ["dense", "csr"]
+    for core in payload["cores"]:
+        assert (core["cores"], core["regime"], core["vs_one_core"]) == (1, "warm", 1.0)
+        assert (core["source"], core["block_size"], core["fetch_factor"]) == (
+            "spec tahoe_like_200k",
+            256,
+            64,
+        )
+        assert core["cells_per_s"] > 0 and core["diversity"] > 0.9
+        assert core["copies_per_s"] > 0 and core["copies_vs_one_core"] == 1.0  # the control
+    assert "| taskset -c | cache | output |" in md
 
 
 def test_loader_benchmark_refuses_unknown_codecs():
