@@ -13,6 +13,7 @@ memory out of the pool for as long as it lives.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import threading
@@ -40,6 +41,7 @@ class _Pool:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
+        self.spare_total = 0  # their bytes
         self.loops = 0  # read loops running: spares are kept only while one runs
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
@@ -49,6 +51,7 @@ class _Pool:
             if fits:
                 best = min(fits, key=len)
                 self.spare.remove(best)
+                self.spare_total -= len(best)
                 return best, False
         size = -(-(nbytes + nbytes // _SLACK) // _PAGE) * _PAGE
         return mmap.mmap(-1, size), True
@@ -60,14 +63,16 @@ class _Pool:
                 return
             self.spare.append(buf)
             self.spare.sort(key=len)
-            while sum(len(m) for m in self.spare) > SPARE_BYTES:
-                self.spare.pop()
+            self.spare_total += len(buf)
+            while self.spare_total > SPARE_BYTES:
+                self.spare_total -= len(self.spare.pop())
 
     def loop(self, step: int) -> None:
         with self.lock:
             self.loops = max(0, self.loops + step)
             if not self.loops:
                 self.spare.clear()
+                self.spare_total = 0
 
 
 _POOL = _Pool()
@@ -89,7 +94,7 @@ def _returned(pool: _Pool, buf: mmap.mmap) -> None:
 def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, tuple | list) else (shape,)))
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not _POOL.loops:
         return (np.zeros if zero else np.empty)(shape, dtype=dtype)
     pool = _POOL
@@ -126,4 +131,4 @@ def reusing() -> Iterator[None]:
 def spare_bytes() -> int:
     """Bytes of unused buffers this process keeps for reuse."""
     with _POOL.lock:
-        return sum(len(m) for m in _POOL.spare)
+        return _POOL.spare_total

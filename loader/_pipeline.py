@@ -106,17 +106,17 @@ def _minibatches(
         more = {e: r.submit(f.blocks, order=f.order) for e, r in extras.items()}
         return f, reader.submit(f.blocks, order=f.order), more
 
+    n_fetches = plan.n_fetches
+
     def submit_more(k_from: int, *, at_least_one: bool = False) -> None:
         nonlocal next_k
         if next_k is None:
             next_k = k_from
-        while next_k < plan.n_fetches and (
-            len(ready) + len(in_flight) < prefetch + 1 or at_least_one
-        ):
+        while next_k < n_fetches and (len(ready) + len(in_flight) < prefetch + 1 or at_least_one):
             in_flight.append(submit(plan, next_k))
             next_k += 1
             at_least_one = False
-        if ahead is None or next_k < plan.n_fetches:
+        if ahead is None or next_k < n_fetches:
             return
         while len(ready) + len(in_flight) + len(later) < prefetch + 1:
             then = ahead.next_plan()

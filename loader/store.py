@@ -858,8 +858,8 @@ class Fetched:
             assert isinstance(self.values, CSRRows)
             X = self.values.dense_slice(self._dense_order, a, b)
         if X is None:
-            pos = np.arange(a, b)
-            X = get_output(output)(self.values, pos if self._order is None else self._order[pos])
+            pos = np.arange(a, b) if self._order is None else self._order[a:b]
+            X = get_output(output)(self.values, pos)
         return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs)
 
     def _batch(
