@@ -24,13 +24,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MIN_BYTES", "SPARE_BYTES", "empty", "reusing", "spare_bytes", "zeros"]
+__all__ = ["MIN_BYTES", "SPARE_BYTES", "SPARE_GRACE_S", "empty", "reusing", "spare_bytes", "zeros"]
 
 MIN_BYTES = 4 << 20
 """Smaller arrays come from numpy: the allocator reuses those itself."""
 SPARE_BYTES = 2 << 30
 """Most bytes of unused buffers kept for reuse (about the buffers of one large fetch);
 more are unmapped when returned."""
+SPARE_GRACE_S = 2.0
+"""Seconds the spares outlive the last read loop: the next epoch's loop, started soon
+after, reuses them, and unmapping them does not fall on the loop's thread."""
 _SLACK = 8
 """A new buffer is 1/_SLACK larger than asked, so fetches that vary a little in size
 fit the buffers of earlier ones."""
@@ -42,7 +45,9 @@ class _Pool:
         self.lock = threading.Lock()
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
         self.spare_total = 0  # their bytes
-        self.loops = 0  # read loops running: spares are kept only while one runs
+        self.loops = 0  # read loops running: returned buffers are kept only while one runs
+        self.idle = 0  # times the last loop ended: a timer drops the spares of its own
+        self.timer: threading.Timer | None = None
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
@@ -70,9 +75,23 @@ class _Pool:
     def loop(self, step: int) -> None:
         with self.lock:
             self.loops = max(0, self.loops + step)
-            if not self.loops:
-                self.spare.clear()
-                self.spare_total = 0
+            if self.timer is not None:  # a loop started or ended: the last grace is over
+                self.timer.cancel()
+                self.timer = None
+            if self.loops or not self.spare:
+                return
+            self.idle += 1
+            self.timer = threading.Timer(SPARE_GRACE_S, self._drop, args=(self.idle,))
+            self.timer.daemon = True
+            self.timer.start()
+
+    def _drop(self, idle: int) -> None:
+        """Unmap the spares if no loop ran since the end numbered ``idle`` (a timer)."""
+        with self.lock:
+            if self.loops or idle != self.idle:
+                return
+            dropped, self.spare, self.spare_total = self.spare, [], 0
+        del dropped  # unmapped here, outside the lock
 
 
 _POOL = _Pool()
@@ -120,7 +139,8 @@ def zeros(shape: Any, dtype: Any) -> np.ndarray:
 
 @contextmanager
 def reusing() -> Iterator[None]:
-    """Reuse large buffers while the block runs (a read loop); the spares go after it."""
+    """Reuse large buffers while the block runs (a read loop); the spares go
+    :data:`SPARE_GRACE_S` after the last loop ends."""
     _POOL.loop(+1)
     try:
         yield

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import time
 
 import numpy as np
 import pytest
@@ -49,14 +50,43 @@ def test_zeros_are_zero_in_reused_memory():
         assert z.shape == (N // 8, 8) and not z.any()
 
 
-def test_outside_a_read_loop_arrays_are_numpy_and_no_spare_is_kept():
+def _spares_dropped(deadline_s: float = 30.0) -> bool:
+    end = time.monotonic() + deadline_s
+    while buffers.spare_bytes() and time.monotonic() < end:
+        time.sleep(0.01)
+    return buffers.spare_bytes() == 0
+
+
+def test_outside_a_read_loop_arrays_are_numpy_and_spares_go_after_a_grace(monkeypatch):
+    monkeypatch.setattr(buffers, "SPARE_GRACE_S", 0.05)
     a = buffers.empty(N, np.float32)
     assert a.flags.owndata  # numpy's own memory
     with buffers.reusing():
         b = buffers.empty(N, np.float32)
         del b
         assert buffers.spare_bytes() >= N * 4
-    assert buffers.spare_bytes() == 0
+    assert _spares_dropped()
+    c = buffers.empty(N, np.float32)
+    assert c.flags.owndata
+
+
+def test_the_next_loop_soon_after_reuses_the_spares(monkeypatch):
+    """The next epoch's read loop lends the memory of the last one's spares, which are
+    dropped only once no loop has run for the grace period."""
+    monkeypatch.setattr(buffers, "SPARE_GRACE_S", 3600.0)
+    with buffers.reusing():
+        a = buffers.empty(N, np.float32)
+        first = _address(a)
+        del a
+    assert buffers.spare_bytes() >= N * 4  # kept between the loops
+    with buffers.reusing():
+        b = buffers.empty(N, np.float32)
+        assert _address(b) == first
+        del b
+    monkeypatch.setattr(buffers, "SPARE_GRACE_S", 0.05)
+    with buffers.reusing():
+        pass  # this loop's end starts a short grace, which drops every spare
+    assert _spares_dropped()
 
 
 @pytest.mark.parametrize(
