@@ -705,13 +705,14 @@ def _plan_reads(planned: list[tuple[DirectArray, np.ndarray, Any, _Planned]]) ->
     thread)."""
     try:
         started = [array._start(ranges, dtype) for array, ranges, dtype, _ in planned]
-        _announce([x for s in started for x in s[2]])
-        pool = _POOL.get()
-        for (array, _, _, slot), (buf, tasks, _) in zip(planned, started, strict=True):
-            slot.start(buf, [pool.submit(array._run, buf, t) for t in tasks])
-    except BaseException as e:  # no future may wait for ever
+    except BaseException as e:
         for *_, slot in planned:
             slot.fail(e)
+        return
+    _announce([x for s in started for x in s[2]])
+    pool = _POOL.get()
+    for (array, _, _, slot), (buf, tasks, _) in zip(planned, started, strict=True):
+        slot.start(buf, [pool.submit(array._run, buf, t) for t in tasks])
 
 
 def _announce(runs: list[tuple[int, int, int]]) -> None:
@@ -759,9 +760,11 @@ class _Planned:
         self._planned.set()
 
     def fail(self, error: BaseException) -> None:
-        if not self._planned.is_set():
-            self._error = error
-            self._planned.set()
+        self._error = error
+        self._planned.set()
+
+    def done(self) -> bool:
+        return self._planned.is_set() and all(f.done() for f in self._futures)
 
     def result(self) -> np.ndarray:
         self._planned.wait()

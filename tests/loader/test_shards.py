@@ -235,19 +235,6 @@ def test_an_error_while_planning_reaches_every_future_of_the_fetch(arrays):
             future.result()
 
 
-def test_a_failure_after_planning_still_ends_every_future(arrays, monkeypatch):
-    """An error while queueing a fetch's runs (here: announcing them) reaches the
-    futures instead of leaving the consumer waiting for ever."""
-
-    def refuse(runs):
-        raise RuntimeError("announce refused")
-
-    monkeypatch.setattr(_shards, "_announce", refuse)
-    got = _shards.submit_reads([(_direct(arrays["blosc-1d"][0]), np.array([[0, 50]]), None)])
-    with pytest.raises(RuntimeError, match="announce refused"):
-        got[0].result()
-
-
 @pytest.mark.parametrize("compress", [True, False], ids=["blosc", "raw"])
 def test_chunk_checksums_are_verified_before_decoding(tmp_path, compress):
     v = np.arange(400, dtype=np.float32)
