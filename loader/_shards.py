@@ -16,10 +16,9 @@ this module
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
    scratch buffer and their part copied;
-4. plans a fetch in one task queued on the decode threads (:func:`submit_reads`): it
-   finds the runs of the fetch's arrays, tells the kernel about all of them
-   (``posix_fadvise(WILLNEED)``), then queues their tasks. The caller's thread (the
-   consumer of minibatches) pays for none of it, and the plan runs when the decode
+4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
+   in one task queued on the decode threads just ahead of the fetch's reads: the
+   caller's thread does not pay for it, and the announcement runs when the decode
    threads reach the fetch (once the previous fetch's reads have all started), so the
    kernel reads ahead the rest of the fetch while its first runs are decoded.
 
@@ -675,44 +674,27 @@ def submit_reads(
     items: list[tuple[DirectArray, np.ndarray, Any]],
 ) -> list[Future[np.ndarray] | np.ndarray]:
     """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
-    :meth:`DirectArray.submit`). Returns, per item, the finished array (small arrays)
-    or a future of it.
+    :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
+    about every run of all of them, then each run's read-and-decode task is queued
+    behind it (FIFO, after earlier fetches' tasks). Returns, per item, the finished
+    array (small arrays) or a future.
 
-    The caller only queues one task on the decode threads (FIFO, after earlier
-    fetches' tasks). That task plans the runs of every array, tells the kernel about
-    them all, then queues each run's read-and-decode task, so that the consumer's
-    thread spends no time on a fetch's planning (docs/design.md, "Read-ahead"). An
-    error while planning (an absent chunk, a damaged shard index) is raised by the
-    futures.
+    The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
+    the disk reads before it returns, time the consumer thread would otherwise lose.
     """
-    out: list[Future[np.ndarray] | np.ndarray] = []
-    planned: list[tuple[DirectArray, np.ndarray, Any, _Planned]] = []
-    for array, ranges, dtype in items:
-        array._check_pid()
-        if array._small:
-            out.append(array._start(ranges, dtype))  # type: ignore[arg-type]
-            continue
-        slot = _Planned()
-        planned.append((array, ranges, dtype, slot))
-        out.append(slot)  # type: ignore[arg-type]
-    if planned:
-        _POOL.get().submit(_plan_reads, planned)
-    return out
-
-
-def _plan_reads(planned: list[tuple[DirectArray, np.ndarray, Any, _Planned]]) -> None:
-    """Plan, announce and queue the runs of :func:`submit_reads`' items (a decode
-    thread)."""
-    try:
-        started = [array._start(ranges, dtype) for array, ranges, dtype, _ in planned]
-    except BaseException as e:
-        for *_, slot in planned:
-            slot.fail(e)
-        return
-    _announce([x for s in started for x in s[2]])
+    started = [a._start(r, dtype) for a, r, dtype in items]
+    announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]
     pool = _POOL.get()
-    for (array, _, _, slot), (buf, tasks, _) in zip(planned, started, strict=True):
-        slot.start(buf, [pool.submit(array._run, buf, t) for t in tasks])
+    if announce:
+        pool.submit(_announce, announce)
+    out: list[Future[np.ndarray] | np.ndarray] = []
+    for (array, _, _), s in zip(items, started, strict=True):
+        if isinstance(s, np.ndarray):
+            out.append(s)
+            continue
+        buf, tasks, _ = s
+        out.append(_Joined(buf, [pool.submit(array._run, buf, t) for t in tasks]))
+    return out
 
 
 def _announce(runs: list[tuple[int, int, int]]) -> None:
@@ -745,32 +727,14 @@ def _check_crc32c(raw: bytes, what: str) -> None:
 _FADV_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
-class _Planned:
-    """The output array of a direct read, once its runs are planned and all of their
-    tasks are done."""
+class _Joined:
+    """The output array of a direct read, once all of its tasks are done."""
 
-    def __init__(self) -> None:
-        self._planned = threading.Event()
-        self._out: np.ndarray | None = None
-        self._futures: list[Future] = []
-        self._error: BaseException | None = None
-
-    def start(self, out: np.ndarray, futures: list[Future]) -> None:
-        self._out, self._futures = out, futures
-        self._planned.set()
-
-    def fail(self, error: BaseException) -> None:
-        self._error = error
-        self._planned.set()
-
-    def done(self) -> bool:
-        return self._planned.is_set() and all(f.done() for f in self._futures)
+    def __init__(self, out: np.ndarray, futures: list[Future]) -> None:
+        self._out = out
+        self._futures = futures
 
     def result(self) -> np.ndarray:
-        self._planned.wait()
-        if self._error is not None:
-            raise self._error
         for f in self._futures:
             f.result()
-        assert self._out is not None
         return self._out

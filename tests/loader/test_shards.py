@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -201,38 +200,6 @@ def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypa
     assert calls, "no run was announced"
     assert all(name.startswith("sclayout-decode") for name, _ in calls)
     assert {fd for _, fd in calls} == want
-
-
-def test_reads_are_planned_on_a_decode_thread_not_the_callers(arrays, monkeypatch):
-    """``submit_reads`` returns before any run is planned: the consumer's thread spends
-    no time on a fetch's planning, and each future gives its array."""
-    threads = []
-    real = _shards.DirectArray._tasks
-
-    def spy(self, ranges):
-        threads.append(threading.current_thread().name)
-        return real(self, ranges)
-
-    monkeypatch.setattr(_shards.DirectArray, "_tasks", spy)
-    a, b = _direct(arrays["blosc-1d"][0]), _direct(arrays["blosc-2d"][0])
-    got = _shards.submit_reads([(a, np.array([[3, 700]]), None), (b, np.array([[9, 99]]), None)])
-    assert np.array_equal(got[0].result(), arrays["blosc-1d"][1][3:700])
-    assert np.array_equal(got[1].result(), arrays["blosc-2d"][1][9:99])
-    assert len(threads) == 2 and all(t.startswith("sclayout-decode") for t in threads)
-
-
-def test_an_error_while_planning_reaches_every_future_of_the_fetch(arrays):
-    folder = arrays["sparse-1d"][0]
-    strict = _shards.open_direct(
-        str(folder.parent), folder.name, whole_array_bytes=0, require_chunks=True
-    )
-    other = _direct(arrays["blosc-1d"][0])
-    got = _shards.submit_reads(
-        [(other, np.array([[0, 50]]), None), (strict, np.array([[0, 600]]), None)]
-    )
-    for future in got:
-        with pytest.raises(LayoutError, match=r"array s1, chunk 0 \(shard 0\) is missing"):
-            future.result()
 
 
 @pytest.mark.parametrize("compress", [True, False], ids=["blosc", "raw"])
