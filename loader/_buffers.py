@@ -44,7 +44,6 @@ class _Pool:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
-        self.spare_total = 0  # their bytes
         self.loops = 0  # read loops running: returned buffers are kept only while one runs
         self.idle = 0  # times the last loop ended: a timer drops the spares of its own
         self.timer: threading.Timer | None = None
@@ -56,7 +55,6 @@ class _Pool:
             if fits:
                 best = min(fits, key=len)
                 self.spare.remove(best)
-                self.spare_total -= len(best)
                 return best, False
         size = -(-(nbytes + nbytes // _SLACK) // _PAGE) * _PAGE
         return mmap.mmap(-1, size), True
@@ -68,9 +66,8 @@ class _Pool:
                 return
             self.spare.append(buf)
             self.spare.sort(key=len)
-            self.spare_total += len(buf)
-            while self.spare_total > SPARE_BYTES:
-                self.spare_total -= len(self.spare.pop())
+            while sum(len(m) for m in self.spare) > SPARE_BYTES:
+                self.spare.pop()
 
     def loop(self, step: int) -> None:
         with self.lock:
@@ -90,7 +87,7 @@ class _Pool:
         with self.lock:
             if self.loops or idle != self.idle:
                 return
-            dropped, self.spare, self.spare_total = self.spare, [], 0
+            dropped, self.spare = self.spare, []
         del dropped  # unmapped here, outside the lock
 
 
@@ -151,4 +148,4 @@ def reusing() -> Iterator[None]:
 def spare_bytes() -> int:
     """Bytes of unused buffers this process keeps for reuse."""
     with _POOL.lock:
-        return _POOL.spare_total
+        return sum(len(m) for m in _POOL.spare)
