@@ -78,6 +78,7 @@ from sclayout.cost.profile import Profile
 __all__ = [
     "BACKEND_IN_FLIGHT",
     "CACHE_BYTES",
+    "CONTENTION_P",
     "FetchStats",
     "ModelOptions",
     "Prediction",
@@ -96,6 +97,10 @@ SERIAL_DECODE = ("zarr", "h5py")
 """Backends that decode on one thread per process (zarr-python, h5py); the tensorstore
 backend's direct shard reader and tensorstore's ``data_copy_concurrency`` use the
 process's share of the cores (:func:`loader.cores.split_cores`)."""
+CONTENTION_P = 4.0
+"""Exponent of the soft maximum that joins a fetch's pipeline time and its CPU time on
+the cores (:func:`predict_from_stats`): 1 would add them, infinity take the larger.
+Chosen on the recorded runs of ``benchmarks/costmodel.py`` (docs/cost-model.md)."""
 PIPELINE_THREADS = 2
 """Threads of one pipeline besides its decode threads: the assembly thread and the
 consumer (the training loop's thread); they can keep a core each busy, no more."""
@@ -417,13 +422,12 @@ def predict_from_stats(
     t_overhead = profile.fetch_overhead_s + t_read_cpu
     # ---- one pipeline
     t_dec_wall = t_decode / dec_parallel
-    if _direct_reads(backend, codec, profile):
-        # each decode thread reads its run of chunks, then decodes it: in series
-        front = t_io + t_dec_wall
-    else:
-        # the backend decodes each response as it lands, while the other reads are
-        # still in flight: only the last response's decode is left after the I/O
-        front = max(t_io, t_dec_wall) + t_decode / max(R, 1.0)
+    # decoding overlaps the reads still in flight: the backend decodes each response as
+    # it lands, and the direct reader announces a fetch's runs to the kernel before its
+    # decode threads read them one by one, so a thread's next run is mostly read by the
+    # time it asks. The decode threads' time is a bound, and so is the last read's
+    # arrival followed by its own decode
+    front = max(t_dec_wall, t_io + t_decode / max(R, 1.0))
     if settings.num_workers > 0:
         # workers hand their rows over as CSR through shared memory (a copy in, a
         # copy out: ``loader._workers``); the main process cuts and densifies them
@@ -446,8 +450,9 @@ def predict_from_stats(
     # ---- shared resources: the storage serves every pipeline's requests at once
     # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU
     shared_io = io_time(workers * c)
+    stage = "io" if front >= back else "assembly"
     limits = {
-        ("io" if front >= back else "assembly"): pipe / workers,
+        stage: pipe / workers,
         "cpu": _cpu_limit(cpu_total, t_read_cpu, profile, busy_cores),
         "storage": shared_io,
         "main process": main,
@@ -455,7 +460,12 @@ def predict_from_stats(
     bound = max(limits, key=lambda k: limits[k])
     if bound == "io" and t_io <= profile.latency_s * 1.01:
         bound = "latency"
-    fetch_s = limits[bound if bound != "latency" else "io"]
+    # the pipeline's stages run on the cores whose CPU time bounds it too: where the two
+    # limits come close, each stage waits on the other part of the time, so they join
+    # in a soft maximum rather than the larger of the two
+    fetch_s = max(
+        _soft_max(limits[stage], limits["cpu"]), limits["storage"], limits["main process"]
+    )
     # ---- memory
     # a fetch's rows are its decoded arrays (minibatches are cut from them, no copy
     # of the fetch): compressed + decoded bytes, and the minibatch being cut
@@ -501,6 +511,14 @@ def pointers_cached(
         return False
     passing = (1 + options.read_ahead) * stats.max_bytes_read
     return stats.pointer_array_bytes + passing <= CACHE_BYTES
+
+
+def _soft_max(a: float, b: float) -> float:
+    """Return ``(a^p + b^p)^(1/p)``, ``p =`` :data:`CONTENTION_P`.
+
+    About the larger of ``a`` and ``b`` when they differ, ``2^(1/p)`` times it when equal.
+    """
+    return float((a**CONTENTION_P + b**CONTENTION_P) ** (1.0 / CONTENTION_P))
 
 
 def _cpu_limit(cpu_total: float, t_read_cpu: float, profile: Profile, cores: float) -> float:
