@@ -579,8 +579,9 @@ def _reads_in_flight(backend: str, codec: str, profile: Profile, dec_threads: in
     The tensorstore backend reads local blosc and uncompressed stores with its direct
     shard reader (``loader._shards``): each decode thread reads its run of chunks with a
     blocking ``preadv`` and then decodes it, so about as many reads are in flight as
-    there are decode threads (the kernel's readahead on the fetch's ``WILLNEED`` hints
-    comes on top, and the model leaves it out). Otherwise the backend's own limit.
+    there are decode threads. The kernel's readahead on the fetch's ``WILLNEED`` hints
+    lets decoding overlap the reads (:func:`predict_from_stats`) but is not counted as
+    more reads in flight. Otherwise the backend's own limit.
     """
     if _direct_reads(backend, codec, profile):
         return dec_threads
