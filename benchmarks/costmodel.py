@@ -220,16 +220,6 @@ class S3Server(ServerProcess):
             print(f"[s3] uploaded {p.name}: {n} objects in {time.perf_counter() - t0:.0f} s")
 
 
-def _warm(paths: Any) -> None:
-    """Read every file of the stores once, so that they sit in the page cache."""
-    for path in paths:
-        for f in sorted(Path(path).rglob("*")):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    while fh.read(16 * 2**20):
-                        pass
-
-
 # ---------------------------------------------------------------- one profile
 
 
@@ -249,6 +239,7 @@ def run_profile(
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
     from sclayout.cost.diversity import simulate_diversity
     from sclayout.cost.model import predict
+    from sclayout.testing.measure import warm
 
     root = next(iter(stores.values())).parent
     if kind == "s3":
@@ -260,7 +251,7 @@ def run_profile(
         # the HTTP profile stands for a remote store: its server reads from memory,
         # not from this VM's disk (whose speed the local profile measures, and which
         # varied 10x within minutes on some days here)
-        _warm(stores.values())
+        warm(stores.values())
     try:
 
         def loc(p: Path) -> str:

@@ -77,14 +77,6 @@ def run(location: str, fetch_factor: int, *, seconds: float, seed: int, evict: s
                     }
 
 
-def warm(path: Path) -> None:
-    for f in sorted(path.rglob("*")):
-        if f.is_file():
-            with open(f, "rb") as fh:
-                while fh.read(16 * 2**20):
-                    pass
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
@@ -101,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     from loader.store import open_layout
     from sclayout.cost.model import predict
     from sclayout.cost.profile import load_profile
+    from sclayout.testing.measure import warm
 
     ffs = [int(f) for f in args.fetch_factors.split(",")]
     regimes = args.regimes.split(",")

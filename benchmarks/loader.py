@@ -89,9 +89,9 @@ from _common import (  # noqa: E402
 
 from loader import open_layout  # noqa: E402
 from sclayout.cost.diversity import diversity_ratio  # noqa: E402
-from sclayout.pagecache import Evictor, evict, iter_files, tree_bytes  # noqa: E402
+from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
 from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.testing.measure import check_eviction, median_of  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of, warm  # noqa: E402
 
 BATCH = 64
 """Minibatch size of issue 3."""
@@ -339,14 +339,6 @@ def _measure(
 # ------------------------------------------------------------------ cores and peers
 
 
-def _warm(files: Sequence[Path]) -> None:
-    """Read every file of ``files`` once, so that they are in the page cache."""
-    for f in iter_files(files):
-        with open(f, "rb", buffering=0) as fh:
-            while fh.read(8 << 20):
-                pass
-
-
 def _cores_child(spec: str) -> int:
     """``--cores-child JSON``: one warm run of the dataset row, result printed as JSON
     (the parent pins this process and evicts around it)."""
@@ -425,7 +417,7 @@ def _cores_run(cfg: dict, src: Path, pin: str, regime: str, seconds: float, seed
     spec["passes"] = 10**6  # the clock stops the run
     cmd = ["taskset", "-c", pin, sys.executable, __file__, "--cores-child", json.dumps(spec)]
     if regime == "warm":
-        _warm([path])
+        warm([path])
         evictor = None
     else:
         evict([path])

@@ -19,6 +19,7 @@ from sclayout.testing.measure import (
     median_of,
     peak_rss_of_child,
     run_child,
+    warm,
 )
 
 
@@ -40,6 +41,17 @@ def test_evict_drops_pages_of_files_and_folders(data_file, tmp_path):
     assert before > 0.9
     assert evict(tmp_path) == data_file.stat().st_size
     assert resident_fraction(data_file) < 0.05
+
+
+def test_warm_reads_every_file_back_into_the_page_cache(data_file, tmp_path):
+    (tmp_path / "sub").mkdir()
+    other = tmp_path / "sub" / "other.bin"
+    other.write_bytes(b"x" * 4096)
+    evict(tmp_path)
+    if resident_fraction(data_file) is None:
+        pytest.skip("mincore not available")
+    assert warm(tmp_path) == data_file.stat().st_size + 4096
+    assert resident_fraction(data_file) > 0.9 and resident_fraction(other) > 0.9
 
 
 def test_check_eviction_returns_figures(data_file):

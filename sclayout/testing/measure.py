@@ -1,7 +1,8 @@
 """Measurement helpers that only tests and benchmarks use.
 
 * :func:`check_eviction` proves that eviction works (pages resident after eviction,
-  and a cold read slower than a warm one);
+  and a cold read slower than a warm one); :func:`warm` reads files into the page
+  cache, for runs of the warm regime;
 * :func:`run_child` runs a command and returns its wall time and peak RSS (the RSS of
   a child is only measurable in a child process);
 * :class:`Timer` and :func:`median_of` for repeated runs.
@@ -34,6 +35,7 @@ __all__ = [
     "median_of",
     "peak_rss_of_child",
     "run_child",
+    "warm",
 ]
 
 CHECK_BYTES = 256 << 20
@@ -76,6 +78,14 @@ class EvictionCheck:
             f"eviction check on {Path(self.path).name}: cold {self.cold_mb_s:,.0f} MB/s, "
             f"warm {self.warm_mb_s:,.0f} MB/s, resident after evict {resident}"
         )
+
+
+def warm(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> int:
+    """Read every file under ``paths`` once; returns the bytes read.
+
+    The files then sit in the page cache, as far as RAM allows.
+    """
+    return sum(_read(f, f.stat().st_size) for f in iter_files(paths))
 
 
 def _read(path: Path, nbytes: int, block: int = 4 << 20) -> int:
