@@ -1,14 +1,16 @@
 """Where the loader's time goes, per thread: CPU, waiting for a core, sleeping.
 
-Runs :class:`loader.BlockDataset` (batch 64, dense, single process) over one epoch of
-a store, evicted from the page cache every 0.5 s, ``--runs`` times, and reads each
+Runs :class:`loader.BlockDataset` (batch 64, ``--output``, single process) over one
+epoch of a store, evicted from the page cache every 0.5 s (or, with ``--cache warm``,
+read into it first), ``--runs`` times, and reads each
 thread's ``/proc/self/task/*/schedstat`` (time on a CPU, time runnable but waiting for
 one) and ``stat`` (user and system CPU) around the timed part; the rest of the wall
 time the thread slept (on the GIL, a lock, I/O or a queue). The consumer's time
 blocked on a fetch (``PendingFetch.result``) is measured apart. A second pass
-(``no-scatter``) replaces the scatter into the dense output (scipy's ``csr_todense``)
-by a no-op: the difference is what the scatter costs (the zeroing, ``np.zeros``, runs
-in both passes).
+(``no-scatter``, dense output only) replaces the scatter into the dense output (scipy's
+``csr_todense``) by a no-op: the difference is what the scatter costs (the zeroing,
+``np.zeros``, runs in both passes). Run it under ``taskset -c 0`` and then ``taskset -c
+0,1`` to see which threads' CPU per cell grows on two cores.
 
 Linux only (``/proc``). Figures per cell are medians over runs.
 
@@ -16,6 +18,7 @@ Usage::
 
     python benchmarks/loader_threads.py                       # ~1 min
     python benchmarks/loader_threads.py --store S.zarr --block-size 1024 --fetch-factor 16
+    taskset -c 0 python benchmarks/loader_threads.py --output csr --cache warm --name one
 
 The default store is ``benchmarks/loader.py``'s shuffled blosc-lz4hc store (build it
 with ``python benchmarks/loader.py --codecs blosc-lz4hc --orders shuffled --name
@@ -26,12 +29,14 @@ build --results /tmp/build``, which keeps the repository's results as they are).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT] + [str(ROOT)]
@@ -94,12 +99,15 @@ def one_run(
     fetch_factor: int,
     seed: int,
     scatter: bool,
+    output: str = "dense",
+    cache: str = "evicting",
     whole_array_bytes: int | None = None,
 ):
     import loader.assemble as A
     import loader.store as LS
     from loader import BlockDataset, open_layout
     from sclayout.pagecache import Evictor, evict
+    from sclayout.testing.measure import warm
 
     waited = [0.0]
     real_result = LS.PendingFetch.result
@@ -124,16 +132,21 @@ def one_run(
             fetch_factor=fetch_factor,
             block_size=block_size,
             seed=seed,
-            output="dense",
+            output=output,
         )
-        evict([store])
-        with Evictor([store]):
+        if cache == "warm":
+            warm([store])
+            around: Any = contextlib.nullcontext()
+        else:
+            evict([store])
+            around = Evictor([store])
+        with around:
             it = iter(ds)
             next(it)  # opening and the first fetch are not timed
             before, waited[0] = _threads(), 0.0
             t0, n = time.perf_counter(), 0
             for batch in it:
-                n += batch["X"].shape[0]
+                n += batch["index"].shape[0]
             wall = time.perf_counter() - t0
             after = _threads()
     finally:
@@ -167,6 +180,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=1024)
     p.add_argument("--fetch-factor", type=int, default=16)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--output", choices=("dense", "csr"), default="dense")
+    p.add_argument(
+        "--cache",
+        choices=("evicting", "warm"),
+        default="evicting",
+        help="evicted every 0.5 s, or read into the page cache first [evicting]",
+    )
     p.add_argument(
         "--whole-array-bytes",
         type=int,
@@ -187,15 +207,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (args.store / "zarr.json").exists():
         print(f"{args.store}: no layout store there (see --help to build it)", file=sys.stderr)
         return 2
-    passes: dict[str, list[dict]] = {"full": [], "no-scatter": []}
+    kinds = [("full", True)] + ([("no-scatter", False)] if args.output == "dense" else [])
+    passes: dict[str, list[dict]] = {name: [] for name, _ in kinds}
     for i in range(args.runs):  # interleaved, so both passes see the same machine
-        for name, scatter in (("full", True), ("no-scatter", False)):
+        for name, scatter in kinds:
             r = one_run(
                 args.store,
                 block_size=args.block_size,
                 fetch_factor=args.fetch_factor,
                 seed=i,
                 scatter=scatter,
+                output=args.output,
+                cache=args.cache,
                 whole_array_bytes=args.whole_array_bytes,
             )
             passes[name].append(r)
@@ -238,11 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     md = (
         "### Where the loader's time goes, per thread\n\n"
         f"`{args.store.name}`, `BlockDataset` batch 64, block {args.block_size}, fetch factor "
-        f"{args.fetch_factor}, dense, one epoch evicted every 0.5 s; medians of {args.runs} "
-        "runs, µs per cell summed over a role's threads. `on` = on a CPU (user + sys, from "
-        "schedstat), `runqueue` = runnable, waiting for a core, `asleep` = wall − on − "
-        "runqueue (GIL, locks, I/O, queues). `no-scatter` replaces the dense scatter "
-        f"(`csr_todense`) by a no-op.\n\n{head}.\n\n"
+        f"{args.fetch_factor}, {args.output}, one epoch "
+        f"{'evicted every 0.5 s' if args.cache == 'evicting' else 'in the page cache'}, "
+        f"{len(os.sched_getaffinity(0))} CPUs; medians of {args.runs} runs, µs per cell "
+        "summed over a role's threads. `on` = on a CPU (user + sys, from schedstat), "
+        "`runqueue` = runnable, waiting for a core, `asleep` = wall − on − runqueue (GIL, "
+        "locks, I/O, queues). `no-scatter` replaces the dense scatter (`csr_todense`) by a "
+        f"no-op.\n\n{head}.\n\n"
         + markdown_table(
             rows,
             {

@@ -133,6 +133,16 @@ def test_loader_threads_benchmark_on_a_small_store(tmp_path, run_benchmark, tiny
     assert {"consumer (main)", "decode"} <= set(run["roles"])
     assert run["roles"]["decode"]["threads"] == 2
     assert "| full | consumer (main) | 1 |" in (tmp_path / "loader_threads.md").read_text()
+    # CSR output from the page cache: no dense scatter to leave out, so one pass
+    run_benchmark(
+        BENCH / "loader_threads.py", "--store", store, "--block-size", 16,
+        "--fetch-factor", 2, "--runs", 1, "--whole-array-bytes", 0, "--results", tmp_path,
+        "--output", "csr", "--cache", "warm", "--name", "csr_warm", timeout=300,
+    )  # fmt: skip
+    payload = json.loads((tmp_path / "csr_warm.json").read_text())
+    assert set(payload["summary"]) == {"full"}
+    assert payload["runs"]["full"][0]["cells"] > 1900
+    assert ", csr, one epoch in the page cache," in (tmp_path / "csr_warm.md").read_text()
 
 
 @pytest.mark.slow  # one tiny set, one conversion in a child process, two loader runs: ~8 s
