@@ -456,31 +456,26 @@ def _cores_rows(
                 for n in counts if i % 2 == 0 else counts[::-1]:
                     pin = ",".join(map(str, cpus[:n]))
                     runs[n].append(_cores_run(cfg, src, pin, regime, seconds, seed=i))
+            # the machine's own scaling of memory-bound work, measured beside the row
+            copies = {n: _copy_control(cpus[:n], min(seconds, 5.0)) for n in counts}
             for n in counts:
                 pin = ",".join(map(str, cpus[:n]))
                 row = {k: v for k, v in cfg.items() if k not in ("path", "spec")}
                 row.update(kind="cores", cores=n, cpus=pin, regime=regime, runs=runs[n])
-                row.update(median_of(runs[n]))
+                row.update(median_of(runs[n]), copies_per_s=copies[n])
+                row["vs_one_core"] = row["copies_vs_one_core"] = None
                 if 1 in runs:
                     pairs = zip(runs[n], runs[1], strict=True)
                     row["vs_one_core"] = median_of(
                         [a["cells_per_s"] / b["cells_per_s"] for a, b in pairs]
                     )
-                # the machine's own scaling of memory-bound work, measured beside the row
-                row["copies_per_s"] = _copy_control(cpus[:n], min(seconds, 5.0))
+                    row["copies_vs_one_core"] = copies[n] / copies[1]
                 rows.append(row)
                 print(
                     f"cores row: taskset -c {pin:8s} {regime:8s} {cfg['output']:6s}"
                     f"{row['cells_per_s']:>10,.0f} cells/s",
                     flush=True,
                 )
-    for r in rows:
-        one = [
-            x
-            for x in rows
-            if (x["regime"], x["output"], x["cores"]) == (r["regime"], r["output"], 1)
-        ]
-        r["copies_vs_one_core"] = r["copies_per_s"] / one[0]["copies_per_s"] if one else None
     return rows
 
 
