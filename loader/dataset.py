@@ -394,7 +394,12 @@ class BlockDataset:
 
             try:
                 reader = open_layout(
-                    self._path, block_size=block_size, backend=backend, matrix=matrix
+                    self._path,
+                    block_size=block_size,
+                    backend=backend,
+                    matrix=matrix,
+                    # CSR minibatches widen their own values: fetches keep them as stored
+                    narrow_values=output == "csr",
                 )
             except SpecError:
                 if asked["block_size"] is not None or block_size is None:
@@ -405,7 +410,12 @@ class BlockDataset:
                     f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
                     "or convert the store with this spec"
                 ) from None
-        self._reader_args = {"block_size": block_size, "backend": backend, "matrix": matrix}
+        self._reader_args = {
+            "block_size": block_size,
+            "backend": backend,
+            "matrix": matrix,
+            "narrow_values": output == "csr",
+        }
         self._reader: Any = reader
         self._reader_pid = os.getpid()
         self._read_pid: int | None = None  # the process that has read data, if any

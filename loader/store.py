@@ -353,6 +353,7 @@ class _Settings:
     matrix: str
     backend_options: tuple[tuple[str, Any], ...]
     tune_malloc: bool = False
+    narrow_values: bool = False
 
 
 class LayoutReader:
@@ -442,7 +443,7 @@ class LayoutReader:
             options.setdefault("require_chunks", m.all_chunks_stored)
             if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
                 options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
-            options.setdefault("widen", _widened(self.layout))
+            options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0
@@ -691,7 +692,7 @@ class LayoutReader:
                 row_ranges=bounds,
                 n_vars=self.n_vars,
                 where=f"store {self.location}, matrix {self.matrix}",
-                dtype=self.layout.dtype,
+                dtype=None if self._settings.narrow_values else self.layout.dtype,
             )
         else:  # narrowed values widened to the matrix's dtype, as fetch_rows does
             values = DenseRows(widen(got["values"], self.layout.dtype))
@@ -707,16 +708,19 @@ class LayoutReader:
         return Fetched(self, rows[order], index[order], values, order, prep)
 
 
-def _widened(layout: MatrixLayout) -> dict[str, str]:
+def _widened(layout: MatrixLayout, *, values: bool = True) -> dict[str, str]:
     """Return the dtype each array stored narrower than a fetch holds it has in a fetch.
 
-    By path (compact dtypes): values in the matrix's dtype, column ids in int32.
-    Backends that can cast while decoding do (``TensorstoreBackend(widen=)``);
-    :func:`fetch_rows` casts the rest.
+    By path (compact dtypes): column ids in int32, and the values of a CSR matrix in
+    the matrix's dtype unless ``values`` is false (they then stay as stored). Backends
+    that can cast while decoding do (``TensorstoreBackend(widen=)``); :func:`fetch_rows`
+    casts the rest.
     """
     arrays = layout.arrays
     if layout.is_csr:
-        wanted = [(arrays["data"], layout.dtype), (arrays["indices"], "int32")]
+        wanted = [(arrays["indices"], "int32")]
+        if values:
+            wanted.append((arrays["data"], layout.dtype))
     else:
         wanted = [(arrays["values"], layout.dtype)]
     return {
@@ -887,6 +891,7 @@ def open_layout(
     backend: str | None = "tensorstore",
     matrix: str = "X",
     tune_malloc: bool | None = None,
+    narrow_values: bool = False,
     **backend_options: Any,
 ) -> LayoutReader:
     """Open a layout store (local or ``http(s)://``) or a raw .h5ad for block reads.
@@ -907,6 +912,12 @@ def open_layout(
         Let the first fetch call :func:`tune_malloc` (glibc: reuse large buffers
         rather than page-faulting fresh ones; process-wide, see there). ``None``
         (default): only if the environment sets ``SCLAYOUT_TUNE_MALLOC=1``.
+    narrow_values
+        Keep a CSR matrix's values in fetches as stored (integer counts narrowed to
+        ``uint8`` or ``uint16`` by convert) rather than in the matrix's dtype. A
+        fetch then holds fewer bytes, and each minibatch cut as CSR widens its own
+        values (``BlockDataset`` asks for this with ``output="csr"``). Dense
+        minibatches are cut fastest from values in float32: leave it off for them.
     **backend_options
         Passed to the backend (e.g. tensorstore's ``file_io_concurrency``). For a URL:
         ``http_timeout`` (seconds one remote wait may last before a
@@ -926,6 +937,7 @@ def open_layout(
             matrix=matrix,
             backend_options=tuple(sorted(backend_options.items())),
             tune_malloc=_tune_malloc_wanted(tune_malloc),
+            narrow_values=bool(narrow_values),
         )
     )
 

@@ -88,15 +88,20 @@ def _same_values(got, want, where: str) -> None:
     assert np.array_equal(np.signbit(g.astype(w.dtype)), np.signbit(w)), f"{where}: signs differ"
 
 
-def _check_loader(store, a: ad.AnnData, backend: str = "tensorstore") -> None:
+def _check_loader(
+    store, a: ad.AnnData, backend: str = "tensorstore", *, narrow_values: bool = False
+) -> None:
     """Every row, CSR and dense, through ``backend``: float32 and the source's values."""
     truth = _dense_truth(a).astype(np.float32)
-    reader = open_layout(store, backend=backend)
+    reader = open_layout(store, backend=backend, narrow_values=narrow_values)
     f = reader.submit(np.arange(reader.n_blocks)).result()
     pos = np.random.default_rng(0).permutation(f.n_rows)
-    for output in ("csr", "dense"):
+    for output in ("csr", "dense", "rows"):
         b = f.take(pos, output=output)
         X = b["X"]
+        if output == "rows":
+            assert X.data.dtype == np.float32, backend
+            X = X.to_scipy()
         assert X.dtype == np.float32, (backend, output)
         _same_values(X, truth[b["index"]], f"{backend} {output}")
     assert np.array_equal(np.sort(f.index), np.arange(N_OBS))
@@ -138,6 +143,10 @@ def test_dense_matrix_narrowed(tmp_path, name):
     _check_loader(dst, a)
 
 
+_WIDE = {"X/data": "float32", "X/indices": "int32"}
+"""What a fetch of the narrowed store widens by default: values and column ids."""
+
+
 @pytest.fixture(scope="module")
 def narrowed_store(tmp_path_factory):
     """One narrowed store (uint16 data and ids), shared by the backend tests."""
@@ -160,11 +169,43 @@ def test_the_decode_threads_widen_a_fetch(narrowed_store):
     backend hands the fetch its values in the matrix's dtype and its ids in int32."""
     a, dst = narrowed_store
     reader = open_layout(str(dst))
-    assert reader.backend_options["widen"] == {"X/data": "float32", "X/indices": "int32"}
+    assert reader.backend_options["widen"] == _WIDE
     got = reader.submit(np.arange(reader.n_blocks)).result()
     want = sp.csr_matrix(a.X)[got.index]
     assert got.values.data.dtype == np.float32 and got.values.indices.dtype == np.int32
     assert np.array_equal(got.values.to_scipy().toarray(), want.toarray())
+
+
+@pytest.mark.parametrize("backend", ["tensorstore", "zarr"])
+def test_narrow_values_stay_as_stored_in_a_fetch(narrowed_store, backend):
+    """``narrow_values=True``: the fetch holds the stored uint16 values (ids still
+    int32), and each minibatch widens its own to float32, equal to the source."""
+    a, dst = narrowed_store
+    reader = open_layout(str(dst), backend=backend, narrow_values=True)
+    assert reader.backend_options["widen"] == {"X/indices": "int32"}
+    got = reader.submit(np.arange(reader.n_blocks)).result()
+    assert got.values.data.dtype == np.uint16 and got.values.indices.dtype == np.int32
+    _check_loader(str(dst), a, backend=backend, narrow_values=True)
+
+
+def test_a_csr_dataset_keeps_values_narrow_in_its_fetches(narrowed_store):
+    """``BlockDataset(output="csr")`` reads with ``narrow_values``; a dense one does not.
+    Either delivers every row once, in float32, equal to the source."""
+    torch = pytest.importorskip("torch")
+    from loader import BlockDataset
+
+    a, dst = narrowed_store
+    truth = _dense_truth(a).astype(np.float32)
+    for output, widen in (("csr", {"X/indices": "int32"}), ("dense", _WIDE)):
+        ds = BlockDataset(str(dst), batch_size=7, block_size=8, output=output, seed=1)
+        assert ds._get_reader().backend_options["widen"] == widen
+        seen = []
+        for b in ds:
+            X = b["X"].to_dense() if output == "csr" else b["X"]  # torch tensors
+            assert X.dtype == torch.float32, output
+            _same_values(X.numpy(), truth[b["index"].numpy()], output)
+            seen.append(b["index"].numpy())
+        assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(N_OBS)), output
 
 
 def test_http_widens(narrowed_store):
