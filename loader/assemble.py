@@ -39,6 +39,7 @@ __all__ = [
     "CSRRows",
     "DenseOrder",
     "DenseRows",
+    "RowsOrder",
     "check_indices",
     "check_source_ids",
     "fetch_rows",
@@ -141,6 +142,21 @@ class DenseOrder:
 
 
 @dataclass(frozen=True)
+class RowsOrder:
+    """A fetch's delivery order prepared for CSR minibatches.
+
+    See :meth:`CSRRows.prepare_rows` and :meth:`CSRRows.rows_slice`. ``pos`` is the
+    order in the fetch's index dtype, as the row gather takes it; ``ends[i]`` is the
+    number of values in delivered rows ``0..i`` (``ends[0] = 0``), so delivered rows
+    ``a..b`` hold ``ends[b] - ends[a]`` values and their ``indptr`` is
+    ``ends[a:b + 1] - ends[a]``.
+    """
+
+    pos: np.ndarray
+    ends: np.ndarray
+
+
+@dataclass(frozen=True)
 class CSRRows:
     """Rows of a fetch as CSR arrays: row ``i`` is ``data[indptr[i]:indptr[i+1]]``.
 
@@ -230,6 +246,39 @@ class CSRRows:
         out = buffers.zeros((b - a, self.n_vars), np.float32)
         _scatter_ptr(prep.ptr[2 * a : 2 * b], self.indices, self.data, out)
         return out
+
+    def prepare_rows(self, order: np.ndarray) -> RowsOrder:
+        """Prepare the per-fetch work of :meth:`rows_slice` for rows delivered in ``order``.
+
+        Done once per fetch, off the consumer's thread.
+        """
+        ip = self.indptr
+        pos = order.astype(ip.dtype)
+        ends = np.empty(pos.shape[0] + 1, dtype=ip.dtype)
+        ends[0] = 0
+        np.cumsum(ip[pos + 1] - ip[pos], out=ends[1:])
+        return RowsOrder(pos, ends)
+
+    def rows_slice(self, prep: RowsOrder, a: int, b: int) -> CSRRows:
+        """Return delivered rows ``a..b`` (``b > a``) as :meth:`rows` gives them.
+
+        One row gather into new memory, with the row pointers cut from ``prep``: no
+        per-minibatch work on the fetch's pointers.
+        """
+        ends = prep.ends
+        start = int(ends[a])
+        nnz = int(ends[b]) - start
+        indices = np.empty(nnz, dtype=self.indptr.dtype)
+        data = np.empty(nnz, dtype=self.data.dtype)
+        pos = prep.pos[a:b]
+        if csr_row_index is not None:
+            csr_row_index(b - a, pos, self.indptr, self.indices, self.data, indices, data)
+        else:  # pragma: no cover
+            sub = self.to_scipy()[pos]
+            indices[:], data[:] = sub.indices, sub.data
+        if data.dtype != np.float32:  # values kept narrow in the fetch
+            data = data.astype(np.float32)
+        return CSRRows(data, indices, ends[a : b + 1] - start, self.n_vars)
 
     def view(self, pos: np.ndarray) -> sp.csr_matrix:
         """Return rows ``pos`` as a ``scipy.sparse.csr_matrix`` in the stored dtype.

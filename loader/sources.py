@@ -468,8 +468,17 @@ class PanelReader(_Wrapping):
             values = DenseRows(out)
         if order is None:
             return Fetched(f.reader, rows, index, values)
-        prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
-        return Fetched(f.reader, rows[order], index[order], values, order, prep)
+        if not isinstance(values, CSRRows):
+            return Fetched(f.reader, rows[order], index[order], values, order)
+        return Fetched(
+            f.reader,
+            rows[order],
+            index[order],
+            values,
+            order,
+            values.prepare_dense(order),
+            values.prepare_rows(order),
+        )
 
     def _panel_columns(self, indices: np.ndarray) -> np.ndarray:
         """Return the panel column of each column id in ``indices`` (``-1``: not in the panel).

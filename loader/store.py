@@ -41,6 +41,7 @@ from loader.assemble import (
     CSRRows,
     DenseOrder,
     DenseRows,
+    RowsOrder,
     check_source_ids,
     fetch_rows,
     get_output,
@@ -704,8 +705,17 @@ class LayoutReader:
         if order is None:
             return Fetched(self, rows, index, values)
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
-        prep = values.prepare_dense(order) if isinstance(values, CSRRows) else None
-        return Fetched(self, rows[order], index[order], values, order, prep)
+        if not isinstance(values, CSRRows):
+            return Fetched(self, rows[order], index[order], values, order)
+        return Fetched(
+            self,
+            rows[order],
+            index[order],
+            values,
+            order,
+            values.prepare_dense(order),
+            values.prepare_rows(order),
+        )
 
 
 def _widened(layout: MatrixLayout, *, values: bool = True) -> dict[str, str]:
@@ -786,6 +796,7 @@ class Fetched:
         values: CSRRows | DenseRows,
         order: np.ndarray | None = None,
         dense_order: DenseOrder | None = None,
+        rows_order: RowsOrder | None = None,
     ):
         self.reader = reader
         self.rows = rows
@@ -794,6 +805,7 @@ class Fetched:
         self.values = values
         self._order = order
         self._dense_order = dense_order
+        self._rows_order = rows_order
 
     @property
     def matrix(self) -> Any:
@@ -861,6 +873,10 @@ class Fetched:
         if output == "dense" and self._dense_order is not None:
             assert isinstance(self.values, CSRRows)
             X = self.values.dense_slice(self._dense_order, a, b)
+        elif output in ("rows", "csr") and self._rows_order is not None:
+            assert isinstance(self.values, CSRRows)
+            X = self.values.rows_slice(self._rows_order, a, b)
+            X = X if output == "rows" else X.to_scipy()
         if X is None:
             pos = np.arange(a, b) if self._order is None else self._order[a:b]
             X = get_output(output)(self.values, pos)

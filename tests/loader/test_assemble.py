@@ -117,6 +117,28 @@ def test_dense_slice_of_a_prepared_order_equals_dense(dtype, n_vars):
     assert rows.dense_slice(prep, rise - 1, rise + 1) is None
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.float64], ids=["f32", "u16", "f64"])
+def test_rows_slice_of_a_prepared_order_equals_rows(dtype):
+    """CSR minibatches: a slice of any delivery order (repeats, empty rows, rises) is
+    :meth:`CSRRows.rows` of its positions, float32 values in their own memory,
+    whatever the fetch's value dtype (narrow counts are widened per minibatch)."""
+    rows = rows_of(60, 41, dtype=dtype)
+    rng = np.random.default_rng(7)
+    order = np.concatenate([rng.permutation(60), rng.integers(0, 60, 9)])
+    prep = rows.prepare_rows(order)
+    for lo, hi in ((0, 8), (8, 16), (3, 4), (60, 69), (0, 69)):
+        got = rows.rows_slice(prep, lo, hi)
+        want = rows.rows(order[lo:hi])
+        assert got.data.dtype == np.float32 and got.indices.dtype == np.int32
+        assert not np.shares_memory(got.data, rows.data)
+        assert not np.shares_memory(got.indices, rows.indices)
+        np.testing.assert_array_equal(got.indptr, want.indptr)
+        np.testing.assert_array_equal(got.to_scipy().toarray(), want.to_scipy().toarray())
+        np.testing.assert_array_equal(
+            got.to_scipy().toarray(), rows.to_scipy()[order[lo:hi]].toarray().astype(np.float32)
+        )
+
+
 def test_dense_slice_not_prepared_for_orders_that_mostly_rise():
     """A streaming (increasing) order would never take the prepared path: nothing is
     prepared for it, and dense output goes through :meth:`CSRRows.dense`."""
