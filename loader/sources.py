@@ -468,17 +468,7 @@ class PanelReader(_Wrapping):
             values = DenseRows(out)
         if order is None:
             return Fetched(f.reader, rows, index, values)
-        if not isinstance(values, CSRRows):
-            return Fetched(f.reader, rows[order], index[order], values, order)
-        return Fetched(
-            f.reader,
-            rows[order],
-            index[order],
-            values,
-            order,
-            values.prepare_dense(order),
-            values.prepare_rows(order),
-        )
+        return Fetched.delivered(f.reader, rows, index, values, order)
 
     def _panel_columns(self, indices: np.ndarray) -> np.ndarray:
         """Return the panel column of each column id in ``indices`` (``-1``: not in the panel).

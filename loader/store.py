@@ -705,17 +705,7 @@ class LayoutReader:
         if order is None:
             return Fetched(self, rows, index, values)
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
-        if not isinstance(values, CSRRows):
-            return Fetched(self, rows[order], index[order], values, order)
-        return Fetched(
-            self,
-            rows[order],
-            index[order],
-            values,
-            order,
-            values.prepare_dense(order),
-            values.prepare_rows(order),
-        )
+        return Fetched.delivered(self, rows, index, values, order)
 
 
 def _widened(layout: MatrixLayout, *, values: bool = True) -> dict[str, str]:
@@ -806,6 +796,25 @@ class Fetched:
         self._order = order
         self._dense_order = dense_order
         self._rows_order = rows_order
+
+    @classmethod
+    def delivered(
+        cls,
+        reader: LayoutReader,
+        rows: np.ndarray,
+        index: np.ndarray,
+        values: CSRRows | DenseRows,
+        order: np.ndarray,
+    ) -> Fetched:
+        """Return the fetch of ``values`` delivered in ``order`` (a valid index array).
+
+        CSR rows get their per-minibatch cutting work prepared here, once per fetch
+        (on the assembly thread).
+        """
+        if not isinstance(values, CSRRows):
+            return cls(reader, rows[order], index[order], values, order)
+        dense, csr = values.prepare_dense(order), values.prepare_rows(order)
+        return cls(reader, rows[order], index[order], values, order, dense, csr)
 
     @property
     def matrix(self) -> Any:
