@@ -174,13 +174,14 @@ class CSRRows:
         """Number of rows in the fetch."""
         return int(self.indptr.shape[0] - 1)
 
-    def _gather(self, pos: np.ndarray) -> CSRRows:
+    def _gather(self, pos: np.ndarray, new_ptr: np.ndarray | None = None) -> CSRRows:
+        """Rows ``pos`` in new memory; ``new_ptr``: their ``indptr`` if already known."""
         ip = self.indptr
         pos = pos.astype(ip.dtype, copy=False)
-        lengths = ip[pos + 1] - ip[pos]
-        new_ptr = np.empty(pos.shape[0] + 1, dtype=ip.dtype)
-        new_ptr[0] = 0
-        np.cumsum(lengths, out=new_ptr[1:])
+        if new_ptr is None:
+            new_ptr = np.empty(pos.shape[0] + 1, dtype=ip.dtype)
+            new_ptr[0] = 0
+            np.cumsum(ip[pos + 1] - ip[pos], out=new_ptr[1:])
         nnz = int(new_ptr[-1])
         new_idx = np.empty(nnz, dtype=ip.dtype)
         new_data = np.empty(nnz, dtype=self.data.dtype)
@@ -265,20 +266,12 @@ class CSRRows:
         One row gather into new memory, with the row pointers cut from ``prep``: no
         per-minibatch work on the fetch's pointers.
         """
-        ends = prep.ends
-        start = int(ends[a])
-        nnz = int(ends[b]) - start
-        indices = np.empty(nnz, dtype=self.indptr.dtype)
-        data = np.empty(nnz, dtype=self.data.dtype)
-        pos = prep.pos[a:b]
-        if csr_row_index is not None:
-            csr_row_index(b - a, pos, self.indptr, self.indices, self.data, indices, data)
-        else:  # pragma: no cover
-            sub = self.to_scipy()[pos]
-            indices[:], data[:] = sub.indices, sub.data
-        if data.dtype != np.float32:  # values kept narrow in the fetch
-            data = data.astype(np.float32)
-        return CSRRows(data, indices, ends[a : b + 1] - start, self.n_vars)
+        ptr = prep.ends[a : b + 1] - prep.ends[a]
+        sub = self._gather(prep.pos[a:b], ptr)
+        if sub.data.dtype == np.float32:
+            return sub
+        # values kept narrow in the fetch
+        return CSRRows(sub.data.astype(np.float32), sub.indices, ptr, self.n_vars)
 
     def view(self, pos: np.ndarray) -> sp.csr_matrix:
         """Return rows ``pos`` as a ``scipy.sparse.csr_matrix`` in the stored dtype.

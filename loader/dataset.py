@@ -373,6 +373,13 @@ class BlockDataset:
                 weights = _store_row_weights(store_weights, path, len(items))
         self.extra = extra
         self._extras = extras
+        reader_args = {
+            "block_size": block_size,
+            "backend": backend,
+            "matrix": matrix,
+            # CSR minibatches widen their own values: fetches keep them as stored
+            "narrow_values": output == "csr",
+        }
         if _is_reader(path):
             own = {k: getattr(path, k, None) for k in asked}
             if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
@@ -393,14 +400,7 @@ class BlockDataset:
             from loader.store import open_layout
 
             try:
-                reader = open_layout(
-                    self._path,
-                    block_size=block_size,
-                    backend=backend,
-                    matrix=matrix,
-                    # CSR minibatches widen their own values: fetches keep them as stored
-                    narrow_values=output == "csr",
-                )
+                reader = open_layout(self._path, **reader_args)
             except SpecError:
                 if asked["block_size"] is not None or block_size is None:
                     raise
@@ -410,12 +410,7 @@ class BlockDataset:
                     f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
                     "or convert the store with this spec"
                 ) from None
-        self._reader_args = {
-            "block_size": block_size,
-            "backend": backend,
-            "matrix": matrix,
-            "narrow_values": output == "csr",
-        }
+        self._reader_args = reader_args
         self._reader: Any = reader
         self._reader_pid = os.getpid()
         self._read_pid: int | None = None  # the process that has read data, if any
