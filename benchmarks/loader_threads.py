@@ -266,8 +266,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{len(os.sched_getaffinity(0))} CPUs; medians of {args.runs} runs, µs per cell "
         "summed over a role's threads. `on` = on a CPU (user + sys, from schedstat), "
         "`runqueue` = runnable, waiting for a core, `asleep` = wall − on − runqueue (GIL, "
-        "locks, I/O, queues). `no-scatter` replaces the dense scatter (`csr_todense`) by a "
-        f"no-op.\n\n{head}.\n\n"
+        "locks, I/O, queues)."
+        + (
+            " `no-scatter` replaces the dense scatter (`csr_todense`) by a no-op."
+            if args.output == "dense"
+            else ""
+        )
+        + f"\n\n{head}.\n\n"
         + markdown_table(
             rows,
             {
