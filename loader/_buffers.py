@@ -9,10 +9,15 @@ A buffer is reused only when no array refers to it any more: each one is lent as
 array (the *lease*) whose views all refer to it, and a finalizer returns the memory
 when the lease is collected, so a minibatch that shares a fetch's memory keeps that
 memory out of the pool for as long as it lives.
+
+On Linux the buffers are memory files (``memfd_create``): a decode process
+(:mod:`loader._decoders`) maps the same file and decodes straight into a fetch's array.
+:func:`shared` names the file an array lies in.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
@@ -20,11 +25,22 @@ import threading
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["MIN_BYTES", "SPARE_BYTES", "SPARE_GRACE_S", "empty", "reusing", "spare_bytes", "zeros"]
+__all__ = [
+    "MIN_BYTES",
+    "SPARE_BYTES",
+    "SPARE_GRACE_S",
+    "SharedBuffer",
+    "dropped_buffers",
+    "empty",
+    "reusing",
+    "shared",
+    "spare_bytes",
+    "zeros",
+]
 
 MIN_BYTES = 4 << 20
 """Smaller arrays come from numpy: the allocator reuses those itself."""
@@ -57,7 +73,7 @@ class _Pool:
                 self.spare.remove(best)
                 return best, False
         size = -(-(nbytes + nbytes // _SLACK) // _PAGE) * _PAGE
-        return mmap.mmap(-1, size), True
+        return _new_buffer(size), True
 
     def give(self, buf: mmap.mmap) -> None:
         """Keep ``buf`` for reuse, dropping the largest spares past :data:`SPARE_BYTES`."""
@@ -94,9 +110,72 @@ class _Pool:
 _POOL = _Pool()
 
 
+class SharedBuffer(NamedTuple):
+    """Where an array lies in a buffer another process can map: the buffer's number
+    (unique in this process), its memory file and the array's offset in it."""
+
+    number: int
+    fd: int
+    offset: int
+
+
+_numbers = itertools.count(1)
+_files: dict[int, tuple[int, int]] = {}  # id(mmap) -> (number, fd), while it is mapped
+_dropped: list[int] = []  # numbers of buffers unmapped since dropped_buffers() was asked
+
+
+def _new_buffer(size: int) -> mmap.mmap:
+    """A zeroed shared mapping of ``size`` bytes, a memory file where the OS has them."""
+    if not hasattr(os, "memfd_create"):
+        return mmap.mmap(-1, size)
+    fd = os.memfd_create("sclayout-fetch", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        buf = mmap.mmap(fd, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    number = next(_numbers)
+    _files[id(buf)] = (number, fd)
+    weakref.finalize(buf, _unmapped, id(buf), number, fd).atexit = False
+    return buf
+
+
+def _unmapped(key: int, number: int, fd: int) -> None:
+    _files.pop(key, None)
+    os.close(fd)
+    _dropped.append(number)
+
+
+def shared(array: np.ndarray) -> SharedBuffer | None:
+    """The memory file ``array`` lies in (an array :func:`empty` lent from the pool), or
+    ``None`` (memory of this process only)."""
+    base: Any = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    if isinstance(base, memoryview):  # np.frombuffer's view of the mapping
+        base = base.obj
+    found = _files.get(id(base)) if isinstance(base, mmap.mmap) else None
+    if found is None:
+        return None
+    start = np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
+    return SharedBuffer(found[0], found[1], array.ctypes.data - start)
+
+
+def dropped_buffers() -> list[int]:
+    """Numbers of the shared buffers unmapped since the last call (so that processes
+    that mapped them unmap them too)."""
+    out = []
+    while _dropped:
+        out.append(_dropped.pop())
+    return out
+
+
 def _reset_after_fork() -> None:
     global _POOL
     _POOL = _Pool()
+    _files.clear()  # the parent's buffers: not this process's to share
+    _dropped.clear()
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -15,7 +15,10 @@ this module
    ``preadv`` and ``numcodecs.blosc.decompress`` (single-threaded blosc context) both
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
-   scratch buffer and their part copied;
+   scratch buffer and their part copied. A process that loads on two or more cores
+   without DataLoader workers runs the same tasks in decode *processes* instead
+   (:mod:`loader._decoders`), when the output lies in a shared buffer: their Python
+   never waits for the GIL of the training loop's process;
 4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
    in one task queued on the decode threads just ahead of the fetch's reads: the
    caller's thread does not pay for it, and the announcement runs when the decode
@@ -55,7 +58,8 @@ from typing import Any
 import numpy as np
 
 from loader import _buffers as buffers
-from loader.cores import decode_threads
+from loader._decoders import DecodeProcesses, supported
+from loader.cores import decode_in_processes, decode_threads
 from loader.errors import LayoutError
 from loader.location import is_url
 
@@ -64,6 +68,7 @@ __all__ = [
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
+    "decode_processes",
     "missing_chunk",
     "open_direct",
     "open_index",
@@ -282,6 +287,7 @@ class _Pool:
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
+        self._processes: DecodeProcesses | None = None
         self._size = 0
         self._pid = -1
         self._lock = threading.Lock()
@@ -296,13 +302,21 @@ class _Pool:
             with self._lock:
                 if self._pid != os.getpid():
                     self._size = decode_threads(self.workers)
-                    self._pool = ThreadPoolExecutor(
-                        self._size, thread_name_prefix="sclayout-decode"
-                    )
+                    self._processes = None
+                    if supported() and decode_in_processes(self.workers):
+                        self._processes = DecodeProcesses(self._size)
+                    # beside decode processes, one thread decodes what is too small to share
+                    threads = self._size if self._processes is None else 1
+                    self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sclayout-decode")
                     self._lock = threading.Lock()
                     self._pid = os.getpid()
         assert self._pool is not None
         return self._pool
+
+    def processes(self) -> DecodeProcesses | None:
+        """This process's decode processes, or ``None`` (it decodes in threads)."""
+        self.get()
+        return self._processes
 
     def share(self, num_workers: int) -> None:
         self.workers = max(0, int(num_workers))
@@ -310,6 +324,8 @@ class _Pool:
             # started before the share was known: let its threads finish, start anew
             assert self._pool is not None
             self._pool.shutdown(wait=False)
+            if self._processes is not None:
+                self._processes.close()
             self._pid = -1
 
 
@@ -331,6 +347,12 @@ def process_decode_threads() -> int:
     """Decode threads of this process (its share of the cores, see
     :func:`share_decode_threads`)."""
     return _POOL.size()
+
+
+def decode_processes() -> DecodeProcesses | None:
+    """This process's decode processes (started on their first task), or ``None`` when
+    it decodes in threads (:func:`loader.cores.decode_in_processes`)."""
+    return _POOL.processes()
 
 
 _local = threading.local()
@@ -593,6 +615,14 @@ class DirectArray:
             out.append(t)
         return out
 
+    def run_tasks(self, out: np.ndarray, tasks: list[tuple], announce: list) -> None:
+        """Announce ``announce`` to the kernel, then read and decode ``tasks`` into
+        ``out`` (a decode process's job: :mod:`loader._decoders`)."""
+        if announce:
+            _announce(announce)
+        for task in tasks:
+            self._run(out, task)
+
     def _run(self, out: np.ndarray, task: tuple) -> None:
         """Read one run and decode its chunks into ``out`` (a decode thread), cast to
         ``out``'s dtype if it is not the stored one."""
@@ -685,15 +715,27 @@ def submit_reads(
     started = [a._start(r, dtype) for a, r, dtype in items]
     announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]
     pool = _POOL.get()
-    if announce:
+    processes = _POOL.processes()
+    shared = [
+        None if processes is None or isinstance(s, np.ndarray) else buffers.shared(s[0])
+        for s in started
+    ]
+    if announce and all(where is None for where in shared):
         pool.submit(_announce, announce)
+        announce = []
     out: list[Future[np.ndarray] | np.ndarray] = []
-    for (array, _, _), s in zip(items, started, strict=True):
+    for (array, _, _), s, where in zip(items, started, shared, strict=True):
         if isinstance(s, np.ndarray):
             out.append(s)
             continue
         buf, tasks, _ = s
-        out.append(_Joined(buf, [pool.submit(array._run, buf, t) for t in tasks]))
+        if where is not None and processes is not None:
+            sizes = [t[2] for t in tasks]
+            futures = processes.submit(array, buf, where, tasks, announce, sizes=sizes)
+            announce = []
+        else:
+            futures = [pool.submit(array._run, buf, t) for t in tasks]
+        out.append(_Joined(buf, futures))
     return out
 
 

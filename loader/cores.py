@@ -11,7 +11,10 @@ Environment overrides (docs/scaling.md), read when a process starts its decode t
 ``SCLAYOUT_CORES``
     the cores to plan for, instead of affinity and quota;
 ``SCLAYOUT_DECODE_THREADS``
-    decode threads per process (main or worker), instead of the split of the cores.
+    decode threads per process (main or worker), instead of the split of the cores;
+``SCLAYOUT_DECODE``
+    ``threads`` or ``processes``: where a process decodes, instead of the default
+    (decode processes when loading without DataLoader workers on two or more cores).
 """
 
 from __future__ import annotations
@@ -22,10 +25,17 @@ from pathlib import Path
 
 from loader.errors import InputError
 
-__all__ = ["cgroup_cpu_limit", "decode_threads", "split_cores", "usable_cores"]
+__all__ = [
+    "cgroup_cpu_limit",
+    "decode_in_processes",
+    "decode_threads",
+    "split_cores",
+    "usable_cores",
+]
 
 CORES_ENV = "SCLAYOUT_CORES"
 THREADS_ENV = "SCLAYOUT_DECODE_THREADS"
+DECODE_ENV = "SCLAYOUT_DECODE"
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -151,3 +161,22 @@ def decode_threads(num_workers: int = 0, cores: int | None = None) -> int:
     if override is not None:
         return override
     return split_cores(usable_cores() if cores is None else cores, num_workers)
+
+
+def decode_in_processes(num_workers: int = 0, cores: int | None = None) -> bool:
+    """Whether this process decodes in child processes rather than in threads.
+
+    ``SCLAYOUT_DECODE`` (``threads`` or ``processes``) if set; else yes when it loads
+    in the main process (``num_workers`` 0) with two or more decode threads' worth of
+    cores: a decode thread waits for the GIL after each C call while the training loop
+    runs Python, a process does not (docs/design.md, "Decode processes"). DataLoader
+    workers are processes already.
+    """
+    raw = os.environ.get(DECODE_ENV, "").strip().lower()
+    if raw == "threads":
+        return False
+    if raw == "processes":
+        return True
+    if raw:
+        raise InputError(f"{DECODE_ENV}={raw!r}: set it to 'threads' or 'processes', or unset it")
+    return int(num_workers) == 0 and decode_threads(0, cores) >= 2

@@ -1,6 +1,6 @@
 """Cores a process may use (affinity, cgroup v1/v2 quota, overrides) and the decode
-threads that follow: counted as real threads in child processes pinned with
-``os.sched_setaffinity``, with and without DataLoader workers."""
+threads and processes that follow: counted as real threads and child processes in
+processes pinned with ``os.sched_setaffinity``, with and without DataLoader workers."""
 
 from __future__ import annotations
 
@@ -101,12 +101,18 @@ CHILD = """
 import json, os, sys, threading
 import numpy as np
 import torch
-from loader import BlockDataset, open_layout
-from loader._shards import process_decode_threads
+from loader import BlockDataset, _buffers, open_layout
+from loader._shards import decode_processes, process_decode_threads
+
+_buffers.MIN_BYTES = 0  # every fetch array shared: decode processes, where used, decode all
 
 def count(batch):
     names = [t.name for t in threading.enumerate()]
     batch["threads"] = np.array(sum(n.startswith("sclayout-decode") for n in names))
+    procs = decode_processes()
+    mine = [p for p in (procs.pids() if procs else [])
+            if int(open(f"/proc/{p}/stat").read().split()[3]) == os.getpid()]
+    batch["procs"] = np.array(len(mine))
     batch["pid"] = np.array(os.getpid())
     return batch
 
@@ -119,7 +125,8 @@ def case(cpus, workers):
     seen = {}
     for b in batches:
         pid = int(b["pid"])
-        seen[pid] = max(seen.get(pid, 0), int(b["threads"]))
+        old = seen.get(pid, (0, 0))
+        seen[pid] = (max(old[0], int(b["threads"])), max(old[1], int(b["procs"])))
     return {"seen": list(seen.values()), "main_pool": process_decode_threads()}
 
 out = {}
@@ -137,8 +144,13 @@ for name in sys.argv[2:]:  # each case in a fresh fork: its own pool, its own af
     os.waitpid(pid, 0)
 print(json.dumps(out))
 """
-CASES = {"1-core": ("0/0", 1), "2-cores": ("0,1/0", 2), "2-cores-2-workers": ("0,1/2", 1)}
-"""Case: (CPUs/workers, decode threads allowed per process)."""
+CASES = {
+    "1-core": ("0/0", 1, 0),
+    "2-cores": ("0,1/0", 2, 2),
+    "2-cores-2-workers": ("0,1/2", 1, 0),
+}
+"""Case: (CPUs/workers, decode threads or processes allowed per process, decode
+processes expected)."""
 
 
 @pytest.fixture(scope="module")
@@ -148,24 +160,27 @@ def counted_threads(stores, run_python):
         pytest.skip("needs CPUs 0 and 1")
     env = {
         k: os.environ.pop(k)
-        for k in ("SCLAYOUT_DECODE_THREADS", "SCLAYOUT_CORES")
+        for k in ("SCLAYOUT_DECODE_THREADS", "SCLAYOUT_CORES", "SCLAYOUT_DECODE")
         if k in os.environ
     }
     try:
         return json.loads(
-            run_python(CHILD, str(stores["shuffled"]), *(c for c, _ in CASES.values()))
+            run_python(CHILD, str(stores["shuffled"]), *(c for c, _, _ in CASES.values()))
         )
     finally:
         os.environ.update(env)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_real_decode_threads_never_exceed_the_cores(counted_threads, case):
-    name, allowed = CASES[case]
+def test_real_decode_threads_and_processes_never_exceed_the_cores(counted_threads, case):
+    name, allowed, processes = CASES[case]
     got = counted_threads[name]
     workers = int(name.split("/")[1])
     assert got is not None, "the case's child process failed"
     assert len(got["seen"]) == max(workers, 1)  # every process that read reported
-    assert all(1 <= n <= allowed for n in got["seen"]), got
+    for threads, procs in got["seen"]:
+        assert procs == processes, got
+        # decode processes leave one thread for arrays too small to share
+        assert (1 <= threads <= allowed) if not procs else threads <= 1, got
     if workers == 0:
         assert got["main_pool"] == allowed

@@ -1,0 +1,344 @@
+"""Decode processes: a fetch's read-and-decode tasks run in child processes that write
+straight into the fetch's arrays, which live in memory files (:mod:`loader._buffers`).
+
+Why processes: decode threads are Python threads, and each takes the GIL back after
+every C call (a read, a blosc decode, a cast). On two cores a thread often sleeps
+waiting for it while the training loop's thread runs Python, and part of the second
+core goes idle (docs/design.md, "Decode processes"). A child process has an interpreter
+of its own, so its Python never waits for the training loop's.
+
+Each child is a fresh interpreter (not a fork of the training process, which may hold
+threads and devices) connected by a Unix socket pair. Messages are length-prefixed
+pickles; a memory file's descriptor goes with the message that first names it. The
+parent sends each object that decodes (a :class:`loader._shards.DirectArray`) and each
+buffer once, then only task lists. A child ignores Ctrl-C (the training process
+decides) and exits when its socket closes, so it never outlives the process that
+started it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import mmap
+import os
+import pickle
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import weakref
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+import numpy as np
+
+from loader import _buffers as buffers
+from loader.errors import ReadError
+
+__all__ = ["DecodeProcesses", "Decoder", "serve", "supported"]
+
+_HEADER = struct.Struct("<Q")
+_MAX_FDS = 16
+
+
+class Decoder(Protocol):
+    """What a child runs: decode ``tasks`` into ``out`` after announcing ``announce``."""
+
+    def run_tasks(self, out: np.ndarray, tasks: list, announce: list) -> None: ...
+
+
+def supported() -> bool:
+    """Whether this OS can share fetch buffers with child processes (memory files and
+    descriptor passing: Linux)."""
+    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+
+
+def _send(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> None:
+    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    frame = _HEADER.pack(len(data)) + data
+    if fds:
+        sent = socket.send_fds(sock, [frame], fds)
+        frame = frame[sent:]
+    if frame:
+        sock.sendall(frame)
+
+
+def _recv_exactly(sock: socket.socket, n: int, head: bytes = b"") -> bytes | None:
+    parts = [head]
+    got = len(head)
+    while got < n:
+        chunk = sock.recv(n - got)
+        if not chunk:
+            return None
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
+
+
+def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
+    """The next message and the descriptors that came with it, or ``None`` at the end."""
+    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
+    header = _recv_exactly(sock, _HEADER.size, head) if head else None
+    if header is None:
+        return None
+    body = _recv_exactly(sock, _HEADER.unpack(header)[0])
+    if body is None:
+        return None
+    return pickle.loads(body), fds
+
+
+class _Child:
+    """One decode process and the parent's side of its socket."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair()
+        code = (
+            "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+            "from loader._decoders import serve; serve(int(sys.argv[2]))"
+        )
+        # one core each: no BLAS or OpenMP thread pools beside the decoding
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(sys.path), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.lock = threading.Lock()  # one sender at a time; guards the fields below
+        self.objects: set[int] = set()
+        self.buffers: set[int] = set()
+        self.pending: dict[int, Future] = {}
+        self.jobs = itertools.count()
+        self.dead: str | None = None
+        threading.Thread(target=self._replies, name="sclayout-replies", daemon=True).start()
+
+    def _replies(self) -> None:
+        """Complete each job's future as the child reports it (a thread per child)."""
+        while True:
+            try:
+                got = _recv(self.sock)
+            except OSError:
+                got = None
+            if got is None:
+                break
+            job, error = got[0]
+            with self.lock:
+                future = self.pending.pop(job, None)
+            if future is None:
+                continue
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+        code = self.process.wait()
+        how = f"signal {-code}" if code < 0 else f"code {code}"
+        with self.lock:
+            self.dead = f"a decode process (pid {self.process.pid}) exited with {how}"
+            pending, self.pending = self.pending, {}
+        for future in pending.values():
+            future.set_exception(self._died())
+
+    def _died(self) -> ReadError:
+        return ReadError(
+            f"{self.dead} while reading a fetch; the reads it held are lost: read again, "
+            "or set SCLAYOUT_DECODE=threads to decode in this process"
+        )
+
+    def run(
+        self,
+        token: int,
+        obj: Any,
+        where: buffers.SharedBuffer,
+        out: np.ndarray,
+        tasks: list,
+        announce: list,
+        forget: tuple[list[int], list[int]],
+    ) -> Future:
+        future: Future = Future()
+        with self.lock:
+            if self.dead is not None:
+                future.set_exception(self._died())
+                return future
+            job = next(self.jobs)
+            try:
+                buffers_gone = [n for n in forget[0] if n in self.buffers]
+                objects_gone = [t for t in forget[1] if t in self.objects]
+                if buffers_gone or objects_gone:
+                    _send(self.sock, ("forget", buffers_gone, objects_gone))
+                    self.buffers.difference_update(buffers_gone)
+                    self.objects.difference_update(objects_gone)
+                if token not in self.objects:
+                    _send(self.sock, ("object", token, obj))
+                    self.objects.add(token)
+                if where.number not in self.buffers:
+                    _send(self.sock, ("buffer", where.number), [where.fd])
+                    self.buffers.add(where.number)
+                self.pending[job] = future
+                shape, dtype = out.shape, out.dtype.str
+                _send(
+                    self.sock,
+                    ("run", job, token, where.number, where.offset, shape, dtype, tasks, announce),
+                )
+            except OSError:  # the child is gone: its reply thread fails the rest
+                self.pending.pop(job, None)
+                future.set_exception(
+                    ReadError(
+                        f"a decode process (pid {self.process.pid}) stopped taking work; "
+                        "read again, or set SCLAYOUT_DECODE=threads to decode in this process"
+                    )
+                )
+        return future
+
+    def close(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class DecodeProcesses:
+    """``n`` decode processes; :meth:`submit` splits a fetch's tasks among them."""
+
+    def __init__(self, n: int) -> None:
+        self.n = max(1, int(n))
+        self._children: list[_Child] = []
+        self._lock = threading.Lock()
+        self._tokens: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._next_token = itertools.count(1)
+        self._objects_gone: list[int] = []
+
+    def pids(self) -> list[int]:
+        """Process ids of the children running now."""
+        return [c.process.pid for c in self._children if c.dead is None]
+
+    def _live_children(self) -> list[_Child]:
+        with self._lock:
+            if len(self._children) != self.n or any(c.dead for c in self._children):
+                keep = [c for c in self._children if c.dead is None]
+                for c in self._children:
+                    if c.dead is not None:
+                        c.close()
+                while len(keep) < self.n:
+                    keep.append(_Child())
+                self._children = keep
+            return self._children
+
+    def _token(self, obj: Any) -> int:
+        with self._lock:
+            token = self._tokens.get(obj)
+            if token is None:
+                token = next(self._next_token)
+                self._tokens[obj] = token
+                weakref.finalize(obj, self._objects_gone.append, token).atexit = False
+            return token
+
+    def submit(
+        self,
+        obj: Decoder,
+        out: np.ndarray,
+        where: buffers.SharedBuffer,
+        tasks: list[tuple],
+        announce: list,
+        *,
+        sizes: list[int],
+    ) -> list[Future]:
+        """Futures of ``obj`` decoding ``tasks`` into ``out`` (which lies at ``where``),
+        split into one group per child of about equal ``sizes`` (bytes per task), in
+        order; the first group announces ``announce`` first."""
+        children = self._live_children()
+        token = self._token(obj)
+        forget = (buffers.dropped_buffers(), self._take_gone())
+        total = max(1, sum(sizes))
+        groups: list[list[tuple]] = [[] for _ in children]
+        done = 0
+        for task, size in zip(tasks, sizes, strict=True):
+            groups[min(len(children) - 1, done * len(children) // total)].append(task)
+            done += size
+        futures = []
+        for child, group in zip(children, groups, strict=True):
+            if group or announce:
+                futures.append(child.run(token, obj, where, out, group, announce, forget))
+                announce = []
+        return futures
+
+    def _take_gone(self) -> list[int]:
+        out = []
+        while self._objects_gone:
+            out.append(self._objects_gone.pop())
+        return out
+
+    def close(self) -> None:
+        """Stop the children (they exit when their sockets close)."""
+        with self._lock:
+            children, self._children = self._children, []
+        for c in children:
+            c.close()
+        for c in children:
+            try:
+                c.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                c.process.kill()
+
+
+def serve(fd: int) -> None:
+    """A decode process's loop: run what the parent sends on socket ``fd`` until it
+    closes (see the module docstring)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from numcodecs import blosc
+    except ImportError:  # pragma: no cover - numcodecs comes with zarr
+        pass
+    else:  # on a main thread blosc would start threads of its own: one core per process
+        blosc.use_threads = False
+    sock = socket.socket(fileno=fd)
+    objects: dict[int, Any] = {}
+    mapped: dict[int, mmap.mmap] = {}
+    while True:
+        try:
+            got = _recv(sock)
+        except (OSError, EOFError):
+            return
+        if got is None:
+            return
+        message, fds = got
+        kind = message[0]
+        if kind == "object":
+            objects[message[1]] = message[2]
+        elif kind == "buffer":
+            mapped[message[1]] = mmap.mmap(fds[0], 0)
+            os.close(fds[0])
+        elif kind == "forget":
+            for number in message[1]:
+                mapped.pop(number, None)
+            for token in message[2]:
+                objects.pop(token, None)
+        elif kind == "run":
+            _, job, token, number, offset, shape, dtype, tasks, announce = message
+            error = None
+            try:
+                out = np.ndarray(shape, dtype=dtype, buffer=mapped[number], offset=offset)
+                objects[token].run_tasks(out, tasks, announce)
+                del out
+            except BaseException as e:  # every failure goes to the parent
+                error = _portable(e)
+            try:
+                _send(sock, (job, error))
+            except OSError:
+                return
+
+
+def _portable(error: BaseException) -> BaseException:
+    """``error`` if it survives pickling, else a RuntimeError naming it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")

@@ -1,0 +1,192 @@
+"""Decode processes (:mod:`loader._decoders`): a dataset decoding in child processes
+delivers what one decoding in threads does, every row once and equal to the source;
+a damaged chunk, a failing decoder and a decode process that dies are errors that
+name the problem, and the next read starts a new process; the choice between threads
+and processes follows the cores, the workers and ``SCLAYOUT_DECODE``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from loader import _buffers as buffers
+from loader._decoders import DecodeProcesses, supported
+from loader.cores import decode_in_processes
+from loader.errors import InputError, LayoutError, ReadError
+
+pytestmark = pytest.mark.skipif(not supported(), reason="decode processes need Linux")
+
+
+class Fill:
+    """A decoder that writes its task values into the shared array."""
+
+    def run_tasks(self, out, tasks, announce):
+        for start, value in tasks:
+            out[start] = value
+
+
+class Damaged:
+    """A decoder that finds a damaged chunk."""
+
+    def run_tasks(self, out, tasks, announce):
+        raise LayoutError("store S, array A, chunk 3 fails its crc32c checksum")
+
+
+class Dies:
+    """A decoder whose process dies mid-task (killed, out of memory)."""
+
+    def run_tasks(self, out, tasks, announce):
+        os._exit(3)
+
+
+@pytest.fixture
+def shared_array():
+    with buffers.reusing():
+        out = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
+        where = buffers.shared(out)
+        assert where is not None and where.offset == 0
+        yield out, where
+
+
+def test_pooled_arrays_lie_in_memory_files_others_do_not(shared_array):
+    out, where = shared_array
+    assert buffers.shared(out[10:]) == (where.number, where.fd, 80)
+    assert buffers.shared(np.zeros(3)) is None
+
+
+def test_processes_write_each_group_of_tasks_into_the_shared_array(shared_array):
+    out, where = shared_array
+    out[:] = -1
+    procs = DecodeProcesses(2)
+    try:
+        tasks = [(i * 1000, float(i)) for i in range(8)]
+        futures = procs.submit(Fill(), out, where, tasks, [], sizes=[1] * 8)
+        assert len(futures) == 2  # one group per process
+        for f in futures:
+            f.result(timeout=60)
+        assert [out[i * 1000] for i in range(8)] == [float(i) for i in range(8)]
+        assert len(set(procs.pids())) == 2 and os.getpid() not in procs.pids()
+    finally:
+        procs.close()
+
+
+def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array):
+    out, where = shared_array
+    procs = DecodeProcesses(1)
+    try:
+        (f,) = procs.submit(Damaged(), out, where, [(0, 1.0)], [], sizes=[1])
+        with pytest.raises(LayoutError, match="chunk 3 fails its crc32c checksum"):
+            f.result(timeout=60)
+        (f,) = procs.submit(Fill(), out, where, [(5, 7.0)], [], sizes=[1])
+        f.result(timeout=60)
+        assert out[5] == 7.0
+    finally:
+        procs.close()
+
+
+def test_a_process_that_dies_fails_its_reads_and_is_replaced(shared_array):
+    out, where = shared_array
+    procs = DecodeProcesses(1)
+    try:
+        (f,) = procs.submit(Dies(), out, where, [(0, 1.0)], [], sizes=[1])
+        with pytest.raises(ReadError, match=r"decode process \(pid \d+\) exited with code 3"):
+            f.result(timeout=60)
+        first = procs.pids()
+        (f,) = procs.submit(Fill(), out, where, [(9, 2.0)], [], sizes=[1])
+        f.result(timeout=60)
+        assert out[9] == 2.0 and procs.pids() != first
+    finally:
+        procs.close()
+
+
+@pytest.mark.parametrize(
+    ("env", "workers", "cores", "expected"),
+    [
+        ("", 0, 2, True),
+        ("", 0, 1, False),
+        ("", 2, 8, False),
+        ("threads", 0, 8, False),
+        ("processes", 2, 1, True),
+        ("PROCESSES", 0, 1, True),
+    ],
+)
+def test_where_a_process_decodes(monkeypatch, env, workers, cores, expected):
+    monkeypatch.delenv("SCLAYOUT_DECODE_THREADS", raising=False)
+    monkeypatch.setenv("SCLAYOUT_DECODE", env)
+    assert decode_in_processes(workers, cores=cores) is expected
+
+
+def test_a_bad_decode_setting_is_one_line_error(monkeypatch):
+    monkeypatch.setenv("SCLAYOUT_DECODE", "gpu")
+    with pytest.raises(InputError, match=r"^SCLAYOUT_DECODE='gpu': set it to 'threads' or"):
+        decode_in_processes(0, cores=2)
+
+
+DATASET = """
+import json, os, sys
+import numpy as np
+import torch
+from loader import _buffers, _shards, open_layout, BlockDataset
+from loader.errors import LayoutError
+
+_buffers.MIN_BYTES = 0  # every fetch array in a shared buffer
+store, damaged, out_dir = sys.argv[1:4]
+report = {"processes": None}
+for output in ("csr", "dense"):
+    reader = open_layout(store, whole_array_bytes=0)  # every array read by task
+    ds = BlockDataset(reader, batch_size=16, fetch_factor=4, seed=3, output=output)
+    index, rows = [], []
+    for b in ds:
+        X = b["X"].to_dense() if b["X"].layout == torch.sparse_csr else b["X"]
+        rows.append(X.numpy()); index.append(b["index"].numpy())
+    np.savez(os.path.join(out_dir, output + ".npz"), index=np.concatenate(index),
+             X=np.concatenate(rows))
+procs = _shards.decode_processes()
+if procs is not None:
+    report["processes"] = [int(open(f"/proc/{p}/stat").read().split()[3]) == os.getpid()
+                           for p in procs.pids()]
+try:
+    for b in BlockDataset(open_layout(damaged, whole_array_bytes=0), batch_size=16, seed=3):
+        pass
+    report["damaged"] = "read without error"
+except LayoutError as e:
+    report["damaged"] = str(e)
+print(json.dumps(report))
+"""
+
+
+@pytest.fixture(scope="module")
+def damaged_store(stores, tmp_path_factory):
+    """A copy of the shuffled store whose first shard of ``X/data`` has one byte flipped
+    inside its first inner chunk."""
+    path = tmp_path_factory.mktemp("damaged") / "store.zarr"
+    shutil.copytree(stores["shuffled"], path)
+    shard = path / "X" / "data" / "c" / "0"
+    raw = bytearray(shard.read_bytes())
+    raw[20] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    return path
+
+
+@pytest.mark.parametrize("mode", ["processes", "threads"])
+def test_a_dataset_decoding_in_processes_delivers_the_source(
+    stores, damaged_store, run_python, tmp_path, monkeypatch, mode
+):
+    monkeypatch.setenv("SCLAYOUT_DECODE", mode)
+    report = json.loads(
+        run_python(DATASET, stores["shuffled"], str(damaged_store), str(tmp_path)).splitlines()[-1]
+    )
+    truth = stores["truth"]["shuffled"]["X"]
+    for output in ("csr", "dense"):
+        got = np.load(tmp_path / f"{output}.npz")
+        assert sorted(got["index"].tolist()) == list(range(truth.shape[0]))  # each row once
+        np.testing.assert_array_equal(got["X"], truth[got["index"]])
+    if mode == "processes":  # the decoding ran in the reader's own child processes
+        assert report["processes"] and all(report["processes"])
+    else:
+        assert report["processes"] is None
+    assert "fails its crc32c checksum" in report["damaged"]
