@@ -88,6 +88,7 @@ from _common import (  # noqa: E402
 )
 
 from loader import open_layout  # noqa: E402
+from sclayout.cost.calibrate import cpu_with_children  # noqa: E402
 from sclayout.cost.diversity import diversity_ratio  # noqa: E402
 from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
 from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
@@ -311,7 +312,7 @@ def _measure(
         it = make()
         first = next(it)  # opening, worker start-up and the first fetch are not timed
         got.append(labels[first])
-        c0 = time.process_time()
+        c0 = cpu_with_children()
         t0 = time.perf_counter()
         for index in it:
             got.append(labels[index])
@@ -319,7 +320,7 @@ def _measure(
             if n >= cells or time.perf_counter() - t0 >= seconds:
                 break
         dt = time.perf_counter() - t0
-        cpu = time.process_time() - c0
+        cpu = cpu_with_children() - c0
         if hasattr(it, "close"):
             it.close()
     finally:

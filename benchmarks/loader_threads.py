@@ -1,10 +1,11 @@
 """Where the loader's time goes, per thread: CPU, waiting for a core, sleeping.
 
-Runs :class:`loader.BlockDataset` (batch 64, ``--output``, single process) over one
-epoch of a store, evicted from the page cache every 0.5 s (or, with ``--cache warm``,
-read into it first), ``--runs`` times, and reads each
-thread's ``/proc/self/task/*/schedstat`` (time on a CPU, time runnable but waiting for
-one) and ``stat`` (user and system CPU) around the timed part; the rest of the wall
+Runs :class:`loader.BlockDataset` (batch 64, ``--output``, no DataLoader workers) over
+one epoch of a store, evicted from the page cache every 0.5 s (or, with ``--cache
+warm``, read into it first), ``--runs`` times, and reads each thread's
+``/proc/PID/task/*/schedstat`` (time on a CPU, time runnable but waiting for one) and
+``stat`` (user and system CPU) around the timed part, for this process and its decode
+processes (:mod:`loader._decoders`, on two or more cores); the rest of the wall
 time the thread slept (on the GIL, a lock, I/O or a queue). The consumer's time
 blocked on a fetch (``PendingFetch.result``) is measured apart. A second pass
 (``no-scatter``, dense output only) replaces the scatter into the dense output (scipy's
@@ -52,15 +53,24 @@ TICK = os.sysconf("SC_CLK_TCK")
 
 
 def _threads() -> dict[int, dict[str, float | str]]:
-    """Per thread of this process: name, on-CPU and runqueue seconds, user and system
-    seconds."""
+    """Per thread of this process and of its decode processes: name (a decode
+    process's threads: ``decode process``), on-CPU and runqueue seconds, user and
+    system seconds."""
     import threading
+
+    from loader._shards import decode_processes
 
     # Python 3.11 leaves the OS thread names alone: take them from threading
     names = {t.native_id: t.name for t in threading.enumerate()}
+    procs = decode_processes()
+    where = {int(t): os.getpid() for t in os.listdir("/proc/self/task")}
+    for pid in procs.pids() if procs is not None else []:
+        for t in os.listdir(f"/proc/{pid}/task"):
+            where[int(t)] = pid
+            names[int(t)] = "decode process"
     out: dict[int, dict[str, float | str]] = {}
-    for tid in os.listdir("/proc/self/task"):
-        base = f"/proc/self/task/{tid}"
+    for tid, pid in where.items():
+        base = f"/proc/{pid}/task/{tid}"
         try:
             with open(f"{base}/schedstat") as f:
                 on, wait, _ = f.read().split()
@@ -83,6 +93,10 @@ def _threads() -> dict[int, dict[str, float | str]]:
 def _role(name: str, tid: int) -> str:
     if tid == os.getpid():
         return "consumer (main)"
+    if name == "decode process":
+        return "decode processes"
+    if name.startswith("sclayout-replies"):
+        return "decode processes' replies"
     if name.startswith("sclayout-decode"):
         return "decode"
     if name.startswith("sclayout-asm"):

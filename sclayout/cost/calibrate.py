@@ -65,6 +65,7 @@ __all__ = [
     "IN_FLIGHT",
     "CalibrationPlan",
     "calibrate",
+    "cpu_with_children",
     "measure_assembly",
     "measure_codecs",
 ]
@@ -806,18 +807,18 @@ def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, fl
         ds.set_epoch(epoch)
         for i, batch in enumerate(source):
             if t0 is None and i == 2 + 2 * workers:
-                t0, c0 = time.perf_counter(), _cpu_with_children()
+                t0, c0 = time.perf_counter(), cpu_with_children()
                 deadline = t0 + seconds
             elif t0 is not None:
                 cells += batch["X"].shape[0]
                 if time.perf_counter() >= deadline:
                     break
         epoch += 1
-    return time.perf_counter() - t0, _cpu_with_children() - c0, max(cells, 1)
+    return time.perf_counter() - t0, cpu_with_children() - c0, max(cells, 1)
 
 
-def _cpu_with_children() -> float:
-    """CPU seconds of this process and of its live child processes.
+def cpu_with_children() -> float:
+    """CPU seconds of this process and of its live children (workers, decode processes).
 
     Read from /proc; on a system without it, this process's alone.
     """

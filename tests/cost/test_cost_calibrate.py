@@ -170,22 +170,22 @@ sys.stdin.readline()  # alive until told
 """
 
 
-def test_cpu_with_children_counts_a_live_child():
+def testcpu_with_children_counts_a_live_child():
     import subprocess
     import sys
 
-    from sclayout.cost.calibrate import _cpu_with_children
+    from sclayout.cost.calibrate import cpu_with_children
 
     child = subprocess.Popen(
         [sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     try:
         assert child.stdout.readline() == "ready\n"
-        before = _cpu_with_children()
+        before = cpu_with_children()
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline() == "burnt\n"
-        spent = _cpu_with_children() - before  # the child is alive, blocked on stdin
+        spent = cpu_with_children() - before  # the child is alive, blocked on stdin
     finally:
         child.kill()
         child.communicate()  # waits and closes the pipes
