@@ -121,7 +121,8 @@ class SharedBuffer(NamedTuple):
 
 _numbers = itertools.count(1)
 _files: dict[int, tuple[int, int]] = {}  # id(mmap) -> (number, fd), while it is mapped
-_dropped: list[int] = []  # numbers of buffers unmapped since dropped_buffers() was asked
+_named: set[int] = set()  # numbers shared() has named: another process may map them
+_dropped: list[int] = []  # those of them unmapped since dropped_buffers() was asked
 
 
 def _new_buffer(size: int) -> mmap.mmap:
@@ -144,7 +145,9 @@ def _new_buffer(size: int) -> mmap.mmap:
 def _unmapped(key: int, number: int, fd: int) -> None:
     _files.pop(key, None)
     os.close(fd)
-    _dropped.append(number)
+    if number in _named:
+        _named.discard(number)
+        _dropped.append(number)
 
 
 def shared(array: np.ndarray) -> SharedBuffer | None:
@@ -159,6 +162,7 @@ def shared(array: np.ndarray) -> SharedBuffer | None:
     if found is None:
         return None
     start = np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
+    _named.add(found[0])
     return SharedBuffer(found[0], found[1], array.ctypes.data - start)
 
 
@@ -175,6 +179,7 @@ def _reset_after_fork() -> None:
     global _POOL
     _POOL = _Pool()
     _files.clear()  # the parent's buffers: not this process's to share
+    _named.clear()
     _dropped.clear()
 
 

@@ -31,23 +31,37 @@ import sys
 import threading
 import weakref
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
 from loader import _buffers as buffers
 from loader.errors import ReadError
 
-__all__ = ["DecodeProcesses", "Decoder", "serve", "supported"]
+__all__ = ["DecodeProcesses", "Decoder", "Job", "serve", "supported"]
 
 _HEADER = struct.Struct("<Q")
 _MAX_FDS = 16
 
 
 class Decoder(Protocol):
-    """What a child runs: decode ``tasks`` into ``out`` after announcing ``announce``."""
+    """What a child runs, with its own files: tell the kernel about ``runs`` it will
+    read soon, and read and decode ``tasks`` into ``out``."""
 
-    def run_tasks(self, out: np.ndarray, tasks: list, announce: list) -> None: ...
+    def announce(self, runs: list) -> None: ...
+
+    def run_tasks(self, out: np.ndarray, tasks: list) -> None: ...
+
+
+class Job(NamedTuple):
+    """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``, which lies at
+    ``where`` (:func:`loader._buffers.shared`); ``sizes``: bytes read per task."""
+
+    obj: Decoder
+    out: np.ndarray
+    where: buffers.SharedBuffer
+    tasks: list
+    sizes: list[int]
 
 
 def supported() -> bool:
@@ -153,14 +167,14 @@ class _Child:
 
     def run(
         self,
-        token: int,
-        obj: Any,
-        where: buffers.SharedBuffer,
-        out: np.ndarray,
-        tasks: list,
-        announce: list,
+        objects: dict[int, Any],
+        parts: list[tuple],
+        announce: list[tuple[int, list]],
         forget: tuple[list[int], list[int]],
     ) -> Future:
+        """Send one fetch's share: ``parts`` (token, buffer, offset, shape, dtype,
+        tasks), after announcing ``announce`` (token, runs); ``objects`` by token and
+        the buffers' descriptors go first where this child lacks them."""
         future: Future = Future()
         with self.lock:
             if self.dead is not None:
@@ -174,18 +188,17 @@ class _Child:
                     _send(self.sock, ("forget", buffers_gone, objects_gone))
                     self.buffers.difference_update(buffers_gone)
                     self.objects.difference_update(objects_gone)
-                if token not in self.objects:
-                    _send(self.sock, ("object", token, obj))
-                    self.objects.add(token)
-                if where.number not in self.buffers:
-                    _send(self.sock, ("buffer", where.number), [where.fd])
-                    self.buffers.add(where.number)
+                for token, obj in objects.items():
+                    if token not in self.objects:
+                        _send(self.sock, ("object", token, obj))
+                        self.objects.add(token)
+                for where in {p[1] for p in parts}:
+                    if where.number not in self.buffers:
+                        _send(self.sock, ("buffer", where.number), [where.fd])
+                        self.buffers.add(where.number)
                 self.pending[job] = future
-                shape, dtype = out.shape, out.dtype.str
-                _send(
-                    self.sock,
-                    ("run", job, token, where.number, where.offset, shape, dtype, tasks, announce),
-                )
+                parts = [(t, w.number, w.offset, *rest) for t, w, *rest in parts]
+                _send(self.sock, ("run", job, announce, parts))
             except OSError:  # the child is gone: its reply thread fails the rest
                 self.pending.pop(job, None)
                 future.set_exception(
@@ -240,33 +253,39 @@ class DecodeProcesses:
                 weakref.finalize(obj, self._objects_gone.append, token).atexit = False
             return token
 
-    def submit(
-        self,
-        obj: Decoder,
-        out: np.ndarray,
-        where: buffers.SharedBuffer,
-        tasks: list[tuple],
-        announce: list,
-        *,
-        sizes: list[int],
-    ) -> list[Future]:
-        """Futures of ``obj`` decoding ``tasks`` into ``out`` (which lies at ``where``),
-        split into one group per child of about equal ``sizes`` (bytes per task), in
-        order; the first group announces ``announce`` first."""
+    def submit(self, jobs: list[Job], announce: list[tuple[Decoder, list]]) -> list[Future]:
+        """Futures of decoding a fetch's ``jobs``, one per child that got a share, after
+        the first child tells the kernel about ``announce`` (decoder, its runs).
+
+        Each task goes, in order, to the child with the fewest bytes so far, so the
+        children move through the fetch's files side by side, front to back, as the
+        kernel's read-ahead does: halves read apart would make the disk seek between
+        two places. A child gets one message for the whole fetch.
+        """
         children = self._live_children()
-        token = self._token(obj)
         forget = (buffers.dropped_buffers(), self._take_gone())
-        total = max(1, sum(sizes))
-        groups: list[list[tuple]] = [[] for _ in children]
-        done = 0
-        for task, size in zip(tasks, sizes, strict=True):
-            groups[min(len(children) - 1, done * len(children) // total)].append(task)
-            done += size
+        tokens = {id(j.obj): self._token(j.obj) for j in jobs}
+        tokens.update({id(obj): self._token(obj) for obj, _ in announce})
+        objects = {tokens[id(j.obj)]: j.obj for j in jobs}
+        objects.update({tokens[id(obj)]: obj for obj, _ in announce})
+        shares: list[list[tuple]] = [[] for _ in children]
+        load = [0] * len(children)
+        for j in jobs:
+            groups: list[list] = [[] for _ in children]
+            for task, size in zip(j.tasks, j.sizes, strict=True):
+                k = load.index(min(load))
+                groups[k].append(task)
+                load[k] += max(int(size), 1)
+            for k, group in enumerate(groups):
+                if group:
+                    token = tokens[id(j.obj)]
+                    shares[k].append((token, j.where, j.out.shape, j.out.dtype.str, group))
+        first = [(tokens[id(obj)], runs) for obj, runs in announce if runs]
         futures = []
-        for child, group in zip(children, groups, strict=True):
-            if group or announce:
-                futures.append(child.run(token, obj, where, out, group, announce, forget))
-                announce = []
+        for child, parts in zip(children, shares, strict=True):
+            if parts or first:
+                futures.append(child.run(objects, parts, first, forget))
+                first = []
         return futures
 
     def _take_gone(self) -> list[int]:
@@ -321,12 +340,15 @@ def serve(fd: int) -> None:
             for token in message[2]:
                 objects.pop(token, None)
         elif kind == "run":
-            _, job, token, number, offset, shape, dtype, tasks, announce = message
+            _, job, announce, parts = message
             error = None
             try:
-                out = np.ndarray(shape, dtype=dtype, buffer=mapped[number], offset=offset)
-                objects[token].run_tasks(out, tasks, announce)
-                del out
+                for token, runs in announce:
+                    objects[token].announce(runs)
+                for token, number, offset, shape, dtype, tasks in parts:
+                    out = np.ndarray(shape, dtype=dtype, buffer=mapped[number], offset=offset)
+                    objects[token].run_tasks(out, tasks)
+                    del out
             except BaseException as e:  # every failure goes to the parent
                 error = _portable(e)
             try:

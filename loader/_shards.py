@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, supported
+from loader._decoders import DecodeProcesses, Job, supported
 from loader.cores import decode_in_processes, decode_threads
 from loader.errors import LayoutError
 from loader.location import is_url
@@ -548,10 +548,7 @@ class DirectArray:
         tasks = self._tasks(ranges)
         announce = []
         if _FADV_WILLNEED is not None and ANNOUNCE_READS:
-            for shard, start, length, _ in tasks:
-                fd = self._fd(shard) if start >= 0 else None
-                if fd is not None:
-                    announce.append((fd, start, length))
+            announce = [(shard, start, length) for shard, start, length, _ in tasks if start >= 0]
         return out, tasks, announce
 
     def _read_whole(self) -> np.ndarray:
@@ -615,11 +612,24 @@ class DirectArray:
             out.append(t)
         return out
 
-    def run_tasks(self, out: np.ndarray, tasks: list[tuple], announce: list) -> None:
-        """Announce ``announce`` to the kernel, then read and decode ``tasks`` into
-        ``out`` (a decode process's job: :mod:`loader._decoders`)."""
-        if announce:
-            _announce(announce)
+    def announce(self, runs: list[tuple[int, int, int]]) -> None:
+        """``posix_fadvise(WILLNEED)`` every ``(shard, offset, length)``: the kernel
+        starts reading them. A hint, so an OS error (a filesystem that refuses it) is
+        ignored."""
+        self._check_pid()
+        for shard, start, length in runs:
+            fd = self._fd(shard)
+            if fd is None:
+                continue
+            try:
+                os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
+            except OSError:
+                pass
+
+    def run_tasks(self, out: np.ndarray, tasks: list[tuple]) -> None:
+        """Read and decode ``tasks`` into ``out`` (a decode process's share of a fetch,
+        :mod:`loader._decoders`)."""
+        self._check_pid()
         for task in tasks:
             self._run(out, task)
 
@@ -706,47 +716,45 @@ def submit_reads(
     """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
     :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
     about every run of all of them, then each run's read-and-decode task is queued
-    behind it (FIFO, after earlier fetches' tasks). Returns, per item, the finished
-    array (small arrays) or a future.
+    behind it (FIFO, after earlier fetches' tasks). With decode processes, the arrays
+    in shared buffers go to them instead, as one message per process, the first one
+    announcing. Returns, per item, the finished array (small arrays) or a future.
 
     The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
     the disk reads before it returns, time the consumer thread would otherwise lose.
     """
     started = [a._start(r, dtype) for a, r, dtype in items]
-    announce = [x for s in started if not isinstance(s, np.ndarray) for x in s[2]]
     pool = _POOL.get()
     processes = _POOL.processes()
-    shared = [
-        None if processes is None or isinstance(s, np.ndarray) else buffers.shared(s[0])
-        for s in started
-    ]
-    if announce and all(where is None for where in shared):
-        pool.submit(_announce, announce)
-        announce = []
-    out: list[Future[np.ndarray] | np.ndarray] = []
-    for (array, _, _), s, where in zip(items, started, shared, strict=True):
+    jobs, in_threads = {}, {}  # by item: decode processes' jobs, and the rest's
+    for i, ((array, _, _), s) in enumerate(zip(items, started, strict=True)):
         if isinstance(s, np.ndarray):
-            out.append(s)
             continue
-        buf, tasks, _ = s
-        if where is not None and processes is not None:
-            sizes = [t[2] for t in tasks]
-            futures = processes.submit(array, buf, where, tasks, announce, sizes=sizes)
-            announce = []
+        where = None if processes is None else buffers.shared(s[0])
+        if where is None:
+            in_threads[i] = s
         else:
-            futures = [pool.submit(array._run, buf, t) for t in tasks]
-        out.append(_Joined(buf, futures))
+            jobs[i] = Job(array, s[0], where, s[1], [t[2] for t in s[1]])
+    out: list[Future[np.ndarray] | np.ndarray] = list(started)  # small arrays: done
+    if jobs:
+        assert processes is not None
+        announce = [(items[i][0], started[i][2]) for i in jobs]
+        futures = processes.submit(list(jobs.values()), announce)
+        for i, job in jobs.items():
+            out[i] = _Joined(job.out, futures)
+    if in_threads:
+        announce = [(items[i][0], s[2]) for i, s in in_threads.items()]
+        if any(runs for _, runs in announce):
+            pool.submit(_announce, announce)
+        for i, (buf, tasks, _) in in_threads.items():
+            out[i] = _Joined(buf, [pool.submit(items[i][0]._run, buf, t) for t in tasks])
     return out
 
 
-def _announce(runs: list[tuple[int, int, int]]) -> None:
-    """``posix_fadvise(WILLNEED)`` every ``(fd, offset, length)``; a hint, so an OS
-    error (a file on a filesystem that refuses it) is ignored."""
-    for fd, start, length in runs:
-        try:
-            os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
-        except OSError:
-            pass
+def _announce(announce: list[tuple[DirectArray, list[tuple[int, int, int]]]]) -> None:
+    """Each array's :meth:`DirectArray.announce` of its runs (a decode thread's task)."""
+    for array, runs in announce:
+        array.announce(runs)
 
 
 def _crc32c(data: Any) -> int:

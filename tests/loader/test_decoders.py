@@ -6,6 +6,7 @@ and processes follows the cores, the workers and ``SCLAYOUT_DECODE``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -14,7 +15,7 @@ import numpy as np
 import pytest
 
 from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, supported
+from loader._decoders import DecodeProcesses, Job, supported
 from loader.cores import decode_in_processes
 from loader.errors import InputError, LayoutError, ReadError
 
@@ -22,25 +23,36 @@ pytestmark = pytest.mark.skipif(not supported(), reason="decode processes need L
 
 
 class Fill:
-    """A decoder that writes its task values into the shared array."""
+    """A decoder that writes each task's value at its position, and after it how many
+    runs this process's copy of it was told about."""
 
-    def run_tasks(self, out, tasks, announce):
+    announced = 0
+
+    def announce(self, runs):
+        self.announced += len(runs)
+
+    def run_tasks(self, out, tasks):
         for start, value in tasks:
             out[start] = value
+            out[start + 1] = self.announced
 
 
-class Damaged:
+class Damaged(Fill):
     """A decoder that finds a damaged chunk."""
 
-    def run_tasks(self, out, tasks, announce):
+    def run_tasks(self, out, tasks):
         raise LayoutError("store S, array A, chunk 3 fails its crc32c checksum")
 
 
-class Dies:
+class Dies(Fill):
     """A decoder whose process dies mid-task (killed, out of memory)."""
 
-    def run_tasks(self, out, tasks, announce):
+    def run_tasks(self, out, tasks):
         os._exit(3)
+
+
+def _job(obj, out, where, tasks):
+    return Job(obj, out, where, tasks, [1] * len(tasks))
 
 
 @pytest.fixture
@@ -58,17 +70,30 @@ def test_pooled_arrays_lie_in_memory_files_others_do_not(shared_array):
     assert buffers.shared(np.zeros(3)) is None
 
 
-def test_processes_write_each_group_of_tasks_into_the_shared_array(shared_array):
+def test_an_unmapped_shared_buffer_is_reported_once():
+    with buffers.reusing():
+        out = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
+        number = buffers.shared(out).number
+    del out  # no read loop runs: its memory is unmapped, not kept
+    gc.collect()
+    assert number in buffers.dropped_buffers()
+    assert number not in buffers.dropped_buffers()
+
+
+def test_processes_share_a_fetch_side_by_side_and_write_into_its_array(shared_array):
     out, where = shared_array
     out[:] = -1
     procs = DecodeProcesses(2)
     try:
         tasks = [(i * 1000, float(i)) for i in range(8)]
-        futures = procs.submit(Fill(), out, where, tasks, [], sizes=[1] * 8)
-        assert len(futures) == 2  # one group per process
+        fill = Fill()
+        futures = procs.submit([_job(fill, out, where, tasks)], [(fill, [1, 2, 3])])
+        assert len(futures) == 2  # one message per process
         for f in futures:
             f.result(timeout=60)
         assert [out[i * 1000] for i in range(8)] == [float(i) for i in range(8)]
+        # tasks alternate between the processes; the first announced, before decoding
+        assert [out[i * 1000 + 1] for i in range(8)] == [3, 0] * 4
         assert len(set(procs.pids())) == 2 and os.getpid() not in procs.pids()
     finally:
         procs.close()
@@ -78,10 +103,10 @@ def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array):
     out, where = shared_array
     procs = DecodeProcesses(1)
     try:
-        (f,) = procs.submit(Damaged(), out, where, [(0, 1.0)], [], sizes=[1])
+        (f,) = procs.submit([_job(Damaged(), out, where, [(0, 1.0)])], [])
         with pytest.raises(LayoutError, match="chunk 3 fails its crc32c checksum"):
             f.result(timeout=60)
-        (f,) = procs.submit(Fill(), out, where, [(5, 7.0)], [], sizes=[1])
+        (f,) = procs.submit([_job(Fill(), out, where, [(5, 7.0)])], [])
         f.result(timeout=60)
         assert out[5] == 7.0
     finally:
@@ -92,11 +117,11 @@ def test_a_process_that_dies_fails_its_reads_and_is_replaced(shared_array):
     out, where = shared_array
     procs = DecodeProcesses(1)
     try:
-        (f,) = procs.submit(Dies(), out, where, [(0, 1.0)], [], sizes=[1])
+        (f,) = procs.submit([_job(Dies(), out, where, [(0, 1.0)])], [])
         with pytest.raises(ReadError, match=r"decode process \(pid \d+\) exited with code 3"):
             f.result(timeout=60)
         first = procs.pids()
-        (f,) = procs.submit(Fill(), out, where, [(9, 2.0)], [], sizes=[1])
+        (f,) = procs.submit([_job(Fill(), out, where, [(9, 2.0)])], [])
         f.result(timeout=60)
         assert out[9] == 2.0 and procs.pids() != first
     finally:
