@@ -122,6 +122,9 @@ class _Child:
                 stdin=subprocess.DEVNULL,
                 env=env,
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.sock = ours
@@ -240,7 +243,16 @@ class DecodeProcesses:
                     if c.dead is not None:
                         c.close()
                 while len(keep) < self.n:
-                    keep.append(_Child())
+                    try:
+                        keep.append(_Child())
+                    except OSError as e:
+                        for c in keep:
+                            c.close()
+                        self._children = []
+                        raise ReadError(
+                            f"could not start a decode process ({e}); set "
+                            "SCLAYOUT_DECODE=threads to decode in this process"
+                        ) from None
                 self._children = keep
             return self._children
 

@@ -215,3 +215,13 @@ def test_a_dataset_decoding_in_processes_delivers_the_source(
     else:
         assert report["processes"] is None
     assert "fails its crc32c checksum" in report["damaged"]
+
+
+def test_a_decode_process_that_cannot_start_is_one_line_error(shared_array, monkeypatch):
+    out, where = shared_array
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    procs = DecodeProcesses(1)
+    with pytest.raises(
+        ReadError, match=r"^could not start a decode process .*SCLAYOUT_DECODE=threads"
+    ):
+        procs.submit([_job(Fill(), out, where, [(0, 1.0)])], [])
