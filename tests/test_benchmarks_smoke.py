@@ -6,6 +6,7 @@ Speed targets live in the benchmark scripts, never here (docs/benchmarks.md).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,17 +122,19 @@ def test_loader_threads_benchmark_on_a_small_store(tmp_path, run_benchmark, tiny
     src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30)
     store = tmp_path / "s.zarr"
     convert(src, store, block_size=16, order="shuffled", seed=0)
+    from loader.cores import decode_threads
+
     run_benchmark(
         BENCH / "loader_threads.py", "--store", store, "--block-size", 16,
         "--fetch-factor", 2, "--runs", 1, "--whole-array-bytes", 0, "--results", tmp_path,
-        timeout=300,
+        timeout=300, env={**os.environ, "SCLAYOUT_DECODE": "threads"},
     )  # fmt: skip
     payload = json.loads((tmp_path / "loader_threads.json").read_text())
     assert set(payload["summary"]) == {"full", "no-scatter"}
     run = payload["runs"]["full"][0]
     assert run["cells"] > 1900  # one epoch of 2,000 rows, less the untimed first batch
     assert {"consumer (main)", "decode"} <= set(run["roles"])
-    assert run["roles"]["decode"]["threads"] == 2
+    assert run["roles"]["decode"]["threads"] == decode_threads()  # one per core
     assert "| full | consumer (main) | 1 |" in (tmp_path / "loader_threads.md").read_text()
     # CSR output from the page cache: no dense scatter to leave out, so one pass
     run_benchmark(
