@@ -3,8 +3,10 @@
 Thread counts come from the machine the loader runs on, not from constants: the CPU
 affinity of the process (``taskset``, a batch scheduler's CPU set) and the cgroup CPU
 quota of its container (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``),
-the smaller of the two. DataLoader workers split those cores between them; the main
-process keeps one for what stays there (densifying the rows workers hand over).
+the smaller of the two, shared by the training processes a launcher started on the
+node (``LOCAL_WORLD_SIZE``) unless it pinned each to CPUs of its own. DataLoader workers
+split those cores between them; the main process keeps one for what stays there
+(densifying the rows workers hand over).
 
 Environment overrides (docs/scaling.md), read when a process starts its decode threads:
 
@@ -36,6 +38,7 @@ __all__ = [
 CORES_ENV = "SCLAYOUT_CORES"
 THREADS_ENV = "SCLAYOUT_DECODE_THREADS"
 DECODE_ENV = "SCLAYOUT_DECODE"
+LOCAL_WORLD_ENV = "LOCAL_WORLD_SIZE"
 CGROUP_ROOT = "/sys/fs/cgroup"
 
 
@@ -123,6 +126,9 @@ def usable_cores(
 
     ``SCLAYOUT_CORES`` if set, else the smaller of its CPU affinity and its cgroup CPU
     quota (rounded up: a quota of 1.5 cores lets two threads run part of the time).
+    Under a launcher that starts several training processes on the node (``torchrun``
+    sets ``LOCAL_WORLD_SIZE``) and has not pinned each to CPUs of its own (the
+    affinity is every CPU), each process takes an equal share.
     """
     override = _env_count(CORES_ENV)
     if override is not None:
@@ -131,10 +137,25 @@ def usable_cores(
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
+    unpinned = cores >= (os.cpu_count() or cores)
     quota = cgroup_cpu_limit(cgroup_root, proc_cgroup)
     if quota is not None:
         cores = min(cores, math.ceil(quota - 1e-9))
+    local = _local_world_size()
+    if unpinned and local > 1:
+        cores //= local
     return max(1, cores)
+
+
+def _local_world_size() -> int:
+    """Training processes on this node, by the launcher's ``LOCAL_WORLD_SIZE``.
+
+    1 when unset or not a whole number: a launcher's variable, not the user's to fix.
+    """
+    try:
+        return max(1, int(os.environ.get(LOCAL_WORLD_ENV, "1")))
+    except ValueError:
+        return 1
 
 
 def split_cores(cores: int, num_workers: int = 0) -> int:

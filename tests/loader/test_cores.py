@@ -65,6 +65,21 @@ def test_usable_cores_takes_the_smaller_of_affinity_and_quota(tmp_path, monkeypa
     assert usable_cores(cgroup_root=root, proc_cgroup=self_file) == 5
 
 
+def test_processes_launched_per_node_share_unpinned_cores(tmp_path, monkeypatch):
+    monkeypatch.delenv("SCLAYOUT_CORES", raising=False)
+    affinity = len(os.sched_getaffinity(0))
+    root, self_file = _tree(tmp_path, {}, V2_SELF)
+    alone = usable_cores(cgroup_root=root, proc_cgroup=self_file)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    shared = usable_cores(cgroup_root=root, proc_cgroup=self_file)
+    if affinity < (os.cpu_count() or affinity):  # pinned by the launcher: its own CPUs
+        assert shared == alone
+    else:
+        assert shared == max(1, alone // 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})  # pinned to one CPU
+    assert usable_cores(cgroup_root=root, proc_cgroup=self_file) == 1
+
+
 @pytest.mark.parametrize(
     ("cores", "workers", "expected"),
     [(1, 0, 1), (2, 0, 2), (32, 0, 32), (2, 2, 1), (1, 2, 1), (4, 1, 3), (32, 4, 7)],
