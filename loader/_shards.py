@@ -305,9 +305,11 @@ class _Pool:
                     self._processes = None
                     if supported() and decode_in_processes(self.workers):
                         self._processes = DecodeProcesses(self._size)
-                    # beside decode processes, one thread decodes what is too small to share
-                    threads = self._size if self._processes is None else 1
-                    self._pool = ThreadPoolExecutor(threads, thread_name_prefix="sclayout-decode")
+                    # with decode processes too: they take the arrays in shared buffers,
+                    # the threads those too small to share (a small fetch's)
+                    self._pool = ThreadPoolExecutor(
+                        self._size, thread_name_prefix="sclayout-decode"
+                    )
                     self._lock = threading.Lock()
                     self._pid = os.getpid()
         assert self._pool is not None
