@@ -64,6 +64,20 @@ def shared_array():
         yield out, where
 
 
+@pytest.fixture
+def decoders():
+    """``decoders(n)``: a :class:`DecodeProcesses` of ``n``, closed after the test."""
+    made = []
+
+    def make(n: int) -> DecodeProcesses:
+        made.append(DecodeProcesses(n))
+        return made[-1]
+
+    yield make
+    for procs in made:
+        procs.close()
+
+
 def test_pooled_arrays_lie_in_memory_files_others_do_not(shared_array):
     out, where = shared_array
     assert buffers.shared(out[10:]) == (where.number, where.fd, 80)
@@ -80,52 +94,43 @@ def test_an_unmapped_shared_buffer_is_reported_once():
     assert number not in buffers.dropped_buffers()
 
 
-def test_processes_share_a_fetch_side_by_side_and_write_into_its_array(shared_array):
+def test_processes_share_a_fetch_side_by_side_and_write_into_its_array(shared_array, decoders):
     out, where = shared_array
     out[:] = -1
-    procs = DecodeProcesses(2)
-    try:
-        tasks = [(i * 1000, float(i)) for i in range(8)]
-        fill = Fill()
-        futures = procs.submit([_job(fill, out, where, tasks)], [(fill, [1, 2, 3])])
-        assert len(futures) == 2  # one message per process
-        for f in futures:
-            f.result(timeout=60)
-        assert [out[i * 1000] for i in range(8)] == [float(i) for i in range(8)]
-        # tasks alternate between the processes; the first announced, before decoding
-        assert [out[i * 1000 + 1] for i in range(8)] == [3, 0] * 4
-        assert len(set(procs.pids())) == 2 and os.getpid() not in procs.pids()
-    finally:
-        procs.close()
-
-
-def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array):
-    out, where = shared_array
-    procs = DecodeProcesses(1)
-    try:
-        (f,) = procs.submit([_job(Damaged(), out, where, [(0, 1.0)])], [])
-        with pytest.raises(LayoutError, match="chunk 3 fails its crc32c checksum"):
-            f.result(timeout=60)
-        (f,) = procs.submit([_job(Fill(), out, where, [(5, 7.0)])], [])
+    procs = decoders(2)
+    tasks = [(i * 1000, float(i)) for i in range(8)]
+    fill = Fill()
+    futures = procs.submit([_job(fill, out, where, tasks)], [(fill, [1, 2, 3])])
+    assert len(futures) == 2  # one message per process
+    for f in futures:
         f.result(timeout=60)
-        assert out[5] == 7.0
-    finally:
-        procs.close()
+    assert [out[i * 1000] for i in range(8)] == [float(i) for i in range(8)]
+    # tasks alternate between the processes; the first announced, before decoding
+    assert [out[i * 1000 + 1] for i in range(8)] == [3, 0] * 4
+    assert len(set(procs.pids())) == 2 and os.getpid() not in procs.pids()
 
 
-def test_a_process_that_dies_fails_its_reads_and_is_replaced(shared_array):
+def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array, decoders):
     out, where = shared_array
-    procs = DecodeProcesses(1)
-    try:
-        (f,) = procs.submit([_job(Dies(), out, where, [(0, 1.0)])], [])
-        with pytest.raises(ReadError, match=r"decode process \(pid \d+\) exited with code 3"):
-            f.result(timeout=60)
-        first = procs.pids()
-        (f,) = procs.submit([_job(Fill(), out, where, [(9, 2.0)])], [])
+    procs = decoders(1)
+    (f,) = procs.submit([_job(Damaged(), out, where, [(0, 1.0)])], [])
+    with pytest.raises(LayoutError, match="chunk 3 fails its crc32c checksum"):
         f.result(timeout=60)
-        assert out[9] == 2.0 and procs.pids() != first
-    finally:
-        procs.close()
+    (f,) = procs.submit([_job(Fill(), out, where, [(5, 7.0)])], [])
+    f.result(timeout=60)
+    assert out[5] == 7.0
+
+
+def test_a_process_that_dies_fails_its_reads_and_is_replaced(shared_array, decoders):
+    out, where = shared_array
+    procs = decoders(1)
+    (f,) = procs.submit([_job(Dies(), out, where, [(0, 1.0)])], [])
+    with pytest.raises(ReadError, match=r"decode process \(pid \d+\) exited with code 3"):
+        f.result(timeout=60)
+    first = procs.pids()
+    (f,) = procs.submit([_job(Fill(), out, where, [(9, 2.0)])], [])
+    f.result(timeout=60)
+    assert out[9] == 2.0 and procs.pids() != first
 
 
 @pytest.mark.parametrize(
@@ -217,10 +222,10 @@ def test_a_dataset_decoding_in_processes_delivers_the_source(
     assert "fails its crc32c checksum" in report["damaged"]
 
 
-def test_a_decode_process_that_cannot_start_is_one_line_error(shared_array, monkeypatch):
+def test_a_decode_process_that_cannot_start_is_one_line_error(shared_array, decoders, monkeypatch):
     out, where = shared_array
     monkeypatch.setattr("sys.executable", "/nonexistent/python")
-    procs = DecodeProcesses(1)
+    procs = decoders(1)
     with pytest.raises(
         ReadError, match=r"^could not start a decode process .*SCLAYOUT_DECODE=threads"
     ):
