@@ -185,12 +185,7 @@ class _Child:
                 return future
             job = next(self.jobs)
             try:
-                buffers_gone = [n for n in forget[0] if n in self.buffers]
-                objects_gone = [t for t in forget[1] if t in self.objects]
-                if buffers_gone or objects_gone:
-                    _send(self.sock, ("forget", buffers_gone, objects_gone))
-                    self.buffers.difference_update(buffers_gone)
-                    self.objects.difference_update(objects_gone)
+                self._forget(forget)
                 for token, obj in objects.items():
                     if token not in self.objects:
                         _send(self.sock, ("object", token, obj))
@@ -211,6 +206,25 @@ class _Child:
                     )
                 )
         return future
+
+    def _forget(self, forget: tuple[list[int], list[int]]) -> None:
+        """Tell the child to drop the buffers and objects of ``forget`` it holds (with
+        :attr:`lock` held)."""
+        buffers_gone = [n for n in forget[0] if n in self.buffers]
+        objects_gone = [t for t in forget[1] if t in self.objects]
+        if buffers_gone or objects_gone:
+            _send(self.sock, ("forget", buffers_gone, objects_gone))
+            self.buffers.difference_update(buffers_gone)
+            self.objects.difference_update(objects_gone)
+
+    def forget(self, forget: tuple[list[int], list[int]]) -> None:
+        """:meth:`_forget` for a child that gets no share of this fetch."""
+        with self.lock:
+            if self.dead is None:
+                try:
+                    self._forget(forget)
+                except OSError:  # gone: its reply thread reports it
+                    pass
 
     def close(self) -> None:
         try:
@@ -298,6 +312,8 @@ class DecodeProcesses:
             if parts or first:
                 futures.append(child.run(objects, parts, first, forget))
                 first = []
+            else:  # unmapped buffers are dropped by every child, not only the busy ones
+                child.forget(forget)
         return futures
 
     def _take_gone(self) -> list[int]:

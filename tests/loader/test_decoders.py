@@ -10,6 +10,7 @@ import gc
 import json
 import os
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -108,6 +109,32 @@ def test_processes_share_a_fetch_side_by_side_and_write_into_its_array(shared_ar
     # tasks alternate between the processes; the first announced, before decoding
     assert [out[i * 1000 + 1] for i in range(8)] == [3, 0] * 4
     assert len(set(procs.pids())) == 2 and os.getpid() not in procs.pids()
+
+
+def _mapped_buffers(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum("memfd:sclayout-fetch" in line for line in f)
+
+
+def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
+    procs = decoders(2)
+    with buffers.reusing():
+        a = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
+        futures = procs.submit([_job(Fill(), a, buffers.shared(a), [(0, 1.0), (9, 2.0)])], [])
+        for f in futures:  # each process took one task: both mapped ``a``
+            f.result(timeout=60)
+    idle = procs.pids()[1]
+    assert _mapped_buffers(idle) == 1
+    del a, futures  # no read loop runs: its memory is unmapped, not kept
+    gc.collect()
+    with buffers.reusing():
+        b = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
+        (f,) = procs.submit([_job(Fill(), b, buffers.shared(b), [(0, 3.0)])], [])
+        f.result(timeout=60)  # one task: the second process gets no share, only the news
+    deadline = time.monotonic() + 30
+    while _mapped_buffers(idle) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _mapped_buffers(idle) == 0
 
 
 def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array, decoders):
