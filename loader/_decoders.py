@@ -55,13 +55,15 @@ class Decoder(Protocol):
 
 class Job(NamedTuple):
     """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``, which lies at
-    ``where`` (:func:`loader._buffers.shared`); ``sizes``: bytes read per task."""
+    ``where`` (:func:`loader._buffers.shared`); ``sizes``: bytes read per task;
+    ``runs``: what to announce to the kernel before any of the fetch is read."""
 
     obj: Decoder
     out: np.ndarray
     where: buffers.SharedBuffer
     tasks: list
     sizes: list[int]
+    runs: list
 
 
 def supported() -> bool:
@@ -279,9 +281,9 @@ class DecodeProcesses:
                 weakref.finalize(obj, self._objects_gone.append, token).atexit = False
             return token
 
-    def submit(self, jobs: list[Job], announce: list[tuple[Decoder, list]]) -> list[Future]:
+    def submit(self, jobs: list[Job]) -> list[Future]:
         """Futures of decoding a fetch's ``jobs``, one per child that got a share, after
-        the first child tells the kernel about ``announce`` (decoder, its runs).
+        the first child tells the kernel about every job's ``runs``.
 
         Each task goes, in order, to the child with the fewest bytes so far, so the
         children move through the fetch's files side by side, front to back, as the
@@ -290,13 +292,11 @@ class DecodeProcesses:
         """
         children = self._live_children()
         forget = (buffers.dropped_buffers(), self._take_gone())
-        tokens = {id(j.obj): self._token(j.obj) for j in jobs}
-        tokens.update({id(obj): self._token(obj) for obj, _ in announce})
-        objects = {tokens[id(j.obj)]: j.obj for j in jobs}
-        objects.update({tokens[id(obj)]: obj for obj, _ in announce})
+        tokens = [self._token(j.obj) for j in jobs]
+        objects = dict(zip(tokens, (j.obj for j in jobs), strict=True))
         shares: list[list[tuple]] = [[] for _ in children]
         load = [0] * len(children)
-        for j in jobs:
+        for token, j in zip(tokens, jobs, strict=True):
             groups: list[list] = [[] for _ in children]
             for task, size in zip(j.tasks, j.sizes, strict=True):
                 k = load.index(min(load))
@@ -304,9 +304,8 @@ class DecodeProcesses:
                 load[k] += max(int(size), 1)
             for k, group in enumerate(groups):
                 if group:
-                    token = tokens[id(j.obj)]
                     shares[k].append((token, j.where, j.out.shape, j.out.dtype.str, group))
-        first = [(tokens[id(obj)], runs) for obj, runs in announce if runs]
+        first = [(token, j.runs) for token, j in zip(tokens, jobs, strict=True) if j.runs]
         futures = []
         for child, parts in zip(children, shares, strict=True):
             if parts or first:

@@ -736,12 +736,11 @@ def submit_reads(
         if where is None:
             in_threads[i] = s
         else:
-            jobs[i] = Job(array, s[0], where, s[1], [t[2] for t in s[1]])
+            jobs[i] = Job(array, s[0], where, s[1], [t[2] for t in s[1]], s[2])
     out: list[Future[np.ndarray] | np.ndarray] = list(started)  # small arrays: done
     if jobs:
         assert processes is not None
-        announce = [(items[i][0], started[i][2]) for i in jobs]
-        futures = processes.submit(list(jobs.values()), announce)
+        futures = processes.submit(list(jobs.values()))
         for i, job in jobs.items():
             out[i] = _Joined(job.out, futures)
     if in_threads:

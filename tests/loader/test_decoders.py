@@ -52,8 +52,8 @@ class Dies(Fill):
         os._exit(3)
 
 
-def _job(obj, out, where, tasks):
-    return Job(obj, out, where, tasks, [1] * len(tasks))
+def _job(obj, out, where, tasks, runs=()):
+    return Job(obj, out, where, tasks, [1] * len(tasks), list(runs))
 
 
 @pytest.fixture
@@ -101,7 +101,7 @@ def test_processes_share_a_fetch_side_by_side_and_write_into_its_array(shared_ar
     procs = decoders(2)
     tasks = [(i * 1000, float(i)) for i in range(8)]
     fill = Fill()
-    futures = procs.submit([_job(fill, out, where, tasks)], [(fill, [1, 2, 3])])
+    futures = procs.submit([_job(fill, out, where, tasks, runs=[1, 2, 3])])
     assert len(futures) == 2  # one message per process
     for f in futures:
         f.result(timeout=60)
@@ -120,7 +120,7 @@ def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
     procs = decoders(2)
     with buffers.reusing():
         a = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
-        futures = procs.submit([_job(Fill(), a, buffers.shared(a), [(0, 1.0), (9, 2.0)])], [])
+        futures = procs.submit([_job(Fill(), a, buffers.shared(a), [(0, 1.0), (9, 2.0)])])
         for f in futures:  # each process took one task: both mapped ``a``
             f.result(timeout=60)
     idle = procs.pids()[1]
@@ -129,7 +129,7 @@ def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
     gc.collect()
     with buffers.reusing():
         b = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
-        (f,) = procs.submit([_job(Fill(), b, buffers.shared(b), [(0, 3.0)])], [])
+        (f,) = procs.submit([_job(Fill(), b, buffers.shared(b), [(0, 3.0)])])
         f.result(timeout=60)  # one task: the second process gets no share, only the news
     deadline = time.monotonic() + 30
     while _mapped_buffers(idle) and time.monotonic() < deadline:
@@ -140,10 +140,10 @@ def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
 def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array, decoders):
     out, where = shared_array
     procs = decoders(1)
-    (f,) = procs.submit([_job(Damaged(), out, where, [(0, 1.0)])], [])
+    (f,) = procs.submit([_job(Damaged(), out, where, [(0, 1.0)])])
     with pytest.raises(LayoutError, match="chunk 3 fails its crc32c checksum"):
         f.result(timeout=60)
-    (f,) = procs.submit([_job(Fill(), out, where, [(5, 7.0)])], [])
+    (f,) = procs.submit([_job(Fill(), out, where, [(5, 7.0)])])
     f.result(timeout=60)
     assert out[5] == 7.0
 
@@ -151,11 +151,11 @@ def test_a_decode_error_reaches_the_reader_as_it_was_raised(shared_array, decode
 def test_a_process_that_dies_fails_its_reads_and_is_replaced(shared_array, decoders):
     out, where = shared_array
     procs = decoders(1)
-    (f,) = procs.submit([_job(Dies(), out, where, [(0, 1.0)])], [])
+    (f,) = procs.submit([_job(Dies(), out, where, [(0, 1.0)])])
     with pytest.raises(ReadError, match=r"decode process \(pid \d+\) exited with code 3"):
         f.result(timeout=60)
     first = procs.pids()
-    (f,) = procs.submit([_job(Fill(), out, where, [(9, 2.0)])], [])
+    (f,) = procs.submit([_job(Fill(), out, where, [(9, 2.0)])])
     f.result(timeout=60)
     assert out[9] == 2.0 and procs.pids() != first
 
@@ -256,4 +256,4 @@ def test_a_decode_process_that_cannot_start_is_one_line_error(shared_array, deco
     with pytest.raises(
         ReadError, match=r"^could not start a decode process .*SCLAYOUT_DECODE=threads"
     ):
-        procs.submit([_job(Fill(), out, where, [(0, 1.0)])], [])
+        procs.submit([_job(Fill(), out, where, [(0, 1.0)])])
