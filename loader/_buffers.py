@@ -21,7 +21,9 @@ import itertools
 import math
 import mmap
 import os
+import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ __all__ = [
     "SharedBuffer",
     "dropped_buffers",
     "empty",
+    "release_spares",
     "reusing",
     "shared",
     "spare_bytes",
@@ -57,12 +60,26 @@ _PAGE = 2 << 20
 
 
 class _Pool:
+    """Spare buffers, and one janitor thread that unmaps them once no read loop has run
+    for :data:`SPARE_GRACE_S`.
+
+    Why one long-lived janitor: a loop ends in a generator's clean-up, which can run in
+    a finalizer or at interpreter shutdown, where starting a thread waits forever
+    (a thread cannot begin once the interpreter finalizes). The janitor is started by
+    the first loop to begin (always a caller's own thread, in this process); a loop's
+    end only wakes it. It is a daemon: at exit it is simply stopped, and a loop that
+    ends while the interpreter finalizes drops the spares itself.
+    """
+
     def __init__(self) -> None:
-        self.lock = threading.Lock()
+        # reentrant: a loop's end (a generator's clean-up) or a lease's return can run
+        # from the garbage collector while this thread holds the lock
+        self.lock = threading.RLock()
+        self.wake = threading.Condition(self.lock)
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
         self.loops = 0  # read loops running: returned buffers are kept only while one runs
-        self.idle = 0  # times the last loop ended: a timer drops the spares of its own
-        self.timer: threading.Timer | None = None
+        self.deadline: float | None = None  # when the spares go (no loop runs)
+        self.janitor: threading.Thread | None = None
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
@@ -86,25 +103,44 @@ class _Pool:
                 self.spare.pop()
 
     def loop(self, step: int) -> None:
+        """A read loop begins (``+1``) or ends (``-1``); never starts a thread on an end."""
+        dropped = None
         with self.lock:
             self.loops = max(0, self.loops + step)
-            if self.timer is not None:  # a loop started or ended: the last grace is over
-                self.timer.cancel()
-                self.timer = None
+            self.deadline = None
+            if step > 0 and self.janitor is None and not sys.is_finalizing():
+                self.janitor = threading.Thread(
+                    target=self._janitor, name="sclayout-spares", daemon=True
+                )
+                self.janitor.start()
             if self.loops or not self.spare:
                 return
-            self.idle += 1
-            self.timer = threading.Timer(SPARE_GRACE_S, self._drop, args=(self.idle,))
-            self.timer.daemon = True
-            self.timer.start()
+            if self.janitor is None or sys.is_finalizing():
+                dropped, self.spare = self.spare, []  # no janitor to wait for
+            else:
+                self.deadline = time.monotonic() + SPARE_GRACE_S
+                self.wake.notify()
+        del dropped  # unmapped here, outside the lock
 
-    def _drop(self, idle: int) -> None:
-        """Unmap the spares if no loop ran since the end numbered ``idle`` (a timer)."""
+    def release(self) -> None:
+        """Unmap the spares now, unless a read loop runs."""
         with self.lock:
-            if self.loops or idle != self.idle:
+            if self.loops:
                 return
             dropped, self.spare = self.spare, []
-        del dropped  # unmapped here, outside the lock
+            self.deadline = None
+        del dropped
+
+    def _janitor(self) -> None:
+        """Unmap the spares at each :attr:`deadline` that no loop cancelled (a thread)."""
+        while True:
+            with self.lock:
+                while self.deadline is None or time.monotonic() < self.deadline:
+                    left = None if self.deadline is None else self.deadline - time.monotonic()
+                    self.wake.wait(left)
+                dropped, self.spare = self.spare, []
+                self.deadline = None
+            del dropped  # unmapped here, outside the lock
 
 
 _POOL = _Pool()
@@ -227,6 +263,12 @@ def reusing() -> Iterator[None]:
         yield
     finally:
         _POOL.loop(-1)
+
+
+def release_spares() -> None:
+    """Unmap the unused buffers now (unless a read loop runs): a closed dataset's
+    memory goes back to the system at once rather than after the grace."""
+    _POOL.release()
 
 
 def spare_bytes() -> int:
