@@ -30,7 +30,7 @@ import subprocess
 import sys
 import threading
 import weakref
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -133,7 +133,9 @@ class _Child:
         self.lock = threading.Lock()  # one sender at a time; guards the fields below
         self.objects: set[int] = set()
         self.buffers: set[int] = set()
-        self.pending: dict[int, Future] = {}
+        # job -> (its future, the arrays it writes: kept until the child reports, so
+        # an abandoned fetch's buffer is not lent again while the child writes in it)
+        self.pending: dict[int, tuple[Future, list]] = {}
         self.jobs = itertools.count()
         self.dead: str | None = None
         threading.Thread(target=self._replies, name="sclayout-replies", daemon=True).start()
@@ -149,20 +151,17 @@ class _Child:
                 break
             job, error = got[0]
             with self.lock:
-                future = self.pending.pop(job, None)
-            if future is None:
-                continue
-            if error is None:
-                future.set_result(None)
-            else:
-                future.set_exception(error)
+                entry = self.pending.pop(job, None)
+            if entry is not None:
+                _settle(entry[0], error)
+            del entry
         code = self.process.wait()
         how = f"signal {-code}" if code < 0 else f"code {code}"
         with self.lock:
             self.dead = f"a decode process (pid {self.process.pid}) exited with {how}"
             pending, self.pending = self.pending, {}
-        for future in pending.values():
-            future.set_exception(self._died())
+        for future, _ in pending.values():
+            _settle(future, self._died())
 
     def _died(self) -> ReadError:
         return ReadError(
@@ -176,10 +175,12 @@ class _Child:
         parts: list[tuple],
         announce: list[tuple[int, list]],
         forget: tuple[list[int], list[int]],
+        keep: list,
     ) -> Future:
         """Send one fetch's share: ``parts`` (token, buffer, offset, shape, dtype,
         tasks), after announcing ``announce`` (token, runs); ``objects`` by token and
-        the buffers' descriptors go first where this child lacks them."""
+        the buffers' descriptors go first where this child lacks them. ``keep``: the
+        arrays the share writes, held until the child reports."""
         future: Future = Future()
         with self.lock:
             if self.dead is not None:
@@ -196,7 +197,7 @@ class _Child:
                     if where.number not in self.buffers:
                         _send(self.sock, ("buffer", where.number), [where.fd])
                         self.buffers.add(where.number)
-                self.pending[job] = future
+                self.pending[job] = (future, keep)
                 parts = [(t, w.number, w.offset, *rest) for t, w, *rest in parts]
                 _send(self.sock, ("run", job, announce, parts))
             except OSError:  # the child is gone: its reply thread fails the rest
@@ -307,13 +308,23 @@ class DecodeProcesses:
                     shares[k].append((token, j.where, j.out.shape, j.out.dtype.str, group))
         first = [(token, j.runs) for token, j in zip(tokens, jobs, strict=True) if j.runs]
         futures = []
+        keep = [j.out for j in jobs]
         for child, parts in zip(children, shares, strict=True):
             if parts or first:
-                futures.append(child.run(objects, parts, first, forget))
+                futures.append(child.run(objects, parts, first, forget, keep))
                 first = []
             else:  # unmapped buffers are dropped by every child, not only the busy ones
                 child.forget(forget)
         return futures
+
+    def forget(self, obj: Any) -> None:
+        """Have every child drop its copy of ``obj`` now (closed in this process)."""
+        with self._lock:
+            token = self._tokens.pop(obj, None)
+            children = list(self._children)
+        if token is not None:
+            for child in children:
+                child.forget(([], [token]))
 
     def _take_gone(self) -> list[int]:
         out = []
@@ -332,6 +343,18 @@ class DecodeProcesses:
                 c.process.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 c.process.kill()
+
+
+def _settle(future: Future, error: BaseException | None) -> None:
+    """Complete ``future`` with ``error`` (or success), unless it was cancelled (an
+    abandoned fetch)."""
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass
 
 
 def serve(fd: int) -> None:

@@ -22,7 +22,7 @@ from loader.assemble import CSRRows
 from loader.errors import LayoutError
 from loader.sampler import Fetch, WorkerPlan
 
-__all__ = ["Carry", "run_plan"]
+__all__ = ["Carry", "abandon", "run_plan"]
 
 
 class Carry:
@@ -52,6 +52,10 @@ class Carry:
             return deque()
         return self.fetches
 
+    def cancel(self) -> None:
+        """Cancel the carried fetches (not to be read: a closed dataset, another epoch)."""
+        abandon(self.fetches)
+
 
 def run_plan(
     plan: WorkerPlan,
@@ -76,8 +80,31 @@ def run_plan(
     """
     if carried and skip:
         raise ValueError("run_plan: carried fetches start the plan; skip must be 0")
+    in_flight: deque = deque(carried)
+    finished = False
     with buffers.reusing():  # fetch arrays and dense minibatches reuse dropped ones
-        yield from _minibatches(plan, reader, skip, output, obs, prefetch, extras, carried, ahead)
+        try:
+            yield from _minibatches(
+                plan, reader, skip, output, obs, prefetch, extras, in_flight, ahead
+            )
+            finished = True
+        finally:
+            if not finished:  # abandoned (closed, collected) or failed: nobody reads them
+                abandon(in_flight)
+                if ahead is not None:
+                    abandon(ahead.fetches)
+
+
+def abandon(fetches: deque) -> None:
+    """Cancel the reads of ``fetches`` (``(Fetch, pending, extras' pendings)``) that
+    have not started, and forget them: their memory and files go now, not when the
+    last task would have finished."""
+    while fetches:
+        _, pending, more = fetches.popleft()
+        for p in (pending, *more.values()):
+            cancel = getattr(p, "cancel", None)
+            if cancel is not None:
+                cancel()
 
 
 def _minibatches(
@@ -88,16 +115,15 @@ def _minibatches(
     obs: Sequence[str],
     prefetch: int,
     extras: Mapping[str, Any] | None,
-    carried: Sequence[tuple],
+    in_flight: deque,
     ahead: Carry | None,
 ) -> Iterator[dict[str, Any]]:
-    """:func:`run_plan`'s loop."""
+    """:func:`run_plan`'s loop; ``in_flight``: the submitted fetches, ``(Fetch,
+    PendingFetch, extras' pendings)`` in fetch order, first the carried ones."""
     extras = dict(extras or {})
     lengths = plan.cfg.block_lengths
-    # (Fetch, PendingFetch, extras' pendings), in fetch order
-    in_flight: deque = deque(carried)
     ready: dict[int, tuple[Fetch, Any]] = {}
-    next_k: int | None = len(carried) if carried else None
+    next_k: int | None = len(in_flight) if in_flight else None
     later: deque = ahead.fetches if ahead is not None else deque()
 
     def submit(p: WorkerPlan, k: int) -> tuple:

@@ -45,11 +45,13 @@ Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import math
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -60,7 +62,7 @@ import numpy as np
 from loader import _buffers as buffers
 from loader._decoders import DecodeProcesses, Job, supported
 from loader.cores import decode_in_processes, decode_threads
-from loader.errors import LayoutError
+from loader.errors import InputError, LayoutError, too_many_files
 from loader.location import is_url
 
 __all__ = [
@@ -210,7 +212,12 @@ def _open_meta(location: str, path: str) -> _Meta | None:
     try:
         with open(os.path.join(location, path, "zarr.json")) as f:
             return _parse(json.load(f))
-    except (OSError, ValueError):
+    except OSError as e:
+        error = too_many_files(e)
+        if error is not None:
+            raise error from None
+        return None
+    except ValueError:
         return None
 
 
@@ -252,7 +259,10 @@ def missing_chunk(location: str, path: str) -> str | None:
     meta = _open_meta(location, path)
     if meta is not None:
         array = DirectArray(location, path, meta, require_chunks=True)
-        chunk = array.first_missing(np.array([[0, meta.shape[0]]], dtype=np.int64))
+        try:
+            chunk = array.first_missing(np.array([[0, meta.shape[0]]], dtype=np.int64))
+        finally:
+            array.close()
         return None if chunk is None else f"chunk {chunk}"
     folder = os.path.join(location, path)
     try:
@@ -319,6 +329,10 @@ class _Pool:
         """This process's decode processes, or ``None`` (it decodes in threads)."""
         self.get()
         return self._processes
+
+    def started_processes(self) -> DecodeProcesses | None:
+        """This process's decode processes if it made them already (never makes them)."""
+        return self._processes if self._pid == os.getpid() else None
 
     def share(self, num_workers: int) -> None:
         self.workers = max(0, int(num_workers))
@@ -390,10 +404,15 @@ class DirectArray:
         self.shape = meta.shape
         self.dtype = meta.dtype
         self._pid = -1
+        # shard -> descriptor (None: no such shard); closed by close(), or when this
+        # object is collected (a finalizer that only closes descriptors)
         self._fds: dict[int, int | None] = {}
+        weakref.finalize(self, _close_fds, self._fds).atexit = False
+        self._users = 0  # reads using a descriptor now: close() leaves them theirs
+        self._closed = False
         self._index: dict[int, np.ndarray | None] = {}
         self._whole: np.ndarray | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._small = meta.shape[0] * meta.row_bytes <= self.whole_array_bytes
 
     def __getstate__(self) -> dict[str, Any]:
@@ -423,8 +442,27 @@ class DirectArray:
             what += f" (shard {shard})"
         return what
 
+    def close(self) -> None:
+        """Close the shard files (at once, or as the reads using them end) and let the
+        decode processes drop their copy; reading afterwards is an :class:`InputError`.
+        Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._users:
+                _close_fds(self._fds)
+        _forget_in_processes(self)
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
     def _missing(self, chunk: int, shard: int) -> LayoutError:
-        gone = "its shard file is missing" if self._fd(shard) is None else "it is not in its shard"
+        with self._lock:
+            absent = self._fd(shard) is None
+        gone = "its shard file is missing" if absent else "it is not in its shard"
         return LayoutError(
             f"{self._where(chunk, shard)} is missing ({gone}); the store is damaged: "
             "restore it from a good copy or reconvert it"
@@ -444,10 +482,11 @@ class DirectArray:
         n_shards = -(-self.shape[0] // self.meta.shard_rows)
         for shard in range(n_shards):
             index = self._shard_index(shard)
-            fd = self._fd(shard)
-            if index is None or fd is None:
+            with self._file(shard) as fd:
+                size = None if fd is None else os.fstat(fd).st_size
+            if index is None or size is None:
                 continue
-            yield shard, os.fstat(fd).st_size, index[index[:, 0] != _MISSING]
+            yield shard, size, index[index[:, 0] != _MISSING]
 
     def first_missing(self, ranges: np.ndarray) -> int | None:
         """The first inner chunk that rows ``ranges`` touch and that is not stored."""
@@ -475,11 +514,22 @@ class DirectArray:
     # -- files and shard indexes (per process)
     def _check_pid(self) -> None:
         if self._pid != os.getpid():
-            self._fds, self._index, self._whole = {}, {}, None
-            self._lock = threading.Lock()
+            # a forked copy: the parent's descriptors are not this process's to use
+            # (cleared in place: the finalizer closes what this process opens)
+            self._fds.clear()
+            self._index, self._whole = {}, None
+            self._lock = threading.RLock()
+            self._users = 0
             self._pid = os.getpid()
 
     def _fd(self, shard: int) -> int | None:
+        """The descriptor of ``shard`` (opened on first use), ``None`` if the shard
+        is absent; call with :attr:`_lock` held."""
+        if self._closed:
+            raise InputError(
+                f"{self._where()}: read after its dataset or reader was closed; "
+                "open the dataset again"
+            )
         fd = self._fds.get(shard, -1)
         if fd == -1:
             key = f"{self.meta.key_prefix}{shard}{self.meta.key_suffix}"
@@ -488,8 +538,29 @@ class DirectArray:
                 fd = os.open(name, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 fd = None  # an absent shard holds only the fill value
+            except OSError as e:
+                error = too_many_files(e)
+                if error is None:
+                    raise
+                raise error from None
             self._fds[shard] = fd
         return fd
+
+    @contextlib.contextmanager
+    def _file(self, shard: int) -> Iterator[int | None]:
+        """``shard``'s descriptor, kept open until the block ends even if
+        :meth:`close` is called meanwhile (it is never closed under a read, whose
+        number another open could then reuse)."""
+        with self._lock:
+            fd = self._fd(shard)
+            self._users += 1
+        try:
+            yield fd
+        finally:
+            with self._lock:
+                self._users -= 1
+                if self._closed and not self._users:
+                    _close_fds(self._fds)
 
     def _shard_index(self, shard: int) -> np.ndarray | None:
         """``(chunks_per_shard, 2)`` uint64 (offset, nbytes), or ``None`` (no shard)."""
@@ -620,13 +691,13 @@ class DirectArray:
         ignored."""
         self._check_pid()
         for shard, start, length in runs:
-            fd = self._fd(shard)
-            if fd is None:
-                continue
-            try:
-                os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
-            except OSError:
-                pass
+            with self._file(shard) as fd:
+                if fd is None:
+                    continue
+                try:
+                    os.posix_fadvise(fd, start, length, _FADV_WILLNEED)
+                except OSError:
+                    pass
 
     def run_tasks(self, out: np.ndarray, tasks: list[tuple]) -> None:
         """Read and decode ``tasks`` into ``out`` (a decode process's share of a fetch,
@@ -649,10 +720,10 @@ class DirectArray:
             for lo, hi, d in chunks[0][3]:
                 out[d : d + hi - lo] = m.fill
             return
-        fd = self._fd(shard)
-        assert fd is not None
         raw = _scratch("raw", length)
-        got = os.preadv(fd, [raw], start)
+        with self._file(shard) as fd:
+            assert fd is not None
+            got = os.preadv(fd, [raw], start)
         if got != length:
             raise LayoutError(
                 f"{self._where(chunks[-1][2], shard)}: the shard ends before byte "
@@ -752,6 +823,24 @@ def submit_reads(
     return out
 
 
+def _close_fds(fds: dict[int, int | None]) -> None:
+    """Close every descriptor of ``fds`` and empty it (also a finalizer: no thread,
+    no lock)."""
+    while fds:
+        _, fd = fds.popitem()
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _forget_in_processes(array: DirectArray) -> None:
+    """Have this process's decode processes drop their copy of ``array`` (and its
+    files) now, if they were started."""
+    processes = _POOL.started_processes()
+    if processes is not None:
+        processes.forget(array)
+
+
 def _announce(announce: list[tuple[DirectArray, list[tuple[int, int, int]]]]) -> None:
     """Each array's :meth:`DirectArray.announce` of its runs (a decode thread's task)."""
     for array, runs in announce:
@@ -789,3 +878,8 @@ class _Joined:
         for f in self._futures:
             f.result()
         return self._out
+
+    def cancel(self) -> None:
+        """Cancel the tasks not yet started (an abandoned fetch)."""
+        for f in self._futures:
+            f.cancel()

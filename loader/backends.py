@@ -372,6 +372,14 @@ class TensorstoreBackend:
             )
         return self._direct[path]
 
+    def close(self) -> None:
+        """Close the direct arrays' shard files and drop tensorstore's handles."""
+        direct, self._direct = self._direct, {}
+        for array in direct.values():
+            if array is not None:
+                array.close()
+        self._arrays, self._context, self._pid = {}, None, -1
+
     def submit(self, request: Request) -> PendingReads:
         import tensorstore as ts
 
@@ -490,6 +498,11 @@ class _TensorstorePending:
                 raise read_error(self._location, self._request[key][0], e) from e
         return out
 
+    def cancel(self) -> None:
+        """Cancel the reads not yet done (an abandoned fetch)."""
+        for f in self._futures.values():
+            f.cancel()
+
 
 register_backend("tensorstore", TensorstoreBackend)
 
@@ -548,6 +561,13 @@ class ZarrBackend:
         index = self._indexes[path]
         if index is not None:
             index.check_present(ranges)
+
+    def close(self) -> None:
+        """Close the shard files of the presence checks and drop the array handles."""
+        indexes, self._indexes, self._arrays = self._indexes, {}, {}
+        for index in indexes.values():
+            if index is not None:
+                index.close()
 
     def submit(self, request: Request) -> PendingReads:
         from zarr.core.sync import _get_loop
@@ -687,6 +707,14 @@ class H5pyBackend:
                     pos += int(b - a)
                 out[key] = buf
         return out
+
+    def close(self) -> None:
+        """Stop the reading thread (queued reads are cancelled) and close the file."""
+        if self._pid == os.getpid():
+            assert self._pool is not None
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._file.close()
+        self._pool, self._file, self._pid = None, None, -1
 
     def submit(self, request: Request) -> PendingReads:
         self._ensure()

@@ -65,6 +65,7 @@ import json
 import os
 import sys
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -74,7 +75,7 @@ from loader import sampler as S
 from loader._pipeline import Carry, run_plan
 from loader.argtypes import typechecked
 from loader.assemble import CSRRows
-from loader.errors import InputError, SclayoutError, SpecError
+from loader.errors import InputError, SclayoutError, SpecError, too_many_files
 from loader.layout import parse_block_size
 
 __all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
@@ -335,6 +336,7 @@ class BlockDataset:
         from loader.sources import build_readers, is_anndata
 
         extras: dict[str, Any] = {}
+        opened: list[Any] = []  # the readers this dataset opens: close() closes them
         if (
             isinstance(path, list | tuple)
             or is_anndata(path)
@@ -355,9 +357,12 @@ class BlockDataset:
                 from loader.store import open_layout
 
                 element = matrix if element == "X" else element
-                return open_layout(
-                    _check_path(item), block_size=block_size, backend=backend, matrix=element
+                opened.append(
+                    open_layout(
+                        _check_path(item), block_size=block_size, backend=backend, matrix=element
+                    )
                 )
+                return opened[-1]
 
             path, extras = build_readers(
                 items,
@@ -410,6 +415,10 @@ class BlockDataset:
                     f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
                     "or convert the store with this spec"
                 ) from None
+            opened.append(reader)
+        self._opened = opened
+        self._closed = False
+        self._iterators: weakref.WeakSet = weakref.WeakSet()  # this process's, to close
         self._reader_args = reader_args
         self._reader: Any = reader
         self._reader_pid = os.getpid()
@@ -538,7 +547,8 @@ class BlockDataset:
         self._advance = False
         if self._carry is not None and self._carry.plan is not None:
             if self._carry.plan.key[0] != epoch:
-                self._carry = None  # read for another epoch: free it now
+                self._carry.cancel()  # read for another epoch: free it now
+                self._carry = None
 
     def __len__(self) -> int:
         """Minibatches per epoch on this rank (all workers together)."""
@@ -555,9 +565,60 @@ class BlockDataset:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_carry"] = None  # fetches in flight belong to this process
+        state["_opened"] = []  # another process opens its own (see _get_reader)
+        del state["_iterators"]
         if self._path is not None:
             state["_reader"] = None  # reopened lazily in the process that reads
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._iterators = weakref.WeakSet()
+
+    # -- closing ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Close the store's files and threads; idempotent.
+
+        The iterators of this dataset stop (their fetches in flight are cancelled), and
+        the readers it opened close; a reader you passed as ``path`` stays yours to
+        close. Iterating afterwards is an :class:`~loader.errors.InputError`.
+        ``with BlockDataset(...) as ds:`` closes at the block's end. Decode threads and
+        processes are shared by the process's readers and stay.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        for it in list(self._iterators):
+            try:
+                it.close()  # a suspended pass runs its clean-up: cancels its fetches
+            except ValueError:  # running in another thread: it ends with the reader
+                pass
+        carry, self._carry = self._carry, None
+        if carry is not None:
+            carry.cancel()
+        for reader in self._opened:
+            reader.close()
+        from loader import _buffers
+
+        _buffers.release_spares()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def __enter__(self) -> BlockDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError(
+                f"{type(self).__name__} is closed (close() was called); create a new "
+                "dataset to read again"
+            )
 
     def _get_reader(self) -> Any:
         if self._reader is None or self._reader_pid != os.getpid():
@@ -577,6 +638,7 @@ class BlockDataset:
                 from loader.store import open_layout
 
                 self._reader = open_layout(self._path, **self._reader_args)
+                self._opened = [self._reader]
             else:  # a user-given reader: a fresh copy without the parent's handles
                 import pickle
 
@@ -687,7 +749,9 @@ class BlockDataset:
         self._shared[_START] = consumed
         self._shared[_START_WORKERS] = int(state.get("num_workers", 1))
         self._consumed, self._consumed_epoch = consumed, epoch
-        self._carry = None
+        if self._carry is not None:
+            self._carry.cancel()
+            self._carry = None
         # a state saved after a whole epoch resumes with the next one
         self._advance = consumed == total
 
@@ -759,14 +823,18 @@ class BlockDataset:
 
     # -- iteration ------------------------------------------------------------------
     def __iter__(self):
+        self._check_open()
         info = _worker_info()
         if info is None:
             self.begin_pass(0)
-            return self._main_iter()
-        worker, num_workers = info
-        if not self._tracked_workers:
-            self._shared[_UNTRACKED] = 1
-        return self._batches(worker, num_workers)
+            it = self._main_iter()
+        else:
+            worker, num_workers = info
+            if not self._tracked_workers:
+                self._shared[_UNTRACKED] = 1
+            it = self._batches(worker, num_workers)
+        self._iterators.add(it)
+        return it
 
     def _main_iter(self):
         for batch in self._batches(0, 1):
@@ -786,7 +854,13 @@ class BlockDataset:
             "num_workers": num_workers,
         }
         plan = S.worker_plan(self.config, epoch, **place)
-        yield from self._execute(plan, int(skip[logical]), place)
+        try:
+            yield from self._execute(plan, int(skip[logical]), place)
+        except OSError as e:  # e.g. a metadata read in the assembly thread
+            error = too_many_files(e)
+            if error is None:
+                raise
+            raise error from None
 
     def _execute(self, plan: S.WorkerPlan, skip: int, place: dict[str, int]):
         """Run ``plan`` from minibatch ``skip`` with read-ahead; convert each batch.
@@ -800,11 +874,14 @@ class BlockDataset:
         whatever the output), and the loader there cuts and densifies them (see
         :mod:`loader._workers`).
         """
+        self._check_open()
         reader = self._get_reader()
         self._read_pid = os.getpid()
         info = _worker_info()
         carry, self._carry = self._carry, None
         carried = carry.fetches_for(plan, reader) if carry is not None and not skip else ()
+        if carry is not None and not carried:
+            carry.cancel()  # read ahead for another pass: free it now
         ahead = None
         if self.prefetch_next_epoch and info is None:
             epoch = plan.key[0]

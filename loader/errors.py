@@ -15,6 +15,7 @@ __all__ = [
     "ReadError",
     "SclayoutError",
     "SpecError",
+    "too_many_files",
 ]
 
 
@@ -50,3 +51,26 @@ class ReadError(SclayoutError):
 
 class FormatVersionError(LayoutError):
     """A manifest written by a newer (or unknown) version of the format."""
+
+
+def too_many_files(error: OSError) -> ReadError | None:
+    """Return the one-line error of an ``open`` refused for want of descriptors.
+
+    That is ``EMFILE`` or ``ENFILE``; the error names the limit and the fix. Any other
+    error gives ``None``.
+    """
+    import errno
+
+    if error.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
+    except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
+        limit = "unknown"
+    return ReadError(
+        f"cannot open more files (the limit is {limit}, ulimit -n): close datasets you "
+        "no longer use (BlockDataset.close()) or raise the limit"
+    )

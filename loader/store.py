@@ -58,7 +58,13 @@ from loader.backends import (
     timed_out,
     ts_kvstore,
 )
-from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
+from loader.errors import (
+    InputError,
+    LayoutError,
+    NotALayoutStoreError,
+    SpecError,
+    too_many_files,
+)
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
@@ -201,6 +207,8 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
     try:
         meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
+        if isinstance(e, OSError) and too_many_files(e) is not None:
+            raise too_many_files(e) from None
         raise NotALayoutStoreError(
             f"{location}: unreadable zarr.json ({e}); reconvert with `sclayout convert --overwrite`"
         ) from None
@@ -453,6 +461,33 @@ class LayoutReader:
             )
         self.backend_options = options
         self._io = factory(location, **options)
+        self._closed = False
+
+    def close(self) -> None:
+        """Close the store's files, the assembly thread and the backend's handles.
+
+        Reading afterwards is an :class:`InputError`. Idempotent.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None and self._pool_pid == os.getpid():
+            pool.shutdown(wait=True, cancel_futures=True)
+        close = getattr(self._io, "close", None)
+        if close is not None:
+            close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise InputError(
+                f"the reader of {self.location} is closed; open the store again to read it"
+            )
 
     def chunks_per_block(self) -> float:
         """Mean number of inner chunks (of ``data``, or of dense rows) one block spans."""
@@ -643,7 +678,8 @@ class LayoutReader:
 
     def _assembler(self) -> ThreadPoolExecutor:
         """Return the assembly thread of this process (created lazily, again after a fork)."""
-        if self._pool_pid != os.getpid():
+        self._check_open()
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(ASSEMBLY_THREADS, thread_name_prefix="sclayout-asm")
             self._pool_pid = os.getpid()
         assert self._pool is not None
@@ -661,6 +697,7 @@ class LayoutReader:
             array, repeats allowed): the fetch is delivered as those rows, in that
             order (see :meth:`Fetched.permute`).
         """
+        self._check_open()
         ids, bounds, needed = fetch_ranges(
             blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
         )
@@ -679,7 +716,7 @@ class LayoutReader:
             tune_malloc()
         io = self._io.submit(request)
         job = self._assembler().submit(self._assemble, io, bounds, order)
-        return PendingFetch(self, ids, job)
+        return PendingFetch(self, ids, job, io)
 
     def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
         """Wait for a fetch's reads and build its rows (runs in the assembly thread)."""
@@ -736,10 +773,13 @@ class PendingFetch:
     It is assembled once, in the reader's assembly thread.
     """
 
-    def __init__(self, reader: LayoutReader, blocks: np.ndarray, job: Future[Fetched]):
+    def __init__(
+        self, reader: LayoutReader, blocks: np.ndarray, job: Future[Fetched], io: Any = None
+    ):
         self.reader = reader
         self.blocks = blocks
         self._job = job
+        self._io = io
         self._plan: FetchPlan | None = None
 
     @property
@@ -759,6 +799,13 @@ class PendingFetch:
     def result(self) -> Fetched:
         """Wait for the reads and return the fetch's rows."""
         return self._job.result()
+
+    def cancel(self) -> None:
+        """Cancel the reads and the assembly not yet started (an abandoned fetch)."""
+        self._job.cancel()
+        cancel = getattr(self._io, "cancel", None)
+        if cancel is not None:
+            cancel()
 
 
 class Fetched:
