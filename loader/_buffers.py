@@ -6,9 +6,9 @@ decoding (docs/design.md, "Read-ahead"), so :func:`empty` hands out memory of fe
 already dropped instead.
 
 A buffer is reused only when no array refers to it any more: each one is lent as an
-array (the *lease*) whose views all refer to it, and a finalizer returns the memory
-when the lease is collected, so a minibatch that shares a fetch's memory keeps that
-memory out of the pool for as long as it lives.
+array (the *lease*) whose views all refer to it, and the memory goes back to the pool
+once the lease is collected (see :class:`_Pool`), so a minibatch that shares a fetch's
+memory keeps that memory out of the pool for as long as it lives.
 
 On Linux the buffers are memory files (``memfd_create``): a decode process
 (:mod:`loader._decoders`) maps the same file and decodes straight into a fetch's array.
@@ -21,6 +21,7 @@ import itertools
 import math
 import mmap
 import os
+import queue
 import sys
 import threading
 import time
@@ -60,8 +61,8 @@ _PAGE = 2 << 20
 
 
 class _Pool:
-    """Spare buffers, and one janitor thread that unmaps them once no read loop has run
-    for :data:`SPARE_GRACE_S`.
+    """Spare buffers, and one janitor thread that takes back the buffers of collected
+    leases and unmaps the spares once no read loop has run for :data:`SPARE_GRACE_S`.
 
     Why one long-lived janitor: a loop ends in a generator's clean-up, which can run in
     a finalizer or at interpreter shutdown, where starting a thread waits forever
@@ -69,20 +70,55 @@ class _Pool:
     the first loop to begin (always a caller's own thread, in this process); a loop's
     end only wakes it. It is a daemon: at exit it is simply stopped, and a loop that
     ends while the interpreter finalizes drops the spares itself.
+
+    A lease's return runs no Python code when the lease is collected: its weak
+    reference's callback is the C ``put`` of :attr:`returns`. While a loop runs, the
+    loop's own calls (the next :meth:`take`, its end) give the buffers back; when none
+    runs, the janitor does. Python code run by a collection in the training loop's
+    thread would swallow a Ctrl-C that arrived meanwhile ("Exception ignored in
+    finalize"), and the epoch would go on.
     """
 
     def __init__(self) -> None:
-        # reentrant: a loop's end (a generator's clean-up) or a lease's return can run
-        # from the garbage collector while this thread holds the lock
+        # reentrant: a loop's end (a generator's clean-up) can run from the garbage
+        # collector while this thread holds the lock
         self.lock = threading.RLock()
-        self.wake = threading.Condition(self.lock)
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
         self.loops = 0  # read loops running: returned buffers are kept only while one runs
         self.deadline: float | None = None  # when the spares go (no loop runs)
         self.janitor: threading.Thread | None = None
+        self.idle = threading.Event()  # set while no loop runs: the janitor collects
+        self.returns: queue.SimpleQueue = queue.SimpleQueue()  # collected leases' refs
+        # lent buffers, by the id of their lease's weak reference (kept here too)
+        self.leases: dict[int, tuple[weakref.ref, mmap.mmap]] = {}
+
+    def lend(self, nbytes: int) -> tuple[np.ndarray, bool]:
+        """A lease of at least ``nbytes`` (uint8) and whether its buffer is new."""
+        buf, fresh = self.take(nbytes)
+        lease = np.frombuffer(buf, dtype=np.uint8)
+        ref = weakref.ref(lease, self.returns.put)
+        self.leases[id(ref)] = (ref, buf)
+        return lease, fresh
+
+    def collect(self) -> None:
+        """Take back the buffers of the leases collected so far."""
+        woken = False
+        while True:
+            try:
+                ref = self.returns.get_nowait()
+            except queue.Empty:
+                break
+            woken = woken or ref is None
+            entry = self.leases.pop(id(ref), None) if ref is not None else None
+            if entry is not None:
+                self.give(entry[1])
+            del entry
+        if woken:  # the janitor's wake-up (a loop's end) is the janitor's
+            self.returns.put(None)
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
+        self.collect()
         with self.lock:
             fits = [m for m in self.spare if nbytes <= len(m) <= 2 * nbytes + _PAGE]
             if fits:
@@ -104,26 +140,29 @@ class _Pool:
 
     def loop(self, step: int) -> None:
         """A read loop begins (``+1``) or ends (``-1``); never starts a thread on an end."""
+        self.collect()  # leases dropped during the loop: its spares
         dropped = None
         with self.lock:
             self.loops = max(0, self.loops + step)
             self.deadline = None
+            (self.idle.clear if self.loops else self.idle.set)()
             if step > 0 and self.janitor is None and not sys.is_finalizing():
                 self.janitor = threading.Thread(
                     target=self._janitor, name="sclayout-spares", daemon=True
                 )
                 self.janitor.start()
-            if self.loops or not self.spare:
+            if self.loops:
                 return
             if self.janitor is None or sys.is_finalizing():
                 dropped, self.spare = self.spare, []  # no janitor to wait for
             else:
                 self.deadline = time.monotonic() + SPARE_GRACE_S
-                self.wake.notify()
+                self.returns.put(None)  # wakes the janitor
         del dropped  # unmapped here, outside the lock
 
     def release(self) -> None:
         """Unmap the spares now, unless a read loop runs."""
+        self.collect()
         with self.lock:
             if self.loops:
                 return
@@ -132,15 +171,29 @@ class _Pool:
         del dropped
 
     def _janitor(self) -> None:
-        """Unmap the spares at each :attr:`deadline` that no loop cancelled (a thread)."""
+        """While no loop runs, take back the collected leases' buffers as they come
+        (unmapped, as no loop keeps them), and unmap the spares at each
+        :attr:`deadline` that no loop cancelled (a thread)."""
         while True:
+            self.idle.wait()
             with self.lock:
-                while self.deadline is None or time.monotonic() < self.deadline:
-                    left = None if self.deadline is None else self.deadline - time.monotonic()
-                    self.wake.wait(left)
-                dropped, self.spare = self.spare, []
-                self.deadline = None
-            del dropped  # unmapped here, outside the lock
+                deadline = self.deadline
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                item = self.returns.get(timeout=left)
+            except queue.Empty:
+                item = None
+            dropped = None
+            with self.lock:
+                if self.loops:  # a loop began meanwhile: its own calls collect
+                    if item is not None:
+                        self.returns.put(item)
+                    continue
+                entry = self.leases.pop(id(item), None) if item is not None else None
+                if self.deadline is not None and time.monotonic() >= self.deadline:
+                    dropped, self.spare = self.spare, []
+                    self.deadline = None
+            del entry, dropped  # unmapped here, outside the lock
 
 
 _POOL = _Pool()
@@ -222,21 +275,13 @@ def _reset_after_fork() -> None:
 os.register_at_fork(after_in_child=_reset_after_fork)
 
 
-def _returned(pool: _Pool, buf: mmap.mmap) -> None:
-    if pool is _POOL:  # not a pool left behind by a fork
-        pool.give(buf)
-
-
 def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, tuple | list) else (shape,)))
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MIN_BYTES or not _POOL.loops:
         return (np.zeros if zero else np.empty)(shape, dtype=dtype)
-    pool = _POOL
-    buf, fresh = pool.take(nbytes)
-    lease = np.frombuffer(buf, dtype=np.uint8)
-    weakref.finalize(lease, _returned, pool, buf).atexit = False
+    lease, fresh = _POOL.lend(nbytes)
     out = lease[:nbytes]
     if zero and not fresh:  # a new mapping is zero already
         out.fill(0)
@@ -273,5 +318,6 @@ def release_spares() -> None:
 
 def spare_bytes() -> int:
     """Bytes of unused buffers this process keeps for reuse."""
+    _POOL.collect()
     with _POOL.lock:
         return sum(len(m) for m in _POOL.spare)

@@ -418,7 +418,9 @@ class BlockDataset:
             opened.append(reader)
         self._opened = opened
         self._closed = False
-        self._iterators: weakref.WeakSet = weakref.WeakSet()  # this process's, to close
+        # this process's iterators, for close(): weak references without a callback (a
+        # callback's Python code at an epoch's end could swallow a Ctrl-C)
+        self._iterators: list[weakref.ref] = []
         self._reader_args = reader_args
         self._reader: Any = reader
         self._reader_pid = os.getpid()
@@ -566,14 +568,10 @@ class BlockDataset:
         state = self.__dict__.copy()
         state["_carry"] = None  # fetches in flight belong to this process
         state["_opened"] = []  # another process opens its own (see _get_reader)
-        del state["_iterators"]
+        state["_iterators"] = []
         if self._path is not None:
             state["_reader"] = None  # reopened lazily in the process that reads
         return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._iterators = weakref.WeakSet()
 
     # -- closing ----------------------------------------------------------------------
     def close(self) -> None:
@@ -588,7 +586,11 @@ class BlockDataset:
         if self._closed:
             return
         self._closed = True
-        for it in list(self._iterators):
+        iterators, self._iterators = self._iterators, []
+        for ref in iterators:
+            it = ref()
+            if it is None:
+                continue
             try:
                 it.close()  # a suspended pass runs its clean-up: cancels its fetches
             except ValueError:  # running in another thread: it ends with the reader
@@ -833,7 +835,8 @@ class BlockDataset:
             if not self._tracked_workers:
                 self._shared[_UNTRACKED] = 1
             it = self._batches(worker, num_workers)
-        self._iterators.add(it)
+        self._iterators = [r for r in self._iterators if r() is not None]
+        self._iterators.append(weakref.ref(it))
         return it
 
     def _main_iter(self):
