@@ -3,9 +3,12 @@
 its files when collected, Ctrl-C stops an epoch, and running out of descriptors is one
 line naming the limit.
 
-Each scenario runs in a fresh interpreter (exit and signals are what is tested) on the
-session's tiny stores, read as a large store is: every fetch array lent from the
-buffer pool (the pool's clean-up at a loop's end is what hung a process at exit), and
+Every scenario runs in a process of its own, since exit and signals are what is
+tested: one interpreter imports the loader (and torch) once, then forks one child per
+scenario, which runs it as a script's body and ends as a script does (interpreter
+finalization included); children run side by side and each has a timeout. They read
+the session's tiny stores as a large store is read: every fetch array lent from the
+buffer pool (the pool's clean-up at a loop's end is what hung a process at exit) and
 every array read by decode tasks rather than whole.
 """
 
@@ -13,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -24,43 +26,251 @@ import pytest
 from loader._decoders import supported
 
 ROOT = Path(__file__).resolve().parents[2]
-EXIT_TIMEOUT = 60  # seconds: generous, a hang is what fails
+EXIT_TIMEOUT = 60  # seconds a scenario may take: generous, a hang is what fails
 
 pytestmark = pytest.mark.skipif(
     not (sys.platform.startswith("linux") and supported()),
-    reason="counts /proc and decodes in processes: Linux",
+    reason="counts /proc, forks scenarios and decodes in processes: Linux",
 )
 
-PRELUDE = """
-import sys
+RUNNER = """
+import json, os, signal, sys, tempfile, time
 from loader import BlockDataLoader, BlockDataset, _buffers, _shards
+import loader._torch  # torch too, before the children fork
+
 _buffers.MIN_BYTES = 0  # every fetch array from the buffer pool, as a large store's are
 _shards.SMALL_ARRAY_BYTES = _shards.ROW_TABLE_BYTES = 0  # every array read by decode tasks
-store = sys.argv[1]
+dense, csr = sys.argv[1], sys.argv[2]
+scenarios = json.loads(sys.argv[3])  # name -> (code, SCLAYOUT_DECODE, send Ctrl-C)
+timeout = float(sys.argv[4])
+folder = tempfile.mkdtemp(prefix="sclayout-lifecycle-")
+children = {}
+for name, (code, decode, interrupt) in scenarios.items():
+    for stream in ("out", "err"):  # there before the parent reads them
+        open(os.path.join(folder, f"{name}.{stream}"), "w").close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the child: the scenario is the rest of its script
+        os.environ["SCLAYOUT_DECODE"] = decode
+        for fd, stream in ((1, "out"), (2, "err")):
+            opened = os.open(os.path.join(folder, f"{name}.{stream}"), os.O_WRONLY | os.O_CREAT)
+            os.dup2(opened, fd)
+            os.close(opened)
+        del children, scenarios
+        exec(code)
+        break
+    children[name] = (pid, interrupt, time.monotonic())
+else:
+    def output(name, stream):
+        with open(os.path.join(folder, f"{name}.{stream}")) as f:
+            return f.read()
+
+    report = {}
+    waiting = dict(children)
+    while waiting:
+        for name, (pid, interrupt, started) in list(waiting.items()):
+            if interrupt and "reading" in output(name, "out"):
+                os.kill(pid, signal.SIGINT)
+                waiting[name] = (pid, False, time.monotonic())
+                continue
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() - started > timeout:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                code = None  # hung
+            else:
+                continue
+            del waiting[name]
+            report[name] = {"code": code, "out": output(name, "out"), "err": output(name, "err")}
+        time.sleep(0.02)
+    print(json.dumps(report))
+"""
+
+# ------------------------------------------------------------------- the scenarios
+
+PIDS = """
+from loader._shards import decode_processes
+print("decoders", decode_processes().pids() if decode_processes() else [])
+print("spares", _buffers.spare_bytes())
+print("exiting", flush=True)
+"""
+SUSPENDED = """
+ds = BlockDataset({store}, batch_size=16, fetch_factor=1, output={output!r})
+it = iter(ds)
+for _ in range(4):
+    batch = next(it)  # the earlier ones dropped: the pool holds their memory as spares
+"""
+ABANDONED = """
+ds = BlockDataset(dense, batch_size=16, fetch_factor=1)
+def train():
+    batches = iter(ds)
+    for i, batch in enumerate(batches):
+        if i == 3:
+            raise RuntimeError("a step failed")
+try:
+    train()
+except RuntimeError as e:
+    error = e  # kept (to report later): its traceback holds the suspended pass
+"""
+MID_FETCH = """
+run = _shards.DirectArray._run
+def slow(self, out, task):  # a slow disk: the read-ahead is still reading at exit
+    time.sleep(0.05)
+    run(self, out, task)
+_shards.DirectArray._run = slow
+ds = BlockDataset(dense, batch_size=16, fetch_factor=1, prefetch=4)
+it = iter(ds)
+for _ in range(3):
+    batch = next(it)
+"""
+WORKERS = """
+ds = BlockDataset(dense, batch_size=16, fetch_factor=1)
+it = iter(BlockDataLoader(ds, num_workers=2))
+for _ in range(3):
+    batch = next(it)
+"""
+EXITS = {
+    "suspended dense": (SUSPENDED.format(store="dense", output="dense"), "threads"),
+    "suspended CSR": (SUSPENDED.format(store="csr", output="csr"), "threads"),
+    "abandoned after an exception": (ABANDONED, "threads"),
+    "mid-fetch": (MID_FETCH, "threads"),
+    "DataLoader workers": (WORKERS, "threads"),
+    "decode processes": (SUSPENDED.format(store="dense", output="dense"), "processes"),
+}
+
+COUNTS = """
+import gc, threading
+from loader.errors import InputError
+gc.freeze()  # the modules' objects: each collection then walks only what came after
+
+def children():
+    me = str(os.getpid())
+    kids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{{pid}}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    kids.append(pid)
+        except OSError:
+            pass
+    return kids
+
+def counts():
+    gc.collect()
+    with open("/proc/self/maps") as f:
+        maps = f.read().splitlines()
+    kids = children()
+    return {{
+        "fds": len(os.listdir("/proc/self/fd")),
+        "fetch_maps": sum("sclayout-fetch" in m for m in maps),
+        "maps": len(maps),
+        "threads": threading.active_count(),
+        "os_threads": len(os.listdir("/proc/self/task")),
+        "children": len(kids),
+        "children_fds": sum(len(os.listdir(f"/proc/{{p}}/fd")) for p in kids),
+    }}
+
+def settled(want):
+    # threads end and decode processes drop their files a moment after the call
+    deadline = time.monotonic() + 5
+    got = counts()
+    while any(got[k] != want[k] for k in want if k != "maps") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        got = counts()
+    return got
+
+def cycle(close):
+    ds = BlockDataset({store}, batch_size=16, fetch_factor=2, output={output!r})
+    it = iter(ds)
+    sizes = [next(it)["index"].shape[0] for _ in range(3)]
+    assert sizes == [16, 16, 16], sizes
+    if close:
+        ds.close()
+        try:
+            iter(ds)
+        except InputError as e:
+            assert "closed" in str(e), e
+        else:
+            raise AssertionError("a closed dataset read again")
+        ds.close()  # idempotent
+    del ds, it
+    if not close:
+        gc.collect()  # the pass's clean-up runs: its fetches go back to the pool
+        _buffers.release_spares()  # the pool's bounded cache, not a leak
+
+seen = {{}}
+for close in (True, False):
+    counted = []
+    for i in range(30):
+        cycle(close)
+        counted.append(counts() if i < 2 else settled(counted[1]))
+    seen["closed" if close else "dropped"] = counted
+print(json.dumps(seen))
+"""
+
+EMFILE = """
+import resource
+from loader import open_layout
+from loader.errors import ReadError
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+reader = open_layout(dense)
+reader.source_index()  # metadata in memory: the next open is a shard's
+held = BlockDataset(reader, batch_size=16, fetch_factor=2)
+free = os.dup(0)
+os.close(free)  # the lowest free descriptor
+resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))  # no descriptor left
+for what, attempt in (("open", lambda: BlockDataset(dense)), ("read", lambda: next(iter(held)))):
+    try:
+        attempt()
+    except ReadError as e:
+        print(what, free, str(e))
+resource.setrlimit(resource.RLIMIT_NOFILE, (free + 24, hard))  # room for one dataset
+for _ in range(30):  # closed datasets give their descriptors back
+    with BlockDataset(dense, batch_size=16, fetch_factor=2) as ds:
+        assert next(iter(ds))["index"].shape[0] == 16
+print("cycles under the limit: ok")
+"""
+
+LOOP = """
+ds = BlockDataset(dense, batch_size=16, fetch_factor=2)
+batches = BlockDataLoader(ds, num_workers={workers}) if {workers} else ds
+n = 0
+while True:
+    for batch in batches:
+        n += 1
+        if n == 5:
+            from loader._shards import decode_processes
+            print("decoders", decode_processes().pids() if decode_processes() else [])
+            print("reading", flush=True)
 """
 
 
-def _env(decode: str) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), SCLAYOUT_DECODE=decode)
+@pytest.fixture(scope="module")
+def runs(stores):
+    """What each scenario's process printed and how it ended (``code`` ``None``: it
+    was still running after :data:`EXIT_TIMEOUT` and was killed)."""
+    scenarios = {name: (code + PIDS, decode, False) for name, (code, decode) in EXITS.items()}
+    scenarios["counts threads"] = (COUNTS.format(store="dense", output="dense"), "threads", False)
+    scenarios["counts processes"] = (COUNTS.format(store="csr", output="csr"), "processes", False)
+    scenarios["emfile"] = (EMFILE, "threads", False)
+    scenarios["ctrl-c processes"] = (LOOP.format(workers=0), "processes", True)
+    scenarios["ctrl-c workers"] = (LOOP.format(workers=1), "threads", True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("SCLAYOUT_DECODE_THREADS", None)
-    return env
-
-
-def _run(code: str, *args: str, decode: str = "threads") -> subprocess.CompletedProcess:
-    """Run ``PRELUDE + code``; it must exit 0 within :data:`EXIT_TIMEOUT`."""
-    try:
-        proc = subprocess.run(
-            [sys.executable, "-c", PRELUDE + code, *args],
-            capture_output=True,
-            text=True,
-            timeout=EXIT_TIMEOUT,
-            env=_env(decode),
-            cwd=ROOT,
-        )
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"the process did not exit within {EXIT_TIMEOUT} s; stdout: {e.stdout!r}")
+    args = [stores["dense"], stores["shuffled"], json.dumps(scenarios), str(EXIT_TIMEOUT)]
+    proc = subprocess.run(
+        [sys.executable, "-c", RUNNER, *args],
+        capture_output=True,
+        text=True,
+        timeout=4 * EXIT_TIMEOUT,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    return json.loads(proc.stdout.splitlines()[-1])
 
 
 def _gone(pid: int) -> bool:
@@ -81,207 +291,25 @@ def _assert_gone(pids: list[int]) -> None:
         assert _gone(pid), f"decode process {pid} outlived its parent"
 
 
-# --------------------------------------------------------------------- exit at the end
-
-SUSPENDED = """
-ds = BlockDataset(store, batch_size=16, fetch_factor=1, output=sys.argv[2])
-it = iter(ds)
-for _ in range(4):
-    batch = next(it)  # the earlier ones dropped: the pool holds their memory as spares
-"""
-ABANDONED = """
-ds = BlockDataset(store, batch_size=16, fetch_factor=1)
-def train():
-    batches = iter(ds)
-    for i, batch in enumerate(batches):
-        if i == 3:
-            raise RuntimeError("a step failed")
-try:
-    train()
-except RuntimeError as e:
-    error = e  # kept (to report later): its traceback holds the suspended pass
-"""
-MID_FETCH = """
-import time
-run = _shards.DirectArray._run
-def slow(self, out, task):  # a slow disk: the read-ahead is still reading at exit
-    time.sleep(0.05)
-    run(self, out, task)
-_shards.DirectArray._run = slow
-ds = BlockDataset(store, batch_size=16, fetch_factor=1, prefetch=4)
-it = iter(ds)
-for _ in range(3):
-    batch = next(it)
-"""
-WORKERS = """
-ds = BlockDataset(store, batch_size=16, fetch_factor=1)
-it = iter(BlockDataLoader(ds, num_workers=2))
-for _ in range(3):
-    batch = next(it)
-"""
-PIDS = """
-from loader._shards import decode_processes
-print("decoders", decode_processes().pids() if decode_processes() else [])
-print("spares", _buffers.spare_bytes())
-"""
+def _printed(run: dict, key: str) -> str:
+    """What ``run`` printed after ``key`` on its line."""
+    return run["out"].split(key + " ", 1)[1].splitlines()[0]
 
 
-@pytest.mark.parametrize(
-    ("scenario", "store", "output", "decode"),
-    [
-        ("suspended", "dense", "dense", "threads"),
-        ("suspended", "shuffled", "csr", "threads"),
-        ("abandoned", "dense", "dense", "threads"),
-        ("mid-fetch", "dense", "dense", "threads"),
-        ("workers", "dense", "dense", "threads"),
-        ("suspended", "dense", "dense", "processes"),
-    ],
-)
-def test_a_process_exits_whatever_state_its_iterator_is_in(stores, scenario, store, output, decode):
+@pytest.mark.parametrize("scenario", list(EXITS))
+def test_a_process_exits_whatever_state_its_iterator_is_in(runs, scenario):
     """The script ends with the iterator suspended (a step limit), left behind by an
-    exception caught at top level, with fetches in flight, with DataLoader workers, or
+    exception caught at top level, with reads in flight, with DataLoader workers, or
     with decode processes: it exits, and its decode processes end with it."""
-    code = {
-        "suspended": SUSPENDED,
-        "abandoned": ABANDONED,
-        "mid-fetch": MID_FETCH,
-        "workers": WORKERS,
-    }[scenario]
-    proc = _run(code + PIDS + "print('exiting')", stores[store], output, decode=decode)
-    assert proc.stdout.rstrip().endswith("exiting")
-    pids = json.loads(proc.stdout.split("decoders ", 1)[1].splitlines()[0])
-    assert bool(pids) == (decode == "processes")  # the mode the scenario claims
-    if scenario != "workers":  # the main process read: spares to drop at the loop's end
-        assert int(proc.stdout.split("spares ", 1)[1].split()[0]) > 0
+    run = runs[scenario]
+    assert run["code"] is not None, f"{scenario}: still running after {EXIT_TIMEOUT} s"
+    assert run["code"] == 0, run["err"][-3000:]
+    assert run["out"].rstrip().endswith("exiting")
+    pids = json.loads(_printed(run, "decoders"))
+    assert bool(pids) == (EXITS[scenario][1] == "processes")  # the mode it claims
+    if scenario != "DataLoader workers":  # this process read: spares to drop at the end
+        assert int(_printed(run, "spares")) > 0
     _assert_gone(pids)
-
-
-# ----------------------------------------------------------- resources stay flat
-
-COUNTS = """
-import gc, json, os, threading, time
-from loader.errors import InputError
-output, cycles = sys.argv[2], int(sys.argv[3])
-gc.freeze()  # the modules' objects: each collection then walks only what came after
-
-def children():
-    me = str(os.getpid())
-    kids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[1] == me:
-                    kids.append(pid)
-        except OSError:
-            pass
-    return kids
-
-def counts():
-    gc.collect()
-    with open("/proc/self/maps") as f:
-        maps = f.read().splitlines()
-    kids = children()
-    return {
-        "fds": len(os.listdir("/proc/self/fd")),
-        "fetch_maps": sum("sclayout-fetch" in m for m in maps),
-        "maps": len(maps),
-        "threads": threading.active_count(),
-        "os_threads": len(os.listdir("/proc/self/task")),
-        "children": len(kids),
-        "children_fds": sum(len(os.listdir(f"/proc/{p}/fd")) for p in kids),
-    }
-
-def settled(want):
-    # threads end and decode processes drop their files a moment after the call
-    deadline = time.monotonic() + 5
-    got = counts()
-    while any(got[k] != want[k] for k in want if k != "maps") and time.monotonic() < deadline:
-        time.sleep(0.02)
-        got = counts()
-    return got
-
-def cycle(close):
-    ds = BlockDataset(store, batch_size=16, fetch_factor=2, output=output)
-    it = iter(ds)
-    sizes = [next(it)["index"].shape[0] for _ in range(3)]
-    assert sizes == [16, 16, 16], sizes
-    if close:
-        ds.close()
-        try:
-            next(iter(ds))
-        except InputError as e:
-            assert "closed" in str(e), e
-        else:
-            raise AssertionError("a closed dataset read again")
-        ds.close()  # idempotent
-    del ds, it
-    if not close:
-        gc.collect()  # the pass's clean-up runs: its fetches go back to the pool
-        _buffers.release_spares()  # the pool's bounded cache, not a leak
-
-out = {}
-for close in (True, False):
-    seen = []
-    for i in range(cycles):
-        cycle(close)
-        seen.append(counts() if i < 2 else settled(seen[1]))
-    out["closed" if close else "dropped"] = seen
-print(json.dumps(out))
-"""
-
-EMFILE = """
-import os, resource
-from loader import open_layout
-from loader.errors import ReadError
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-reader = open_layout(store)
-reader.source_index()  # metadata in memory: the next open is a shard's
-held = BlockDataset(reader, batch_size=16, fetch_factor=2)
-free = os.dup(0); os.close(free)  # the lowest free descriptor
-resource.setrlimit(resource.RLIMIT_NOFILE, (free, hard))  # no descriptor left
-for what, attempt in (("open", lambda: BlockDataset(store)), ("read", lambda: next(iter(held)))):
-    try:
-        attempt()
-    except ReadError as e:
-        print(what, free, str(e))
-resource.setrlimit(resource.RLIMIT_NOFILE, (free + 24, hard))  # room for one dataset
-for _ in range(30):  # closed datasets give their descriptors back
-    with BlockDataset(store, batch_size=16, fetch_factor=2) as ds:
-        assert next(iter(ds))["index"].shape[0] == 16
-print("cycles under the limit: ok")
-"""
-
-
-@pytest.fixture(scope="module")
-def flat_counts(stores):
-    """Counts over 30 ``open, iterate, close`` cycles and 30 dropped datasets, dense
-    output in threads mode and CSR in processes mode (two interpreters at once)."""
-    runs = {
-        "threads": ("dense", "dense"),
-        "processes": ("shuffled", "csr"),
-    }
-    procs = {
-        mode: subprocess.Popen(
-            [sys.executable, "-c", PRELUDE + COUNTS, stores[store], output, "30"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_env(mode),
-            cwd=ROOT,
-        )
-        for mode, (store, output) in runs.items()
-    }
-    out = {}
-    try:
-        for mode, p in procs.items():
-            stdout, stderr = p.communicate(timeout=240)
-            assert p.returncode == 0, stderr[-3000:]
-            out[mode] = json.loads(stdout.splitlines()[-1])
-    finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.kill()
-    return out
 
 
 MAPS_SLACK = 6
@@ -292,12 +320,16 @@ leak of one mapping per dataset would be 28 over the counted cycles."""
 
 @pytest.mark.parametrize("mode", ["threads", "processes"])
 @pytest.mark.parametrize("how", ["closed", "dropped"])
-def test_descriptors_mappings_threads_and_children_stay_flat(flat_counts, mode, how):
-    """After a first two cycles (process-wide decode threads and processes, the pool's
-    janitor), every cycle leaves the same descriptors, fetch buffers, threads, child
-    processes and children's descriptors as the one before: a closed or collected
-    dataset leaves nothing behind, in this process or in its decode processes."""
-    seen = flat_counts[mode][how]
+def test_descriptors_mappings_threads_and_children_stay_flat(runs, mode, how):
+    """Over 30 ``open, iterate, close`` cycles and 30 datasets dropped without close
+    (dense output decoding in threads, CSR in decode processes): after a first two
+    cycles (process-wide decode threads and processes, the pool's janitor), every
+    cycle leaves the same descriptors, fetch buffers, threads, child processes and
+    children's descriptors as the one before, so a closed or collected dataset leaves
+    nothing behind, in this process or in its decode processes."""
+    run = runs[f"counts {mode}"]
+    assert run["code"] == 0, run["err"][-3000:]
+    seen = json.loads(run["out"].splitlines()[-1])[how]
     base = seen[1]
     if mode == "processes":
         assert base["children"] >= 1  # decode processes did the reads
@@ -310,15 +342,16 @@ def test_descriptors_mappings_threads_and_children_stay_flat(flat_counts, mode, 
                 assert got[key] == base[key], (i, key, got, base)
 
 
-def test_too_many_open_files_is_one_line_naming_the_limit(stores):
+def test_too_many_open_files_is_one_line_naming_the_limit(runs):
     """With no descriptor left, opening a store and reading a shard are each one
     ReadError naming the limit and the fix; under a low limit, datasets that are
     closed can be opened one after another without end."""
-    proc = _run(EMFILE, stores["dense"])
-    lines = proc.stdout.splitlines()
+    run = runs["emfile"]
+    assert run["code"] == 0, run["err"][-3000:]
+    lines = run["out"].splitlines()
     for what in ("open", "read"):
         line = next((x for x in lines if x.startswith(what + " ")), None)
-        assert line is not None, f"no error on {what}: {proc.stdout}"
+        assert line is not None, f"no error on {what}: {run['out']}"
         _, free, message = line.split(" ", 2)
         assert message == (
             f"cannot open more files (the limit is {free}, ulimit -n): close datasets you "
@@ -327,47 +360,14 @@ def test_too_many_open_files_is_one_line_naming_the_limit(stores):
     assert lines[-1] == "cycles under the limit: ok"
 
 
-# ------------------------------------------------------------------------ Ctrl-C
-
-LOOP = """
-import os
-ds = BlockDataset(store, batch_size=16, fetch_factor=2)
-batches = BlockDataLoader(ds, num_workers=int(sys.argv[2])) if sys.argv[2] != "0" else ds
-n = 0
-while True:
-    for batch in batches:
-        n += 1
-        if n == 5:
-            from loader._shards import decode_processes
-            pids = decode_processes().pids() if decode_processes() else []
-            print("reading", pids, flush=True)
-"""
-
-
-@pytest.mark.parametrize(("decode", "workers"), [("processes", "0"), ("threads", "2")])
-def test_ctrl_c_stops_an_epoch(stores, decode, workers):
-    """SIGINT while epochs run (decode processes; or DataLoader workers) ends the
+@pytest.mark.parametrize("how", ["processes", "workers"])
+def test_ctrl_c_stops_an_epoch(runs, how):
+    """SIGINT while epochs run (in decode processes; or in a DataLoader worker) ends the
     process with KeyboardInterrupt, and no decode process is left behind."""
-    p = subprocess.Popen(
-        [sys.executable, "-c", PRELUDE + LOOP, stores["dense"], workers],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(decode),
-        cwd=ROOT,
-    )
-    try:
-        line = p.stdout.readline()
-        assert line.startswith("reading"), p.stderr.read()[-3000:]
-        p.send_signal(signal.SIGINT)
-        _, stderr = p.communicate(timeout=20)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.communicate()
-            pytest.fail("the process did not stop within 20 s of Ctrl-C")
-    assert p.returncode != 0
-    assert "KeyboardInterrupt" in stderr
-    pids = json.loads(line.split(" ", 1)[1])
-    assert bool(pids) == (decode == "processes")
+    run = runs[f"ctrl-c {how}"]
+    assert run["code"] is not None, f"still running {EXIT_TIMEOUT} s after Ctrl-C"
+    assert run["code"] != 0
+    assert "KeyboardInterrupt" in run["err"]
+    pids = json.loads(_printed(run, "decoders"))
+    assert bool(pids) == (how == "processes")
     _assert_gone(pids)
