@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 
+from loader.errors import too_many_files
+
 __all__ = [
     "HDF5_SIGNATURE",
     "OBJECT_STORE_SCHEMES",
@@ -58,9 +60,17 @@ def split_bucket(location: str) -> tuple[str, str, str]:
 def is_hdf5(path: str | os.PathLike[str]) -> bool:
     """Whether the file at ``path`` carries the HDF5 signature.
 
-    ``OSError`` if it cannot be read.
+    ``OSError`` if it cannot be read; :class:`~loader.errors.ReadError` if the process
+    may open no more files.
     """
-    with open(path, "rb") as fh:
+    try:
+        fh = open(path, "rb")
+    except OSError as e:
+        error = too_many_files(e)
+        if error is not None:
+            raise error from None
+        raise
+    with fh:
         for offset in _USER_BLOCK_OFFSETS:
             fh.seek(offset)
             if fh.read(len(HDF5_SIGNATURE)) == HDF5_SIGNATURE:
