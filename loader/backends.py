@@ -439,9 +439,13 @@ def read_error(
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
     if fix is None and damaged:
-        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD"
-        m = re.search(r"shard entry \{(\d+)\}/\{(\d+)\} in .*?/c/(\d+)", cause)
+        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD",
+        # else the key it read: a chunk's (".../c/0"), or a shard's
+        m = re.search(r"shard entry \{(\d+)[\d, ]*\}/\{(\d+)[\d, ]*\} in .*?/c/(\d+)", cause)
+        key = re.search(rf"{re.escape(path)}/c/(\d+)\b", cause)
         chunk = f", chunk {int(m[3]) * int(m[2]) + int(m[1])}" if m else ""
+        if key and not m:
+            chunk = f", {'shard' if 'shard' in cause else 'chunk'} {key[1]}"
         return LayoutError(
             f"store {location.rstrip('/')}, array {path}{chunk}: damaged or missing "
             f"({cause}); restore the store from a good copy or reconvert it"

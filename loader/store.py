@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,6 @@ from loader.assemble import (
 from loader.backends import (
     TensorstoreSettings,
     check_timeout,
-    damage_cause,
     get_backend,
     http_context_spec,
     is_url,
@@ -58,6 +57,7 @@ from loader.backends import (
     timed_out,
     ts_kvstore,
 )
+from loader.checked import read_whole
 from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import is_hdf5
@@ -300,8 +300,20 @@ def _column_order(obs: Any) -> list[str]:
     return [c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order).tolist()]
 
 
-def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
-    """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py)."""
+def _read_h5(node: Any) -> np.ndarray:
+    """Return the h5py dataset ``node`` whole (variable-length strings as ``str``)."""
+    if node.dtype.kind in "OS":
+        return np.asarray(node.asstr()[...], dtype=object)
+    return np.asarray(node[...])
+
+
+def _read_obs(
+    root: Any, column: str, where: str, read: Callable[[Any], np.ndarray] = _read_h5
+) -> tuple[np.ndarray, list]:
+    """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py).
+
+    ``read(array)`` reads one array of the column whole (a store's: every chunk checked).
+    """
     import pandas as pd
 
     if "obs" not in root:
@@ -317,28 +329,20 @@ def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
     enc = node.attrs.get("encoding-type", "array")
     enc = enc.decode() if isinstance(enc, bytes) else str(enc)
     if enc == "categorical":
-        codes = np.asarray(node["codes"][...]).astype(np.int64)
-        cat_node = node["categories"]
-        if hasattr(cat_node, "asstr") and cat_node.dtype.kind in "OS":
-            cats = list(cat_node.asstr()[...])
-        else:
-            cats = _decode_strings(cat_node[...])
-        return codes, cats
+        codes = read(node["codes"]).astype(np.int64)
+        return codes, _decode_strings(read(node["categories"]))
     if enc.startswith("nullable"):
-        values = np.asarray(node["values"][...])
-        mask = np.asarray(node["mask"][...], dtype=bool)
+        values = read(node["values"])
+        mask = read(node["mask"]).astype(bool)
         if values.dtype.kind in "OS":
             values = np.asarray(_decode_strings(values), dtype=object)
         codes, uniques = pd.factorize(values, sort=True)
         codes = codes.astype(np.int64)
         codes[mask] = -1
         return codes, list(uniques)
-    if hasattr(node, "asstr") and node.dtype.kind in "OS":
-        values = np.asarray(node.asstr()[...], dtype=object)
-    else:
-        values = np.asarray(node[...])
-        if values.dtype.kind in "OSUT":
-            values = np.asarray(_decode_strings(values), dtype=object)
+    values = read(node)
+    if values.dtype.kind in "OSUT":
+        values = np.asarray(_decode_strings(values), dtype=object)
     codes, uniques = pd.factorize(values, sort=True)
     return codes.astype(np.int64), list(uniques)
 
@@ -489,9 +493,6 @@ class LayoutReader:
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
-            from loader._shards import missing_chunk
-
-            fix = "restore the store from a good copy or reconvert it"
             try:
                 arr = zarr.open_array(os.path.join(self.location, path), mode="r")
             except (FileNotFoundError, KeyError) as e:
@@ -499,19 +500,9 @@ class LayoutReader:
                     f"{self.location}: array {path!r} named by the manifest is missing ({e}); "
                     "reconvert with `sclayout convert --overwrite`"
                 ) from None
-            if self.manifest.all_chunks_stored:
-                gone = missing_chunk(self.location, path)
-                if gone is not None:
-                    raise LayoutError(
-                        f"store {self.location}, array {path}, {gone} is missing; {fix}"
-                    )
-            try:
-                return np.asarray(arr[...])
-            except (ValueError, RuntimeError, TypeError) as e:  # crc32c, decoding
-                raise LayoutError(
-                    f"store {self.location}, array {path}: cannot be read "
-                    f"({damage_cause(e)}); {fix}"
-                ) from None
+            return read_whole(
+                arr, self.location, path, require_chunks=self.manifest.all_chunks_stored
+            )
         return self._io.read_array(path)
 
     @property
@@ -623,12 +614,19 @@ class LayoutReader:
         """
         if column not in self._obs:
             root = self._obs_root()
+            read = self._read_checked if self.kind == "store" else _read_h5
             try:
-                self._obs[column] = _read_obs(root, column, self.location)
+                self._obs[column] = _read_obs(root, column, self.location, read)
             finally:
                 if self.kind == "h5ad":
                     root.close()
         return self._obs[column]
+
+    def _read_checked(self, array: Any) -> np.ndarray:
+        """Return the zarr array ``array`` of this store whole, every chunk checked."""
+        return read_whole(
+            array, self.location, array.path, require_chunks=self.manifest.all_chunks_stored
+        )
 
     # -- fetching
     def plan(self, blocks: np.ndarray, *, max_gap_chunks: int = 0) -> FetchPlan:
