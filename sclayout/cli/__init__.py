@@ -27,9 +27,10 @@ class _Group(click.Group):
             click.echo("error: interrupted; nothing written", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except Exception as e:
-            from loader.errors import SclayoutError  # here: loader imports numpy
-
-            if not isinstance(e, SclayoutError):
+            # loader imports numpy: an error from it means loader.errors is loaded already
+            # (--help and click's usage errors come here too, and must not wait for numpy)
+            errors = sys.modules.get("loader.errors")
+            if errors is None or not isinstance(e, errors.SclayoutError):
                 raise
             click.echo(f"error: {e}", err=True)
             sys.exit(e.exit_code)
