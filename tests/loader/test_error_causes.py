@@ -140,3 +140,20 @@ def test_a_damaged_chunk_is_one_exception_on_every_backend(root):
         last = text.strip().splitlines()[-1]
         assert last.startswith("loader.errors.LayoutError: store "), (name, last)
         assert "damaged" in last and "array X/data, chunk " in last, (name, last)
+
+
+def test_verify_of_an_unreadable_chunk_prints_one_line(root):
+    """The whole of stderr: the reads the failed command abandoned print nothing at exit."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "sclayout",
+        "verify",
+        str(root / "src.h5ad"),
+        str(root / "damaged"),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.startswith("error: DST X: a chunk cannot be read"), proc.stderr[-3000:]
+    assert proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert "Stored:" not in proc.stderr  # not zarr's raw checksum bytes
