@@ -184,7 +184,7 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
             raise timed_out(location, key, timeout) from None
         except ValueError as e:
             fix = "check that the server is up and the URL names a layout store"
-            raise read_error(location, key, e, fix=fix) from e
+            raise read_error(location, key, e, fix=fix) from None
         if got.state != "value":
             raise NotALayoutStoreError(
                 f"{location}/{key} not found: this URL is not a layout store; check the URL"

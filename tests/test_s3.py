@@ -4,6 +4,7 @@ store's, reads are ranged and coalesced, and a server that goes away is one line
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -204,3 +205,24 @@ def test_a_bucketless_url_or_a_prefix_without_a_store_is_refused(s3, shared_stor
         convert(shared_store[0], "s3://")
     with pytest.raises(NotALayoutStoreError, match=r"s3://data/none\.zarr/zarr\.json not found"):
         open_layout("s3://data/none.zarr")
+
+
+def test_a_damaged_chunk_in_a_bucket_is_one_exception(s3, shared_store, tmp_path):
+    """The tensorstore read error is not chained to the LayoutError (one traceback)."""
+    from loader.errors import LayoutError
+    from sclayout.convert.remote import upload_tree
+    from sclayout.testing.damage import DAMAGE
+
+    local = tmp_path / "damaged.zarr"
+    shutil.copytree(shared_store[1], local)
+    DAMAGE["flip16-data"](local)
+    url = "s3://data/damaged.zarr"
+    upload_tree(local, url)
+    reader = open_layout(url)
+    with pytest.raises(LayoutError) as e:
+        reader.submit(np.arange(reader.n_blocks)).result()
+    message = str(e.value)
+    assert message.startswith(f"store {url}, array X/data, chunk ") and "\n" not in message
+    assert "damaged or missing" in message
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    assert isinstance(e.value.__context__, ValueError)  # tensorstore's, for debugging

@@ -38,11 +38,21 @@ def _readable(dst: str) -> Iterator[str]:
     """Yield a local path for ``dst``: itself, or a temporary copy of an s3:// / gs:// store.
 
     The checks walk a store's files and read every byte; an object store's is copied
-    first (docs/object-stores.md), and messages name the URL, not the copy.
+    first (docs/object-stores.md), and messages name the URL, not the copy. An
+    ``http(s)://`` store cannot be listed: one line says so, or that the server ignores
+    Range requests (then the loader cannot read it either).
     """
-    from loader.errors import SclayoutError
-    from loader.location import is_object_store
+    from loader.errors import InputError, SclayoutError
+    from loader.location import http_range_error, is_http, is_object_store
 
+    if is_http(dst):
+        refused = http_range_error(dst)
+        if refused is not None:
+            raise refused
+        raise InputError(
+            f"{dst}: an http(s) server cannot list the store's files, which the checks "
+            "walk; copy the store to a folder (or a bucket) and check the copy"
+        )
     if not is_object_store(dst):
         yield dst
         return
