@@ -58,6 +58,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
 from _common import (  # noqa: E402
+    REPO,
     RESULTS,
     command_line,
     environment,
@@ -68,7 +69,7 @@ from _common import (  # noqa: E402
 BATCH = 64
 OBS = ("cell_line", "plate")
 MAX_GROWTH = 0.02
-"""Largest growth, from the first sample after the first epoch to the last, that is flat."""
+"""Largest growth after the first epoch that is flat (:func:`verdicts`)."""
 READINGS, READING_GAP = 5, 0.1
 """A sample is the median of this many readings, this many seconds apart."""
 TREE_GRACE = 10.0
@@ -193,7 +194,9 @@ def _sample(proc: subprocess.Popen, status: np.memmap, err: Path, wait: float) -
     return {**out, "pids": readings[-1]["pids"], "steady": steady}
 
 
-def _run(a: argparse.Namespace, proc, status, err: Path) -> tuple[list[dict], float]:
+def _run(
+    a: argparse.Namespace, proc: subprocess.Popen, status: np.memmap, err: Path
+) -> tuple[list[dict], float]:
     """Sample the child until ``--minutes`` after its first minibatch; returns the
     samples and the seconds from its start to that first minibatch."""
     start = time.monotonic()
@@ -232,8 +235,8 @@ def stop_child(
 ) -> dict:
     """Tell the child to stop; wait up to ``timeout`` s for it to exit (else kill it).
 
-    Then waits up to :data:`TREE_GRACE` s for the rest of its tree (last sample's pids:
-    workers, the multiprocessing resource tracker) to go, and kills what stays.
+    Then waits up to :data:`TREE_GRACE` s for the rest of its tree (``pids``, read just
+    before: workers, the multiprocessing resource tracker) to go, and kills what stays.
     """
     t0 = time.monotonic()
     status[STOP] = 1
@@ -417,6 +420,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return a
 
 
+def _in_repo(path: Path) -> Path:
+    path = path.resolve()
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
 def _child_cmd(a: argparse.Namespace, store: Path, status: Path) -> list[str]:
     return [
         sys.executable, __file__, "--train", "--store", str(store), "--status", str(status),
@@ -429,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if a.train:
         return train(a)
     from sclayout.pagecache import Evictor, tree_bytes
-    from sclayout.testing.measure import check_eviction
+    from sclayout.testing.measure import check_eviction, tree_resources
 
     store = _store(a)
     check = check_eviction(store)
@@ -444,7 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             try:
                 samples, startup = _run(a, proc, status, err)
-                exit_ = stop_child(proc, status, samples[-1]["pids"], a.exit_timeout)
+                _alive(proc, err)
+                tree = tree_resources(proc.pid).pids
+                exit_ = stop_child(proc, status, tree, a.exit_timeout)
             finally:
                 if proc.poll() is None:
                     with contextlib.suppress(ProcessLookupError):
@@ -460,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "store": str(store),
         "store_gb": size / 1e9,
         "store_files": files,
-        "spec": str(a.spec),
+        "spec": str(_in_repo(a.spec)),
         "cold_check_mb_s": check.cold_mb_s,
         "warm_check_mb_s": check.warm_mb_s,
         "startup_s": startup,
