@@ -67,7 +67,8 @@ def _quiet_abandoned_reads() -> None:
 def main() -> None:
     """Convert AnnData to chunk-aligned layout stores, and predict how to read them.
 
-    Run `sclayout COMMAND --help` for a command's options; docs/cli.md describes them all.
+    Run `sclayout COMMAND --help` for a command's options; all of them are described at
+    https://github.com/sclayout/sclayout/blob/main/docs/cli.md
     """
 
 
