@@ -20,6 +20,17 @@ for 200,000 rows, 40 MB each for 5,000,000).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
+
+A store replaced under a running job (``convert --overwrite`` into its path) is a
+:class:`~loader.errors.StoreChangedError`, never a mix of two stores. A reader records
+the store's generation (:attr:`loader.layout.Manifest.identity`) when it opens it;
+a copy unpickled in another process (a DataLoader worker) must open the same one;
+:meth:`LayoutReader.check_generation` re-reads it (each pass of a dataset calls it);
+and a local store's directory (device and inode) is compared after every fetch's
+reads and lazy metadata read, one ``stat``. A directory descriptor alone would not
+do: tensorstore and zarr-python open chunks by path, so only a check after the
+reads covers every backend. A remote store is checked at each pass and when a read
+fails (docs/loader.md, "A store replaced under a job").
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,7 +70,14 @@ from loader.backends import (
     timed_out,
     ts_kvstore,
 )
-from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
+from loader.errors import (
+    InputError,
+    LayoutError,
+    NotALayoutStoreError,
+    SclayoutError,
+    SpecError,
+    StoreChangedError,
+)
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
@@ -70,6 +89,7 @@ __all__ = [
     "PendingFetch",
     "open_layout",
     "read_manifest",
+    "store_changed",
     "tune_malloc",
 ]
 
@@ -211,6 +231,43 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
             f"(convert it with `sclayout convert {location} DST`)"
         )
     return Manifest.from_dict(doc)
+
+
+def _dir_id(location: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of a local store's directory; ``None`` when it is gone."""
+    try:
+        st = os.stat(location)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_manifest(location: str, http: Mapping[str, Any]) -> tuple[Manifest, Any]:
+    """Return the manifest and, for a local store, the directory it was read from.
+
+    Read between two looks at the directory, so that both are of the same store
+    even if it is being replaced now.
+    """
+    if is_url(location):
+        return read_manifest(location, http), None
+    for _ in range(3):
+        before = _dir_id(location)
+        manifest = read_manifest(location, http)
+        if before is not None and _dir_id(location) == before:
+            return manifest, before
+    raise StoreChangedError(
+        f"store {location} is being replaced while it is opened; open it again once "
+        "the conversion into it has finished"
+    )
+
+
+def store_changed(location: str, was: str, now: str | None) -> StoreChangedError:
+    """Return the one-line error of a store replaced under a job (``now``: ``None``: gone)."""
+    found = f"now {now}" if now else "now no readable store there"
+    return StoreChangedError(
+        f"store {location} was replaced while this job read it (generation {was} at "
+        f"start, {found}): restart the job to read the new store"
+    )
 
 
 def _h5_chunks(ds: Any) -> tuple[int, ...]:
@@ -395,6 +452,11 @@ class LayoutReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
+        self.generation: str | None = None
+        """The store's :attr:`~loader.layout.Manifest.identity` when this reader
+        opened it (``None`` for an .h5ad)."""
+        self._dir: tuple[int, int] | None = None
+        self._http: Mapping[str, Any] = {}
         if kind == "h5ad":
             bs = (
                 H5AD_DEFAULT_BLOCK_SIZE
@@ -412,7 +474,9 @@ class LayoutReader:
                 for name in ("retries", "retry_delay", "timeout")
                 if f"http_{name}" in opts
             }
-            stored = read_manifest(location, http)
+            stored, self._dir = _open_manifest(location, http)
+            self._http = http
+            self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
                     f"matrix={settings.matrix!r}: not in the store; available: "
@@ -465,12 +529,81 @@ class LayoutReader:
             per_block = self.block_size
         return per_block / chunk
 
-    # -- pickling: path and settings only
+    # -- pickling: path and settings only (and the generation the copy must find)
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self._settings}
+        return {"settings": self._settings, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["settings"])  # type: ignore[misc]
+        self.expect_generation(state.get("generation"))
+
+    # -- the store's generation: the same for the whole job
+    def expect_generation(self, generation: str | None) -> None:
+        """Raise :class:`StoreChangedError` unless this reader opened ``generation``.
+
+        ``None``: nothing to compare with. A process that reopens a store its job
+        opened elsewhere (a DataLoader worker) passes the generation recorded there.
+        """
+        if generation is not None and self.generation != generation:
+            raise store_changed(self.location, generation, self.generation)
+
+    def check_generation(self) -> None:
+        """Raise :class:`StoreChangedError` if the store was replaced since this reader opened it.
+
+        It re-reads the manifest's generation: one small read (the root ``zarr.json``),
+        local or remote. Call it at each epoch or pass (``BlockDataset`` does, in every
+        process).
+        """
+        replaced = self._replaced()
+        if replaced is not None:
+            raise replaced
+
+    def _replaced(self) -> StoreChangedError | None:
+        """Return the error to raise if the store at this path is not the one opened.
+
+        ``None`` if it is. Re-reads the manifest (a store moved aside for a moment, by
+        the two renames of ``--overwrite``, is read again once).
+        """
+        if self.kind != "store":
+            return None
+        now = None
+        for attempt in range(2):
+            try:
+                now = read_manifest(self.location, self._http).identity
+                break
+            except (SclayoutError, OSError):
+                if attempt == 0:
+                    time.sleep(0.05)  # between the two renames of an --overwrite
+        if now == self.generation:
+            if self._dir is not None:  # the same store, moved back: the same bytes
+                self._dir = _dir_id(self.location)
+            return None
+        assert self.generation is not None
+        return store_changed(self.location, self.generation, now)
+
+    def _check_same_store(self) -> None:
+        """Check, after lazy reads of a local store, that it is still the one opened.
+
+        One ``stat`` of its directory; another directory (replaced or moved): compare
+        generations.
+        """
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            self.check_generation()
+
+    @contextlib.contextmanager
+    def _replacement_named(self) -> Any:
+        """Turn an error of the reads inside into :class:`StoreChangedError` if replaced.
+
+        For example a chunk of the old store gone, or one of the new store decoded
+        with the old layout. Other errors pass unchanged.
+        """
+        try:
+            yield
+        except Exception:
+            replaced = self._replaced()
+            if replaced is not None:
+                raise replaced from None
+            raise
 
     def __repr__(self) -> str:
         return (
@@ -628,6 +761,7 @@ class LayoutReader:
             finally:
                 if self.kind == "h5ad":
                     root.close()
+            self._check_same_store()  # read by path: from the store this reader opened?
         return self._obs[column]
 
     # -- fetching
@@ -661,9 +795,10 @@ class LayoutReader:
             array, repeats allowed): the fetch is delivered as those rows, in that
             order (see :meth:`Fetched.permute`).
         """
-        ids, bounds, needed = fetch_ranges(
-            blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
-        )
+        with self._replacement_named():
+            ids, bounds, needed = fetch_ranges(
+                blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
+            )
         layout = self.layout
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
@@ -677,12 +812,24 @@ class LayoutReader:
             request["source_index"] = (self.manifest.source_index, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
-        io = self._io.submit(request)
+        with self._replacement_named():
+            io = self._io.submit(request)
         job = self._assembler().submit(self._assemble, io, bounds, order)
         return PendingFetch(self, ids, job)
 
     def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
-        """Wait for a fetch's reads and build its rows (runs in the assembly thread)."""
+        """Wait for a fetch's reads and build its rows (runs in the assembly thread).
+
+        Then check that the store is still the one opened: every read of the fetch
+        has happened by now, so a store replaced before any of them is caught here.
+        """
+        with self._replacement_named():
+            fetched = self._assembled(io, bounds, order)
+        self._check_same_store()
+        return fetched
+
+    def _assembled(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
+        """Return the fetch's rows once its reads have landed."""
         got = io.result()
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:

@@ -16,6 +16,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -545,6 +546,7 @@ def _convert_into(
         genes=inp.genes,
         provenance=provenance,
         notes=tuple(inp.notes),
+        generation=uuid.uuid4().hex,  # a new one each time: readers tell a replaced store
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
