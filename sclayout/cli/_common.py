@@ -30,6 +30,7 @@ __all__ = [
     "quiet_option",
     "require",
     "show_progress",
+    "tidy_stale",
 ]
 
 EXIT_OK = 0
@@ -150,3 +151,17 @@ def codec_names() -> tuple[str, ...]:
     from sclayout.convert.codecs import CODECS
 
     return tuple(CODECS)
+
+
+def tidy_stale(*paths: Any) -> None:
+    """Tidy what killed conversions left next to each local store path, one line each.
+
+    Every command given a store runs it first (:func:`sclayout.convert.stale.clean_stale`:
+    hidden temporary siblings removed, an old store moved aside put back), so SIGKILL
+    during ``convert`` leaves nothing past the next command on that path.
+    """
+    from sclayout.convert.stale import clean_stale
+
+    for path in paths:
+        for line in clean_stale(path):
+            click.echo(line, err=True)

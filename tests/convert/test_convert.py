@@ -446,6 +446,32 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(tmp_path, synth_h5ad):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
 
 
+def test_a_locked_temp_sibling_is_left_alone_whatever_its_pid(tmp_path):
+    """The lock decides (it holds across hosts, where a pid means nothing): a sibling
+    whose conversion still holds the lock stays, even if its pid is not alive here."""
+    import subprocess
+    import sys
+
+    from sclayout.convert.stale import clean_stale, hold
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    stale = tmp_path / f".o.zarr.sclayout-tmp-{dead}"
+    (stale / "X").mkdir(parents=True)
+    fd = hold(stale)
+    try:
+        assert clean_stale(tmp_path / "o.zarr") == []
+        assert stale.is_dir()
+    finally:
+        os.close(fd)
+    assert clean_stale(tmp_path / "o.zarr") == [
+        f"removed {stale.name} left by a conversion that was killed"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_overwrite_puts_the_old_store_back_if_the_new_one_cannot_take_its_place(
     tmp_path, synth_h5ad, monkeypatch
 ):
