@@ -554,32 +554,62 @@ class LayoutReader:
         local or remote. Call it at each epoch or pass (``BlockDataset`` does, in every
         process).
         """
-        replaced = self._replaced()
+        if self.kind != "store":
+            return
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            gone = self._gone()  # a local store no longer there, else the read's own error
+            if gone is not None:
+                raise gone from None
+            raise
+        replaced = self._compare(now)
         if replaced is not None:
             raise replaced
 
-    def _replaced(self) -> StoreChangedError | None:
-        """Return the error to raise if the store at this path is not the one opened.
+    def _generation_now(self) -> str:
+        """Return the identity of the store now at this reader's path (re-reads the manifest).
 
-        ``None`` if it is. Re-reads the manifest (a store moved aside for a moment, by
-        the two renames of ``--overwrite``, is read again once).
+        A local store moved aside for a moment, by the two renames of ``--overwrite``, is
+        read again once; a manifest still unreadable raises the read's error.
         """
-        if self.kind != "store":
-            return None
-        now = None
-        for attempt in range(2):
-            try:
-                now = read_manifest(self.location, self._http).identity
-                break
-            except (SclayoutError, OSError):
-                if attempt == 0:
-                    time.sleep(0.05)  # between the two renames of an --overwrite
+        try:
+            return read_manifest(self.location, self._http).identity
+        except (SclayoutError, OSError):
+            if self._dir is None:  # remote: no renames to wait for
+                raise
+            time.sleep(0.05)  # between the two renames of an --overwrite
+        return read_manifest(self.location, self._http).identity
+
+    def _gone(self) -> StoreChangedError | None:
+        """Return the error of a local store whose directory left its path, else ``None``."""
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            assert self.generation is not None
+            return store_changed(self.location, self.generation, None)
+        return None
+
+    def _compare(self, now: str) -> StoreChangedError | None:
+        """Return the error if ``now`` is not the generation opened, else ``None``."""
         if now == self.generation:
             if self._dir is not None:  # the same store, moved back: the same bytes
                 self._dir = _dir_id(self.location)
             return None
         assert self.generation is not None
         return store_changed(self.location, self.generation, now)
+
+    def _replaced(self) -> StoreChangedError | None:
+        """Return the error to raise if the store at this path is not the one opened.
+
+        ``None`` if it is, or if that cannot be told (a server that does not answer:
+        the caller's own error says so).
+        """
+        if self.kind != "store":
+            return None
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            return self._gone()
+        return self._compare(now)
 
     def _check_same_store(self) -> None:
         """Check, after lazy reads of a local store, that it is still the one opened.
@@ -599,7 +629,9 @@ class LayoutReader:
         """
         try:
             yield
-        except Exception:
+        except Exception as e:
+            if self._dir is None and not isinstance(e, LayoutError):
+                raise  # remote, and the server did not answer: asking again would wait too
             replaced = self._replaced()
             if replaced is not None:
                 raise replaced from None
