@@ -789,7 +789,8 @@ class LayoutReader:
         if column not in self._obs:
             root = self._obs_root()
             try:
-                self._obs[column] = _read_obs(root, column, self.location)
+                with self._replacement_named():
+                    self._obs[column] = _read_obs(root, column, self.location)
             finally:
                 if self.kind == "h5ad":
                     root.close()

@@ -36,7 +36,7 @@ def data(tmp_path_factory, make_adata):
         "b": root / "b.h5ad",
         "generation": made.generation,
         "truth": a.X.toarray(),
-        "other": b.X.toarray(),
+        "labels": np.asarray(a.obs["cell_line"].astype(str)),
     }
 
 
@@ -65,8 +65,14 @@ def _dense(x) -> np.ndarray:
     return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
 
 
-def _from_old(batch, data) -> bool:
+def _from_old(batch, data, categories=None) -> bool:
+    """Whether the batch's rows (and labels, if ``categories``) are store ``a``'s."""
     index = np.asarray(batch["index"])
+    if categories is not None:
+        codes = np.asarray(batch["obs"]["cell_line"])
+        labels = np.asarray(categories["cell_line"], dtype=object)[codes]
+        if not np.array_equal(labels, data["labels"][index]):
+            return False
     return np.array_equal(_dense(batch["X"]), data["truth"][index])
 
 
@@ -86,14 +92,14 @@ def test_replaced_mid_epoch_in_the_main_process(store, data):
     store, and the error comes within the epoch (most of its fetches are still unread)."""
     from loader.dataset import BlockDataset
 
-    ds = BlockDataset(store, batch_size=8, fetch_factor=1, seed=3)
+    ds = BlockDataset(store, batch_size=8, fetch_factor=1, seed=3, obs=("cell_line",))
     it = iter(ds)
     got = [next(it) for _ in range(3)]
     now = _replace(store, data)
     with pytest.raises(StoreChangedError, match=_message(store, data["generation"], now)):
         got.extend(it)
     assert got and len(got) < len(ds)
-    assert all(_from_old(b, data) for b in got)
+    assert all(_from_old(b, data, ds.categories) for b in got)
 
 
 def test_a_copy_in_another_process_must_open_the_same_generation(store, data):
@@ -135,7 +141,7 @@ def test_replaced_under_dataloader_workers(store, data):
     dataset: test_a_copy_in_another_process_must_open_the_same_generation.)"""
     from loader import BlockDataLoader, BlockDataset
 
-    ds = BlockDataset(store, batch_size=BLOCK, fetch_factor=1, seed=3)
+    ds = BlockDataset(store, batch_size=BLOCK, fetch_factor=1, seed=3, obs=("cell_line",))
     dl = BlockDataLoader(ds, num_workers=2, persistent_workers=True)
     got = []
     it = iter(dl)
@@ -145,6 +151,6 @@ def test_replaced_under_dataloader_workers(store, data):
     with pytest.raises(StoreChangedError, match=msg):
         got.extend(it)
     assert len(got) < len(ds)  # refused within the epoch, by a worker
-    assert all(_from_old(b, data) for b in got)
+    assert all(_from_old(b, data, ds.categories) for b in got)
     with pytest.raises(StoreChangedError, match=msg):
         next(iter(dl))
