@@ -461,13 +461,20 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
         if not overwrite:  # appeared while we converted
             raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
         old = sibling(dst, OLD_TAG)
-        os.rename(dst, old)
+        lock = None
+        with contextlib.suppress(OSError):  # held while aside: clean_stale leaves it alone
+            lock = hold(dst)
         try:
-            os.rename(tmp, dst)
-        except OSError:
-            os.rename(old, dst)  # the user's store back where it was
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+            os.rename(dst, old)
+            try:
+                os.rename(tmp, dst)
+            except OSError:
+                os.rename(old, dst)  # the user's store back where it was
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if lock is not None:
+                os.close(lock)
     else:
         os.rename(tmp, dst)
 

@@ -7,10 +7,11 @@ remove them, so every ``sclayout`` command given a DST runs :func:`clean_stale` 
 and says what it removed (or put back) on stderr. ``loader`` never deletes anything.
 
 A sibling belongs to a conversion still running if its process holds the ``flock``
-the conversion takes on the folder (:func:`hold`; the kernel drops it when the process
-dies, even by SIGKILL, and it holds across hosts sharing the file system), or if the
-PID in its name is alive on this host (a conversion that has not taken the lock yet,
-or the aside copy of the old DST). Such a sibling is left alone.
+the conversion takes on the folder (:func:`hold`: on its temporary store, and on the old
+DST while it is aside; the kernel drops it when the process dies, even by SIGKILL, and
+it holds across hosts sharing the file system), or if the PID in its name is alive on
+this host (a conversion that has not taken the lock yet, or a file system without
+locks). Such a sibling is left alone.
 """
 
 from __future__ import annotations
