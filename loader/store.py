@@ -242,19 +242,26 @@ def _dir_id(location: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _open_manifest(location: str, http: Mapping[str, Any]) -> tuple[Manifest, Any]:
-    """Return the manifest and, for a local store, the directory it was read from.
+def _open_manifest(
+    location: str, backend_options: Sequence[tuple[str, Any]]
+) -> tuple[Manifest, Any, dict[str, Any]]:
+    """Return the manifest, the directory it was read from (local) and the HTTP options.
 
-    Read between two looks at the directory, so that both are of the same store
-    even if it is being replaced now.
+    The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
+    local manifest is read between two looks at the directory, so that both are of
+    the same store even if it is being replaced now.
     """
+    opts = dict(backend_options)
+    http = {
+        n: opts[f"http_{n}"] for n in ("retries", "retry_delay", "timeout") if f"http_{n}" in opts
+    }
     if is_url(location):
-        return read_manifest(location, http), None
+        return read_manifest(location, http), None, http
     for _ in range(3):
         before = _dir_id(location)
         manifest = read_manifest(location, http)
         if before is not None and _dir_id(location) == before:
-            return manifest, before
+            return manifest, before, http
     raise StoreChangedError(
         f"store {location} is being replaced while it is opened; open it again once "
         "the conversion into it has finished"
@@ -428,6 +435,10 @@ class LayoutReader:
         ``"store"`` or ``"h5ad"``.
     backend
         Name of the backend that executes fetches.
+    generation
+        The store's :attr:`~loader.layout.Manifest.identity` when this reader opened it
+        (``None`` for an .h5ad): every process of a job must read this one (see the
+        module docstring).
     """
 
     def __init__(self, settings: _Settings) -> None:
@@ -452,9 +463,7 @@ class LayoutReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
-        self.generation: str | None = None
-        """The store's :attr:`~loader.layout.Manifest.identity` when this reader
-        opened it (``None`` for an .h5ad)."""
+        self.generation: str | None = None  # see the class docstring
         self._dir: tuple[int, int] | None = None
         self._http: Mapping[str, Any] = {}
         if kind == "h5ad":
@@ -468,14 +477,7 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            opts = dict(settings.backend_options)
-            http = {
-                name: opts[f"http_{name}"]
-                for name in ("retries", "retry_delay", "timeout")
-                if f"http_{name}" in opts
-            }
-            stored, self._dir = _open_manifest(location, http)
-            self._http = http
+            stored, self._dir, self._http = _open_manifest(location, settings.backend_options)
             self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
