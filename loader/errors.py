@@ -15,6 +15,7 @@ __all__ = [
     "ReadError",
     "SclayoutError",
     "SpecError",
+    "StoreChangedError",
 ]
 
 
@@ -50,3 +51,10 @@ class ReadError(SclayoutError):
 
 class FormatVersionError(LayoutError):
     """A manifest written by a newer (or unknown) version of the format."""
+
+
+class StoreChangedError(LayoutError):
+    """The store was replaced (reconverted, moved, deleted) while a job read it.
+
+    Reading on would mix batches of two different stores: the job must restart.
+    """

@@ -20,6 +20,17 @@ for 200,000 rows, 40 MB each for 5,000,000).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
+
+A store replaced under a running job (``convert --overwrite`` into its path) is a
+:class:`~loader.errors.StoreChangedError`, never a mix of two stores. A reader records
+the store's generation (:attr:`loader.layout.Manifest.identity`) when it opens it;
+a copy unpickled in another process (a DataLoader worker) must open the same one;
+:meth:`LayoutReader.check_generation` re-reads it (each pass of a dataset calls it);
+and a local store's directory (device and inode) is compared after every fetch's
+reads and lazy metadata read, one ``stat``. A directory descriptor alone would not
+do: tensorstore and zarr-python open chunks by path, so only a check after the
+reads covers every backend. A remote store is checked at each pass and when a read
+fails (docs/loader.md, "A store replaced under a job").
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -58,7 +70,14 @@ from loader.backends import (
     ts_kvstore,
 )
 from loader.checked import read_whole
-from loader.errors import InputError, LayoutError, NotALayoutStoreError, SpecError
+from loader.errors import (
+    InputError,
+    LayoutError,
+    NotALayoutStoreError,
+    SclayoutError,
+    SpecError,
+    StoreChangedError,
+)
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
@@ -70,6 +89,7 @@ __all__ = [
     "PendingFetch",
     "open_layout",
     "read_manifest",
+    "store_changed",
     "tune_malloc",
 ]
 
@@ -211,6 +231,50 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
             f"(convert it with `sclayout convert {location} DST`)"
         )
     return Manifest.from_dict(doc)
+
+
+def _dir_id(location: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of a local store's directory; ``None`` when it is gone."""
+    try:
+        st = os.stat(location)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_manifest(
+    location: str, backend_options: Sequence[tuple[str, Any]]
+) -> tuple[Manifest, Any, dict[str, Any]]:
+    """Return the manifest, the directory it was read from (local) and the HTTP options.
+
+    The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
+    local manifest is read between two looks at the directory, so that both are of
+    the same store even if it is being replaced now.
+    """
+    opts = dict(backend_options)
+    http = {
+        n: opts[f"http_{n}"] for n in ("retries", "retry_delay", "timeout") if f"http_{n}" in opts
+    }
+    if is_url(location):
+        return read_manifest(location, http), None, http
+    for _ in range(3):
+        before = _dir_id(location)
+        manifest = read_manifest(location, http)
+        if before is not None and _dir_id(location) == before:
+            return manifest, before, http
+    raise StoreChangedError(
+        f"store {location} is being replaced while it is opened; open it again once "
+        "the conversion into it has finished"
+    )
+
+
+def store_changed(location: str, was: str, now: str | None) -> StoreChangedError:
+    """Return the one-line error of a store replaced under a job (``now``: ``None``: gone)."""
+    found = f"now {now}" if now else "now no readable store there"
+    return StoreChangedError(
+        f"store {location} was replaced while this job read it (generation {was} at "
+        f"start, {found}): restart the job to read the new store"
+    )
 
 
 def _h5_chunks(ds: Any) -> tuple[int, ...]:
@@ -375,6 +439,10 @@ class LayoutReader:
         ``"store"`` or ``"h5ad"``.
     backend
         Name of the backend that executes fetches.
+    generation
+        The store's :attr:`~loader.layout.Manifest.identity` when this reader opened it
+        (``None`` for an .h5ad): every process of a job must read this one (see the
+        module docstring).
     """
 
     def __init__(self, settings: _Settings) -> None:
@@ -399,6 +467,9 @@ class LayoutReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
+        self.generation: str | None = None  # see the class docstring
+        self._dir: tuple[int, int] | None = None
+        self._http: Mapping[str, Any] = {}
         if kind == "h5ad":
             bs = (
                 H5AD_DEFAULT_BLOCK_SIZE
@@ -410,13 +481,8 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            opts = dict(settings.backend_options)
-            http = {
-                name: opts[f"http_{name}"]
-                for name in ("retries", "retry_delay", "timeout")
-                if f"http_{name}" in opts
-            }
-            stored = read_manifest(location, http)
+            stored, self._dir, self._http = _open_manifest(location, settings.backend_options)
+            self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
                     f"matrix={settings.matrix!r}: not in the store; available: "
@@ -469,12 +535,113 @@ class LayoutReader:
             per_block = self.block_size
         return per_block / chunk
 
-    # -- pickling: path and settings only
+    # -- pickling: path and settings only (and the generation the copy must find)
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self._settings}
+        return {"settings": self._settings, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["settings"])  # type: ignore[misc]
+        self.expect_generation(state.get("generation"))
+
+    # -- the store's generation: the same for the whole job
+    def expect_generation(self, generation: str | None) -> None:
+        """Raise :class:`StoreChangedError` unless this reader opened ``generation``.
+
+        ``None``: nothing to compare with. A process that reopens a store its job
+        opened elsewhere (a DataLoader worker) passes the generation recorded there.
+        """
+        if generation is not None and self.generation != generation:
+            raise store_changed(self.location, generation, self.generation)
+
+    def check_generation(self) -> None:
+        """Raise :class:`StoreChangedError` if the store was replaced since this reader opened it.
+
+        It re-reads the manifest's generation: one small read (the root ``zarr.json``),
+        local or remote. Call it at each epoch or pass (``BlockDataset`` does, in every
+        process).
+        """
+        if self.kind != "store":
+            return
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            gone = self._gone()  # a local store no longer there, else the read's own error
+            if gone is not None:
+                raise gone from None
+            raise
+        replaced = self._compare(now)
+        if replaced is not None:
+            raise replaced
+
+    def _generation_now(self) -> str:
+        """Return the identity of the store now at this reader's path (re-reads the manifest).
+
+        A local store moved aside for a moment, by the two renames of ``--overwrite``, is
+        read again once; a manifest still unreadable raises the read's error.
+        """
+        try:
+            return read_manifest(self.location, self._http).identity
+        except (SclayoutError, OSError):
+            if self._dir is None:  # remote: no renames to wait for
+                raise
+            time.sleep(0.05)  # between the two renames of an --overwrite
+        return read_manifest(self.location, self._http).identity
+
+    def _gone(self) -> StoreChangedError | None:
+        """Return the error of a local store whose directory left its path, else ``None``."""
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            assert self.generation is not None
+            return store_changed(self.location, self.generation, None)
+        return None
+
+    def _compare(self, now: str) -> StoreChangedError | None:
+        """Return the error if ``now`` is not the generation opened, else ``None``."""
+        if now == self.generation:
+            if self._dir is not None:  # the same store, moved back: the same bytes
+                self._dir = _dir_id(self.location)
+            return None
+        assert self.generation is not None
+        return store_changed(self.location, self.generation, now)
+
+    def _replaced(self) -> StoreChangedError | None:
+        """Return the error to raise if the store at this path is not the one opened.
+
+        ``None`` if it is, or if that cannot be told (a server that does not answer:
+        the caller's own error says so).
+        """
+        if self.kind != "store":
+            return None
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            return self._gone()
+        return self._compare(now)
+
+    def _check_same_store(self) -> None:
+        """Check, after lazy reads of a local store, that it is still the one opened.
+
+        One ``stat`` of its directory; another directory (replaced or moved): compare
+        generations.
+        """
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            self.check_generation()
+
+    @contextlib.contextmanager
+    def _replacement_named(self) -> Any:
+        """Turn an error of the reads inside into :class:`StoreChangedError` if replaced.
+
+        For example a chunk of the old store gone, or one of the new store decoded
+        with the old layout. Other errors pass unchanged.
+        """
+        try:
+            yield
+        except Exception as e:
+            if self._dir is None and not isinstance(e, LayoutError):
+                raise  # remote, and the server did not answer: asking again would wait too
+            replaced = self._replaced()
+            if replaced is not None:
+                raise replaced from None
+            raise
 
     def __repr__(self) -> str:
         return (
@@ -616,10 +783,12 @@ class LayoutReader:
             root = self._obs_root()
             read = self._read_checked if self.kind == "store" else _read_h5
             try:
-                self._obs[column] = _read_obs(root, column, self.location, read)
+                with self._replacement_named():
+                    self._obs[column] = _read_obs(root, column, self.location, read)
             finally:
                 if self.kind == "h5ad":
                     root.close()
+            self._check_same_store()  # read by path: from the store this reader opened?
         return self._obs[column]
 
     def _read_checked(self, array: Any) -> np.ndarray:
@@ -659,9 +828,10 @@ class LayoutReader:
             array, repeats allowed): the fetch is delivered as those rows, in that
             order (see :meth:`Fetched.permute`).
         """
-        ids, bounds, needed = fetch_ranges(
-            blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
-        )
+        with self._replacement_named():
+            ids, bounds, needed = fetch_ranges(
+                blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
+            )
         layout = self.layout
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
@@ -675,12 +845,24 @@ class LayoutReader:
             request["source_index"] = (self.manifest.source_index, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
-        io = self._io.submit(request)
+        with self._replacement_named():
+            io = self._io.submit(request)
         job = self._assembler().submit(self._assemble, io, bounds, order)
         return PendingFetch(self, ids, job)
 
     def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
-        """Wait for a fetch's reads and build its rows (runs in the assembly thread)."""
+        """Wait for a fetch's reads and build its rows (runs in the assembly thread).
+
+        Then check that the store is still the one opened: every read of the fetch
+        has happened by now, so a store replaced before any of them is caught here.
+        """
+        with self._replacement_named():
+            fetched = self._assembled(io, bounds, order)
+        self._check_same_store()
+        return fetched
+
+    def _assembled(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
+        """Return the fetch's rows once its reads have landed."""
         got = io.result()
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:

@@ -71,6 +71,20 @@ def test_a_store_on_s3_equals_the_local_store(s3_store, assert_same_as_local):
     assert_same_as_local(url, local, open_layout(url), batch_size=256, fetch_factor=4)
 
 
+def test_a_store_replaced_in_the_bucket_is_refused_at_the_next_pass(s3, shared_store):
+    """--overwrite deletes the old objects and writes new ones: the generation tells."""
+    from loader.errors import StoreChangedError
+    from sclayout.convert.convert import convert
+
+    url = "s3://data/replaced.zarr"
+    was = convert(shared_store[0], url, jobs=2, **STORE_KW).generation
+    reader = open_layout(url)
+    reader.check_generation()  # the same store: nothing to say
+    now = convert(shared_store[0], url, jobs=2, overwrite=True, **STORE_KW).generation
+    with pytest.raises(StoreChangedError, match=rf"generation {was} at start, now {now}\)"):
+        reader.check_generation()
+
+
 def test_s3_reads_are_ranged_and_coalesced(s3, shared_store):
     from loader.layout import RowOrder
     from loader.spec import LayoutSpec, StoreSpec

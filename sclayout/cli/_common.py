@@ -32,6 +32,7 @@ __all__ = [
     "quiet_option",
     "require",
     "show_progress",
+    "tidy_stale",
 ]
 
 EXIT_OK = 0
@@ -164,3 +165,17 @@ def order_names() -> tuple[str, ...]:
 def codec_names() -> tuple[str, ...]:
     """List the codecs the converter can write."""
     return CODEC_NAMES
+
+
+def tidy_stale(*paths: Any) -> None:
+    """Tidy what killed conversions left next to each local store path, one line each.
+
+    Every command given a store runs it first (:func:`sclayout.convert.stale.clean_stale`:
+    hidden temporary siblings removed, an old store moved aside put back), so SIGKILL
+    during ``convert`` leaves nothing past the next command on that path.
+    """
+    from sclayout.convert.stale import clean_stale
+
+    for path in paths:
+        for line in clean_stale(path):
+            click.echo(line, err=True)

@@ -25,6 +25,7 @@ from sclayout.cli._common import (
     json_option,
     quiet_option,
     show_progress,
+    tidy_stale,
 )
 
 __all__ = ["inspect_cmd", "verify_cmd"]
@@ -129,6 +130,7 @@ def verify_cmd(
     """  # noqa: D301  (\b, a backspace, is click's mark for a block it must not rewrap)
     if progress is None or quiet:
         progress = show_progress(quiet)
+    tidy_stale(paths[-1])
     with _readable(paths[-1]) as dst:
         _verify((*paths[:-1], dst), memory_budget, quick, progress, as_json)
 
@@ -196,6 +198,7 @@ def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """
     from sclayout.convert.inspect import inspect_store, render_inspect
 
+    tidy_stale(store)
     with _readable(store) as local:
         info = inspect_store(local)
         click.echo(_shown(json.dumps(info, indent=1) if as_json else render_inspect(info)))
