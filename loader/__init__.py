@@ -17,6 +17,7 @@ from loader.errors import (
     ReadError,
     SclayoutError,
     SpecError,
+    StoreChangedError,
 )
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder
 from loader.plan import FetchPlan, ReadRange, plan_fetch
@@ -42,6 +43,7 @@ __all__ = [
     "RowOrder",
     "SclayoutError",
     "SpecError",
+    "StoreChangedError",
     "get_backend",
     "open_layout",
     "plan_fetch",

@@ -47,7 +47,14 @@ import numpy as np
 
 from loader.argtypes import typechecked
 from loader.errors import InputError, LayoutError, ReadError
-from loader.location import is_object_store, is_url, split_bucket
+from loader.location import (
+    http_range_error,
+    is_http,
+    is_object_store,
+    is_url,
+    range_error,
+    split_bucket,
+)
 
 __all__ = [
     "BACKENDS",
@@ -423,13 +430,15 @@ class TensorstoreBackend:
             reading.cancel()
             raise timed_out(self.location, path, self._timeout or 0) from None
         except ValueError as e:  # tensorstore's I/O errors
-            raise read_error(self.location, path, e) from e
+            raise read_error(self.location, path, e) from None
 
 
 _DAMAGE = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "checksum", "decod")
 """Words of a tensorstore error that mean the store's bytes are damaged or absent (a
 crc32c mismatch, an undecodable chunk, a chunk or shard that is not there), unless a
 word of :data:`_TRANSPORT` says the read never got the bytes."""
+_RANGE_IGNORED = "was ignored by server"
+"""tensorstore's words for a ranged read answered with the whole file."""
 _TRANSPORT = ("CURL", "retry attempts", "UNAVAILABLE", "DEADLINE_EXCEEDED", "onnect")
 """Words of a tensorstore error about the transport (a server gone or not answering):
 a :class:`ReadError`, whatever else the message says."""
@@ -442,20 +451,29 @@ def read_error(
 
     The error is a :class:`LayoutError` when the bytes are damaged or missing (the
     message names the store, the array and tensorstore's chunk key), else a
-    :class:`ReadError` (``fix``: what to do; by default, per kind of location).
+    :class:`ReadError` (``fix``: what to do; by default, per kind of location). Over
+    HTTP, what looks like damage is first checked against a server that ignores Range
+    requests (:func:`loader.location.http_range_error`: one request, on this error
+    path only), which makes every shard read fail however sound the store is.
     """
     cause = str(e).splitlines()[0] if str(e) else type(e).__name__
     damaged = any(w in cause for w in _DAMAGE) and not any(w in cause for w in _TRANSPORT)
+    if damaged and is_http(location):  # a server that ignores Range is not damage
+        refused = range_error(location) if _RANGE_IGNORED in cause else http_range_error(location)
+        if refused is not None:
+            return refused
     if fix is None and damaged:
-        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD"
-        m = re.search(r"shard entry \{(\d+)\}/\{(\d+)\} in .*?/c/(\d+)", cause)
+        # tensorstore names the inner chunk as "shard entry {k}/{n} in .../c/SHARD",
+        # else the key it read: a chunk's (".../c/0"), or a shard's
+        m = re.search(r"shard entry \{(\d+)[\d, ]*\}/\{(\d+)[\d, ]*\} in .*?/c/(\d+)", cause)
+        key = re.search(rf"{re.escape(path)}/c/(\d+)\b", cause)
         chunk = f", chunk {int(m[3]) * int(m[2]) + int(m[1])}" if m else ""
+        if key and not m:
+            chunk = f", {'shard' if 'shard' in cause else 'chunk'} {key[1]}"
         return LayoutError(
             f"store {location.rstrip('/')}, array {path}{chunk}: damaged or missing "
             f"({cause}); restore the store from a good copy or reconvert it"
         )
-    """A one-line :class:`ReadError` for a failed tensorstore read of ``path`` in the
-    store at ``location`` (``fix``: what to do; by default, per kind of location)."""
     if fix is None:
         fix = (
             "check that the server is up and serves this store"
@@ -495,7 +513,7 @@ class _TensorstorePending:
                 path = self._request[key][0]
                 raise timed_out(self._location, path, self._timeout or 0) from None
             except ValueError as e:  # tensorstore's I/O errors
-                raise read_error(self._location, self._request[key][0], e) from e
+                raise read_error(self._location, self._request[key][0], e) from None
         return out
 
     def cancel(self) -> None:

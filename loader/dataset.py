@@ -424,6 +424,8 @@ class BlockDataset:
         self._reader_args = reader_args
         self._reader: Any = reader
         self._reader_pid = os.getpid()
+        # the store generation this job opened: every process must read the same one
+        self._generation = getattr(reader, "generation", None) if self._path else None
         self._read_pid: int | None = None  # the process that has read data, if any
 
         self.obs = tuple(obs)
@@ -641,6 +643,7 @@ class BlockDataset:
 
                 self._reader = open_layout(self._path, **self._reader_args)
                 self._opened = [self._reader]
+                self._reader.expect_generation(self._generation)
             else:  # a user-given reader: a fresh copy without the parent's handles
                 import pickle
 
@@ -780,6 +783,8 @@ class BlockDataset:
         Returns the minibatches each of ``num_workers`` DataLoader workers (by id)
         yields in the coming pass (none for ``num_workers=0``).
         """
+        if num_workers:  # the workers check too; this names it before they start
+            _check_generations(self._get_reader(), self._extras)
         if self._advance:
             self._shared[_EPOCH] = self.epoch + 1
             self._advance = False
@@ -879,6 +884,7 @@ class BlockDataset:
         """
         self._check_open()
         reader = self._get_reader()
+        _check_generations(reader, self._extras)  # each pass, in every process
         self._read_pid = os.getpid()
         info = _worker_info()
         carry, self._carry = self._carry, None
@@ -990,6 +996,25 @@ class BlockDataset:
         raise InputError(
             "BlockDataLoader needs a torch dataset: create it with loader.BlockDataset(...)"
         )
+
+
+def _check_generations(reader: Any, extras: Mapping[str, Any]) -> None:
+    """Raise :class:`~loader.errors.StoreChangedError` if a store read here was replaced.
+
+    Replaced since this process opened it. One small read per store (its root
+    ``zarr.json``): the layout readers in ``reader`` (stacked readers hold theirs in
+    ``readers`` or ``inner``) and in ``extras``.
+    """
+    todo = [reader, *extras.values()]
+    while todo:
+        r = todo.pop()
+        check = getattr(r, "check_generation", None)
+        if check is not None:
+            check()
+            continue
+        todo.extend(getattr(r, "readers", None) or ())
+        if getattr(r, "inner", None) is not None:
+            todo.append(r.inner)
 
 
 def _check_path(path: Any) -> str:

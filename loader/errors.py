@@ -15,6 +15,8 @@ __all__ = [
     "ReadError",
     "SclayoutError",
     "SpecError",
+    "StoreChangedError",
+    "TooManyFilesError",
     "too_many_files",
 ]
 
@@ -53,7 +55,18 @@ class FormatVersionError(LayoutError):
     """A manifest written by a newer (or unknown) version of the format."""
 
 
-def too_many_files(error: OSError) -> ReadError | None:
+class StoreChangedError(LayoutError):
+    """The store was replaced (reconverted, moved, deleted) while a job read it.
+
+    Reading on would mix batches of two different stores: the job must restart.
+    """
+
+
+class TooManyFilesError(ReadError):
+    """The process may open no more files (its descriptor limit, ``ulimit -n``)."""
+
+
+def too_many_files(error: OSError) -> TooManyFilesError | None:
     """Return the one-line error of an ``open`` refused for want of descriptors.
 
     That is ``EMFILE`` or ``ENFILE``; the error names the limit and the fix. Any other
@@ -70,7 +83,7 @@ def too_many_files(error: OSError) -> ReadError | None:
         limit = "unlimited" if soft == resource.RLIM_INFINITY else str(soft)
     except (ImportError, OSError, ValueError):  # pragma: no cover - not POSIX
         limit = "unknown"
-    return ReadError(
+    return TooManyFilesError(
         f"cannot open more files (the limit is {limit}, ulimit -n): close datasets you "
         "no longer use (BlockDataset.close()) or raise the limit"
     )

@@ -48,11 +48,24 @@ Version 1 plus optional keys (a version-1 manifest reads as version 2 without th
 ``var_conflicts``), ``provenance`` (paths of the per-row ``source_number`` and
 ``source_row`` arrays, several sources only) and ``notes``. With several sources
 ``source_index`` counts rows of the sources' concatenation in the given order.
+
+Format version 3
+----------------
+Version 2 plus a generation id, written by every conversion::
+
+    {..., "version": 3, "generation": "9f0c..."}   # a fresh uuid4 hex
+
+Two conversions never share a generation, so a reader that recorded it when a job
+opened the store can tell that the store at the same path was replaced since (every
+process of a job checks, see docs/store-format.md). Versions 1 and 2 have none: their
+readers compare :attr:`Manifest.identity`, a digest of the whole manifest instead.
+
 docs/store-format.md describes every version.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import numbers
@@ -80,8 +93,9 @@ __all__ = [
 ]
 
 FORMAT = "sclayout-layout"
-FORMAT_VERSION = 2
-"""Version of the manifest this package writes and the newest it reads (1 still reads)."""
+FORMAT_VERSION = 3
+"""Version of the manifest this package writes and the newest it reads (1 and 2 still
+read)."""
 CHUNK_CHECKSUMS = ("crc32c",)
 """Chunk checksums a version-2 manifest may name (zarr v3 codecs every reader has)."""
 MANIFEST_KEY = "sclayout"
@@ -298,6 +312,9 @@ class Manifest:
     """Version 2, several sources: paths of the per-row source_number and source_row."""
     notes: tuple[str, ...] = ()
     """Version 2: what the conversion left out or changed (dropped elements, upcasts)."""
+    generation: str | None = None
+    """Version 3: the id of the conversion that wrote the store (a fresh uuid4 hex each
+    time); ``None`` for versions 1 and 2."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_block_size(self.block_size))
@@ -320,6 +337,18 @@ class Manifest:
         return -(-self.n_obs // self.block_size)
 
     @property
+    def identity(self) -> str:
+        """What tells this store apart from a later conversion into the same place.
+
+        The generation (version 3), else a digest of the whole manifest (versions 1
+        and 2: it holds the creation time to the second and the sources' fingerprints).
+        """
+        if self.generation:
+            return self.generation
+        text = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return "manifest-" + hashlib.sha256(text).hexdigest()[:16]
+
+    @property
     def X(self) -> MatrixLayout:
         """Layout of the main matrix ``X``."""
         return self.matrices["X"]
@@ -338,8 +367,10 @@ class Manifest:
             if self.version >= 2
             else {}
         )
+        version_3 = {"generation": self.generation} if self.version >= 3 else {}
         return {
             **version_2,
+            **version_3,
             "format": self.format,
             "version": self.version,
             "tool_version": self.tool_version,
@@ -392,6 +423,7 @@ class Manifest:
                 genes=dict(d.get("genes", {})),
                 provenance={str(k): str(v) for k, v in d.get("provenance", {}).items()},
                 notes=tuple(str(n) for n in d.get("notes", ())),
+                generation=_generation(d.get("generation")) if version >= 3 else None,
             )
         except (KeyError, TypeError) as e:
             raise NotALayoutStoreError(
@@ -403,6 +435,15 @@ class Manifest:
     def from_json(cls, text: str) -> Manifest:
         """Return the manifest in the JSON ``text``."""
         return cls.from_dict(json.loads(text))
+
+
+def _generation(value: Any) -> str | None:
+    """Return a manifest's generation: a non-empty string, or ``None`` (absent)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"generation={value!r}")
+    return value
 
 
 def source_rows(manifest: Manifest, index: Any) -> tuple[list[str], Any]:

@@ -703,12 +703,16 @@ def _read_element(reader: Any, element: str) -> Any:
             return read_elem(f[element])
     import zarr
 
+    from loader.checked import read_element
+
     root = zarr.open_group(location, mode="r")
     try:
         node = root[element]
     except KeyError:
         raise InputError(f"extra element {element!r}: not in {location}") from None
-    return read_elem(node)
+    # a version-2 store stores every chunk: an absent one is damage, not the fill value
+    stored = bool(getattr(getattr(reader, "manifest", None), "all_chunks_stored", False))
+    return read_element(node, location, require_chunks=stored)
 
 
 def _store_extra(reader: Any, element: str, open_matrix: Any) -> Any:

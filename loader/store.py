@@ -20,6 +20,17 @@ for 200,000 rows, 40 MB each for 5,000,000).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
+
+A store replaced under a running job (``convert --overwrite`` into its path) is a
+:class:`~loader.errors.StoreChangedError`, never a mix of two stores. A reader records
+the store's generation (:attr:`loader.layout.Manifest.identity`) when it opens it;
+a copy unpickled in another process (a DataLoader worker) must open the same one;
+:meth:`LayoutReader.check_generation` re-reads it (each pass of a dataset calls it);
+and a local store's directory (device and inode) is compared after every fetch's
+reads and lazy metadata read, one ``stat``. A directory descriptor alone would not
+do: tensorstore and zarr-python open chunks by path, so only a check after the
+reads covers every backend. A remote store is checked at each pass and when a read
+fails (docs/loader.md, "A store replaced under a job").
 """
 
 from __future__ import annotations
@@ -28,7 +39,8 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -50,7 +62,6 @@ from loader.assemble import (
 from loader.backends import (
     TensorstoreSettings,
     check_timeout,
-    damage_cause,
     get_backend,
     http_context_spec,
     is_url,
@@ -58,11 +69,15 @@ from loader.backends import (
     timed_out,
     ts_kvstore,
 )
+from loader.checked import read_whole
 from loader.errors import (
     InputError,
     LayoutError,
     NotALayoutStoreError,
+    SclayoutError,
     SpecError,
+    StoreChangedError,
+    TooManyFilesError,
     too_many_files,
 )
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
@@ -76,6 +91,7 @@ __all__ = [
     "PendingFetch",
     "open_layout",
     "read_manifest",
+    "store_changed",
     "tune_malloc",
 ]
 
@@ -190,7 +206,7 @@ def _read_store_text(location: str, key: str, http: Mapping[str, Any] | None = N
             raise timed_out(location, key, timeout) from None
         except ValueError as e:
             fix = "check that the server is up and the URL names a layout store"
-            raise read_error(location, key, e, fix=fix) from e
+            raise read_error(location, key, e, fix=fix) from None
         if got.state != "value":
             raise NotALayoutStoreError(
                 f"{location}/{key} not found: this URL is not a layout store; check the URL"
@@ -219,6 +235,50 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
             f"(convert it with `sclayout convert {location} DST`)"
         )
     return Manifest.from_dict(doc)
+
+
+def _dir_id(location: str) -> tuple[int, int] | None:
+    """``(device, inode)`` of a local store's directory; ``None`` when it is gone."""
+    try:
+        st = os.stat(location)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _open_manifest(
+    location: str, backend_options: Sequence[tuple[str, Any]]
+) -> tuple[Manifest, Any, dict[str, Any]]:
+    """Return the manifest, the directory it was read from (local) and the HTTP options.
+
+    The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
+    local manifest is read between two looks at the directory, so that both are of
+    the same store even if it is being replaced now.
+    """
+    opts = dict(backend_options)
+    http = {
+        n: opts[f"http_{n}"] for n in ("retries", "retry_delay", "timeout") if f"http_{n}" in opts
+    }
+    if is_url(location):
+        return read_manifest(location, http), None, http
+    for _ in range(3):
+        before = _dir_id(location)
+        manifest = read_manifest(location, http)
+        if before is not None and _dir_id(location) == before:
+            return manifest, before, http
+    raise StoreChangedError(
+        f"store {location} is being replaced while it is opened; open it again once "
+        "the conversion into it has finished"
+    )
+
+
+def store_changed(location: str, was: str, now: str | None) -> StoreChangedError:
+    """Return the one-line error of a store replaced under a job (``now``: ``None``: gone)."""
+    found = f"now {now}" if now else "now no readable store there"
+    return StoreChangedError(
+        f"store {location} was replaced while this job read it (generation {was} at "
+        f"start, {found}): restart the job to read the new store"
+    )
 
 
 def _h5_chunks(ds: Any) -> tuple[int, ...]:
@@ -308,8 +368,20 @@ def _column_order(obs: Any) -> list[str]:
     return [c.decode() if isinstance(c, bytes) else str(c) for c in np.atleast_1d(order).tolist()]
 
 
-def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
-    """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py)."""
+def _read_h5(node: Any) -> np.ndarray:
+    """Return the h5py dataset ``node`` whole (variable-length strings as ``str``)."""
+    if node.dtype.kind in "OS":
+        return np.asarray(node.asstr()[...], dtype=object)
+    return np.asarray(node[...])
+
+
+def _read_obs(
+    root: Any, column: str, where: str, read: Callable[[Any], np.ndarray] = _read_h5
+) -> tuple[np.ndarray, list]:
+    """Codes and categories of obs ``column`` from an AnnData group (zarr or h5py).
+
+    ``read(array)`` reads one array of the column whole (a store's: every chunk checked).
+    """
     import pandas as pd
 
     if "obs" not in root:
@@ -325,28 +397,20 @@ def _read_obs(root: Any, column: str, where: str) -> tuple[np.ndarray, list]:
     enc = node.attrs.get("encoding-type", "array")
     enc = enc.decode() if isinstance(enc, bytes) else str(enc)
     if enc == "categorical":
-        codes = np.asarray(node["codes"][...]).astype(np.int64)
-        cat_node = node["categories"]
-        if hasattr(cat_node, "asstr") and cat_node.dtype.kind in "OS":
-            cats = list(cat_node.asstr()[...])
-        else:
-            cats = _decode_strings(cat_node[...])
-        return codes, cats
+        codes = read(node["codes"]).astype(np.int64)
+        return codes, _decode_strings(read(node["categories"]))
     if enc.startswith("nullable"):
-        values = np.asarray(node["values"][...])
-        mask = np.asarray(node["mask"][...], dtype=bool)
+        values = read(node["values"])
+        mask = read(node["mask"]).astype(bool)
         if values.dtype.kind in "OS":
             values = np.asarray(_decode_strings(values), dtype=object)
         codes, uniques = pd.factorize(values, sort=True)
         codes = codes.astype(np.int64)
         codes[mask] = -1
         return codes, list(uniques)
-    if hasattr(node, "asstr") and node.dtype.kind in "OS":
-        values = np.asarray(node.asstr()[...], dtype=object)
-    else:
-        values = np.asarray(node[...])
-        if values.dtype.kind in "OSUT":
-            values = np.asarray(_decode_strings(values), dtype=object)
+    values = read(node)
+    if values.dtype.kind in "OSUT":
+        values = np.asarray(_decode_strings(values), dtype=object)
     codes, uniques = pd.factorize(values, sort=True)
     return codes.astype(np.int64), list(uniques)
 
@@ -379,6 +443,10 @@ class LayoutReader:
         ``"store"`` or ``"h5ad"``.
     backend
         Name of the backend that executes fetches.
+    generation
+        The store's :attr:`~loader.layout.Manifest.identity` when this reader opened it
+        (``None`` for an .h5ad): every process of a job must read this one (see the
+        module docstring).
     """
 
     def __init__(self, settings: _Settings) -> None:
@@ -403,6 +471,9 @@ class LayoutReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
+        self.generation: str | None = None  # see the class docstring
+        self._dir: tuple[int, int] | None = None
+        self._http: Mapping[str, Any] = {}
         if kind == "h5ad":
             bs = (
                 H5AD_DEFAULT_BLOCK_SIZE
@@ -414,13 +485,8 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            opts = dict(settings.backend_options)
-            http = {
-                name: opts[f"http_{name}"]
-                for name in ("retries", "retry_delay", "timeout")
-                if f"http_{name}" in opts
-            }
-            stored = read_manifest(location, http)
+            stored, self._dir, self._http = _open_manifest(location, settings.backend_options)
+            self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
                     f"matrix={settings.matrix!r}: not in the store; available: "
@@ -500,12 +566,115 @@ class LayoutReader:
             per_block = self.block_size
         return per_block / chunk
 
-    # -- pickling: path and settings only
+    # -- pickling: path and settings only (and the generation the copy must find)
     def __getstate__(self) -> dict[str, Any]:
-        return {"settings": self._settings}
+        return {"settings": self._settings, "generation": self.generation}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["settings"])  # type: ignore[misc]
+        self.expect_generation(state.get("generation"))
+
+    # -- the store's generation: the same for the whole job
+    def expect_generation(self, generation: str | None) -> None:
+        """Raise :class:`StoreChangedError` unless this reader opened ``generation``.
+
+        ``None``: nothing to compare with. A process that reopens a store its job
+        opened elsewhere (a DataLoader worker) passes the generation recorded there.
+        """
+        if generation is not None and self.generation != generation:
+            raise store_changed(self.location, generation, self.generation)
+
+    def check_generation(self) -> None:
+        """Raise :class:`StoreChangedError` if the store was replaced since this reader opened it.
+
+        It re-reads the manifest's generation: one small read (the root ``zarr.json``),
+        local or remote. Call it at each epoch or pass (``BlockDataset`` does, in every
+        process).
+        """
+        if self.kind != "store":
+            return
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            gone = self._gone()  # a local store no longer there, else the read's own error
+            if gone is not None:
+                raise gone from None
+            raise
+        replaced = self._compare(now)
+        if replaced is not None:
+            raise replaced
+
+    def _generation_now(self) -> str:
+        """Return the identity of the store now at this reader's path (re-reads the manifest).
+
+        A local store moved aside for a moment, by the two renames of ``--overwrite``, is
+        read again once; a manifest still unreadable raises the read's error.
+        """
+        try:
+            return read_manifest(self.location, self._http).identity
+        except (SclayoutError, OSError):
+            if self._dir is None:  # remote: no renames to wait for
+                raise
+            time.sleep(0.05)  # between the two renames of an --overwrite
+        return read_manifest(self.location, self._http).identity
+
+    def _gone(self) -> StoreChangedError | None:
+        """Return the error of a local store whose directory left its path, else ``None``."""
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            assert self.generation is not None
+            return store_changed(self.location, self.generation, None)
+        return None
+
+    def _compare(self, now: str) -> StoreChangedError | None:
+        """Return the error if ``now`` is not the generation opened, else ``None``."""
+        if now == self.generation:
+            if self._dir is not None:  # the same store, moved back: the same bytes
+                self._dir = _dir_id(self.location)
+            return None
+        assert self.generation is not None
+        return store_changed(self.location, self.generation, now)
+
+    def _replaced(self) -> StoreChangedError | None:
+        """Return the error to raise if the store at this path is not the one opened.
+
+        ``None`` if it is, or if that cannot be told (a server that does not answer:
+        the caller's own error says so).
+        """
+        if self.kind != "store":
+            return None
+        try:
+            now = self._generation_now()
+        except (SclayoutError, OSError):
+            return self._gone()
+        return self._compare(now)
+
+    def _check_same_store(self) -> None:
+        """Check, after lazy reads of a local store, that it is still the one opened.
+
+        One ``stat`` of its directory; another directory (replaced or moved): compare
+        generations.
+        """
+        if self._dir is not None and _dir_id(self.location) != self._dir:
+            self.check_generation()
+
+    @contextlib.contextmanager
+    def _replacement_named(self) -> Any:
+        """Turn an error of the reads inside into :class:`StoreChangedError` if replaced.
+
+        For example a chunk of the old store gone, or one of the new store decoded
+        with the old layout. Other errors pass unchanged.
+        """
+        try:
+            yield
+        except Exception as e:
+            if isinstance(e, TooManyFilesError):
+                raise  # no file opens: the store cannot be looked at, nor need be
+            if self._dir is None and not isinstance(e, LayoutError):
+                raise  # remote, and the server did not answer: asking again would wait too
+            replaced = self._replaced()
+            if replaced is not None:
+                raise replaced from None
+            raise
 
     def __repr__(self) -> str:
         return (
@@ -524,9 +693,6 @@ class LayoutReader:
         if self.kind == "store" and not is_url(self.location):
             import zarr
 
-            from loader._shards import missing_chunk
-
-            fix = "restore the store from a good copy or reconvert it"
             try:
                 arr = zarr.open_array(os.path.join(self.location, path), mode="r")
             except (FileNotFoundError, KeyError) as e:
@@ -534,19 +700,9 @@ class LayoutReader:
                     f"{self.location}: array {path!r} named by the manifest is missing ({e}); "
                     "reconvert with `sclayout convert --overwrite`"
                 ) from None
-            if self.manifest.all_chunks_stored:
-                gone = missing_chunk(self.location, path)
-                if gone is not None:
-                    raise LayoutError(
-                        f"store {self.location}, array {path}, {gone} is missing; {fix}"
-                    )
-            try:
-                return np.asarray(arr[...])
-            except (ValueError, RuntimeError, TypeError) as e:  # crc32c, decoding
-                raise LayoutError(
-                    f"store {self.location}, array {path}: cannot be read "
-                    f"({damage_cause(e)}); {fix}"
-                ) from None
+            return read_whole(
+                arr, self.location, path, require_chunks=self.manifest.all_chunks_stored
+            )
         return self._io.read_array(path)
 
     @property
@@ -658,12 +814,21 @@ class LayoutReader:
         """
         if column not in self._obs:
             root = self._obs_root()
+            read = self._read_checked if self.kind == "store" else _read_h5
             try:
-                self._obs[column] = _read_obs(root, column, self.location)
+                with self._replacement_named():
+                    self._obs[column] = _read_obs(root, column, self.location, read)
             finally:
                 if self.kind == "h5ad":
                     root.close()
+            self._check_same_store()  # read by path: from the store this reader opened?
         return self._obs[column]
+
+    def _read_checked(self, array: Any) -> np.ndarray:
+        """Return the zarr array ``array`` of this store whole, every chunk checked."""
+        return read_whole(
+            array, self.location, array.path, require_chunks=self.manifest.all_chunks_stored
+        )
 
     # -- fetching
     def plan(self, blocks: np.ndarray, *, max_gap_chunks: int = 0) -> FetchPlan:
@@ -698,9 +863,10 @@ class LayoutReader:
             order (see :meth:`Fetched.permute`).
         """
         self._check_open()
-        ids, bounds, needed = fetch_ranges(
-            blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
-        )
+        with self._replacement_named():
+            ids, bounds, needed = fetch_ranges(
+                blocks, manifest=self.manifest, block_pointer=self.block_pointer, matrix=self.matrix
+            )
         layout = self.layout
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
@@ -714,12 +880,24 @@ class LayoutReader:
             request["source_index"] = (self.manifest.source_index, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
-        io = self._io.submit(request)
+        with self._replacement_named():
+            io = self._io.submit(request)
         job = self._assembler().submit(self._assemble, io, bounds, order)
         return PendingFetch(self, ids, job, io)
 
     def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
-        """Wait for a fetch's reads and build its rows (runs in the assembly thread)."""
+        """Wait for a fetch's reads and build its rows (runs in the assembly thread).
+
+        Then check that the store is still the one opened: every read of the fetch
+        has happened by now, so a store replaced before any of them is caught here.
+        """
+        with self._replacement_named():
+            fetched = self._assembled(io, bounds, order)
+        self._check_same_store()
+        return fetched
+
+    def _assembled(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
+        """Return the fetch's rows once its reads have landed."""
         got = io.result()
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:

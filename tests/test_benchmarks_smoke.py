@@ -180,3 +180,93 @@ def test_the_benchmarks_specs_load():
     for path in specs:
         spec = LayoutSpec.load(path)
         assert spec.store is not None and spec.loader is not None
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="needs Linux /proc")
+def test_soak_benchmark_samples_the_training_tree_and_sees_it_exit(
+    tmp_path, run_benchmark, tiny_tahoe_like
+):
+    """The script end to end, in the training process alone (workers would cost a
+    process start per epoch of this tiny store; the 30-minute run has them)."""
+    from sclayout.convert import convert
+
+    src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=1000, n_vars=100, nnz_per_cell=10)
+    store = tmp_path / "s.zarr"
+    convert(src, store, block_size=16, order="shuffled", seed=0)
+    out = run_benchmark(
+        BENCH / "soak.py", "--store", store, "--minutes", 0.05, "--sample-seconds", 1,
+        "--num-workers", 0, "--json", tmp_path / "r" / "soak.json", timeout=120,
+    )  # fmt: skip
+    payload = json.loads((tmp_path / "r" / "soak.json").read_text())
+    samples = payload["samples"]
+    assert len(samples) == 3  # 3 s, one sample a second
+    for s in samples:
+        assert s["pss_mib"] > 0 and s["threads"] >= 1
+        assert s["fds"] >= s["fds_main"] >= 3
+        assert s["children"] == len(s["pids"]) - 1 and s["pids"][0] != os.getpid()
+    assert 0 < samples[0]["cells"] <= samples[1]["cells"] <= samples[2]["cells"]
+    assert samples[-1]["epochs"] >= 1  # 1,000 cells take far less than 3 s
+    assert set(payload["verdicts"]) == {"pss_mib", "fds", "fds_main", "threads", "children"}
+    # told to stop, the training process and its whole tree exit by themselves
+    e = payload["exit"]
+    assert e["exited"] and e["returncode"] == 0 and e["left_running"] == []
+    assert e["loop_stopped_s"] <= e["exit_s"] <= e["tree_gone_s"]
+    md = (tmp_path / "r" / "soak.md").read_text()
+    assert "| minute | epochs done | cells/s | tree PSS MiB | fds (tree) |" in md
+    assert "- exit: loop stopped" in md and "its whole tree gone after" in md
+    assert "- threads:" in md and md.strip() in out
+
+
+@pytest.fixture
+def soak_script(monkeypatch):
+    """benchmarks/soak.py as a module (its sys.path and environment edits undone after)."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("SCLAYOUT_TUNE_MALLOC", raising=False)  # _common sets it
+    spec = importlib.util.spec_from_file_location("soak_script", BENCH / "soak.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def _soak_sample(epochs, threads, *, steady=True, pss=100.0):
+    return {"epochs": epochs, "steady": steady, "pss_mib": pss, "fds": 10, "fds_main": 5,
+            "threads": threads, "children": 2}  # fmt: skip
+
+
+def test_soak_verdicts_compare_the_first_and_last_quarters_after_the_first_epoch(soak_script):
+    verdicts = soak_script.verdicts
+    # an epoch-0 sample and an unsteady one are left out; a thread of jitter is flat
+    jitter = [_soak_sample(0, 10), _soak_sample(2, 99, steady=False)]
+    jitter += [_soak_sample(e, t) for e, t in enumerate([34, 35, 34, 35, 34, 34, 35, 34], 1)]
+    v = verdicts(jitter)["threads"]
+    assert (v["samples"], v["window"], v["head"], v["tail"]) == (8, 2, 34.5, 34.5)
+    assert v["flat"] is True and v["first"] == 34 and v["max_growth"] == pytest.approx(1 / 69)
+    # one thread more each sample: a leak
+    leak = verdicts([_soak_sample(e, 29 + e) for e in range(1, 9)])["threads"]
+    assert (leak["head"], leak["tail"], leak["flat"]) == (30.5, 36.5, False)
+    # the bound is 2 %, inclusive
+    two = [_soak_sample(1, 1, pss=100.0), _soak_sample(2, 1, pss=102.0)]
+    assert verdicts(two)["pss_mib"]["flat"] is True
+    two[1]["pss_mib"] = 102.1
+    assert verdicts(two)["pss_mib"]["flat"] is False
+    assert verdicts(two[:1])["fds"]["flat"] is None
+
+
+def test_soak_kills_a_training_process_that_does_not_exit(soak_script, tmp_path):
+    status = soak_script.status_file(tmp_path / "status", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True
+    )
+    try:
+        e = soak_script.stop_child(proc, status, [proc.pid], timeout=0.5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    assert status[soak_script.STOP] == 1  # it was told to stop
+    assert e["exited"] is False and e["exit_s"] is None and e["loop_stopped_s"] is None
+    assert proc.returncode == -9
+    line = soak_script.exit_line(e)
+    assert "did not exit within 0.5 s of the stop request" in line and "killed" in line

@@ -19,6 +19,7 @@ from sclayout.testing.measure import (
     median_of,
     peak_rss_of_child,
     run_child,
+    tree_resources,
     warm,
 )
 
@@ -150,3 +151,53 @@ def test_timer_and_median_of():
 def test_run_child_timeout_kills_the_command():
     r = run_child([sys.executable, "-c", "import time; time.sleep(30)"], timeout=0.5)
     assert r.returncode != 0
+
+
+# --------------------------------------------------------------- process trees
+
+_TREE_CHILD = """
+import mmap, os, sys, threading, time
+private = b"x" * (64 << 20)               # anonymous memory of this process
+shared = mmap.mmap(-1, 32 << 20)          # shared memory, mapped by both processes
+shared.write(b"y" * (32 << 20))
+files = [open(os.devnull) for _ in range(7)]
+stop = threading.Event()
+for _ in range(3):
+    threading.Thread(target=stop.wait).start()
+if os.fork() == 0:                        # a grandchild holding the same pages
+    time.sleep(60)
+    os._exit(0)
+fds = len(os.listdir("/proc/self/fd")) - 1  # less the descriptor listdir opened
+print(fds, threading.active_count(), flush=True)
+sys.stdin.read()
+stop.set()
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps_rollup"), reason="needs Linux /proc")
+def test_tree_resources_sums_a_process_and_its_descendants():
+    import subprocess
+
+    with subprocess.Popen(
+        [sys.executable, "-c", _TREE_CHILD],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
+        try:
+            fds, threads = map(int, proc.stdout.readline().split())
+            tree = tree_resources(proc.pid)
+        finally:
+            os.killpg(proc.pid, 9)
+            proc.wait(timeout=10)
+    assert tree.pids[0] == proc.pid and tree.children == 1
+    assert tree.fds_main == fds and tree.fds > tree.fds_main  # the grandchild's too
+    assert tree.threads == threads + 1  # the grandchild has one
+    mib = 1 << 20
+    # shared pages counted once over the two processes, not once per process
+    assert 31 * mib < tree.pss_shmem < 33 * mib
+    assert 64 * mib < tree.pss_anon < 64 * mib + 40 * mib  # plus the interpreter's own
+    assert tree.pss == tree.pss_anon + tree.pss_shmem
+    with pytest.raises(ProcessLookupError, match=f"process {proc.pid} is not running"):
+        tree_resources(proc.pid)

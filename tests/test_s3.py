@@ -4,6 +4,7 @@ store's, reads are ranged and coalesced, and a server that goes away is one line
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 
@@ -68,6 +69,20 @@ def test_object_store_urls_map_to_tensorstore_kvstores(monkeypatch):
 def test_a_store_on_s3_equals_the_local_store(s3_store, assert_same_as_local):
     url, local = s3_store
     assert_same_as_local(url, local, open_layout(url), batch_size=256, fetch_factor=4)
+
+
+def test_a_store_replaced_in_the_bucket_is_refused_at_the_next_pass(s3, shared_store):
+    """--overwrite deletes the old objects and writes new ones: the generation tells."""
+    from loader.errors import StoreChangedError
+    from sclayout.convert.convert import convert
+
+    url = "s3://data/replaced.zarr"
+    was = convert(shared_store[0], url, jobs=2, **STORE_KW).generation
+    reader = open_layout(url)
+    reader.check_generation()  # the same store: nothing to say
+    now = convert(shared_store[0], url, jobs=2, overwrite=True, **STORE_KW).generation
+    with pytest.raises(StoreChangedError, match=rf"generation {was} at start, now {now}\)"):
+        reader.check_generation()
 
 
 def test_s3_reads_are_ranged_and_coalesced(s3, shared_store):
@@ -204,3 +219,24 @@ def test_a_bucketless_url_or_a_prefix_without_a_store_is_refused(s3, shared_stor
         convert(shared_store[0], "s3://")
     with pytest.raises(NotALayoutStoreError, match=r"s3://data/none\.zarr/zarr\.json not found"):
         open_layout("s3://data/none.zarr")
+
+
+def test_a_damaged_chunk_in_a_bucket_is_one_exception(s3, shared_store, tmp_path):
+    """The tensorstore read error is not chained to the LayoutError (one traceback)."""
+    from loader.errors import LayoutError
+    from sclayout.convert.remote import upload_tree
+    from sclayout.testing.damage import DAMAGE
+
+    local = tmp_path / "damaged.zarr"
+    shutil.copytree(shared_store[1], local)
+    DAMAGE["flip16-data"](local)
+    url = "s3://data/damaged.zarr"
+    upload_tree(local, url)
+    reader = open_layout(url)
+    with pytest.raises(LayoutError) as e:
+        reader.submit(np.arange(reader.n_blocks)).result()
+    message = str(e.value)
+    assert message.startswith(f"store {url}, array X/data, chunk ") and "\n" not in message
+    assert "damaged or missing" in message
+    assert e.value.__cause__ is None and e.value.__suppress_context__
+    assert isinstance(e.value.__context__, ValueError)  # tensorstore's, for debugging

@@ -27,12 +27,29 @@ class _Group(click.Group):
             click.echo("error: interrupted; nothing written", err=True)
             sys.exit(EXIT_INTERRUPTED)
         except Exception as e:
-            from loader.errors import SclayoutError  # here: loader imports numpy
-
-            if not isinstance(e, SclayoutError):
+            # loader imports numpy: an error from it means loader.errors is loaded already
+            # (--help and click's usage errors come here too, and must not wait for numpy)
+            errors = sys.modules.get("loader.errors")
+            if errors is None or not isinstance(e, errors.SclayoutError):
                 raise
             click.echo(f"error: {e}", err=True)
+            _quiet_abandoned_reads()
             sys.exit(e.exit_code)
+
+
+def _quiet_abandoned_reads() -> None:
+    """Keep the reads a failed command leaves in flight from printing at exit.
+
+    zarr-python gathers a read's chunks on its event-loop thread: when one chunk fails,
+    the others may still be pending as the process exits, and asyncio then logs each as
+    "Task was destroyed but it is pending!" (or warns that its coroutine was never
+    awaited) after the one line that already says what failed.
+    """
+    import logging
+    import warnings
+
+    logging.getLogger("asyncio").disabled = True
+    warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
 
 
 @click.group(
@@ -50,7 +67,8 @@ class _Group(click.Group):
 def main() -> None:
     """Convert AnnData to chunk-aligned layout stores, and predict how to read them.
 
-    Run `sclayout COMMAND --help` for a command's options; docs/cli.md describes them all.
+    Run `sclayout COMMAND --help` for a command's options; all of them are described at
+    https://github.com/sclayout/sclayout/blob/main/docs/cli.md
     """
 
 

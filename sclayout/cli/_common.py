@@ -16,10 +16,12 @@ from typing import Any
 import click
 
 __all__ = [
+    "CODEC_NAMES",
     "EXIT_DIFFERS",
     "EXIT_INTERRUPTED",
     "EXIT_OK",
     "EXIT_USAGE",
+    "ORDER_NAMES",
     "ChoiceList",
     "LazyChoice",
     "batch_size_option",
@@ -30,6 +32,7 @@ __all__ = [
     "quiet_option",
     "require",
     "show_progress",
+    "tidy_stale",
 ]
 
 EXIT_OK = 0
@@ -138,15 +141,41 @@ class ChoiceList(LazyChoice):
         return tuple(super(ChoiceList, self).convert(v, param, ctx) for v in items)
 
 
+ORDER_NAMES = ("original", "shuffled", "stratified", "grouped")
+"""The row orders a layout store can have: :data:`loader.layout.ORDER_KINDS`, spelled
+out here because importing loader loads numpy, which ``COMMAND --help`` must not wait
+for (tests/cli/test_cli_style.py checks the two lists are equal)."""
+
+CODEC_NAMES = (
+    *(f"blosc-{c}" for c in ("lz4", "lz4hc", "zstd")),
+    *(f"blosc-{c}-bitshuffle" for c in ("lz4", "lz4hc", "zstd")),
+    "zstd",
+    "gzip",
+    "none",
+)
+"""The codecs the converter writes: the keys of :data:`sclayout.convert.codecs.CODECS`,
+in order, spelled out for the same reason (importing the converter loads zarr)."""
+
+
 def order_names() -> tuple[str, ...]:
     """List the row orders a layout store can have (the store format's list)."""
-    from loader.layout import ORDER_KINDS
-
-    return tuple(ORDER_KINDS)
+    return ORDER_NAMES
 
 
 def codec_names() -> tuple[str, ...]:
     """List the codecs the converter can write."""
-    from sclayout.convert.codecs import CODECS
+    return CODEC_NAMES
 
-    return tuple(CODECS)
+
+def tidy_stale(*paths: Any) -> None:
+    """Tidy what killed conversions left next to each local store path, one line each.
+
+    Every command given a store runs it first (:func:`sclayout.convert.stale.clean_stale`:
+    hidden temporary siblings removed, an old store moved aside put back), so SIGKILL
+    during ``convert`` leaves nothing past the next command on that path.
+    """
+    from sclayout.convert.stale import clean_stale
+
+    for path in paths:
+        for line in clean_stale(path):
+            click.echo(line, err=True)

@@ -25,6 +25,7 @@ from sclayout.cli._common import (
     json_option,
     quiet_option,
     show_progress,
+    tidy_stale,
 )
 
 __all__ = ["inspect_cmd", "verify_cmd"]
@@ -38,11 +39,21 @@ def _readable(dst: str) -> Iterator[str]:
     """Yield a local path for ``dst``: itself, or a temporary copy of an s3:// / gs:// store.
 
     The checks walk a store's files and read every byte; an object store's is copied
-    first (docs/object-stores.md), and messages name the URL, not the copy.
+    first (docs/object-stores.md), and messages name the URL, not the copy. An
+    ``http(s)://`` store cannot be listed: one line says so, or that the server ignores
+    Range requests (then the loader cannot read it either).
     """
-    from loader.errors import SclayoutError
-    from loader.location import is_object_store
+    from loader.errors import InputError, SclayoutError
+    from loader.location import http_range_error, is_http, is_object_store
 
+    if is_http(dst):
+        refused = http_range_error(dst)
+        if refused is not None:
+            raise refused
+        raise InputError(
+            f"{dst}: an http(s) server cannot list the store's files, which the checks "
+            "walk; copy the store to a folder (or a bucket) and check the copy"
+        )
     if not is_object_store(dst):
         yield dst
         return
@@ -119,6 +130,7 @@ def verify_cmd(
     """  # noqa: D301  (\b, a backspace, is click's mark for a block it must not rewrap)
     if progress is None or quiet:
         progress = show_progress(quiet)
+    tidy_stale(paths[-1])
     with _readable(paths[-1]) as dst:
         _verify((*paths[:-1], dst), memory_budget, quick, progress, as_json)
 
@@ -186,6 +198,7 @@ def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """
     from sclayout.convert.inspect import inspect_store, render_inspect
 
+    tidy_stale(store)
     with _readable(store) as local:
         info = inspect_store(local)
         click.echo(_shown(json.dumps(info, indent=1) if as_json else render_inspect(info)))

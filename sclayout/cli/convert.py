@@ -21,6 +21,7 @@ from sclayout.cli._common import (
     quiet_option,
     require,
     show_progress,
+    tidy_stale,
 )
 
 __all__ = ["convert_command"]
@@ -183,6 +184,7 @@ def convert_command(
     from sclayout.convert import convert
 
     srcs, dst = split_paths(paths, sources_from)
+    tidy_stale(dst)  # convert() tidies too, silently: here the user is told
 
     size = parse_block_size(block_size, name="--block-size") if block_size is not None else None
     kwargs = {"block_size": size, "order": order, "by": by, "seed": seed, "codec": codec}

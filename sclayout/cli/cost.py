@@ -24,6 +24,7 @@ from sclayout.cli._common import (
     quiet_option,
     require,
     show_progress,
+    tidy_stale,
 )
 
 __all__ = ["bench_command", "calibrate_command", "recommend_command"]
@@ -465,6 +466,7 @@ def recommend_command(
     from sclayout.cost.search import check_targets, measured_codecs, search, search_loader
     from sclayout.cost.stats import read_dataset_stats, read_sources_stats
 
+    tidy_stale(*sources)
     source = sources[0]
 
     if workers is not None:
@@ -710,6 +712,7 @@ def bench_command(
 
     if workers > 0:
         require("torch", "torch", f"--workers {workers}")
+    tidy_stale(source)
     reader = open_layout(source, block_size=block_size)
     prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
     settings = LoaderSettings(

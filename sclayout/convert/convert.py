@@ -9,6 +9,7 @@ reorder otherwise); write ``uns/sclayout``; write the manifest last; rename into
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -16,6 +17,7 @@ import itertools
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -82,6 +84,7 @@ from sclayout.convert.space import (
     no_space_error,
     route_bytes,
 )
+from sclayout.convert.stale import OLD_TAG, TMP_TAG, clean_stale, hold, sibling
 from sclayout.convert.write import (
     CopyJob,
     Runner,
@@ -114,8 +117,6 @@ WORK_MARGIN = 64 * 2**20
 MIN_WORK = 64 * 2**20
 """Least working memory a budget above the process's size must leave for the tasks
 (a few shards' worth: less would only make the conversion crawl)."""
-TMP_TAG = "sclayout-tmp"
-OLD_TAG = "sclayout-old"
 NAME_MAX = 255
 """Longest file name (bytes) on Linux file systems: DST's temporary siblings must fit."""
 WORK_DIR = "_sclayout_work"
@@ -307,21 +308,24 @@ def convert(
         dst_p = tmp
     else:
         dst_p = Path(os.path.abspath(dst))
-        tmp = dst_p.parent / f".{dst_p.name}.{TMP_TAG}-{os.getpid()}"
-        longest = max(
-            len(tmp.name.encode()), len(f".{dst_p.name}.{OLD_TAG}-{os.getpid()}".encode())
-        )
+        tmp = sibling(dst_p, TMP_TAG)
+        longest = max(len(tmp.name.encode()), len(sibling(dst_p, OLD_TAG).name.encode()))
         if longest > NAME_MAX:
             raise InputError(
                 f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
                 f"the file system allows {NAME_MAX}); choose a shorter name"
             )
-        _clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+        clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
         check_destination_apart(dst_p, srcs)
         check_destination(dst_p, overwrite=overwrite, src=src_p)
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
+    lock = None
     try:
+        if remote is None:  # locked while it lives: clean_stale leaves it alone
+            tmp.mkdir()
+            with contextlib.suppress(OSError):  # no locks on this file system: the pid guards
+                lock = hold(tmp)
         reorder = several or opts.order.kind != "original"
         need = _store_bytes(srcs, infos, opts.codec, reorder=reorder)
         if remote is None:
@@ -361,6 +365,8 @@ def convert(
             raise no_space_error(dst_p, need) from None
         raise
     finally:
+        if lock is not None:
+            os.close(lock)
         runner.close()
         close_handles()
         close_dst()
@@ -438,39 +444,11 @@ def _gb(n: int) -> str:
 # -- destination safety ------------------------------------------------------------------
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _names_destination(e: OSError, tmp: Path, dst: Path) -> bool:
     """Whether the failed call was on the store being written (or its final place)."""
     names = [n for n in (e.filename, e.filename2) if n is not None]
     roots = (str(tmp), str(dst))
     return any(os.fspath(n).startswith(roots) for n in names)
-
-
-def _clean_stale(dst: Path) -> None:
-    """Tidy siblings of DST left by a conversion that was killed.
-
-    Remove its temp store; put an aside (the old DST, moved out of the way by
-    ``--overwrite``) back in place when DST is missing, i.e. when the kill came between
-    the two renames of :func:`_install`, and remove it otherwise.
-    """
-    for tag in (TMP_TAG, OLD_TAG):
-        for p in sorted(dst.parent.glob(f".{dst.name}.{tag}-*")):
-            pid = p.name.rsplit("-", 1)[-1]
-            if not pid.isdigit() or (int(pid) != os.getpid() and _pid_alive(int(pid))):
-                continue
-            if tag == OLD_TAG and not dst.exists() and not dst.is_symlink():
-                os.rename(p, dst)
-            else:
-                shutil.rmtree(p, ignore_errors=True)
 
 
 def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
@@ -482,14 +460,21 @@ def _install(tmp: Path, dst: Path, *, overwrite: bool) -> None:
     if dst.exists():
         if not overwrite:  # appeared while we converted
             raise InputError(f"DST {dst} exists: pass --overwrite to replace it")
-        old = dst.parent / f".{dst.name}.{OLD_TAG}-{os.getpid()}"
-        os.rename(dst, old)
+        old = sibling(dst, OLD_TAG)
+        lock = None
+        with contextlib.suppress(OSError):  # held while aside: clean_stale leaves it alone
+            lock = hold(dst)
         try:
-            os.rename(tmp, dst)
-        except OSError:
-            os.rename(old, dst)  # the user's store back where it was
-            raise
-        shutil.rmtree(old, ignore_errors=True)
+            os.rename(dst, old)
+            try:
+                os.rename(tmp, dst)
+            except OSError:
+                os.rename(old, dst)  # the user's store back where it was
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if lock is not None:
+                os.close(lock)
     else:
         os.rename(tmp, dst)
 
@@ -515,8 +500,8 @@ def _convert_into(
     )
     identity = opts.order.kind == "original"
     inv = inverse_permutation(perm)
-    tmp.mkdir()
-    root = zarr.open_group(tmp, mode="w", zarr_format=3)
+    tmp.mkdir(exist_ok=True)  # convert() made and locked a local one: keep that folder
+    root = zarr.open_group(tmp, mode="w-", zarr_format=3)  # "w" would recreate it
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     small = anndata_dataset_kwargs(opts.checksums)
     inp.write_small(root, perm, small)
@@ -545,6 +530,7 @@ def _convert_into(
         genes=inp.genes,
         provenance=provenance,
         notes=tuple(inp.notes),
+        generation=uuid.uuid4().hex,  # a new one each time: readers tell a replaced store
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest

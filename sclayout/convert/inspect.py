@@ -131,6 +131,7 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "version": manifest.version,
         "tool_version": manifest.tool_version,
         "created": manifest.created,
+        "generation": manifest.generation,
         "n_obs": manifest.n_obs,
         "n_vars": manifest.n_vars,
         "block_size": manifest.block_size,
@@ -178,6 +179,7 @@ def render_inspect(info: dict[str, Any]) -> str:
     if order.get("columns"):
         order_text += f", by {', '.join(order['columns'])}"
     created = f", {info['created']}" if info["created"] else ""
+    created += f", generation {info['generation']}" if info.get("generation") else ""
     lines = [
         f"layout store {info['path']}  ({info['format']} v{info['version']}, "
         f"written by sclayout {info['tool_version']}{created})",

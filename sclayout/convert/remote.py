@@ -36,7 +36,7 @@ def _fix(url: str) -> str:
     return (
         "check the bucket exists and the credentials and endpoint "
         "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL, AWS_REGION; "
-        "docs/object-stores.md)"
+        "https://github.com/sclayout/sclayout/blob/main/docs/object-stores.md)"
         if url.startswith("s3://")
         else "check the bucket exists and GOOGLE_APPLICATION_CREDENTIALS"
     )

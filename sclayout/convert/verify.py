@@ -34,6 +34,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from loader.argtypes import typechecked
+from loader.backends import damage_cause
 from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.convert._compare import (
@@ -221,7 +222,7 @@ def _unreadable(what: str, e: BaseException) -> LayoutError:
 
     That is exit 2, which is not the same as "differs" (exit 1).
     """
-    detail = " ".join(str(e).split())[:200]
+    detail = " ".join(damage_cause(e).split())[:200]  # not the raw checksum bytes
     return LayoutError(
         f"DST {what}: a chunk cannot be read ({type(e).__name__}: {detail}); the store is "
         "damaged: list the damage with `sclayout verify DST`, then restore it or reconvert it "

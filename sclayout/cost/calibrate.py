@@ -57,7 +57,7 @@ from loader.backends import (
 )
 from loader.cores import usable_cores
 from loader.errors import InputError, SclayoutError
-from loader.location import is_object_store
+from loader.location import http_range_error, is_object_store
 from sclayout.cost.profile import CodecSpeed, Profile
 
 __all__ = [
@@ -281,6 +281,9 @@ def _target(target: str) -> tuple[dict[str, Any], list[tuple[str, int]], str | N
         kv = ts_kvstore(location, "")
         local = None
     elif is_url(target):
+        refused = http_range_error(target)  # every measured read is a byte range
+        if refused is not None:
+            raise refused
         base = target.rstrip("/") + "/"
         files = _http_files(base)
         kv = {"driver": "http", "base_url": base}

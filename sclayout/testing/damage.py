@@ -1,7 +1,9 @@
 """Damage a layout store the ways disks, copies and other tools do.
 
 For the corruption matrix and the fuzz test: delete an inner chunk or a shard, flip bits
-or bytes in a chunk, write an out-of-range column index, truncate a shard.
+or bytes in a chunk, write an out-of-range column index, truncate a shard. Each works
+on sharded arrays (the matrices) and on arrays stored one file per chunk (what anndata
+writes: obs, var, obsm, uns); :func:`damage_array` applies one kind by name.
 """
 
 from __future__ import annotations
@@ -115,6 +117,27 @@ def bad_index(store: Path, array: str = "X/indices", value: int | None = None) -
     if value < 0 and arr.dtype.kind == "u":
         value += 1 << (8 * arr.dtype.itemsize)
     arr[3] = value
+
+
+ARRAY_DAMAGE = ("delete", "flip", "truncate")
+"""Kinds of :func:`damage_array`."""
+
+
+def damage_array(store: Path, array: str, kind: str) -> None:
+    """Damage the first chunk of any ``array`` of ``store``.
+
+    ``kind`` is one of :data:`ARRAY_DAMAGE`: ``delete`` the chunk (its file, or its
+    shard index entry), ``flip`` one bit inside its stored bytes, or ``truncate`` its
+    file (a chunk file, or the shard holding it) to half its size.
+    """
+    if kind == "delete":
+        delete_chunk(store, array)
+    elif kind == "flip":
+        flip(store, array, nbytes=0)
+    elif kind == "truncate":
+        truncate_shard(store, array)
+    else:
+        raise ValueError(f"damage kind {kind!r}: expected one of {', '.join(ARRAY_DAMAGE)}")
 
 
 DAMAGE = {

@@ -9,7 +9,7 @@ once per machine.
   counts, ``plate`` and ``cell_line`` labels that a classifier can learn from the
   expression, rows sorted by plate then cell line (as real atlases are on disk).
 * :func:`tile_real` — a larger *real* set made by tiling real files (e.g. the PBMC
-  files of the real-data folder, :func:`shared_data_dir`) with binomial thinning
+  files of the real-data folder beside the checkout) with binomial thinning
   per copy, so no two cells are equal, sorted by a label column.
 
 Both are deterministic given ``seed``.
@@ -38,7 +38,6 @@ __all__ = [
     "cached",
     "cached_tahoe_like",
     "make_tahoe_like",
-    "shared_data_dir",
     "tahoe_like_name",
     "tile_real",
 ]
@@ -92,15 +91,6 @@ def bench_dir() -> Path:
     path = Path(env) if env else Path.home() / ".cache" / "sclayout-bench"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def shared_data_dir() -> Path | None:
-    """Return the real datasets folder beside the checkout, if present.
-
-    That is the checkout parent's ``shared/data``.
-    """
-    path = Path(__file__).resolve().parents[2] / "shared" / "data"
-    return path if path.is_dir() else None
 
 
 def cached(name: str, builder: Callable[..., Any], *, root: Path | None = None, **kw: Any) -> Path:

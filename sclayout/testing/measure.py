@@ -5,6 +5,8 @@
   cache, for runs of the warm regime;
 * :func:`run_child` runs a command and returns its wall time and peak RSS (the RSS of
   a child is only measurable in a child process);
+* :func:`tree_resources` reads what a process tree holds (memory, descriptors,
+  threads, processes) from ``/proc``, for soak runs that check nothing grows;
 * :class:`Timer` and :func:`median_of` for repeated runs.
 """
 
@@ -31,10 +33,12 @@ __all__ = [
     "ChildRun",
     "EvictionCheck",
     "Timer",
+    "TreeResources",
     "check_eviction",
     "median_of",
     "peak_rss_of_child",
     "run_child",
+    "tree_resources",
     "warm",
 ]
 
@@ -275,6 +279,101 @@ def _maxrss_bytes(maxrss: int) -> int:
 def peak_rss_of_child(cmd: Sequence[str | os.PathLike], **kw: Any) -> int:
     """Peak RSS in bytes of ``cmd`` run to completion (raises if it fails)."""
     return run_child(cmd, **kw).check().peak_rss
+
+
+# --------------------------------------------------------------- process trees
+
+
+@dataclass(frozen=True)
+class TreeResources:
+    """What a process and all its descendants hold at one moment (Linux ``/proc``)."""
+
+    pids: tuple[int, ...]
+    """The process first, then its descendants."""
+    pss_anon: int
+    """Bytes: sum of ``Pss_Anon`` (``smaps_rollup``): private and shared anonymous memory,
+    each page counted once over the tree (PSS splits a shared page among its users)."""
+    pss_shmem: int
+    """Bytes: sum of ``Pss_Shmem``: shared-memory buffers (``/dev/shm``), counted once."""
+    fds: int
+    """Open descriptors of the whole tree (``/proc/PID/fd`` entries)."""
+    fds_main: int
+    """Open descriptors of the process alone."""
+    threads: int
+    """Threads of the whole tree (``Threads`` of ``/proc/PID/status``)."""
+
+    @property
+    def pss(self) -> int:
+        """Memory the tree owns, in bytes: anonymous plus shared memory, by PSS.
+
+        File-backed pages (the store's, libraries') are left out: the page cache holds
+        them, not the tree.
+        """
+        return self.pss_anon + self.pss_shmem
+
+    @property
+    def children(self) -> int:
+        """Descendants of the process (workers, decode processes, helpers)."""
+        return len(self.pids) - 1
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid``, from the parent ids in ``/proc/*/stat``."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        kids.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        found = kids.get(todo.pop(), [])
+        out += found
+        todo += found
+    return out
+
+
+def _proc_fields(path: str, keys: Sequence[str]) -> dict[str, int]:
+    """Return the integer after each ``key:`` of a ``/proc`` file (0 when absent)."""
+    got = dict.fromkeys(keys, 0)
+    with open(path) as fh:
+        for line in fh:
+            key, _, rest = line.partition(":")
+            if key in got:
+                got[key] = int(rest.split()[0])
+    return got
+
+
+def tree_resources(pid: int) -> TreeResources:
+    """Memory (PSS), descriptors, threads and processes of ``pid`` and its descendants.
+
+    Linux only (``/proc/PID/smaps_rollup``). A descendant that exits while it is read
+    is left out; the process itself must be alive (``ProcessLookupError`` otherwise).
+    """
+    if not Path(f"/proc/{pid}").is_dir():
+        raise ProcessLookupError(f"process {pid} is not running")
+    pids, anon, shmem, fds, threads, fds_main = [], 0, 0, 0, 0, 0
+    for p in [pid, *_descendants(pid)]:
+        try:
+            mem = _proc_fields(f"/proc/{p}/smaps_rollup", ("Pss_Anon", "Pss_Shmem"))
+            n_threads = _proc_fields(f"/proc/{p}/status", ("Threads",))["Threads"]
+            n_fds = len(os.listdir(f"/proc/{p}/fd"))
+        except (FileNotFoundError, ProcessLookupError):
+            if p == pid:
+                raise ProcessLookupError(f"process {pid} exited while it was read") from None
+            continue
+        pids.append(p)
+        anon += mem["Pss_Anon"] << 10  # kB
+        shmem += mem["Pss_Shmem"] << 10
+        fds += n_fds
+        threads += n_threads
+        if p == pid:
+            fds_main = n_fds
+    return TreeResources(tuple(pids), anon, shmem, fds, fds_main, threads)
 
 
 class Timer:

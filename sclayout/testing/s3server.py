@@ -1,7 +1,7 @@
 """An S3-protocol server on loopback (moto's server mode) that counts requests.
 
 For tests and benchmarks of layout stores in an object store: moto's WSGI app
-(``moto[server]``, a dev extra) behind a thin layer that counts requests (ranged GETs
+(``moto[server]``, the ``testing`` extra) behind a thin layer that counts requests (ranged GETs
 apart) and can add a fixed delay to each, standing for an object store's latency.
 
 Examples
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import threading
 import time
 import urllib.request
@@ -25,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from loader.errors import InputError, SclayoutError
 from sclayout.testing.loopback import LoopbackServer
 
 __all__ = ["S3Server", "S3Stats", "serve_s3"]
@@ -61,6 +63,18 @@ class S3Stats:
             self.requests = self.gets = self.ranged_gets = self.puts = 0
 
 
+def _require_moto() -> None:
+    """Fail with one line naming the extra when moto's server is not installed."""
+    try:
+        import moto.moto_server.werkzeug_app  # noqa: F401
+        import werkzeug.serving  # noqa: F401
+    except ImportError as e:
+        raise InputError(
+            f"the S3 test server needs moto's server ({e.name or 'a dependency'} is not "
+            "installed): pip install 'sclayout[testing]'"
+        ) from None
+
+
 def _quiet_handler() -> type:
     from werkzeug.serving import WSGIRequestHandler
 
@@ -75,6 +89,7 @@ class S3Server(LoopbackServer):
     """A running loopback S3 server; ``endpoint`` is its ``http://127.0.0.1:PORT``."""
 
     def __init__(self, *, delay: float = 0.0) -> None:
+        _require_moto()
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
@@ -123,7 +138,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--delay", type=float, default=0.0, help="seconds added to each request")
     ap.add_argument("--max-seconds", type=float, default=600.0, help="stop after this long")
     a = ap.parse_args(argv)
-    with serve_s3(buckets=a.bucket, delay=a.delay) as s:
+    try:
+        server = serve_s3(buckets=a.bucket, delay=a.delay)
+    except SclayoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
+    with server as s:
         print(s.endpoint, flush=True)
         time.sleep(a.max_seconds)
 

@@ -276,6 +276,33 @@ def test_help_imports_no_numpy_zarr_or_torch() -> None:
     assert "sclayout" in loaded and not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
 
 
+_HELP_OF_EVERY_COMMAND = """
+import json, sys
+from sclayout.cli import main
+out = {}
+for name in sorted(main.commands):
+    code = main([name, "--help"], standalone_mode=False)
+    out[name] = [code, sorted({m.split(".")[0] for m in sys.modules})]
+print(json.dumps(out))
+"""
+
+
+def test_every_command_help_imports_no_numpy_zarr_or_torch() -> None:
+    """What makes `sclayout COMMAND --help` quick: no library behind the command loads.
+
+    One process runs every command's help in turn, so each later command also sees
+    what the earlier ones loaded.
+    """
+    r = _python("-c", _HELP_OF_EVERY_COMMAND)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert sorted(got) == COMMANDS
+    for name, (code, loaded) in got.items():
+        assert code == 0 and "click" in loaded and "sclayout" in loaded, (name, code)
+        heavy = set(loaded) & {*HEAVY, "loader"}
+        assert not heavy, (name, sorted(heavy))
+
+
 def _stderr_of_convert(src: Path, dst: Path, *, tty: bool, quiet: bool = False) -> str:
     cmd = [sys.executable, "-m", "sclayout", "convert", str(src), str(dst), "--block-size", "8"]
     cmd += ["--quiet"] if quiet else []

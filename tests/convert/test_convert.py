@@ -22,7 +22,8 @@ from sclayout.cli import main
 from sclayout.convert import CODECS, convert, get_order, parse_memory_budget
 from sclayout.convert import external as ext
 
-GOLDEN = Path(__file__).parent / "golden" / "manifest_v2.json"
+GOLDEN = Path(__file__).parent / "golden" / "manifest_v3.json"
+GOLDEN_V2 = Path(__file__).parent / "golden" / "manifest_v2.json"
 GOLDEN_V1 = Path(__file__).parent / "golden" / "manifest_v1.json"
 DATA_DIR = Path(__file__).resolve().parents[3] / "shared" / "data"
 REAL = sorted(DATA_DIR.glob("*.h5ad")) if DATA_DIR.is_dir() else []
@@ -87,6 +88,7 @@ def _normalised(m: Manifest) -> dict:
     d = json.loads(m.to_json())
     d["created"] = "<created>"
     d["tool_version"] = "<version>"
+    d["generation"] = "<generation>" if len(d["generation"]) == 32 else d["generation"]
     d["source"] = {k: d["source"][k] for k in ("n_obs", "n_vars", "nnz")}
     for e in d.get("sources", []):
         e["fingerprint"] = {k: e["fingerprint"][k] for k in ("n_obs", "n_vars", "nnz")}
@@ -112,6 +114,26 @@ def test_golden_manifest(tmp_path, make_adata, write_source):
     if os.environ.get("SCLAYOUT_UPDATE_GOLDEN"):
         GOLDEN.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
     assert got == json.loads(GOLDEN.read_text())
+
+
+def test_golden_version_2_manifest_still_reads():
+    """Stores written before generations keep opening: no generation, and their identity
+    is a digest of the manifest; the manifest round-trips as version 2."""
+    d = json.loads(GOLDEN_V2.read_text())
+    m = Manifest.from_dict(d)
+    assert (m.version, m.generation, m.chunk_checksum) == (2, None, "crc32c")
+    assert json.loads(m.to_json()) == d
+    assert m.identity.startswith("manifest-")
+    assert Manifest.from_dict({**d, "created": "2026-01-01T00:00:00"}).identity != m.identity
+
+
+def test_each_conversion_writes_a_new_generation(tmp_path, synth_h5ad):
+    first = convert(synth_h5ad, tmp_path / "a.zarr", block_size=16)
+    again = convert(synth_h5ad, tmp_path / "a.zarr", block_size=16, overwrite=True)
+    assert first.version == again.version == 3
+    assert len(first.generation) == len(again.generation) == 32
+    assert first.generation != again.generation
+    assert _manifest(tmp_path / "a.zarr").generation == again.generation == again.identity
 
 
 def test_golden_version_1_manifest_still_reads():
@@ -422,6 +444,32 @@ def test_stale_temp_siblings_of_dead_runs_are_removed(tmp_path, synth_h5ad):
     (stale / "X").mkdir(parents=True)
     convert(synth_h5ad, tmp_path / "o.zarr")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["o.zarr"]
+
+
+def test_a_locked_temp_sibling_is_left_alone_whatever_its_pid(tmp_path):
+    """The lock decides (it holds across hosts, where a pid means nothing): a sibling
+    whose conversion still holds the lock stays, even if its pid is not alive here."""
+    import subprocess
+    import sys
+
+    from sclayout.convert.stale import clean_stale, hold
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip()  # fmt: skip
+    stale = tmp_path / f".o.zarr.sclayout-tmp-{dead}"
+    (stale / "X").mkdir(parents=True)
+    fd = hold(stale)
+    try:
+        assert clean_stale(tmp_path / "o.zarr") == []
+        assert stale.is_dir()
+    finally:
+        os.close(fd)
+    assert clean_stale(tmp_path / "o.zarr") == [
+        f"removed {stale.name} left by a conversion that was killed"
+    ]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_overwrite_puts_the_old_store_back_if_the_new_one_cannot_take_its_place(

@@ -37,6 +37,7 @@ def test_inspect_matches_store(store: Path) -> None:
     assert (info["n_obs"], info["block_size"]) == (130, 16)
     assert info["n_blocks"] == math.ceil(130 / 16)
     assert info["order"] == {"kind": "stratified", "seed": 4, "columns": ["plate"]}
+    assert info["version"] == 3 and len(info["generation"]) == 32
     files = _files(store)
     assert info["files"] == len(files)
     assert info["total_bytes"] == sum(f.stat().st_size for f in files)

@@ -22,10 +22,13 @@ import numpy as np
 import pandas as pd
 import pytest
 import scipy.sparse as sp
+from click.testing import CliRunner
 
 from loader.errors import InputError, NotALayoutStoreError
+from sclayout.cli import main
 from sclayout.convert import convert
 from sclayout.convert.inspect import inspect_store
+from sclayout.convert.stale import clean_stale
 from sclayout.convert.verify import verify
 
 CHILD = Path(__file__).with_name("_kill_child.py")
@@ -168,11 +171,40 @@ def test_kill_at_stage(tmp_path: Path, source: Path, forker, stage: str) -> None
 
 def test_kill_while_overwriting(tmp_path: Path, source: Path, forker) -> None:
     """Between moving the old store aside and the new one in: DST is absent (never
-    half-written), and the rerun cleans the aside copy up."""
+    half-written); the next command on DST puts the old store back, saying so."""
     dst, marker = tmp_path / "out.zarr", tmp_path / "marker"
     convert(source, dst, block_size=32)
     pid = _start(forker, source, dst, marker, "rename2", overwrite=True)
     _wait_for(marker, "paused rename2", pid)
     _kill(pid)
     assert _absent_or_valid(source, dst) == "absent"
+    got = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert got.exit_code == 0, got.output
+    assert got.stderr.splitlines() == [  # the new store, never moved in, and the old one
+        f"removed .out.zarr.sclayout-tmp-{pid} left by a conversion that was killed",
+        f"put .out.zarr.sclayout-old-{pid} back as out.zarr: a conversion that was killed "
+        "had moved it aside",
+    ]
+    assert inspect_store(dst)["block_size"] == 32  # the old store, whole
     _rerun(source, dst, overwrite=True)
+
+
+def test_the_next_command_on_dst_removes_what_a_kill_left(tmp_path, source, forker) -> None:
+    """A running conversion's temporary sibling is left alone; once it is killed, the
+    next command on DST (any of them; inspect here) removes it and names it."""
+    dst, marker = tmp_path / "out.zarr", tmp_path / "marker"
+    pid = _start(forker, source, dst, marker, "manifest")
+    _wait_for(marker, "paused manifest", pid)
+    tmp = tmp_path / f".out.zarr.sclayout-tmp-{pid}"
+    try:
+        assert tmp.is_dir()
+        assert clean_stale(dst) == []  # still running: its lock is held
+        assert tmp.is_dir()
+    finally:
+        _kill(pid)
+    got = CliRunner().invoke(main, ["inspect", str(dst)])
+    assert got.exit_code == 2  # DST itself never appeared
+    first, error = got.stderr.splitlines()
+    assert first == f"removed {tmp.name} left by a conversion that was killed"
+    assert error.startswith("error: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["marker"]

@@ -67,14 +67,18 @@ def test_manifest_json_round_trip():
         {"chunk_checksum": "crc32c", "all_chunks_stored": True},
         {"chunk_checksum": None, "all_chunks_stored": True},
         {"version": 1},
+        {"version": 2, "chunk_checksum": "crc32c", "all_chunks_stored": True},
+        {"generation": "0123abcd" * 4, "chunk_checksum": "crc32c"},
     ],
-    ids=["v2-crc32c", "v2-no-checksum", "v1"],
+    ids=["v3-crc32c", "v3-no-checksum", "v1", "v2", "v3-generation"],
 )
 def test_integrity_fields_round_trip_and_version_1_has_none(fields):
     m = _manifest(**fields)
     d = json.loads(m.to_json())
     assert Manifest.from_dict(d) == m
     assert ("chunk_checksum" in d) == (m.version >= 2)
+    assert ("generation" in d) == (m.version >= 3)
+    assert m.identity.startswith("manifest-") == (m.generation is None)
 
 
 def test_manifest_refuses_an_unknown_chunk_checksum():
