@@ -371,3 +371,27 @@ def test_ctrl_c_stops_an_epoch(runs, how):
     pids = json.loads(_printed(run, "decoders"))
     assert bool(pids) == (how == "processes")
     _assert_gone(pids)
+
+
+def test_a_closed_reader_refuses_to_read_and_a_passed_reader_stays_open(stores):
+    """``close()`` is idempotent and reading afterwards is one InputError; a dataset
+    closes the readers it opened, not one it was given."""
+    import numpy as np
+
+    from loader import BlockDataset, open_layout
+    from loader.errors import InputError
+
+    reader = open_layout(stores["dense"])
+    with BlockDataset(reader, batch_size=16, fetch_factor=2) as ds:
+        first = next(iter(ds))
+        assert first["index"].shape[0] == 16
+    assert ds.closed and not reader.closed
+    with pytest.raises(InputError, match=r"^\w*BlockDataset is closed \(close\(\) was called\)"):
+        iter(ds)
+    fetched = reader.submit(np.array([0, 1])).result()  # still the caller's to use
+    assert fetched.n_rows == 16
+    reader.close()
+    reader.close()
+    with pytest.raises(InputError, match=r"^the reader of .* is closed; open the store again"):
+        reader.submit(np.array([0]))
+    assert reader.closed
