@@ -67,6 +67,13 @@ class _Ready:
         return self._fetched
 
 
+def _cancel(pending: Any) -> None:
+    """``pending.cancel()`` where the pending fetch has one."""
+    cancel = getattr(pending, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
 def _as_output(X: Any, output: str) -> Any:
     if output == "dense":
         return np.ascontiguousarray(X.toarray() if sp.issparse(X) else X, dtype=np.float32)
@@ -272,6 +279,11 @@ class _ConcatPending:
 
     def result(self) -> _ConcatFetched:
         return _ConcatFetched(self.reader, [(i, p.result()) for i, p in self.parts], self.order)
+
+    def cancel(self) -> None:
+        """Cancel each input's reads not yet started (an abandoned fetch)."""
+        for _, p in self.parts:
+            _cancel(p)
 
 
 class _ConcatFetched:
@@ -514,6 +526,10 @@ class _PanelPending:
 
     def result(self) -> _PanelFetched:
         return _PanelFetched(self.reader, self.inner.result())
+
+    def cancel(self) -> None:
+        """Cancel the inner reader's reads not yet started (an abandoned fetch)."""
+        _cancel(self.inner)
 
 
 class _PanelFetched:
