@@ -372,6 +372,7 @@ class BlockDataset:
                 rows=rows,
                 extra=extra,
             )
+            opened.extend(_wrappers([path, *extras.values()]))  # their threads: ours too
             if store_weights is not None:
                 if weights is not None:
                     raise InputError("store_weights= and weights= together: give one of them")
@@ -996,6 +997,27 @@ class BlockDataset:
         raise InputError(
             "BlockDataLoader needs a torch dataset: create it with loader.BlockDataset(...)"
         )
+
+
+def _wrappers(readers: list[Any]) -> list[Any]:
+    """Return the stacked readers in ``readers`` and under them that have a ``close``.
+
+    Those of :mod:`loader.sources`: their ``close`` stops their own threads, not their
+    inputs'.
+    """
+    from loader.store import LayoutReader
+
+    out, todo = [], list(readers)
+    while todo:
+        r = todo.pop()
+        if isinstance(r, LayoutReader):
+            continue
+        if callable(getattr(r, "close", None)) and r not in out:
+            out.append(r)
+        todo.extend(getattr(r, "readers", None) or ())
+        if getattr(r, "inner", None) is not None:
+            todo.append(r.inner)
+    return out
 
 
 def _check_generations(reader: Any, extras: Mapping[str, Any]) -> None:

@@ -438,6 +438,12 @@ class PanelReader(_Wrapping):
         pending = self.inner.submit(blocks)
         return self._thread().submit(self._assemble, pending, order)
 
+    def close(self) -> None:
+        """Stop this panel's remapping thread (its inner reader stays open)."""
+        pool, self._pool = getattr(self, "_pool", None), None
+        if pool is not None and pool[0] == os.getpid():
+            pool[1].shutdown(wait=True, cancel_futures=True)
+
     def _thread(self) -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
