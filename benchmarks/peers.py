@@ -237,6 +237,7 @@ def _sclayout_run(
     workers: int,
     seconds: float,
     seed: int,
+    warmup_s: float = 2.0,
 ) -> dict:
     """One timed run of BlockDataset in the ≫RAM regime: a warm-up, then a window of
     ``seconds`` that runs epoch after epoch and ends on time, not at a pass end."""
@@ -253,7 +254,7 @@ def _sclayout_run(
         it = epochs()
         t0 = time.perf_counter()
         warm_batches = warm_cells = 0
-        while warm_batches < 3 or time.perf_counter() - t0 < 2.0:  # warm-up
+        while warm_batches < 3 or time.perf_counter() - t0 < warmup_s:
             warm_cells += int(next(it)["index"].shape[0])
             warm_batches += 1
         got, cells = [], 0
@@ -339,6 +340,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument(
+        "--convert-only", action="store_true", help="convert every loader's files, then stop"
+    )
     p.add_argument("--name", default="peers")
     p.add_argument("--results", type=Path, default=RESULTS)
     return p.parse_args(argv)
@@ -432,6 +436,22 @@ def _rows(runs: dict[tuple, list[dict]], labels: np.ndarray, convs: dict[str, di
     return rows
 
 
+def prepare(
+    src: Path,
+    harness: Path,
+    work: Path,
+    layout: LayoutSpec,
+    pythons: dict[str, str],
+    peers: Sequence[str],
+) -> tuple[dict[str, Path], dict[str, dict]]:
+    """Every loader's files, converted once (sclayout's store and the peers'), and
+    the conversion records."""
+    store = spec_store(src, work, layout)
+    paths, convs = peer_stores(src, work, harness, pythons, peers)
+    paths["sclayout"], convs["sclayout"] = store, json.loads(_record_path(store).read_text())
+    return paths, convs
+
+
 def measure(
     src: Path,
     harness: Path,
@@ -451,7 +471,6 @@ def measure(
     conversion, ratios) and the run's facts for the record. A peer whose venv is
     missing is left out with a note in the facts."""
     src, harness = src.resolve(), harness.resolve()
-    work = (work or src.parent).resolve()
     pythons = {"python": python, "python312": python312}
     pythons["python_peers2"] = python_peers2 or str(
         Path(tempfile.gettempdir()) / "benchvenv-peers2/bin/python"
@@ -459,11 +478,9 @@ def measure(
     missing = [w for w in peers if not Path(pythons[_VENV[w]]).exists()]
     peers = [w for w in peers if w not in missing]
     layout = LayoutSpec.load(spec)
-    store = spec_store(src, work, layout)
-    paths, convs = peer_stores(src, work, harness, pythons, peers)
+    paths, convs = prepare(src, harness, (work or src.parent).resolve(), layout, pythons, peers)
     if annbatch_store is not None and "annbatch" in paths:
         paths["annbatch"] = annbatch_store
-    paths["sclayout"], convs["sclayout"] = store, json.loads(_record_path(store).read_text())
     labels = _labels(src)  # by source row: the ``index`` a batch carries
     checks = _eviction_checks(paths)
     configs = [("sclayout", out, w) for out in ("csr", "dense") for w in (0, 2)]
@@ -532,6 +549,14 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     a = _parse(argv)
+    if a.convert_only:
+        pythons = {"python": a.python, "python312": a.python312}
+        pythons["python_peers2"] = a.python_peers2
+        work = (a.work or a.source.parent).resolve()
+        layout = LayoutSpec.load(a.spec)
+        _, convs = prepare(a.source.resolve(), a.harness.resolve(), work, layout, pythons, a.peers)
+        print(json.dumps(convs, indent=1))
+        return 0
     rows, facts = measure(
         a.source,
         a.harness,
