@@ -459,7 +459,6 @@ def measure(
     python: str,
     python312: str,
     python_peers2: str | None = None,
-    annbatch_store: Path | None = None,
     work: Path | None = None,
     spec: Path = SPEC,
     seconds: float = 10.0,
@@ -479,8 +478,6 @@ def measure(
     peers = [w for w in peers if w not in missing]
     layout = LayoutSpec.load(spec)
     paths, convs = prepare(src, harness, (work or src.parent).resolve(), layout, pythons, peers)
-    if annbatch_store is not None and "annbatch" in paths:
-        paths["annbatch"] = annbatch_store
     labels = _labels(src)  # by source row: the ``index`` a batch carries
     checks = _eviction_checks(paths)
     configs = [("sclayout", out, w) for out in ("csr", "dense") for w in (0, 2)]
