@@ -270,3 +270,83 @@ def test_soak_kills_a_training_process_that_does_not_exit(soak_script, tmp_path)
     assert proc.returncode == -9
     line = soak_script.exit_line(e)
     assert "did not exit within 0.5 s of the stop request" in line and "killed" in line
+
+
+def _script(name: str, monkeypatch):
+    """A benchmark script as a module (its sys.path and environment edits undone after)."""
+    import importlib.util
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("SCLAYOUT_TUNE_MALLOC", raising=False)  # _common sets it
+    spec = importlib.util.spec_from_file_location(f"{name}_script", BENCH / f"{name}.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_peers_sclayout_window_runs_epoch_after_epoch_until_its_time(
+    tmp_path, monkeypatch, tiny_tahoe_like
+):
+    """A window is not cut at the end of a pass: on a store read many times over in
+    the window's time, it lasts its seconds, spans several passes, and its rate is the
+    cells it counted over its length. The conversion keeps its time and size."""
+    peers = _script("peers", monkeypatch)
+    src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=600, n_vars=50, nnz_per_cell=5)
+    doc = json.loads(peers.SPEC.read_text())
+    doc["store"].update(block_size=16, csr_chunk_nnz=None)
+    doc["loader"].update(fetch_factor=2)
+    (tmp_path / "spec.json").write_text(json.dumps(doc))
+    layout = peers.LayoutSpec.load(tmp_path / "spec.json")
+    store = peers.spec_store(src, tmp_path, layout)
+    record = json.loads(peers._record_path(store).read_text())
+    assert record["convert_s"] > 0 and record["store_bytes"] > 0
+    labels = peers._labels(src)
+    run = peers._sclayout_run(
+        store, labels, spec=layout, output="csr", workers=0, seconds=1.0, seed=0, warmup_s=0.1
+    )
+    assert run["window_s"] >= 1.0 and run["passes"] > 2
+    assert run["cells_per_s"] == pytest.approx(run["cells"] / run["window_s"])
+    assert 0.5 < run["diversity"] <= 1.05
+
+
+def test_peer_window_spans_epochs_and_keeps_the_delivered_rows(tmp_path, monkeypatch):
+    """peer_window.py's window over a loader of short epochs: it lasts its seconds
+    across epochs, counts every row, and saves the full minibatches' source rows."""
+    import time
+    import types
+
+    pw = _script("peer_window", monkeypatch)
+
+    class NoEvictor:
+        def __init__(self, path, period):
+            pass
+
+        def stop(self):
+            return 0
+
+    bl = types.SimpleNamespace(
+        evict=lambda p: None, resident_fraction=lambda p: 0.0, Evictor=NoEvictor,
+        EVICT_PERIOD=0.5,
+    )  # fmt: skip
+
+    def epoch():  # 3 minibatches of 64 rows and one of 10, then the epoch ends
+        for lo in range(0, 202, 64):
+            time.sleep(0.005)
+            ids = np.arange(lo, min(lo + 64, 202))
+            yield ids.size, ids
+
+    import numpy as np
+
+    args = pw._parse(["random", "x", "--harness", str(tmp_path), "--seconds", "0.4"])
+    args.warmup_s, args.ids_out = 0.05, str(tmp_path / "ids.npy")
+    rec = pw.window(bl, pw._epochs(epoch), "x", args)
+    assert rec["window_s"] >= 0.4 and rec["cells"] > 3 * 202
+    ids = np.load(tmp_path / "ids.npy")
+    assert ids.shape == (ids.shape[0], 64) and ids.shape[0] >= 9
+    assert set(np.unique(ids)) <= set(range(192))
+    csr = pw._csr_collate(
+        [{"indices": np.array([1, 4], np.int32), "data": np.ones(2, np.float32), "row": 7},
+         {"indices": np.array([2], np.int32), "data": np.ones(1, np.float32), "row": 3}]
+    )  # fmt: skip
+    assert csr["indptr"].tolist() == [0, 2, 3] and csr["indices"].tolist() == [1, 4, 2]
+    assert csr["row"].tolist() == [7, 3]
