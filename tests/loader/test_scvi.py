@@ -141,6 +141,18 @@ def test_scvi_from_a_store_trains_as_from_memory(data, trained):
 
 
 @needs_scvi
+def test_a_model_trained_from_a_store_saves_and_loads(trained, tmp_path):
+    import scvi
+
+    dm = trained["dm"]
+    model, z, _ = trained["store"]
+    model.save(tmp_path / "model", datamodule=dm)
+    again = scvi.model.SCVI.load(tmp_path / "model", adata=False)
+    z_again = again.get_latent_representation(dataloader=dm.inference_dataloader())
+    np.testing.assert_allclose(z_again[np.argsort(dm.inference_index)], z, atol=1e-5)
+
+
+@needs_scvi
 def test_inference_loader_gives_every_cell_once_in_store_order(data, trained):
     adata, _ = data
     dm = trained["dm"]
