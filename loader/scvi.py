@@ -152,7 +152,7 @@ class LayoutDataModule(LightningDataModule):
         train_size = 0.9 if train_size is None else float(train_size)
         if not 0.0 < train_size <= 1.0:
             raise InputError(f"train_size={train_size}: must be in (0, 1]")
-        if validation_size is not None and not 0.0 <= validation_size <= 1.0 - train_size:
+        if validation_size is not None and not 0.0 <= validation_size <= 1.0 - train_size + 1e-9:
             raise InputError(f"validation_size={validation_size}: must be in [0, 1 - train_size]")
         lengths = np.asarray(self.reader.block_lengths(), dtype=np.int64)
         order = np.arange(lengths.size, dtype=np.int64)

@@ -215,6 +215,9 @@ def test_bad_keys_are_one_line_errors(data):
         LayoutDataModule(store, continuous_covariate_keys=["donor"])
     with pytest.raises(InputError, match=r"train_size=0\.0"):
         LayoutDataModule(store, train_size=0.0)
+    with pytest.raises(InputError, match=r"validation_size=0\.2: must be in \[0, 1 - train_size\]"):
+        LayoutDataModule(store, train_size=0.9, validation_size=0.2)
+    assert LayoutDataModule(store, train_size=0.9, validation_size=0.1).test_idx.size == 0
 
 
 def test_without_scvi_tools_the_import_names_the_extra(monkeypatch):
