@@ -18,14 +18,16 @@ in one run:
 
 An epoch's time is taken by a Lightning callback from the start to the end of the
 training epoch; the first epoch (start-up, first reads) is reported apart, and
-``s/epoch`` is the median of the others. ``--rounds N`` repeats the three N times in
-turn (on a busy machine, the median over rounds is steadier).
+``s/epoch`` is the median of the others. ``--rounds N`` repeats the three N times, each
+round led by the next one (the first training of a process pays a warm-up), and the
+medians are over all rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import sys
 import tempfile
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--genes", type=int, default=2_000)
     p.add_argument("--epochs", type=int, default=4)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's own)")
     p.add_argument("--only", nargs="+", choices=sorted(RUNS), help="run only these")
     p.add_argument("--work", help="folder of the data (kept and reused); default: a temp dir")
     p.add_argument("--save", action="store_true", help="write benchmarks/results/scvi_epoch.*")
@@ -167,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for logger in ("lightning", "lightning.pytorch", "lightning.fabric", "scvi"):
         logging.getLogger(logger).setLevel(logging.WARNING)  # Lightning's per-run notices
+    if args.threads:
+        torch.set_num_threads(args.threads)
     names = args.only or list(RUNS)
     with contextlib.ExitStack() as stack:
         work = (
@@ -180,12 +185,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"data: {args.cells} cells × {args.genes} genes ({time.perf_counter() - t:.0f} s)")
         print(
             f"python {sys.version.split()[0]}, scvi-tools {scvi.__version__}, "
-            f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+            f"torch {torch.__version__} ({torch.get_num_threads()} threads), "
+            f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
         )
         seconds: dict[str, list[list[float]]] = {n: [] for n in names}
         skipped = {n: why for n in names if (why := _unavailable(n))}
-        for _ in range(args.rounds):
-            for name in names:
+        for r in range(args.rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:  # a new leader
                 if name in skipped:
                     continue
                 with warnings.catch_warnings():
@@ -197,11 +203,25 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{table}")
     if args.save:
         meta = {"cells": args.cells, "genes": args.genes, "epochs": args.epochs}
-        payload = {**meta, "rounds": args.rounds, "rows": rows, "environment": environment()}
+        payload = {**meta, "rounds": args.rounds, "threads": torch.get_num_threads()}
+        payload |= {"versions": _versions(), "rows": rows, "environment": environment()}
         md = f"`{command_line()}`\n\n{table}"
         for path in write_results("scvi_epoch", payload, md):
             print(f"wrote {path}")
     return 0
+
+
+def _versions() -> dict[str, str | None]:
+    """Python's and the training stack's versions (``None``: not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for pkg in ("scvi-tools", "torch", "lightning", "annbatch", "zarrs"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            out[pkg] = None
+    return out
 
 
 def _row(name: str, seconds: list[list[float]], why: str | None) -> dict[str, Any]:
