@@ -645,6 +645,7 @@ def _scanpy_pbmc68k() -> Path | None:
 
 @pytest.mark.filterwarnings("ignore:.*without encoding metadata")
 @pytest.mark.filterwarnings("ignore:.*very old version of AnnData")
+@pytest.mark.filterwarnings("ignore:Moving element from .uns:FutureWarning")  # the reference read
 def test_scanpy_pbmc68k_reduced_converts(tmp_path):
     """scanpy's bundled file is in the anndata < 0.7 layout (skipped without scanpy)."""
     src = _scanpy_pbmc68k()
