@@ -115,6 +115,7 @@ class _Pool:
             del entry
         if woken:  # the janitor's wake-up (a loop's end) is the janitor's
             self.returns.put(None)
+        _close_unmapped()
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
@@ -159,6 +160,7 @@ class _Pool:
                 self.deadline = time.monotonic() + SPARE_GRACE_S
                 self.returns.put(None)  # wakes the janitor
         del dropped  # unmapped here, outside the lock
+        _close_unmapped()
 
     def release(self) -> None:
         """Unmap the spares now, unless a read loop runs."""
@@ -169,6 +171,7 @@ class _Pool:
             dropped, self.spare = self.spare, []
             self.deadline = None
         del dropped
+        _close_unmapped()
 
     def _janitor(self) -> None:
         """While no loop runs, take back the collected leases' buffers as they come
@@ -194,6 +197,7 @@ class _Pool:
                     dropped, self.spare = self.spare, []
                     self.deadline = None
             del entry, dropped  # unmapped here, outside the lock
+            _close_unmapped()
 
 
 _POOL = _Pool()
@@ -212,6 +216,9 @@ _numbers = itertools.count(1)
 _files: dict[int, tuple[int, int]] = {}  # id(mmap) -> (number, fd), while it is mapped
 _named: set[int] = set()  # numbers shared() has named: another process may map them
 _dropped: list[int] = []  # those of them unmapped since dropped_buffers() was asked
+_unmaps: queue.SimpleQueue = queue.SimpleQueue()  # weak references of unmapped buffers
+_mapped: dict[int, tuple] = {}  # id(weak ref) -> (ref, id(mmap), number, fd), while mapped
+_files_lock = threading.Lock()  # _files and _mapped change together
 
 
 def _new_buffer(size: int) -> mmap.mmap:
@@ -226,17 +233,38 @@ def _new_buffer(size: int) -> mmap.mmap:
         os.close(fd)
         raise
     number = next(_numbers)
-    _files[id(buf)] = (number, fd)
-    weakref.finalize(buf, _unmapped, id(buf), number, fd).atexit = False
+    ref = weakref.ref(buf, _unmaps.put)  # C code only when collected (see _close_unmapped)
+    with _files_lock:
+        _files[id(buf)] = (number, fd)
+        _mapped[id(ref)] = (ref, id(buf), number, fd)
     return buf
 
 
-def _unmapped(key: int, number: int, fd: int) -> None:
-    _files.pop(key, None)
-    os.close(fd)
-    if number in _named:
-        _named.discard(number)
-        _dropped.append(number)
+def _close_unmapped() -> None:
+    """Close the memory files of the buffers unmapped since the last call.
+
+    An unmapped buffer's weak reference lands in a queue (a C ``put``, no Python code)
+    rather than running a finalizer: a finalizer that runs in the training loop's thread
+    when a buffer is collected would swallow a Ctrl-C arriving meanwhile ("Exception
+    ignored in finalize"), and the loop would go on. The pool calls this from its own
+    calls and its janitor, and :func:`dropped_buffers` before it answers.
+    """
+    while True:
+        try:
+            ref = _unmaps.get_nowait()
+        except queue.Empty:
+            return
+        with _files_lock:
+            entry = _mapped.pop(id(ref), None)
+            if entry is None:
+                continue
+            _, key, number, fd = entry
+            if _files.get(key) == (number, fd):  # not a newer buffer at the same address
+                del _files[key]
+        os.close(fd)
+        if number in _named:
+            _named.discard(number)
+            _dropped.append(number)
 
 
 def shared(array: np.ndarray) -> SharedBuffer | None:
@@ -258,6 +286,7 @@ def shared(array: np.ndarray) -> SharedBuffer | None:
 def dropped_buffers() -> list[int]:
     """Numbers of the shared buffers unmapped since the last call (so that processes
     that mapped them unmap them too)."""
+    _close_unmapped()
     out = []
     while _dropped:
         out.append(_dropped.pop())
@@ -269,7 +298,7 @@ def _reset_after_fork() -> None:
     _POOL = _Pool()
     _files.clear()  # the parent's buffers: not this process's to share
     _named.clear()
-    _dropped.clear()
+    _dropped.clear()  # (an inherited mapping still closes its inherited descriptor)
 
 
 os.register_at_fork(after_in_child=_reset_after_fork)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import time
 
 import numpy as np
@@ -120,3 +121,24 @@ def test_values_exact_when_every_buffer_is_pooled(
             del batch
         assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(stores_n_obs))
     assert any(reused)
+
+
+@pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="memory files are Linux's")
+def test_an_unmapped_buffer_closes_its_file_without_a_finalizer():
+    """A collected buffer runs no Python finalizer (one that runs in the training loop's
+    thread swallows a Ctrl-C arriving meanwhile); its memory file closes at the pool's
+    next call."""
+    import weakref
+
+    registered = len(weakref.finalize._registry)
+    buf = buffers._new_buffer(4 << 20)
+    assert len(weakref.finalize._registry) == registered
+    fd = buffers._files[id(buf)][1]
+    inode = os.fstat(fd).st_ino
+    del buf
+    buffers.dropped_buffers()  # the pool's calls close the files of unmapped buffers
+    try:
+        reused = os.fstat(fd).st_ino == inode
+    except OSError:
+        reused = False
+    assert not reused
