@@ -17,8 +17,10 @@ Usage::
 
     .venv/bin/python benchmarks/interrupt.py --trials 5
 
-The store defaults to ``soupx_pbmc4k_half_2170x33694_counts.h5ad`` from the shared
-data folder beside the checkout, converted once into a temporary folder; ``--store``
+The store defaults to a Tahoe-like set made for the run (8,000 cells × 20,000 genes,
+1,500 non-zeros a cell: :func:`sclayout.testing.datasets.make_tahoe_like`; a dense
+minibatch is then large enough to come from the fetch buffer pool), converted with the
+defaults into a temporary folder; ``--source`` converts another ``.h5ad``, ``--store``
 takes a converted store. Writes ``benchmarks/results/interrupt.{json,md}``.
 """
 
@@ -52,7 +54,8 @@ MODES = {
     "2 DataLoader workers": ("threads", 2),
 }
 COMMANDS = ("", "convert", "verify", "inspect", "calibrate", "recommend", "bench")
-DEFAULT_SOURCE = REPO.parent / "shared" / "data" / "soupx_pbmc4k_half_2170x33694_counts.h5ad"
+SOURCE_SHAPE = {"n_obs": 8_000, "n_vars": 20_000, "nnz_per_cell": 1_500}
+"""The default data's shape (:func:`sclayout.testing.datasets.make_tahoe_like`)."""
 
 _CHILD = """
 import sys, time
@@ -128,7 +131,7 @@ def _median(values: list) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--store", type=Path, help="a converted layout store")
-    ap.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="h5ad to convert")
+    ap.add_argument("--source", type=Path, help="an .h5ad to convert (default: synthetic)")
     ap.add_argument("--trials", type=int, default=5)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--help-runs", type=int, default=3)
@@ -137,10 +140,15 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory(prefix="sclayout-interrupt-") as tmp:
         store = args.store
         if store is None:
-            if not args.source.exists():
-                raise SystemExit(f"{args.source}: not found; pass --store or --source")
+            source = args.source
+            if source is None:
+                from sclayout.testing.datasets import make_tahoe_like
+
+                source = make_tahoe_like(Path(tmp) / "source.h5ad", **SOURCE_SHAPE)
+            elif not source.exists():
+                raise SystemExit(f"{source}: not found; pass another --source or --store")
             store = Path(tmp) / "store.zarr"
-            subprocess.run([*sclayout_cmd(), "convert", str(args.source), str(store)], check=True)
+            subprocess.run([*sclayout_cmd(), "convert", str(source), str(store)], check=True)
         rows = []
         for mode, (decode, workers) in MODES.items():
             trials = [one_trial(store, decode, workers, args.timeout) for _ in range(args.trials)]
