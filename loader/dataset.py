@@ -333,50 +333,19 @@ class BlockDataset:
         if isinstance(extra, str):
             extra = (extra,)
         extra = tuple(extra)
-        from loader.sources import build_readers, is_anndata
-
-        extras: dict[str, Any] = {}
         opened: list[Any] = []  # the readers this dataset opens: close() closes them
-        if (
-            isinstance(path, list | tuple)
-            or is_anndata(path)
-            or extra
-            or (var_names is not None or rows is not None or store_weights is not None)
-        ):
-            # several inputs, in-memory data, a gene panel, a subset or extra elements:
-            # one reader stacked over the inputs (loader.sources), used as a given reader
-            items = list(path) if isinstance(path, list | tuple) else [path]
-            if not items:
-                raise InputError("path=[]: give at least one store, URL or AnnData")
-
-            def open_store(item: Any, element: str) -> Any:
-                if _is_reader(item):
-                    if element == "X":
-                        return item
-                    item = item.location
-                from loader.store import open_layout
-
-                element = matrix if element == "X" else element
-                opened.append(
-                    open_layout(
-                        _check_path(item), block_size=block_size, backend=backend, matrix=element
-                    )
-                )
-                return opened[-1]
-
-            path, extras = build_readers(
-                items,
-                open_store=open_store,
-                block_size=block_size,
-                var_names=var_names,
-                rows=rows,
-                extra=extra,
-            )
-            opened.extend(_wrappers([path, *extras.values()]))  # their threads: ours too
-            if store_weights is not None:
-                if weights is not None:
-                    raise InputError("store_weights= and weights= together: give one of them")
-                weights = _store_row_weights(store_weights, path, len(items))
+        path, extras, weights = _stacked_inputs(
+            path,
+            opened,
+            matrix=matrix,
+            block_size=block_size,
+            backend=backend,
+            var_names=var_names,
+            rows=rows,
+            extra=extra,
+            store_weights=store_weights,
+            weights=weights,
+        )
         self.extra = extra
         self._extras = extras
         reader_args = {
@@ -386,37 +355,7 @@ class BlockDataset:
             # CSR minibatches widen their own values: fetches keep them as stored
             "narrow_values": output == "csr",
         }
-        if _is_reader(path):
-            own = {k: getattr(path, k, None) for k in asked}
-            if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
-                asked["backend"] = None
-            clash = [
-                f"{k}={v!r}"
-                for k, v in asked.items()
-                if v is not None and own[k] is not None and v != own[k]
-            ]
-            if clash:
-                raise InputError(
-                    f"{', '.join(clash)}: the reader passed as path was opened with "
-                    f"{', '.join(f'{k}={own[k]!r}' for k in own)}; pass them to open_layout"
-                )
-            reader, self._path = path, None
-        else:
-            self._path = _check_path(path)
-            from loader.store import open_layout
-
-            try:
-                reader = open_layout(self._path, **reader_args)
-            except SpecError:
-                if asked["block_size"] is not None or block_size is None:
-                    raise
-                own_size = open_layout(self._path, backend=backend, matrix=matrix).block_size
-                raise SpecError(
-                    f"block_size={block_size} from the spec does not fit this store (its "
-                    f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
-                    "or convert the store with this spec"
-                ) from None
-            opened.append(reader)
+        reader, self._path = _reader_of(path, asked, reader_args, opened)
         self._opened = opened
         self._closed = False
         # this process's iterators, for close(): weak references without a callback (a
@@ -997,6 +936,111 @@ class BlockDataset:
         raise InputError(
             "BlockDataLoader needs a torch dataset: create it with loader.BlockDataset(...)"
         )
+
+
+def _stacked_inputs(
+    path: Any,
+    opened: list[Any],
+    *,
+    matrix: str,
+    block_size: int | None,
+    backend: str,
+    var_names: Any,
+    rows: Any,
+    extra: tuple[str, ...],
+    store_weights: Any,
+    weights: Any,
+) -> tuple[Any, dict[str, Any], Any]:
+    """Return ``(path or stacked reader, extras' readers, weights)``.
+
+    Several inputs, in-memory data, a gene panel, a subset or extra elements become one
+    reader stacked over the inputs (:mod:`loader.sources`), used as a given reader; the
+    readers opened for it go into ``opened``. ``store_weights`` become row weights.
+    """
+    from loader.sources import build_readers, is_anndata
+
+    if not (
+        isinstance(path, list | tuple)
+        or is_anndata(path)
+        or extra
+        or (var_names is not None or rows is not None or store_weights is not None)
+    ):
+        return path, {}, weights
+    items = list(path) if isinstance(path, list | tuple) else [path]
+    if not items:
+        raise InputError("path=[]: give at least one store, URL or AnnData")
+
+    def open_store(item: Any, element: str) -> Any:
+        if _is_reader(item):
+            if element == "X":
+                return item
+            item = item.location
+        from loader.store import open_layout
+
+        element = matrix if element == "X" else element
+        opened.append(
+            open_layout(_check_path(item), block_size=block_size, backend=backend, matrix=element)
+        )
+        return opened[-1]
+
+    stacked, extras = build_readers(
+        items,
+        open_store=open_store,
+        block_size=block_size,
+        var_names=var_names,
+        rows=rows,
+        extra=extra,
+    )
+    opened.extend(_wrappers([stacked, *extras.values()]))  # their threads: ours too
+    if store_weights is not None:
+        if weights is not None:
+            raise InputError("store_weights= and weights= together: give one of them")
+        weights = _store_row_weights(store_weights, stacked, len(items))
+    return stacked, extras, weights
+
+
+def _reader_of(
+    path: Any, asked: dict[str, Any], reader_args: dict[str, Any], opened: list[Any]
+) -> tuple[Any, str | None]:
+    """Return ``(reader, store path)``.
+
+    A given reader stays as it is (``asked`` must agree with how it was opened; no
+    path); otherwise the store at ``path`` is opened, into ``opened``.
+    """
+    if _is_reader(path):
+        own = {k: getattr(path, k, None) for k in asked}
+        if getattr(path, "kind", None) == "h5ad":  # read with h5py whatever was asked
+            asked["backend"] = None
+        clash = [
+            f"{k}={v!r}"
+            for k, v in asked.items()
+            if v is not None and own[k] is not None and v != own[k]
+        ]
+        if clash:
+            raise InputError(
+                f"{', '.join(clash)}: the reader passed as path was opened with "
+                f"{', '.join(f'{k}={own[k]!r}' for k in own)}; pass them to open_layout"
+            )
+        return path, None
+    where = _check_path(path)
+    from loader.store import open_layout
+
+    block_size = reader_args["block_size"]
+    try:
+        reader = open_layout(where, **reader_args)
+    except SpecError:
+        if asked["block_size"] is not None or block_size is None:
+            raise
+        own_size = open_layout(
+            where, backend=reader_args["backend"], matrix=reader_args["matrix"]
+        ).block_size
+        raise SpecError(
+            f"block_size={block_size} from the spec does not fit this store (its "
+            f"block size is {own_size}): pass block_size= a multiple of {own_size}, "
+            "or convert the store with this spec"
+        ) from None
+    opened.append(reader)
+    return reader, where
 
 
 def _wrappers(readers: list[Any]) -> list[Any]:
