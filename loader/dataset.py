@@ -1043,6 +1043,20 @@ def _reader_of(
     return reader, where
 
 
+def _stack(readers: list[Any]) -> Any:
+    """Yield every reader in ``readers`` and beneath them.
+
+    The stacked readers of :mod:`loader.sources` hold theirs in ``readers`` or ``inner``.
+    """
+    todo = list(readers)
+    while todo:
+        r = todo.pop()
+        yield r
+        todo.extend(getattr(r, "readers", None) or ())
+        if getattr(r, "inner", None) is not None:
+            todo.append(r.inner)
+
+
 def _wrappers(readers: list[Any]) -> list[Any]:
     """Return the stacked readers in ``readers`` and under them that have a ``close``.
 
@@ -1051,16 +1065,11 @@ def _wrappers(readers: list[Any]) -> list[Any]:
     """
     from loader.store import LayoutReader
 
-    out, todo = [], list(readers)
-    while todo:
-        r = todo.pop()
-        if isinstance(r, LayoutReader):
-            continue
-        if callable(getattr(r, "close", None)) and r not in out:
-            out.append(r)
-        todo.extend(getattr(r, "readers", None) or ())
-        if getattr(r, "inner", None) is not None:
-            todo.append(r.inner)
+    out: list[Any] = []
+    for r in _stack(readers):
+        if not isinstance(r, LayoutReader) and callable(getattr(r, "close", None)):
+            if r not in out:
+                out.append(r)
     return out
 
 
@@ -1068,19 +1077,12 @@ def _check_generations(reader: Any, extras: Mapping[str, Any]) -> None:
     """Raise :class:`~loader.errors.StoreChangedError` if a store read here was replaced.
 
     Replaced since this process opened it. One small read per store (its root
-    ``zarr.json``): the layout readers in ``reader`` (stacked readers hold theirs in
-    ``readers`` or ``inner``) and in ``extras``.
+    ``zarr.json``): the layout readers in ``reader``'s stack and in ``extras``.
     """
-    todo = [reader, *extras.values()]
-    while todo:
-        r = todo.pop()
+    for r in _stack([reader, *extras.values()]):
         check = getattr(r, "check_generation", None)
         if check is not None:
             check()
-            continue
-        todo.extend(getattr(r, "readers", None) or ())
-        if getattr(r, "inner", None) is not None:
-            todo.append(r.inner)
 
 
 def _check_path(path: Any) -> str:
