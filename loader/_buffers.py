@@ -219,6 +219,7 @@ _dropped: list[int] = []  # those of them unmapped since dropped_buffers() was a
 _unmaps: queue.SimpleQueue = queue.SimpleQueue()  # weak references of unmapped buffers
 _mapped: dict[int, tuple] = {}  # id(weak ref) -> (ref, id(mmap), number, fd), while mapped
 _files_lock = threading.Lock()  # _files and _mapped change together
+_unmap_lock = threading.RLock()  # closing unmapped buffers' files, and reporting them
 
 
 def _new_buffer(size: int) -> mmap.mmap:
@@ -249,22 +250,23 @@ def _close_unmapped() -> None:
     ignored in finalize"), and the loop would go on. The pool calls this from its own
     calls and its janitor, and :func:`dropped_buffers` before it answers.
     """
-    while True:
-        try:
-            ref = _unmaps.get_nowait()
-        except queue.Empty:
-            return
-        with _files_lock:
-            entry = _mapped.pop(id(ref), None)
-            if entry is None:
-                continue
-            _, key, number, fd = entry
-            if _files.get(key) == (number, fd):  # not a newer buffer at the same address
-                del _files[key]
-        os.close(fd)
-        if number in _named:
-            _named.discard(number)
-            _dropped.append(number)
+    with _unmap_lock:  # dropped_buffers() sees every number this call reports
+        while True:
+            try:
+                ref = _unmaps.get_nowait()
+            except queue.Empty:
+                return
+            with _files_lock:
+                entry = _mapped.pop(id(ref), None)
+                if entry is None:
+                    continue
+                _, key, number, fd = entry
+                if _files.get(key) == (number, fd):  # not a newer buffer at the same address
+                    del _files[key]
+            os.close(fd)
+            if number in _named:
+                _named.discard(number)
+                _dropped.append(number)
 
 
 def shared(array: np.ndarray) -> SharedBuffer | None:
@@ -286,10 +288,11 @@ def shared(array: np.ndarray) -> SharedBuffer | None:
 def dropped_buffers() -> list[int]:
     """Numbers of the shared buffers unmapped since the last call (so that processes
     that mapped them unmap them too)."""
-    _close_unmapped()
-    out = []
-    while _dropped:
-        out.append(_dropped.pop())
+    with _unmap_lock:
+        _close_unmapped()
+        out = []
+        while _dropped:
+            out.append(_dropped.pop())
     return out
 
 

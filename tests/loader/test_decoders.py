@@ -127,6 +127,9 @@ def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
     assert _mapped_buffers(idle) == 1
     del a, futures  # no read loop runs: its memory is unmapped, not kept
     gc.collect()
+    deadline = time.monotonic() + 30  # the pool's janitor takes the lease back
+    while buffers._POOL.leases and time.monotonic() < deadline:
+        time.sleep(0.01)
     with buffers.reusing():
         b = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
         (f,) = procs.submit([_job(Fill(), b, buffers.shared(b), [(0, 3.0)])])
