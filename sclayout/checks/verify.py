@@ -37,7 +37,7 @@ from loader.argtypes import typechecked
 from loader.backends import damage_cause
 from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert._compare import (
+from sclayout.checks._compare import (
     MAX_ROWS_SPELT_OUT,
     as_canonical_csr,
     compare_any,
@@ -47,9 +47,9 @@ from sclayout.convert._compare import (
     fmt,
     sparse_row_mismatch,
 )
+from sclayout.checks.verify_store import check_store, open_store_root
 from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
 from sclayout.convert.plan import parse_memory_budget
-from sclayout.convert.verify_store import check_store, open_store_root
 
 __all__ = ["VerifyReport", "codec_name", "verify"]
 

@@ -16,8 +16,8 @@ import numpy as np
 from loader._shards import missing_chunk
 from loader.argtypes import typechecked
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert.verify import codec_name
-from sclayout.convert.verify_store import open_store_root
+from sclayout.checks.verify import codec_name
+from sclayout.checks.verify_store import open_store_root
 
 __all__ = ["inspect_store", "render_inspect"]
 

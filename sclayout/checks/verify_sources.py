@@ -21,13 +21,13 @@ import scipy.sparse as sp
 import zarr
 
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert._compare import as_canonical_csr, compare_frames, sparse_row_mismatch
+from sclayout.checks._compare import as_canonical_csr, compare_frames, sparse_row_mismatch
+from sclayout.checks.verify import VerifyReport
+from sclayout.checks.verify_store import open_store_root
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import parse_memory_budget
 from sclayout.convert.source import Source, close_handles, open_group, source_tables
 from sclayout.convert.sources import check_sources, source_names
-from sclayout.convert.verify import VerifyReport
-from sclayout.convert.verify_store import open_store_root
 
 __all__ = ["needs_sources_verify", "verify_sources"]
 
