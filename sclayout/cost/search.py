@@ -186,7 +186,7 @@ def check_targets(min_diversity: float, memory_budget: int) -> None:
             "true random sampling), e.g. 0.95"
         )
     if memory_budget <= 0:
-        raise InputError(f"--memory-budget={memory_budget!r}: must be positive, e.g. 4GB")
+        raise InputError(f"--loader-memory={memory_budget!r}: must be positive, e.g. 4GB")
 
 
 def _diversity(
@@ -448,8 +448,8 @@ def _rank(
     if not fits:
         smallest = min(c.prediction.peak_memory for c in candidates)
         raise InputError(
-            f"--memory-budget={format_bytes(memory_budget)}: too small for any {what}; the "
-            f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
+            f"--loader-memory={format_bytes(memory_budget)}: too small for any {what}; the "
+            f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --loader-memory)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
     if not ok and best_effort:
@@ -466,7 +466,7 @@ def _rank(
         over = [c for c in candidates if c.diversity >= min_diversity]
         if over:
             need = math.ceil(min(c.prediction.peak_memory for c in over) / 1e6)
-            fix = f"lower --min-diversity or raise --memory-budget to {need}MB"
+            fix = f"lower --min-diversity or raise --loader-memory to {need}MB"
         else:
             fix = "lower --min-diversity, or widen the search (--block-sizes, --fetch-factors)"
         raise InputError(
