@@ -83,43 +83,48 @@ def measure_loader(
     from loader import BlockDataset
     from loader.errors import InputError
     from loader.location import is_url
-    from sclayout.cost.diversity import diversity_ratio
     from sclayout.pagecache import Evictor
 
     if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
         raise InputError(f"seconds={seconds!r}: must be a positive number")
     location = os.fspath(path)
     is_local = not is_url(location)
+    obs = (label,) if label else ()
     ds = BlockDataset(
         location,
         batch_size=batch_size,
         fetch_factor=fetch_factor,
         block_size=block_size,
-        obs=(label,) if label else (),
+        obs=obs,
         seed=seed,
         output=output,
         backend=backend,
     )
-    it_src = ds.dataloader(num_workers=workers, persistent_workers=True) if workers > 0 else ds
+    if workers > 0:
+        it_src: Any = ds.dataloader(num_workers=workers, persistent_workers=True)
+    else:
+        it_src = ds
     clock = _Clock(seconds, max_batches, warmup_seconds, label)
     with Evictor([location]) if (cold and is_local) else contextlib.nullcontext():
         _iterate_epochs(ds, it_src, clock)
     if clock.t0 is None or clock.n == 0:
         raise InputError(f"{location}: the loader delivered no minibatch to time")
     dt = time.perf_counter() - clock.t0
-    div = None
-    if label and clock.labels:
-        from loader.store import open_layout
+    div = _diversity(location, label, clock.labels, batch_size) if label else None
+    return Measurement(clock.cells / dt, clock.n, clock.cells, dt, div)
 
-        all_codes = open_layout(location).obs_codes(label)[0]
-        div = diversity_ratio(clock.labels, all_codes, batch_size=batch_size)
-    return Measurement(
-        cells_per_s=clock.cells / dt,
-        batches=clock.n,
-        cells=clock.cells,
-        seconds=dt,
-        diversity=div,
-    )
+
+def _diversity(
+    location: str, label: str, labels: list[np.ndarray], batch_size: int
+) -> float | None:
+    """Return the diversity of ``label`` over the minibatches' labels (None without any)."""
+    from loader.store import open_layout
+    from sclayout.cost.diversity import diversity_ratio
+
+    if not labels:
+        return None
+    all_codes = open_layout(location).obs_codes(label)[0]
+    return diversity_ratio(labels, all_codes, batch_size=batch_size)
 
 
 @dataclass
