@@ -9,6 +9,7 @@ methods are counted on their own too.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,6 +47,7 @@ def _functions(path: Path) -> list[tuple[str, int, int]]:
     return found
 
 
+@functools.cache
 def _long_functions() -> dict[str, int]:
     """``"path:name" -> lines`` of every function over :data:`MAX_LINES` in the folders."""
     return {
