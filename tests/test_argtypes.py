@@ -127,13 +127,13 @@ CALLS = {
         {},
     ),
     "verify": (
-        lambda: import_module("sclayout.convert.verify").verify,
+        lambda: import_module("sclayout.checks.verify").verify,
         lambda t: [str(p) for p in _store(t)],
         _no_kwargs,
         {},
     ),
     "inspect_store": (
-        lambda: import_module("sclayout.convert.inspect").inspect_store,
+        lambda: import_module("sclayout.checks.inspect").inspect_store,
         lambda t: [str(_store(t)[1])],
         _no_kwargs,
         {},
