@@ -265,6 +265,8 @@ class BlockDataset:
         self.config = self._sampler_config(
             reader, sampling, weights, batch_size, reading.fetch_factor
         )
+        self._options = {"sampling": sampling, "selection": selection, "output": out}
+        self._options["reading"] = reading
         self._check_diversity(reader, label)
         self._reset_passes()
 
@@ -366,6 +368,16 @@ class BlockDataset:
         )
 
     # -- settings -------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, Any]:
+        """The option groups of this dataset, with the spec's and the default values filled in.
+
+        ``{"sampling": Sampling, "selection": Selection, "output": Output, "reading":
+        Reading}``: ``BlockDataset(path, batch_size=ds.batch_size, **ds.options)`` (same
+        rank and world size) makes the same dataset.
+        """
+        return dict(self._options)
+
     @property
     def batch_size(self) -> int:
         """Rows per minibatch."""
