@@ -265,8 +265,7 @@ class BlockDataset:
         self.config = self._sampler_config(
             reader, sampling, weights, batch_size, reading.fetch_factor
         )
-        self._options = {"sampling": sampling, "selection": selection, "output": out}
-        self._options["reading"] = reading
+        self._options = dict(zip(given, (sampling, selection, out, reading), strict=True))
         self._check_diversity(reader, label)
         self._reset_passes()
 
