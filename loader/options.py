@@ -73,7 +73,7 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
     return (value,) if isinstance(value, str) else tuple(value)
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False)  # eq=False: weights may be an array
 class Sampling:
     """Which rows an epoch draws, and in what order.
 
@@ -135,7 +135,7 @@ class Sampling:
         _set(self, "drop_last", bool(self.drop_last))
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False)  # eq=False: rows may be an array
 class Selection:
     """What a batch holds: which obs columns, rows, genes and elements.
 
@@ -176,7 +176,7 @@ class Selection:
         return bool(self.extra) or self.var_names is not None or self.rows is not None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Output:
     """The form of a batch.
 
@@ -238,7 +238,7 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class Reading:
     """How the store is read: fetch size, block size, backend and read-ahead.
 

@@ -201,7 +201,7 @@ def test_groups_normalise_their_fields():
     assert Selection(obs="plate", extra="obsm/X_pca").obs == ("plate",)
     assert Selection(extra="obsm/X_pca").extra == ("obsm/X_pca",)
     assert Output(dtype=np.float16).dtype == "float16"
-    assert Reading(fetch_factor="8", block_size=np.int64(32)).fetch_factor == 8
+    assert Reading(fetch_factor="8", block_size=np.int64(32)) == Reading(8, 32)
     assert Sampling(replacement=np.bool_(False)).replacement is False
     with pytest.raises(dataclasses.FrozenInstanceError):
         Sampling().seed = 1  # type: ignore[misc]
