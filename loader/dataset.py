@@ -373,7 +373,8 @@ class BlockDataset:
 
         ``{"sampling": Sampling, "selection": Selection, "output": Output, "reading":
         Reading}``: ``BlockDataset(path, batch_size=ds.batch_size, **ds.options)`` (same
-        rank and world size) makes the same dataset.
+        rank and world size) makes the same dataset. A pickled copy (a DataLoader
+        worker's) has none, ``{}``: weights and row masks are as long as the data.
         """
         return dict(self._options)
 
@@ -441,6 +442,7 @@ class BlockDataset:
         state["_carry"] = None  # fetches in flight belong to this process
         state["_opened"] = []  # another process opens its own (see _get_reader)
         state["_iterators"] = []
+        state["_options"] = {}  # what made the dataset: the sampler config holds the rest
         if self._path is not None:
             state["_reader"] = None  # reopened lazily in the process that reads
         return state

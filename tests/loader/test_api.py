@@ -127,6 +127,18 @@ def test_flat_keywords_make_the_dataset_of_their_group(synth_store):
             assert x.keys() == y.keys() and all(np.array_equal(x[k], y[k]) for k in x), name
 
 
+def test_a_pickled_dataset_carries_no_options(synth_store):
+    """A worker's copy leaves the weights (as long as the data) behind."""
+    import pickle
+
+    w = np.linspace(1, 2, 600)
+    ds = BlockDataset(synth_store, strategy="weighted", weights=w)
+    assert ds.options["sampling"].weights is w
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.options == {} and copy.config.strategy == "weighted"
+    ds.close()
+
+
 def test_output_as_a_format_name_is_its_group(synth_store):
     flat = BlockDataset(synth_store, batch_size=32, output="csr", dtype="float16")
     grouped = BlockDataset(synth_store, batch_size=32, output=Output(format="csr", dtype="float16"))
