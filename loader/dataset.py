@@ -190,7 +190,8 @@ class BlockDataset:
         format alone: ``"dense"`` (float32, default) or ``"csr"``.
     reading
         :class:`~loader.options.Reading`: ``fetch_factor``, ``block_size``,
-        ``backend``, ``prefetch``, ``prefetch_next_epoch``.
+        ``backend``, ``prefetch``, ``prefetch_next_epoch``, ``cache_dir``,
+        ``cache_limit``.
     spec
         A :class:`loader.spec.LayoutSpec` or the path of its JSON: its loader settings
         (batch size, fetch factor, strategy, backend; and its block size) become the
@@ -253,6 +254,7 @@ class BlockDataset:
             "matrix": selection.matrix,
             # CSR minibatches widen their own values: fetches keep them as stored
             "narrow_values": out.format == "csr",
+            **reading.cache,
         }
         reader, self._path = _reader_of(path, asked, reader_args, opened)
         self._hold_reader(reader, reader_args, opened)
@@ -296,7 +298,10 @@ class BlockDataset:
         self.categories: dict[str, list] = {}
         codes = {}
         for col in dict.fromkeys((*self.obs, *([class_column] if class_column else []))):
-            codes[col], self.categories[col] = _obs_codes(reader, col)
+            if col != class_column and hasattr(reader, "obs_categories"):
+                self.categories[col] = reader.obs_categories(col)  # codes: per fetch if it can
+            else:
+                codes[col], self.categories[col] = _obs_codes(reader, col)
         strategy = sampling.strategy
         row_weights = _row_weights(strategy, weights, class_column, codes, reader, self.categories)
         config = S.SamplerConfig(
@@ -934,7 +939,13 @@ def _stacked_inputs(
 
         element = matrix if element == "X" else element
         opened.append(
-            open_layout(_check_path(item), block_size=block_size, backend=backend, matrix=element)
+            open_layout(
+                _check_path(item),
+                block_size=block_size,
+                backend=backend,
+                matrix=element,
+                **reading.cache,
+            )
         )
         return opened[-1]
 

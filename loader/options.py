@@ -262,6 +262,11 @@ class Reading:
         not begin by waiting for a read (in the process that iterates, without
         DataLoader workers). After the last epoch those fetches stay read for nothing
         until the dataset is dropped; ``False`` for a dataset read once.
+    cache_dir, cache_limit
+        For a remote store (``s3://``, ``gs://``, ``http(s)://``): a folder on the node
+        that all its processes share, into which each shard is downloaded once and
+        then read from local disk; ``cache_limit``: the bytes (``"200GB"``) it may
+        hold, the least recently used shards deleted first (``loader.cache``).
     """
 
     fetch_factor: int | None = None
@@ -269,6 +274,15 @@ class Reading:
     backend: str | None = None
     prefetch: int = DEFAULT_PREFETCH
     prefetch_next_epoch: bool = True
+    cache_dir: Any = None
+    cache_limit: Any = None
+
+    @property
+    def cache(self) -> dict[str, Any]:
+        """The shard cache's arguments of :func:`loader.open_layout` (none without a folder)."""
+        if self.cache_dir is None:
+            return {}
+        return {"cache_dir": self.cache_dir, "cache_limit": self.cache_limit}
 
     def __post_init__(self) -> None:
         _check_types(self, own_checks=("fetch_factor", "block_size", "prefetch"))

@@ -23,7 +23,7 @@ import loader
 import loader.advanced
 from loader import BlockDataset, Output, Reading, Sampling, Selection
 from loader.errors import InputError
-from loader.options import FLAT, GROUPS
+from loader.options import FLAT, GROUPS, gather
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "loader.md"
 
@@ -70,7 +70,11 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
     "backend": ("path", {"backend": "zarr"}),
     "prefetch": ("path", {"prefetch": 0}),
     "prefetch_next_epoch": ("path", {"prefetch_next_epoch": False}),
+    "cache_dir": ("bucket", {"cache_dir": "/tmp/shards"}),
+    "cache_limit": ("bucket", {"cache_dir": "/tmp/shards", "cache_limit": "2GB"}),
 }
+"""A "bucket" case needs a remote store: tests/test_s3_cache.py reads one with the
+keyword; here its options are compared, not its batches."""
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -108,12 +112,25 @@ def test_every_flat_keyword_has_a_case():
     assert set(FLAT) == set(CASES)
 
 
+@pytest.mark.parametrize("name", sorted(FLAT))
+def test_a_flat_keyword_is_the_field_of_its_group(name):
+    key = FLAT[name]
+    kw = CASES[name][1]
+    flat = gather(kw, {}, "f")
+    grouped = gather({}, {key: GROUPS[key](**kw)}, "f")
+    assert _fields(flat).keys() == _fields(grouped).keys()
+    assert all(_same(_fields(flat)[k], v) for k, v in _fields(grouped).items())
+    assert not _same(getattr(flat[key], name), getattr(GROUPS[key](), name))
+
+
 def test_flat_keywords_make_the_dataset_of_their_group(synth_store):
     """Same options, same batches, and the value arrived (it differs from the default's)."""
     default = BlockDataset(synth_store, batch_size=32)
     plain = _fields(default.options)
     default.close()
     for name, (kind, kw) in CASES.items():
+        if kind == "bucket":
+            continue
         path = [synth_store, synth_store] if kind == "path2" else synth_store
         key = FLAT[name]
         flat = BlockDataset(path, batch_size=32, **kw)
@@ -168,8 +185,8 @@ class _Wrong:
         return "<wrong>"
 
 
-ANY_VALUE = {"weights", "rows", "var_names"}
-"""Fields whose values are checked against the data, when the dataset is made."""
+ANY_VALUE = {"weights", "rows", "var_names", "cache_dir", "cache_limit"}
+"""Fields whose values are checked against the data, or by the reader's shard cache."""
 
 
 @pytest.mark.parametrize(
