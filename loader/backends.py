@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -55,6 +55,9 @@ from loader.location import (
     range_error,
     split_bucket,
 )
+
+if TYPE_CHECKING:
+    from loader.cache import ShardCache
 
 __all__ = [
     "BACKENDS",
@@ -290,6 +293,9 @@ class TensorstoreBackend:
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
         require_chunks: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        generation: str | None = None,
         **_: Any,
     ) -> None:
         self.location = location
@@ -297,6 +303,20 @@ class TensorstoreBackend:
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self._timeout = check_timeout(http_timeout) if is_url(location) else None
+        self.cache: ShardCache | None = None
+        """The node-local shard cache of a remote store (``cache_dir``; :mod:`loader.cache`)."""
+        if cache_dir is not None and is_url(location) and direct:
+            from loader.cache import ShardCache
+
+            self.cache = ShardCache(
+                location,
+                cache_dir,
+                limit=cache_limit,
+                generation=generation,
+                http=self._http,
+                timeout=self._timeout,
+            )
+        self._whole_read: set[str] = set()
         self.options = {
             "file_io_concurrency": file_io_concurrency,
             "data_copy_concurrency": data_copy_concurrency,
@@ -374,10 +394,50 @@ class TensorstoreBackend:
             whole = self.whole_array_bytes
             if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
                 whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES
+            location = self.location
+            if self.cache is not None:  # read from the node's copy, staged shard by shard
+                location = self.cache.root
+                if not self.cache.stage_metadata(f"{path}/zarr.json"):
+                    location = self.location  # no such array: tensorstore says so
             self._direct[path] = open_direct(
-                self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
+                location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
             )
         return self._direct[path]
+
+    def shard_keys(self, path: str, ranges: np.ndarray) -> list[str]:
+        """Store keys of the shard files of cached array ``path`` that reading ``ranges`` needs.
+
+        All of them for an array read whole on first use (none once it is read).
+        """
+        array = self._direct[path]
+        m = array.meta
+        if array.shape[0] * m.row_bytes <= array.whole_array_bytes:
+            if path in self._whole_read:
+                return []
+            shards = np.arange(-(-array.shape[0] // m.shard_rows))
+        else:
+            first, last = ranges[:, 0] // m.shard_rows, (ranges[:, 1] - 1) // m.shard_rows
+            counts = last - first + 1
+            spans = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+            shards = np.unique(spans)
+        return [f"{path}/{m.key_prefix}{s}{m.key_suffix}" for s in shards.tolist()]
+
+    def repair(self, paths: Sequence[str], ranges: Sequence[np.ndarray]) -> bool:
+        """After a failed read of cached arrays: fetch damaged or absent shard files again.
+
+        Returns whether any was; the arrays whose files were are reopened.
+        """
+        assert self.cache is not None
+        again = False
+        for path, r in zip(paths, ranges, strict=True):
+            self._whole_read.discard(path)
+            array = self._direct[path]
+            if self.cache.repair(self.shard_keys(path, r), array.meta):
+                again = True
+                array.close()
+                del self._direct[path]
+                self._direct_array(path)
+        return again
 
     def close(self) -> None:
         """Close the direct arrays' shard files and drop tensorstore's handles."""
@@ -386,6 +446,8 @@ class TensorstoreBackend:
             if array is not None:
                 array.close()
         self._arrays, self._context, self._pid = {}, None, -1
+        if self.cache is not None:
+            self.cache.close()
 
     def submit(self, request: Request) -> PendingReads:
         import tensorstore as ts
@@ -409,7 +471,10 @@ class TensorstoreBackend:
             views = [arr[int(a) : int(b)] for a, b in ranges]
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
-        if direct_items:
+        if direct_items and self.cache is not None:
+            cached = _CachedReads(self, [(key, request[key][0], r) for key, _, r in direct_items])
+            futures.update({key: cached.handle(key) for key, _, _ in direct_items})
+        elif direct_items:
             from loader._shards import submit_reads
 
             got = submit_reads(
@@ -423,6 +488,9 @@ class TensorstoreBackend:
         return _TensorstorePending(futures, empty, self.location, request, self._timeout)
 
     def read_array(self, path: str) -> np.ndarray:
+        if self.cache is not None and self._direct_array(path) is not None:
+            whole = np.array([[0, self._direct[path].shape[0]]], dtype=np.int64)
+            return _CachedReads(self, [("a", path, whole)]).handle("a").result(self._timeout)
         reading = self._array(path).read()
         try:
             return np.asarray(reading.result(timeout=self._timeout))
@@ -520,6 +588,74 @@ class _TensorstorePending:
         """Cancel the reads not yet done (an abandoned fetch)."""
         for f in self._futures.values():
             f.cancel()
+
+
+class _CachedReads:
+    """The direct reads of one fetch's cached arrays, once their shards are staged.
+
+    The missing shards' downloads start at once (in the cache's threads); the reads
+    start when they are all there, at once if none was missing. A read that fails on
+    a damaged or vanished cache file has the file fetched again and is read once more.
+    """
+
+    def __init__(
+        self, backend: TensorstoreBackend, items: list[tuple[str, str, np.ndarray]]
+    ) -> None:
+        assert backend.cache is not None
+        self._backend = backend
+        self._items = items
+        self._waits = [
+            f
+            for _, path, r in items
+            for f in backend.cache.stage(backend.shard_keys(path, r), backend._direct[path].meta)
+        ]
+        self._lock = threading.Lock()
+        self._started: list[Any] | None = None if self._waits else self._start()
+        self._out: dict[str, np.ndarray] | None = None
+
+    def _start(self) -> list[Any]:
+        from loader._shards import submit_reads
+
+        b = self._backend
+        return submit_reads([(b._direct[p], r, b.widen.get(p)) for _, p, r in self._items])
+
+    def _wait(self, deadline: float | None) -> dict[str, np.ndarray]:
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        for f in self._waits:
+            f.result(timeout=left())
+        for attempt in (1, 2):
+            started = self._started if self._started is not None else self._start()
+            self._started = None
+            try:
+                got = [g if isinstance(g, np.ndarray) else g.result() for g in started]
+                break
+            except LayoutError:
+                paths = [p for _, p, _ in self._items]
+                if attempt == 2 or not self._backend.repair(paths, [r for *_, r in self._items]):
+                    raise
+        self._backend._whole_read.update(p for _, p, _ in self._items)
+        return {key: g for (key, _, _), g in zip(self._items, got, strict=True)}
+
+    def handle(self, key: str) -> Any:
+        """A future-like object of ``key``'s elements."""
+        reads = self
+
+        class _Handle:
+            def result(self, timeout: float | None = None) -> np.ndarray:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                with reads._lock:
+                    if reads._out is None:
+                        reads._out = reads._wait(deadline)
+                return reads._out[key]
+
+            def cancel(self) -> None:
+                for f in reads._started or ():
+                    if not isinstance(f, np.ndarray):
+                        f.cancel()
+
+        return _Handle()
 
 
 register_backend("tensorstore", TensorstoreBackend)

@@ -519,6 +519,8 @@ class LayoutReader:
             if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
                 options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
             options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
+            if options.get("cache_dir") is not None:  # the node cache keeps this generation's
+                options.setdefault("generation", self.generation)
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0
@@ -792,19 +794,39 @@ class LayoutReader:
             if self.kind == "h5ad":
                 root.close()
 
-    def _obs_root(self) -> Any:
+    def local_elements(self, prefixes: Sequence[str], *, metadata_only: bool = False) -> str:
+        """Return a local folder holding the store's elements under ``prefixes`` (``obs``, ``var``).
+
+        The store's own folder when it is local. For a remote one, a partial local copy
+        of those small elements (:func:`loader.cache.remote_elements`: in the shard
+        cache's folder if the reader has one, else in a temporary folder).
+        """
+        if not is_url(self.location):
+            return self.location
+        from loader.cache import remote_elements
+
+        return remote_elements(
+            self.location,
+            prefixes,
+            metadata_only=metadata_only,
+            cache=getattr(self._io, "cache", None),
+            generation=self.generation,
+            http=http_context_spec(
+                **{k: v for k, v in self._http.items() if k in ("retries", "retry_delay")}
+            ),
+            timeout=check_timeout(self._http.get("timeout", TensorstoreSettings.HTTP_TIMEOUT)),
+        )
+
+    def _obs_root(self, column: str | None = None) -> Any:
         if self.kind == "h5ad":
             import h5py
 
             return h5py.File(self.location, "r")
-        if is_url(self.location):
-            raise InputError(
-                f"obs columns of a remote store ({self.location}) are not "
-                "supported yet; read obs from a local copy of the store"
-            )
         import zarr
 
-        return zarr.open_group(self.location, mode="r")
+        if column is None:  # the columns' names and encodings: their metadata only
+            return zarr.open_group(self.local_elements(["obs"], metadata_only=True), mode="r")
+        return zarr.open_group(self.local_elements([f"obs/{column}"]), mode="r")
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
         """Integer codes of obs ``column`` per stored row, and the categories.
@@ -813,7 +835,7 @@ class LayoutReader:
         factorized (sorted unique values).
         """
         if column not in self._obs:
-            root = self._obs_root()
+            root = self._obs_root(column)
             read = self._read_checked if self.kind == "store" else _read_h5
             try:
                 with self._replacement_named():

@@ -1,0 +1,511 @@
+"""A node-local cache of a remote store's shard files, shared by every process on the node.
+
+A remote store (``s3://``, ``gs://``, ``http(s)://``) opened with ``cache_dir=`` has each
+shard file staged whole into that folder the first time a fetch touches it; reads then
+come from the local copy through the direct shard reader, as for a local store. Later
+epochs send no request for the matrix.
+
+- **Shared**: every rank and DataLoader worker of the node that uses the same
+  ``cache_dir`` downloads each shard once: the download holds an exclusive ``flock`` on
+  the shard's lock file, writes a temporary name and renames it into place, so a shard
+  file is either absent or whole.
+- **Checked**: a downloaded shard is checked (its index's and every chunk's crc32c)
+  before it is renamed into place, and the direct reader checks every chunk it reads.
+  A cache file found damaged later (disk, a stray write) is deleted, fetched again and
+  said once (a :class:`CacheRepairWarning`); it is never served.
+- **Bounded**: with ``cache_limit``, the least recently used shard files of the whole
+  ``cache_dir`` are deleted (under one lock) once a download takes it past the limit;
+  a read marks its shards used (their modification time).
+- **Keyed by generation**: a store's files live under ``<name>-<generation>``, so a
+  store replaced in its bucket is never served from the old one's files.
+
+A process's downloads run in a few background threads: a fetch submitted ahead (the
+loader's read-ahead) starts its downloads at once, and they overlap training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from loader.backends import read_error, remote_concurrency_spec, timed_out, ts_kvstore
+from loader.errors import InputError, LayoutError, ReadError, StoreChangedError
+from loader.location import is_object_store
+
+__all__ = [
+    "DOWNLOAD_THREADS",
+    "CacheRepairWarning",
+    "ShardCache",
+    "check_shard",
+    "parse_cache_limit",
+    "remote_elements",
+]
+
+DOWNLOAD_THREADS = 8
+"""Shard downloads in flight per process (each a whole-object GET)."""
+STALE_PART_SECONDS = 3600.0
+"""A temporary download file this old belongs to a process that died mid-download: the
+eviction pass deletes it."""
+_PART = ".part"
+_LOCK = ".lock"
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class CacheRepairWarning(UserWarning):
+    """A damaged file in the shard cache was deleted and fetched again."""
+
+
+def parse_cache_limit(value: Any) -> int | None:
+    """``cache_limit`` in bytes: ``None``, an int, or a string such as ``"50GB"``, ``"2 TiB"``."""
+    if value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?)b?\s*", str(value).lower())
+    if isinstance(value, str) and m:
+        base = 1024 ** "bkmgt".index(m[2] or "b") if m[3] else _UNITS[m[2]]
+        n = int(float(m[1]) * base)
+        if n > 0:
+            return n
+    raise InputError(
+        f"cache_limit={value!r}: give a number of bytes > 0 (an int, or e.g. '50GB', '2TiB')"
+    )
+
+
+def check_shard(raw: bytes | memoryview, meta: Any) -> str | None:
+    """Return what is wrong with the bytes of one shard file, or ``None`` if they are sound.
+
+    ``meta``: the direct reader's parsed array metadata (``chunks_per_shard``,
+    ``index_at_end``, ``index_crc``, ``chunk_crc``). Checks the index's crc32c, that
+    every chunk lies inside the file, and every chunk's crc32c.
+    """
+    import google_crc32c
+
+    n = int(meta.chunks_per_shard)
+    size = n * 16 + (4 if meta.index_crc else 0)
+    if len(raw) < size:
+        return f"{len(raw)} bytes, shorter than its index (truncated)"
+    view = np.frombuffer(raw, dtype=np.uint8)
+    at = len(raw) - size if meta.index_at_end else 0
+    index = view[at : at + size]
+    if meta.index_crc and google_crc32c.value(index[:-4]) != int.from_bytes(
+        index[-4:].tobytes(), "little"
+    ):
+        return "its index fails its crc32c checksum"
+    entries = np.frombuffer(index, dtype="<u8", count=2 * n).reshape(n, 2)
+    for k, (offset, nbytes) in enumerate(entries.tolist()):
+        if offset == 2**64 - 1:
+            continue
+        if offset + nbytes > len(raw):
+            return f"chunk {k} ends past the end of the file (truncated)"
+        if meta.chunk_crc:
+            chunk = view[offset : offset + nbytes]
+            if nbytes < 4 or google_crc32c.value(chunk[:-4]) != int.from_bytes(
+                chunk[-4:].tobytes(), "little"
+            ):
+                return f"chunk {k} fails its crc32c checksum"
+    return None
+
+
+@contextlib.contextmanager
+def _flock(path: str) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if absent) inside the block.
+
+    Each call opens its own descriptor, so two threads of one process exclude each
+    other as two processes do.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _write_atomic(dest: str, data: bytes | memoryview) -> None:
+    """Write ``data`` to ``dest`` through a temporary name and a rename: whole or absent."""
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    folder, name = os.path.split(dest)
+    part = os.path.join(folder, f".{name}.{os.getpid()}.{threading.get_ident()}{_PART}")
+    with open(part, "wb") as f:
+        f.write(data)
+    os.replace(part, dest)
+
+
+def _store_name(location: str) -> str:
+    """A folder name for ``location``: readable, and unique through a short digest."""
+    tail = re.sub(r"[^A-Za-z0-9._-]+", "_", location.split("://", 1)[-1]).strip("_")[-48:]
+    return f"{tail}-{hashlib.sha256(location.encode()).hexdigest()[:8]}"
+
+
+class ShardCache:
+    """The shard files of one remote store in a node-local folder (see the module docstring).
+
+    ``http``: tensorstore context members for the remote reads (retries); ``timeout``:
+    seconds one download may take. ``generation``: the store generation the reader
+    opened (``None``: the one found now); the cache refuses another.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        cache_dir: str | os.PathLike[str],
+        *,
+        limit: Any = None,
+        generation: str | None = None,
+        http: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.location = location.rstrip("/")
+        self.cache_dir = os.path.abspath(os.fspath(cache_dir))
+        self.limit = parse_cache_limit(limit)
+        self.generation = generation
+        self._http = dict(http or {})
+        self._timeout = timeout
+        self._root: str | None = None
+        self._pid = -1
+        self._kv: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: dict[str, Future] = {}
+        self._warned: set[str] = set()
+        self._lock = threading.Lock()
+        try:
+            os.makedirs(self.cache_dir, exist_ok=True)
+        except OSError as e:
+            raise InputError(
+                f"cache_dir={os.fspath(cache_dir)!r}: cannot be created ({e.strerror}); "
+                "give a writable folder on a local disk"
+            ) from None
+
+    def __getstate__(self) -> dict[str, Any]:
+        raise TypeError("a ShardCache is not pickled: each process opens its own")
+
+    # -- remote reads
+    def _ensure(self) -> None:
+        if self._pid != os.getpid():
+            self._kv, self._pool, self._pending = None, None, {}
+            self._lock = threading.Lock()
+            self._pid = os.getpid()
+
+    def _store(self) -> Any:
+        self._ensure()
+        if self._kv is None:
+            import tensorstore as ts
+
+            context = ts.Context({**self._http, **remote_concurrency_spec(DOWNLOAD_THREADS)})
+            self._kv = ts.KvStore.open(ts_kvstore(self.location, ""), context=context).result(
+                timeout=self._timeout
+            )
+        return self._kv
+
+    def fetch(self, key: str) -> bytes | None:
+        """Return the bytes of object ``key`` of the store (``None``: no such object)."""
+        try:
+            reading = self._store().read(key)
+            got = reading.result(timeout=self._timeout)
+        except TimeoutError:
+            raise timed_out(self.location, key, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, key, e) from None
+        return bytes(got.value) if got.state == "value" else None
+
+    # -- the local folder
+    @property
+    def root(self) -> str:
+        """This store generation's folder in the cache (its root ``zarr.json`` staged)."""
+        if self._root is None:
+            raw = self.fetch("zarr.json")
+            if raw is None:
+                raise ReadError(
+                    f"{self.location}/zarr.json: not found while filling the cache; "
+                    "check that the store is still there"
+                )
+            found = _identity(raw)
+            if self.generation is not None and found != self.generation:
+                raise StoreChangedError(
+                    f"store {self.location} was replaced while this job read it (generation "
+                    f"{self.generation} at start, now {found}): restart the job to read "
+                    "the new store"
+                )
+            root = os.path.join(self.cache_dir, f"{_store_name(self.location)}-{found}")
+            if not os.path.isfile(os.path.join(root, "zarr.json")):
+                _write_atomic(os.path.join(root, "zarr.json"), raw)
+            self._root = root
+        return self._root
+
+    def local(self, key: str) -> str:
+        """The local file of store key ``key`` (``X/data/c/3``)."""
+        return os.path.join(self.root, *key.split("/"))
+
+    def stage_metadata(self, key: str) -> bool:
+        """Stage the small object ``key`` (an array's ``zarr.json``) unless it is there.
+
+        Returns whether it exists. Written by whoever gets it first (no lock: every
+        copy holds the same bytes, and the rename is atomic).
+        """
+        dest = self.local(key)
+        if os.path.isfile(dest):
+            return True
+        raw = self.fetch(key)
+        if raw is None:
+            return False
+        _write_atomic(dest, raw)
+        return True
+
+    # -- shards
+    def stage(self, keys: Iterable[str], meta: Any) -> list[Future]:
+        """Start downloading those of ``keys`` not in the cache; mark the others used.
+
+        Returns the downloads' futures (empty when every shard is there).
+        """
+        waits: list[Future] = []
+        now = time.time()
+        for key in keys:
+            dest = self.local(key)
+            try:
+                os.utime(dest, (now, now))  # used: the last to evict
+                continue
+            except FileNotFoundError:
+                pass
+            waits.append(self._download_later(key, meta))
+        return waits
+
+    def _download_later(self, key: str, meta: Any) -> Future:
+        self._ensure()
+        with self._lock:
+            fut = self._pending.get(key)
+            if fut is None or fut.done():
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(
+                        DOWNLOAD_THREADS, thread_name_prefix="sclayout-cache"
+                    )
+                fut = self._pool.submit(self._download, key, meta)
+                self._pending[key] = fut
+            return fut
+
+    def _download(self, key: str, meta: Any) -> None:
+        """Download shard ``key`` into the cache once per node (under its lock)."""
+        dest = self.local(key)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with _flock(dest + _LOCK):
+            if os.path.exists(dest):  # another process got it first
+                return
+            raw = self.fetch(key)
+            if raw is None:  # an absent shard: the reader says what that means
+                return
+            problem = check_shard(raw, meta)
+            if problem is not None:
+                raise LayoutError(
+                    f"store {self.location}, shard {key}: {problem}; the store is damaged: "
+                    "restore it from a good copy or reconvert it"
+                )
+            _write_atomic(dest, raw)
+        if self.limit is not None:
+            self.evict(keep={dest})
+
+    def repair(self, keys: Iterable[str], meta: Any) -> list[str]:
+        """Check the cached files of ``keys``; delete and fetch again the damaged or absent.
+
+        Called when a read of them failed. Returns the keys fetched again (said once
+        each, as a :class:`CacheRepairWarning`, for a damaged file).
+        """
+        again = []
+        for key in keys:
+            dest = self.local(key)
+            with _flock(dest + _LOCK):
+                try:
+                    with open(dest, "rb") as f:
+                        problem = check_shard(f.read(), meta)
+                except FileNotFoundError:
+                    problem = None  # evicted meanwhile: fetched again below, nothing to say
+                    again.append(key)
+                if problem is not None:
+                    os.unlink(dest)
+                    again.append(key)
+                    if dest not in self._warned:
+                        self._warned.add(dest)
+                        warnings.warn(
+                            f"shard cache {self.cache_dir}: the cached copy of {key} of "
+                            f"{self.location} was damaged ({problem}); fetched it again",
+                            CacheRepairWarning,
+                            stacklevel=2,
+                        )
+        for fut in [self._download_later(k, meta) for k in again]:
+            fut.result()
+        return again
+
+    def evict(self, keep: set[str] = frozenset()) -> int:  # type: ignore[assignment]
+        """Delete least recently used shard files until the cache holds at most the limit.
+
+        Counts every shard file under ``cache_dir`` (every store and generation);
+        ``keep`` is never deleted. Returns the bytes freed.
+        """
+        if self.limit is None:
+            return 0
+        freed = 0
+        with _flock(os.path.join(self.cache_dir, ".evict" + _LOCK)):
+            files, total = _shard_files(self.cache_dir)
+            for _, size, path in sorted(files):
+                if total <= self.limit:
+                    break
+                if path in keep:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    total -= size
+                    freed += size
+        return freed
+
+    def elements(self, prefixes: Iterable[str], *, metadata_only: bool = False) -> str:
+        """Stage the objects under ``prefixes`` into this store's elements folder; return it.
+
+        See :func:`remote_elements`.
+        """
+        folder = os.path.join(self.root, ".elements")
+        if not os.path.isfile(os.path.join(folder, "zarr.json")):
+            _write_atomic(os.path.join(folder, "zarr.json"), self.fetch("zarr.json") or b"")
+        for prefix in prefixes:
+            parts = prefix.strip("/").split("/")
+            keys = ["/".join([*parts[:i], "zarr.json"]) for i in range(1, len(parts))]
+            listed = self.keys_under(prefix.strip("/") + "/")
+            if metadata_only:
+                listed = [k for k in listed if k.rsplit("/", 1)[-1] == "zarr.json"]
+            for key in [*keys, *listed]:
+                dest = os.path.join(folder, *key.split("/"))
+                if not os.path.isfile(dest):
+                    raw = self.fetch(key)
+                    if raw is not None:
+                        _write_atomic(dest, raw)
+        return folder
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Keys of the store's objects under ``prefix`` (object stores only)."""
+        import tensorstore as ts
+
+        if not is_object_store(self.location):
+            raise InputError(
+                f"{self.location}: an HTTP server cannot list a store's objects, and reading "
+                f"{prefix.rstrip('/')} needs that; read it from an s3:// or gs:// copy, or "
+                "a local one"
+            )
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        try:
+            listing = self._store().list(ts.KvStore.KeyRange(prefix, end))
+            keys = listing.result(timeout=self._timeout)
+        except TimeoutError:
+            raise timed_out(self.location, prefix, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, prefix, e) from None
+        return sorted(k.decode() for k in keys)
+
+    def close(self) -> None:
+        """Wait for this process's downloads and stop its download threads."""
+        if self._pid == os.getpid() and self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool, self._pending, self._kv = None, {}, None
+
+
+def _shard_files(cache_dir: str) -> tuple[list[tuple[float, int, str]], int]:
+    """``([(mtime, size, path)], total bytes)`` of the shard files under ``cache_dir``.
+
+    Metadata (``zarr.json``), locks and obs elements are not counted; temporary files
+    of a download that died long ago are deleted on the way.
+    """
+    out, total = [], 0
+    now = time.time()
+    for folder, _, names in os.walk(cache_dir):
+        if f"{os.sep}.elements" in folder:
+            continue
+        for name in names:
+            if name == "zarr.json" or name.endswith(_LOCK):
+                continue
+            path = os.path.join(folder, name)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if name.endswith(_PART):
+                if now - st.st_mtime > STALE_PART_SECONDS:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                continue
+            out.append((st.st_mtime, st.st_size, path))
+            total += st.st_size
+    return out, total
+
+
+def _identity(raw: bytes) -> str:
+    """The generation (identity) of a store from the bytes of its root ``zarr.json``."""
+    from loader.layout import Manifest
+
+    try:
+        doc = json.loads(raw)["attributes"]["sclayout"]
+        return Manifest.from_dict(doc).identity
+    except (ValueError, KeyError, TypeError) as e:
+        raise LayoutError(
+            f"root zarr.json is not a layout store's ({e}); check the URL"
+        ) from None
+
+
+_TEMPORARY: dict[str, Any] = {}
+
+
+def _temporary_dir() -> str:
+    """This process's folder for the small elements of remote stores read without a cache.
+
+    Deleted when the process exits.
+    """
+    if _TEMPORARY.get("pid") != os.getpid():
+        import atexit
+        import shutil
+        import tempfile
+
+        folder = tempfile.mkdtemp(prefix="sclayout-elements-")
+        atexit.register(shutil.rmtree, folder, True)
+        _TEMPORARY.clear()
+        _TEMPORARY.update(pid=os.getpid(), folder=folder, caches={})
+    return _TEMPORARY["folder"]
+
+
+def remote_elements(
+    location: str,
+    prefixes: Iterable[str],
+    *,
+    metadata_only: bool = False,
+    cache: ShardCache | None = None,
+    generation: str | None = None,
+    http: Mapping[str, Any] | None = None,
+    timeout: float | None = None,
+) -> str:
+    """Return a local folder holding the objects of a remote store under ``prefixes``.
+
+    For the small elements (an obs column, ``var``, ``obsm/NAME``) that zarr-python
+    and anndata read from a folder: the folder is a partial copy of the store (its root
+    ``zarr.json``, the parents' ``zarr.json`` and every object under each prefix, or
+    with ``metadata_only`` their ``zarr.json`` only). It lies in ``cache``'s folder
+    (not counted by its limit), else in a temporary folder of this process. Objects
+    already there are not fetched again.
+    """
+    if cache is None:
+        key = f"{location}\0{generation}"
+        _temporary_dir()
+        caches = _TEMPORARY["caches"]
+        cache = caches.get(key)
+        if cache is None:
+            cache = ShardCache(
+                location, _TEMPORARY["folder"], generation=generation, http=http, timeout=timeout
+            )
+            caches[key] = cache
+    return cache.elements(prefixes, metadata_only=metadata_only)
