@@ -35,6 +35,7 @@ Handles are opened lazily in the process that reads (a backend object compares
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import threading
@@ -610,7 +611,10 @@ class _CachedReads:
             for f in backend.cache.stage(backend.shard_keys(path, r), backend._direct[path].meta)
         ]
         self._lock = threading.Lock()
-        self._started: list[Any] | None = None if self._waits else self._start()
+        self._started: list[Any] | None = None
+        if not self._waits:  # every shard is there: read now
+            with contextlib.suppress(LayoutError):  # (a damaged file: handled by the wait)
+                self._started = self._start()
         self._out: dict[str, np.ndarray] | None = None
 
     def _start(self) -> list[Any]:
@@ -626,12 +630,13 @@ class _CachedReads:
         for f in self._waits:
             f.result(timeout=left())
         for attempt in (1, 2):
-            started = self._started if self._started is not None else self._start()
-            self._started = None
             try:
+                started = self._started if self._started is not None else self._start()
+                self._started = None
                 got = [g if isinstance(g, np.ndarray) else g.result() for g in started]
                 break
             except LayoutError:
+                self._started = None
                 paths = [p for _, p, _ in self._items]
                 if attempt == 2 or not self._backend.repair(paths, [r for *_, r in self._items]):
                     raise
@@ -639,7 +644,7 @@ class _CachedReads:
         return {key: g for (key, _, _), g in zip(self._items, got, strict=True)}
 
     def handle(self, key: str) -> Any:
-        """A future-like object of ``key``'s elements."""
+        """Return a future-like object of ``key``'s elements."""
         reads = self
 
         class _Handle:

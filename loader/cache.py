@@ -145,7 +145,7 @@ def _write_atomic(dest: str, data: bytes | memoryview) -> None:
 
 
 def _store_name(location: str) -> str:
-    """A folder name for ``location``: readable, and unique through a short digest."""
+    """Return a folder name for ``location``: readable, and unique through a short digest."""
     tail = re.sub(r"[^A-Za-z0-9._-]+", "_", location.split("://", 1)[-1]).strip("_")[-48:]
     return f"{tail}-{hashlib.sha256(location.encode()).hexdigest()[:8]}"
 
@@ -224,7 +224,7 @@ class ShardCache:
     # -- the local folder
     @property
     def root(self) -> str:
-        """This store generation's folder in the cache (its root ``zarr.json`` staged)."""
+        """The folder of this store generation in the cache (its root ``zarr.json`` staged)."""
         if self._root is None:
             raw = self.fetch("zarr.json")
             if raw is None:
@@ -246,7 +246,7 @@ class ShardCache:
         return self._root
 
     def local(self, key: str) -> str:
-        """The local file of store key ``key`` (``X/data/c/3``)."""
+        """Return the local file of store key ``key`` (``X/data/c/3``)."""
         return os.path.join(self.root, *key.split("/"))
 
     def stage_metadata(self, key: str) -> bool:
@@ -447,23 +447,21 @@ def _shard_files(cache_dir: str) -> tuple[list[tuple[float, int, str]], int]:
 
 
 def _identity(raw: bytes) -> str:
-    """The generation (identity) of a store from the bytes of its root ``zarr.json``."""
+    """Return the generation (identity) of a store from the bytes of its root ``zarr.json``."""
     from loader.layout import Manifest
 
     try:
         doc = json.loads(raw)["attributes"]["sclayout"]
         return Manifest.from_dict(doc).identity
     except (ValueError, KeyError, TypeError) as e:
-        raise LayoutError(
-            f"root zarr.json is not a layout store's ({e}); check the URL"
-        ) from None
+        raise LayoutError(f"root zarr.json is not a layout store's ({e}); check the URL") from None
 
 
 _TEMPORARY: dict[str, Any] = {}
 
 
 def _temporary_dir() -> str:
-    """This process's folder for the small elements of remote stores read without a cache.
+    """Return the folder of this process for the elements of remote stores read uncached.
 
     Deleted when the process exits.
     """

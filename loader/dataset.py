@@ -216,6 +216,11 @@ class BlockDataset:
         not begin by waiting for a read (in the process that iterates, without
         DataLoader workers). After the last epoch those fetches stay read for nothing
         until the dataset is dropped; ``False`` for a dataset read once.
+    cache_dir, cache_limit
+        For a remote store (``s3://``, ``gs://``, ``http(s)://``): a node-local folder
+        that every process of the node shares; each shard is downloaded into it once
+        and later read from local disk. ``cache_limit``: bytes (``"200GB"``) the folder
+        may hold, least recently used shards deleted first (:mod:`loader.cache`).
     matrix
         ``"X"`` or a layer (``"layers/counts"``).
     dtype
@@ -288,6 +293,8 @@ class BlockDataset:
         store_weights: Sequence[float] | None = None,
         label: str | None = None,
         prefetch_next_epoch: bool = True,
+        cache_dir: Any = None,
+        cache_limit: Any = None,
     ) -> None:
         # what the caller chose (a reader passed as path must agree; "X" is the default)
         asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
@@ -334,6 +341,7 @@ class BlockDataset:
             extra = (extra,)
         extra = tuple(extra)
         opened: list[Any] = []  # the readers this dataset opens: close() closes them
+        cache = {"cache_dir": cache_dir, "cache_limit": cache_limit} if cache_dir else {}
         path, extras, weights = _stacked_inputs(
             path,
             opened,
@@ -345,6 +353,7 @@ class BlockDataset:
             extra=extra,
             store_weights=store_weights,
             weights=weights,
+            cache=cache,
         )
         self.extra = extra
         self._extras = extras
@@ -354,6 +363,7 @@ class BlockDataset:
             "matrix": matrix,
             # CSR minibatches widen their own values: fetches keep them as stored
             "narrow_values": output == "csr",
+            **cache,
         }
         reader, self._path = _reader_of(path, asked, reader_args, opened)
         self._opened = opened
@@ -950,6 +960,7 @@ def _stacked_inputs(
     extra: tuple[str, ...],
     store_weights: Any,
     weights: Any,
+    cache: dict[str, Any],
 ) -> tuple[Any, dict[str, Any], Any]:
     """Return ``(path or stacked reader, extras' readers, weights)``.
 
@@ -979,7 +990,9 @@ def _stacked_inputs(
 
         element = matrix if element == "X" else element
         opened.append(
-            open_layout(_check_path(item), block_size=block_size, backend=backend, matrix=element)
+            open_layout(
+                _check_path(item), block_size=block_size, backend=backend, matrix=element, **cache
+            )
         )
         return opened[-1]
 

@@ -682,6 +682,8 @@ def _space(
     help="Profile JSON or preset for the prediction [quick calibration of SOURCE].",
 )
 @click.option("--warm", is_flag=True, help="Local data: keep the page cache (do not evict it).")
+@click.option("--cache-dir", default=None, help="A remote store's node-local shard cache folder.")
+@click.option("--cache-limit", default=None, help="Bytes the shard cache may hold (e.g. 200GB).")
 @json_option
 @quiet_option
 def bench_command(
@@ -695,6 +697,8 @@ def bench_command(
     label: str | None,
     profile: str | None,
     warm: bool,
+    cache_dir: str | None,
+    cache_limit: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -745,6 +749,8 @@ def bench_command(
         label=label,
         seconds=seconds,
         cold=not warm,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
     )
     out = {
         "source": source,

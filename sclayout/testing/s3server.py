@@ -21,7 +21,9 @@ import contextlib
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,20 +49,25 @@ class S3Stats:
     gets: int = 0
     ranged_gets: int = 0
     puts: int = 0
+    get_keys: Counter = field(default_factory=Counter)
+    """GETs by object path (``/bucket/key``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, method: str, ranged: bool) -> None:
-        """Count one request."""
+    def add(self, method: str, ranged: bool, path: str = "") -> None:
+        """Count one request (of object ``path``)."""
         with self.lock:
             self.requests += 1
             self.gets += method == "GET"
             self.ranged_gets += method == "GET" and ranged
             self.puts += method == "PUT"
+            if method == "GET":
+                self.get_keys[path] += 1
 
     def reset(self) -> None:
         """Set every counter back to zero."""
         with self.lock:
             self.requests = self.gets = self.ranged_gets = self.puts = 0
+            self.get_keys.clear()
 
 
 def _require_moto() -> None:
@@ -98,7 +105,11 @@ class S3Server(LoopbackServer):
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ: dict[str, Any], start_response: Any) -> Any:
-            self.stats.add(environ.get("REQUEST_METHOD", ""), "HTTP_RANGE" in environ)
+            self.stats.add(
+                environ.get("REQUEST_METHOD", ""),
+                "HTTP_RANGE" in environ,
+                urllib.parse.unquote(environ.get("PATH_INFO", "")),
+            )
             if self.delay:
                 time.sleep(self.delay)
             return moto_app(environ, start_response)
