@@ -81,7 +81,7 @@ from loader.errors import (
     too_many_files,
 )
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
-from loader.location import is_hdf5
+from loader.location import STORE_PREFIX_ATTR, is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
@@ -220,6 +220,15 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
 
     It is read from the root ``zarr.json`` alone (HTTP cannot list a directory).
     """
+    return _read_root(location, http)[0]
+
+
+def _read_root(location: str, http: Mapping[str, Any] | None = None) -> tuple[Manifest, str]:
+    """Return the manifest and the prefix the store's objects are under (``""``: none).
+
+    A store replaced in a bucket by ``convert --overwrite`` names its generation's
+    prefix in its root (:data:`loader.location.STORE_PREFIX_ATTR`).
+    """
     try:
         meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
@@ -234,7 +243,8 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
             f"{location}: no sclayout manifest, this zarr store is not a layout store "
             f"(convert it with `sclayout convert {location} DST`)"
         )
-    return Manifest.from_dict(doc)
+    prefix = meta["attributes"].get(STORE_PREFIX_ATTR, "") if is_url(location) else ""
+    return Manifest.from_dict(doc), str(prefix).strip("/")
 
 
 def _dir_id(location: str) -> tuple[int, int] | None:
@@ -248,8 +258,9 @@ def _dir_id(location: str) -> tuple[int, int] | None:
 
 def _open_manifest(
     location: str, backend_options: Sequence[tuple[str, Any]]
-) -> tuple[Manifest, Any, dict[str, Any]]:
-    """Return the manifest, the directory it was read from (local) and the HTTP options.
+) -> tuple[Manifest, Any, dict[str, Any], str]:
+    """Return the manifest, the directory it was read from (local), the HTTP options and
+    where the store's objects are (``location``, or its generation's prefix under it).
 
     The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
     local manifest is read between two looks at the directory, so that both are of
@@ -260,12 +271,13 @@ def _open_manifest(
         n: opts[f"http_{n}"] for n in ("retries", "retry_delay", "timeout") if f"http_{n}" in opts
     }
     if is_url(location):
-        return read_manifest(location, http), None, http
+        manifest, prefix = _read_root(location, http)
+        return manifest, None, http, f"{location}/{prefix}" if prefix else location
     for _ in range(3):
         before = _dir_id(location)
         manifest = read_manifest(location, http)
         if before is not None and _dir_id(location) == before:
-            return manifest, before, http
+            return manifest, before, http, location
     raise StoreChangedError(
         f"store {location} is being replaced while it is opened; open it again once "
         "the conversion into it has finished"
@@ -474,6 +486,7 @@ class LayoutReader:
         self.generation: str | None = None  # see the class docstring
         self._dir: tuple[int, int] | None = None
         self._http: Mapping[str, Any] = {}
+        self._objects = location  # where the store's objects are (see _open_manifest)
         if kind == "h5ad":
             bs = (
                 H5AD_DEFAULT_BLOCK_SIZE
@@ -485,7 +498,9 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            stored, self._dir, self._http = _open_manifest(location, settings.backend_options)
+            stored, self._dir, self._http, self._objects = _open_manifest(
+                location, settings.backend_options
+            )
             self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
@@ -528,7 +543,7 @@ class LayoutReader:
                 else TensorstoreSettings.CACHE_BYTES
             )
         self.backend_options = options
-        self._io = factory(location, **options)
+        self._io = factory(self._objects, **options)
         self._closed = False
 
     def close(self) -> None:
@@ -806,7 +821,7 @@ class LayoutReader:
         from loader.cache import remote_elements
 
         return remote_elements(
-            self.location,
+            self._objects,
             prefixes,
             metadata_only=metadata_only,
             cache=getattr(self._io, "cache", None),

@@ -272,3 +272,50 @@ def test_a_server_gone_mid_download_is_one_read_error_and_leaves_no_partial_file
     left = _shard_files(cache)
     assert all(p.read_bytes() == shards[k].read_bytes() for k, p in left.items())
     assert not [p for p in cache.rglob("*.part")]
+
+
+@pytest.mark.parametrize("fails", ["publishing metadata", "uploading the root"])
+def test_an_overwrite_that_fails_leaves_the_old_store_readable(s3, shared_store, fails):
+    """The new store goes under a new prefix and is switched to only once whole."""
+    import importlib
+
+    import tensorstore as ts
+
+    from loader.backends import ts_kvstore
+    from loader.errors import StoreChangedError
+
+    conv = importlib.import_module("sclayout.convert.convert")  # the module, not the function
+    src, local = shared_store
+    url = f"s3://data/replaced-{fails.split()[0]}.zarr"
+    conv.convert(src, url, block_size=8, order="shuffled", seed=3, jobs=2)
+    want = _all_rows(open_layout(local))
+    calls = []
+    real = conv.upload_tree
+
+    def failing(local_dir, where, **kw):
+        calls.append(where)
+        if fails == "publishing metadata" or not kw:  # the first upload, or the last
+            raise RuntimeError("stopped here")
+        return real(local_dir, where, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(conv, "upload_tree", failing)
+        with pytest.raises(RuntimeError, match="stopped here"):
+            conv.convert(src, url, block_size=16, overwrite=True, jobs=2)
+    assert calls and all(c.startswith(url + "/g-") for c in calls)  # never DST itself
+    old = open_layout(url)
+    assert old.block_size == 8
+    index, x = _all_rows(old)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    # the next overwrite completes: readers see the new store, the old objects are gone
+    conv.convert(src, url, block_size=16, overwrite=True, jobs=2)
+    with pytest.raises(StoreChangedError):
+        old.check_generation()
+    new = open_layout(url)
+    assert new.block_size == 16
+    index, x = _all_rows(new)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    kv = ts.KvStore.open(ts_kvstore(url, "")).result()
+    keys = {k.decode() for k in kv.list().result()}
+    prefixes = {k.split("/")[0] for k in keys if k != "zarr.json"}
+    assert len(prefixes) == 1 and prefixes.pop().startswith("g-")
