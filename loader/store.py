@@ -259,12 +259,12 @@ def _dir_id(location: str) -> tuple[int, int] | None:
 def _open_manifest(
     location: str, backend_options: Sequence[tuple[str, Any]]
 ) -> tuple[Manifest, Any, dict[str, Any], str]:
-    """Return the manifest, the directory it was read from (local), the HTTP options and
-    where the store's objects are (``location``, or its generation's prefix under it).
+    """Return the manifest, its directory (local), the HTTP options and the objects' place.
 
-    The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
-    local manifest is read between two looks at the directory, so that both are of
-    the same store even if it is being replaced now.
+    The objects' place is ``location``, or the generation's prefix under it (a store
+    replaced in a bucket). The HTTP options are the ``http_*`` backend options
+    (retries, delay, timeout). A local manifest is read between two looks at the
+    directory, so that both are of the same store even if it is being replaced now.
     """
     opts = dict(backend_options)
     http = {
