@@ -378,6 +378,9 @@ class ShardCache:
             _write_atomic(os.path.join(folder, "zarr.json"), self.fetch("zarr.json") or b"")
         for prefix in prefixes:
             parts = prefix.strip("/").split("/")
+            done = os.path.join(folder, *parts, ".staged-meta" if metadata_only else ".staged")
+            if os.path.isfile(done):  # copied whole before: no request
+                continue
             keys = ["/".join([*parts[:i], "zarr.json"]) for i in range(1, len(parts))]
             listed = self.keys_under(prefix.strip("/") + "/")
             if metadata_only:
@@ -388,6 +391,8 @@ class ShardCache:
                     raw = self.fetch(key)
                     if raw is not None:
                         _write_atomic(dest, raw)
+            if listed:
+                _write_atomic(done, b"")
         return folder
 
     def keys_under(self, prefix: str) -> list[str]:
