@@ -728,7 +728,8 @@ def _read_element(reader: Any, element: str) -> Any:
     from loader.checked import read_element
 
     # a remote store's element: from a partial local copy of it
-    root = zarr.open_group(reader.local_elements([element]), mode="r")
+    local = getattr(reader, "local_elements", None)
+    root = zarr.open_group(location if local is None else local([element]), mode="r")
     try:
         node = root[element]
     except KeyError:
