@@ -64,6 +64,7 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "PendingReads",
+    "RemoteObjects",
     "TensorstoreSettings",
     "check_timeout",
     "damage_cause",
@@ -274,6 +275,72 @@ def ts_kvstore(location: str, path: str) -> dict[str, Any]:
     return {"driver": "file", "path": os.path.join(location, path)}
 
 
+class RemoteObjects:
+    """Whole objects of a remote store, read and listed through tensorstore's kvstore.
+
+    For the node cache (:mod:`loader.cache`) and the small elements of a remote store.
+    ``http``: context members of :func:`http_context_spec`; ``timeout``: seconds one
+    request may take; ``in_flight``: requests at once.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        http: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        in_flight: int = TensorstoreSettings.HTTP_CONCURRENCY,
+    ) -> None:
+        self.location = location.rstrip("/")
+        self._http = dict(http or {})
+        self._timeout = timeout
+        self._in_flight = int(in_flight)
+        self._pid = -1
+        self._kv: Any = None
+        self._lock = threading.Lock()
+
+    def _store(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid() or self._kv is None:
+                import tensorstore as ts
+
+                ctx = ts.Context({**self._http, **remote_concurrency_spec(self._in_flight)})
+                spec = ts_kvstore(self.location, "")
+                self._kv = ts.KvStore.open(spec, context=ctx).result(timeout=self._timeout)
+                self._pid = os.getpid()
+            return self._kv
+
+    def read(self, key: str) -> bytes | None:
+        """Return the bytes of object ``key`` (``None``: no such object)."""
+        try:
+            got = self._store().read(key).result(timeout=self._timeout)
+        except TimeoutError:
+            raise timed_out(self.location, key, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, key, e) from None
+        return bytes(got.value) if got.state == "value" else None
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Return the keys of the objects under ``prefix`` (object stores only)."""
+        import tensorstore as ts
+
+        if not is_object_store(self.location):
+            raise InputError(
+                f"{self.location}: an HTTP server cannot list a store's objects, and reading "
+                f"{prefix.rstrip('/')} needs that; read it from an s3:// or gs:// copy, or "
+                "a local one"
+            )
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        try:
+            keys = (
+                self._store().list(ts.KvStore.KeyRange(prefix, end)).result(timeout=self._timeout)
+            )
+        except TimeoutError:
+            raise timed_out(self.location, prefix, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, prefix, e) from None
+        return sorted(k.decode() for k in keys)
+
+
 class TensorstoreBackend:
     """Reads a layout store with tensorstore (see the module docstring)."""
 
@@ -307,15 +374,11 @@ class TensorstoreBackend:
         self.cache: ShardCache | None = None
         """The node-local shard cache of a remote store (``cache_dir``; :mod:`loader.cache`)."""
         if cache_dir is not None and is_url(location) and direct:
-            from loader.cache import ShardCache
+            from loader.cache import DOWNLOAD_THREADS, ShardCache
 
+            objects = RemoteObjects(location, self._http, self._timeout, DOWNLOAD_THREADS)
             self.cache = ShardCache(
-                location,
-                cache_dir,
-                limit=cache_limit,
-                generation=generation,
-                http=self._http,
-                timeout=self._timeout,
+                location, cache_dir, objects=objects, limit=cache_limit, generation=generation
             )
         self._whole_read: set[str] = set()
         self.options = {
@@ -353,15 +416,16 @@ class TensorstoreBackend:
             self._arrays = {}
             self._pid = os.getpid()
 
-    def _array(self, path: str) -> Any:
+    def _array(self, path: str, location: str | None = None) -> Any:
+        """Return tensorstore's array ``path`` of the store (or of its copy at ``location``)."""
         self._ensure()
-        arr = self._arrays.get(path)
+        arr = self._arrays.get(path if location is None else f"{location}\0{path}")
         if arr is None:
             import tensorstore as ts
 
             spec = {
                 "driver": "zarr3",
-                "kvstore": ts_kvstore(self.location, path),
+                "kvstore": ts_kvstore(location or self.location, path),
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
                 # a store whose manifest says every chunk is stored: absent is an error
@@ -379,7 +443,7 @@ class TensorstoreBackend:
                     f"tensorstore ({str(e).splitlines()[0]}); reconvert the store or "
                     "use backend='zarr'"
                 ) from None
-            self._arrays[path] = arr
+            self._arrays[path if location is None else f"{location}\0{path}"] = arr
         return arr
 
     def _direct_array(self, path: str) -> Any:
@@ -494,15 +558,11 @@ class TensorstoreBackend:
             return _CachedReads(self, [("a", path, whole)]).handle("a").result(self._timeout)
         if self.cache is not None and is_object_store(self.location):
             # small arrays the direct reader does not read (block pointer, source index):
-            # copied into the cache's folder of small elements once
-            import zarr
-
-            from loader.checked import read_whole
-
-            folder = self.cache.elements([path])
-            array = zarr.open_array(os.path.join(folder, path), mode="r")
-            return read_whole(array, folder, path, require_chunks=self.require_chunks)
-        reading = self._array(path).read()
+            # copied into the cache's folder of small elements once, read from there
+            array = self._array(path, self.cache.elements([path]))
+        else:
+            array = self._array(path)
+        reading = array.read()
         try:
             return np.asarray(reading.result(timeout=self._timeout))
         except TimeoutError:

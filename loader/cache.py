@@ -34,15 +34,13 @@ import re
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from loader.backends import read_error, remote_concurrency_spec, timed_out, ts_kvstore
 from loader.errors import InputError, LayoutError, ReadError, StoreChangedError
-from loader.location import is_object_store
 
 __all__ = [
     "DOWNLOAD_THREADS",
@@ -61,6 +59,16 @@ eviction pass deletes it."""
 _PART = ".part"
 _LOCK = ".lock"
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+class RemoteObjects(Protocol):
+    """The objects of a remote store (:class:`loader.backends.RemoteObjects`)."""
+
+    def read(self, key: str) -> bytes | None:
+        """Return the bytes of object ``key`` (``None``: no such object)."""
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Return the keys of the objects under ``prefix``."""
 
 
 class CacheRepairWarning(UserWarning):
@@ -163,20 +171,17 @@ class ShardCache:
         location: str,
         cache_dir: str | os.PathLike[str],
         *,
+        objects: RemoteObjects,
         limit: Any = None,
         generation: str | None = None,
-        http: Mapping[str, Any] | None = None,
-        timeout: float | None = None,
     ) -> None:
         self.location = location.rstrip("/")
         self.cache_dir = os.path.abspath(os.fspath(cache_dir))
         self.limit = parse_cache_limit(limit)
         self.generation = generation
-        self._http = dict(http or {})
-        self._timeout = timeout
+        self.objects = objects
         self._root: str | None = None
         self._pid = -1
-        self._kv: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
         self._warned: set[str] = set()
@@ -195,31 +200,13 @@ class ShardCache:
     # -- remote reads
     def _ensure(self) -> None:
         if self._pid != os.getpid():
-            self._kv, self._pool, self._pending = None, None, {}
+            self._pool, self._pending = None, {}
             self._lock = threading.Lock()
             self._pid = os.getpid()
 
-    def _store(self) -> Any:
-        self._ensure()
-        if self._kv is None:
-            import tensorstore as ts
-
-            context = ts.Context({**self._http, **remote_concurrency_spec(DOWNLOAD_THREADS)})
-            self._kv = ts.KvStore.open(ts_kvstore(self.location, ""), context=context).result(
-                timeout=self._timeout
-            )
-        return self._kv
-
     def fetch(self, key: str) -> bytes | None:
         """Return the bytes of object ``key`` of the store (``None``: no such object)."""
-        try:
-            reading = self._store().read(key)
-            got = reading.result(timeout=self._timeout)
-        except TimeoutError:
-            raise timed_out(self.location, key, self._timeout or 0) from None
-        except ValueError as e:
-            raise read_error(self.location, key, e) from None
-        return bytes(got.value) if got.state == "value" else None
+        return self.objects.read(key)
 
     # -- the local folder
     @property
@@ -382,7 +369,7 @@ class ShardCache:
             if os.path.isfile(done):  # copied whole before: no request
                 continue
             keys = ["/".join([*parts[:i], "zarr.json"]) for i in range(1, len(parts))]
-            listed = self.keys_under(prefix.strip("/") + "/")
+            listed = self.objects.keys_under(prefix.strip("/") + "/")
             if metadata_only:
                 listed = [k for k in listed if k.rsplit("/", 1)[-1] == "zarr.json"]
             for key in [*keys, *listed]:
@@ -395,31 +382,11 @@ class ShardCache:
                 _write_atomic(done, b"")
         return folder
 
-    def keys_under(self, prefix: str) -> list[str]:
-        """Keys of the store's objects under ``prefix`` (object stores only)."""
-        import tensorstore as ts
-
-        if not is_object_store(self.location):
-            raise InputError(
-                f"{self.location}: an HTTP server cannot list a store's objects, and reading "
-                f"{prefix.rstrip('/')} needs that; read it from an s3:// or gs:// copy, or "
-                "a local one"
-            )
-        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
-        try:
-            listing = self._store().list(ts.KvStore.KeyRange(prefix, end))
-            keys = listing.result(timeout=self._timeout)
-        except TimeoutError:
-            raise timed_out(self.location, prefix, self._timeout or 0) from None
-        except ValueError as e:
-            raise read_error(self.location, prefix, e) from None
-        return sorted(k.decode() for k in keys)
-
     def close(self) -> None:
         """Wait for this process's downloads and stop its download threads."""
         if self._pid == os.getpid() and self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
-        self._pool, self._pending, self._kv = None, {}, None
+        self._pool, self._pending = None, {}
 
 
 def _shard_files(cache_dir: str) -> tuple[list[tuple[float, int, str]], int]:
@@ -487,10 +454,9 @@ def remote_elements(
     prefixes: Iterable[str],
     *,
     metadata_only: bool = False,
+    objects: RemoteObjects,
     cache: ShardCache | None = None,
     generation: str | None = None,
-    http: Mapping[str, Any] | None = None,
-    timeout: float | None = None,
 ) -> str:
     """Return a local folder holding the objects of a remote store under ``prefixes``.
 
@@ -498,8 +464,8 @@ def remote_elements(
     and anndata read from a folder: the folder is a partial copy of the store (its root
     ``zarr.json``, the parents' ``zarr.json`` and every object under each prefix, or
     with ``metadata_only`` their ``zarr.json`` only). It lies in ``cache``'s folder
-    (not counted by its limit), else in a temporary folder of this process. Objects
-    already there are not fetched again.
+    (not counted by its limit), else in a temporary folder of this process, read
+    through ``objects``. Objects already there are not fetched again.
     """
     if cache is None:
         key = f"{location}\0{generation}"
@@ -508,7 +474,7 @@ def remote_elements(
         cache = caches.get(key)
         if cache is None:
             cache = ShardCache(
-                location, _TEMPORARY["folder"], generation=generation, http=http, timeout=timeout
+                location, _TEMPORARY["folder"], objects=objects, generation=generation
             )
             caches[key] = cache
     return cache.elements(prefixes, metadata_only=metadata_only)

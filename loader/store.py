@@ -818,18 +818,18 @@ class LayoutReader:
         """
         if not is_url(self.location):
             return self.location
+        from loader.backends import RemoteObjects
         from loader.cache import remote_elements
 
+        http = {k: v for k, v in self._http.items() if k in ("retries", "retry_delay")}
+        timeout = check_timeout(self._http.get("timeout", TensorstoreSettings.HTTP_TIMEOUT))
         return remote_elements(
             self._objects,
             prefixes,
             metadata_only=metadata_only,
+            objects=RemoteObjects(self._objects, http_context_spec(**http), timeout),
             cache=getattr(self._io, "cache", None),
             generation=self.generation,
-            http=http_context_spec(
-                **{k: v for k, v in self._http.items() if k in ("retries", "retry_delay")}
-            ),
-            timeout=check_timeout(self._http.get("timeout", TensorstoreSettings.HTTP_TIMEOUT)),
         )
 
     def _obs_root(self, column: str | None = None) -> Any:
