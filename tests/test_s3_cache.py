@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loader.errors import ReadError
+from loader.errors import InputError, ReadError
 from loader.store import open_layout
 from sclayout.testing.s3server import ENVIRONMENT, serve_s3
 
@@ -144,6 +144,11 @@ def test_a_warm_cache_sends_no_request_for_the_matrix(s3, stores, tmp_path):
     index, x = _all_rows(again)
     assert _x_gets(s3) == {}
     assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    with pytest.raises(InputError, match=r"cache_limit='lots': give a number of bytes"):
+        open_layout(url, cache_dir=cache, cache_limit="lots")
+    from loader.cache import parse_cache_limit
+
+    assert parse_cache_limit("2 GiB") == 2 * 2**30 and parse_cache_limit("50GB") == 50 * 10**9
 
 
 def test_a_damaged_cache_file_is_fetched_again_and_said_once(s3, stores, tmp_path):
