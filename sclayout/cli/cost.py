@@ -682,8 +682,12 @@ def _space(
     help="Profile JSON or preset for the prediction [quick calibration of SOURCE].",
 )
 @click.option("--warm", is_flag=True, help="Local data: keep the page cache (do not evict it).")
-@click.option("--cache-dir", default=None, help="A remote store's node-local shard cache folder.")
-@click.option("--cache-limit", default=None, help="Bytes the shard cache may hold (e.g. 200GB).")
+@click.option(
+    "--cache-dir", default=None, metavar="DIR", help="A remote store's node-local shard cache."
+)
+@click.option(
+    "--cache-limit", default=None, metavar="BYTES", help="Most the cache may hold (e.g. 200GB)."
+)
 @json_option
 @quiet_option
 def bench_command(

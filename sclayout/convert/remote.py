@@ -16,6 +16,7 @@ old objects: a conversion stopped at any point leaves the old store readable.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import uuid
@@ -155,4 +156,11 @@ def download_tree(url: str, local: str | os.PathLike[str]) -> int:
     except ValueError as e:
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(f"{url}: reading failed ({cause}); {_fix(url)}") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise InputError(
+            f"{url}: copying the store into {root} for the check failed (no space left on "
+            "that device): point TMPDIR at a folder with room for the whole store"
+        ) from None
     return len(keys)
