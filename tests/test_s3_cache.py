@@ -247,7 +247,7 @@ def test_obs_labels_var_names_and_rows_read_from_s3_equal_the_local_stores(store
 
 def test_a_server_gone_mid_download_is_one_read_error_and_leaves_no_partial_file(stores, tmp_path):
     local = stores[1]
-    cmd = [sys.executable, "-m", "sclayout.testing.s3server", "--bucket", "gone", "--delay", "0.3"]
+    cmd = [sys.executable, "-m", "sclayout.testing.s3server", "--bucket", "gone", "--delay", "0.1"]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         from sclayout.convert.remote import upload_tree
@@ -263,7 +263,7 @@ def test_a_server_gone_mid_download_is_one_read_error_and_leaves_no_partial_file
                 cache_dir=cache,
             )  # fmt: skip
             fetch = reader.submit(np.arange(reader.n_blocks))
-            time.sleep(0.1)  # the downloads are under way, each answer 0.3 s away
+            time.sleep(0.05)  # the downloads are under way, each answer 0.1 s away
             server.kill()
             server.wait(timeout=30)
             with pytest.raises(ReadError) as e:
