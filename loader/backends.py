@@ -675,10 +675,11 @@ class _CachedReads:
         assert backend.cache is not None
         self._backend = backend
         self._items = items
+        self._keys = [backend.shard_keys(path, r) for _, path, r in items]
         self._waits = [
             f
-            for _, path, r in items
-            for f in backend.cache.stage(backend.shard_keys(path, r), backend._direct[path].meta)
+            for (_, path, _), keys in zip(items, self._keys, strict=True)
+            for f in backend.cache.stage(keys, backend._direct[path].meta)
         ]
         self._lock = threading.Lock()
         self._started: list[Any] | None = None
@@ -694,6 +695,20 @@ class _CachedReads:
         return submit_reads([(b._direct[p], r, b.widen.get(p)) for _, p, r in self._items])
 
     def _wait(self, deadline: float | None) -> dict[str, np.ndarray]:
+        try:
+            return self._read(deadline)
+        finally:  # read (or failed): the cache may evict their shards again
+            self.release()
+
+    def release(self) -> None:
+        """End the hold on this fetch's shards (once)."""
+        keys, self._keys = self._keys, []
+        cache = self._backend.cache
+        if cache is not None:
+            for k in keys:
+                cache.release(k)
+
+    def _read(self, deadline: float | None) -> dict[str, np.ndarray]:
         def left() -> float | None:
             return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -729,6 +744,7 @@ class _CachedReads:
                 for f in reads._started or ():
                     if not isinstance(f, np.ndarray):
                         f.cancel()
+                reads.release()
 
         return _Handle()
 

@@ -34,6 +34,7 @@ import re
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
@@ -184,6 +185,8 @@ class ShardCache:
         self._pid = -1
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
+        self._holding: Counter[str] = Counter()
+        """Local files of the shards that reads in flight in this process need."""
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         try:
@@ -200,7 +203,7 @@ class ShardCache:
     # -- remote reads
     def _ensure(self) -> None:
         if self._pid != os.getpid():
-            self._pool, self._pending = None, {}
+            self._pool, self._pending, self._holding = None, {}, Counter()
             self._lock = threading.Lock()
             self._pid = os.getpid()
 
@@ -255,10 +258,15 @@ class ShardCache:
     def stage(self, keys: Iterable[str], meta: Any) -> list[Future]:
         """Start downloading those of ``keys`` not in the cache; mark the others used.
 
-        Returns the downloads' futures (empty when every shard is there).
+        Returns the downloads' futures (empty when every shard is there). The shards
+        are held (this process's evictions leave them) until :meth:`release`.
         """
         waits: list[Future] = []
         now = time.time()
+        keys = list(keys)
+        self._ensure()
+        with self._lock:
+            self._holding.update(self.local(k) for k in keys)
         for key in keys:
             dest = self.local(key)
             try:
@@ -268,6 +276,12 @@ class ShardCache:
                 pass
             waits.append(self._download_later(key, meta))
         return waits
+
+    def release(self, keys: Iterable[str]) -> None:
+        """End the hold :meth:`stage` put on ``keys`` (their read is over)."""
+        with self._lock:
+            self._holding.subtract(self.local(k) for k in keys)
+            self._holding += Counter()  # drop the counts at zero
 
     def _download_later(self, key: str, meta: Any) -> Future:
         self._ensure()
@@ -300,7 +314,9 @@ class ShardCache:
                 )
             _write_atomic(dest, raw)
         if self.limit is not None:
-            self.evict(keep={dest})
+            with self._lock:
+                held = set(self._holding)
+            self.evict(keep=held | {dest})
 
     def repair(self, keys: Iterable[str], meta: Any) -> list[str]:
         """Check the cached files of ``keys``; delete and fetch again the damaged or absent.
