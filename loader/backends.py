@@ -35,13 +35,14 @@ Handles are opened lazily in the process that reads (a backend object compares
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -56,10 +57,14 @@ from loader.location import (
     split_bucket,
 )
 
+if TYPE_CHECKING:
+    from loader.cache import ShardCache
+
 __all__ = [
     "BACKENDS",
     "Backend",
     "PendingReads",
+    "RemoteObjects",
     "TensorstoreSettings",
     "check_timeout",
     "damage_cause",
@@ -270,6 +275,72 @@ def ts_kvstore(location: str, path: str) -> dict[str, Any]:
     return {"driver": "file", "path": os.path.join(location, path)}
 
 
+class RemoteObjects:
+    """Whole objects of a remote store, read and listed through tensorstore's kvstore.
+
+    For the node cache (:mod:`loader.cache`) and the small elements of a remote store.
+    ``http``: context members of :func:`http_context_spec`; ``timeout``: seconds one
+    request may take; ``in_flight``: requests at once.
+    """
+
+    def __init__(
+        self,
+        location: str,
+        http: Mapping[str, Any] | None = None,
+        timeout: float | None = None,
+        in_flight: int = TensorstoreSettings.HTTP_CONCURRENCY,
+    ) -> None:
+        self.location = location.rstrip("/")
+        self._http = dict(http or {})
+        self._timeout = timeout
+        self._in_flight = int(in_flight)
+        self._pid = -1
+        self._kv: Any = None
+        self._lock = threading.Lock()
+
+    def _store(self) -> Any:
+        with self._lock:
+            if self._pid != os.getpid() or self._kv is None:
+                import tensorstore as ts
+
+                ctx = ts.Context({**self._http, **remote_concurrency_spec(self._in_flight)})
+                spec = ts_kvstore(self.location, "")
+                self._kv = ts.KvStore.open(spec, context=ctx).result(timeout=self._timeout)
+                self._pid = os.getpid()
+            return self._kv
+
+    def read(self, key: str) -> bytes | None:
+        """Return the bytes of object ``key`` (``None``: no such object)."""
+        try:
+            got = self._store().read(key).result(timeout=self._timeout)
+        except TimeoutError:
+            raise timed_out(self.location, key, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, key, e) from None
+        return bytes(got.value) if got.state == "value" else None
+
+    def keys_under(self, prefix: str) -> list[str]:
+        """Return the keys of the objects under ``prefix`` (object stores only)."""
+        import tensorstore as ts
+
+        if not is_object_store(self.location):
+            raise InputError(
+                f"{self.location}: an HTTP server cannot list a store's objects, and reading "
+                f"{prefix.rstrip('/')} needs that; read it from an s3:// or gs:// copy, or "
+                "a local one"
+            )
+        end = prefix[:-1] + chr(ord(prefix[-1]) + 1)
+        try:
+            keys = (
+                self._store().list(ts.KvStore.KeyRange(prefix, end)).result(timeout=self._timeout)
+            )
+        except TimeoutError:
+            raise timed_out(self.location, prefix, self._timeout or 0) from None
+        except ValueError as e:
+            raise read_error(self.location, prefix, e) from None
+        return sorted(k.decode() for k in keys)
+
+
 class TensorstoreBackend:
     """Reads a layout store with tensorstore (see the module docstring)."""
 
@@ -290,6 +361,9 @@ class TensorstoreBackend:
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
         require_chunks: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | str | None = None,
+        generation: str | None = None,
         **_: Any,
     ) -> None:
         self.location = location
@@ -297,6 +371,16 @@ class TensorstoreBackend:
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self._timeout = check_timeout(http_timeout) if is_url(location) else None
+        self.cache: ShardCache | None = None
+        """The node-local shard cache of a remote store (``cache_dir``; :mod:`loader.cache`)."""
+        if cache_dir is not None and is_url(location) and direct:
+            from loader.cache import DOWNLOAD_THREADS, ShardCache
+
+            objects = RemoteObjects(location, self._http, self._timeout, DOWNLOAD_THREADS)
+            self.cache = ShardCache(
+                location, cache_dir, objects=objects, limit=cache_limit, generation=generation
+            )
+        self._whole_read: set[str] = set()
         self.options = {
             "file_io_concurrency": file_io_concurrency,
             "data_copy_concurrency": data_copy_concurrency,
@@ -332,15 +416,16 @@ class TensorstoreBackend:
             self._arrays = {}
             self._pid = os.getpid()
 
-    def _array(self, path: str) -> Any:
+    def _array(self, path: str, location: str | None = None) -> Any:
+        """Return tensorstore's array ``path`` of the store (or of its copy at ``location``)."""
         self._ensure()
-        arr = self._arrays.get(path)
+        arr = self._arrays.get(path if location is None else f"{location}\0{path}")
         if arr is None:
             import tensorstore as ts
 
             spec = {
                 "driver": "zarr3",
-                "kvstore": ts_kvstore(self.location, path),
+                "kvstore": ts_kvstore(location or self.location, path),
                 "recheck_cached_data": False,
                 "recheck_cached_metadata": False,
                 # a store whose manifest says every chunk is stored: absent is an error
@@ -358,7 +443,7 @@ class TensorstoreBackend:
                     f"tensorstore ({str(e).splitlines()[0]}); reconvert the store or "
                     "use backend='zarr'"
                 ) from None
-            self._arrays[path] = arr
+            self._arrays[path if location is None else f"{location}\0{path}"] = arr
         return arr
 
     def _direct_array(self, path: str) -> Any:
@@ -374,10 +459,50 @@ class TensorstoreBackend:
             whole = self.whole_array_bytes
             if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
                 whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES
+            location = self.location
+            if self.cache is not None:  # read from the node's copy, staged shard by shard
+                location = self.cache.root
+                if not self.cache.stage_metadata(f"{path}/zarr.json"):
+                    location = self.location  # no such array: tensorstore says so
             self._direct[path] = open_direct(
-                self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
+                location, path, whole_array_bytes=whole, require_chunks=self.require_chunks
             )
         return self._direct[path]
+
+    def shard_keys(self, path: str, ranges: np.ndarray) -> list[str]:
+        """Store keys of the shard files of cached array ``path`` that reading ``ranges`` needs.
+
+        All of them for an array read whole on first use (none once it is read).
+        """
+        array = self._direct[path]
+        m = array.meta
+        if array.shape[0] * m.row_bytes <= array.whole_array_bytes:
+            if path in self._whole_read:
+                return []
+            shards = np.arange(-(-array.shape[0] // m.shard_rows))
+        else:
+            first, last = ranges[:, 0] // m.shard_rows, (ranges[:, 1] - 1) // m.shard_rows
+            counts = last - first + 1
+            spans = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+            shards = np.unique(spans)
+        return [f"{path}/{m.key_prefix}{s}{m.key_suffix}" for s in shards.tolist()]
+
+    def repair(self, paths: Sequence[str], ranges: Sequence[np.ndarray]) -> bool:
+        """After a failed read of cached arrays: fetch damaged or absent shard files again.
+
+        Returns whether any was; the arrays whose files were are reopened.
+        """
+        assert self.cache is not None
+        again = False
+        for path, r in zip(paths, ranges, strict=True):
+            self._whole_read.discard(path)
+            array = self._direct[path]
+            if self.cache.repair(self.shard_keys(path, r), array.meta):
+                again = True
+                array.close()
+                del self._direct[path]
+                self._direct_array(path)
+        return again
 
     def close(self) -> None:
         """Close the direct arrays' shard files and drop tensorstore's handles."""
@@ -386,6 +511,8 @@ class TensorstoreBackend:
             if array is not None:
                 array.close()
         self._arrays, self._context, self._pid = {}, None, -1
+        if self.cache is not None:
+            self.cache.close()
 
     def submit(self, request: Request) -> PendingReads:
         import tensorstore as ts
@@ -409,7 +536,10 @@ class TensorstoreBackend:
             views = [arr[int(a) : int(b)] for a, b in ranges]
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
-        if direct_items:
+        if direct_items and self.cache is not None:
+            cached = _CachedReads(self, [(key, request[key][0], r) for key, _, r in direct_items])
+            futures.update({key: cached.handle(key) for key, _, _ in direct_items})
+        elif direct_items:
             from loader._shards import submit_reads
 
             got = submit_reads(
@@ -423,7 +553,16 @@ class TensorstoreBackend:
         return _TensorstorePending(futures, empty, self.location, request, self._timeout)
 
     def read_array(self, path: str) -> np.ndarray:
-        reading = self._array(path).read()
+        if self.cache is not None and self._direct_array(path) is not None:
+            whole = np.array([[0, self._direct[path].shape[0]]], dtype=np.int64)
+            return _CachedReads(self, [("a", path, whole)]).handle("a").result(self._timeout)
+        if self.cache is not None and is_object_store(self.location):
+            # small arrays the direct reader does not read (block pointer, source index):
+            # copied into the cache's folder of small elements once, read from there
+            array = self._array(path, self.cache.elements([path]))
+        else:
+            array = self._array(path)
+        reading = array.read()
         try:
             return np.asarray(reading.result(timeout=self._timeout))
         except TimeoutError:
@@ -520,6 +659,94 @@ class _TensorstorePending:
         """Cancel the reads not yet done (an abandoned fetch)."""
         for f in self._futures.values():
             f.cancel()
+
+
+class _CachedReads:
+    """The direct reads of one fetch's cached arrays, once their shards are staged.
+
+    The missing shards' downloads start at once (in the cache's threads); the reads
+    start when they are all there, at once if none was missing. A read that fails on
+    a damaged or vanished cache file has the file fetched again and is read once more.
+    """
+
+    def __init__(
+        self, backend: TensorstoreBackend, items: list[tuple[str, str, np.ndarray]]
+    ) -> None:
+        assert backend.cache is not None
+        self._backend = backend
+        self._items = items
+        self._keys = [backend.shard_keys(path, r) for _, path, r in items]
+        self._waits = [
+            f
+            for (_, path, _), keys in zip(items, self._keys, strict=True)
+            for f in backend.cache.stage(keys, backend._direct[path].meta)
+        ]
+        self._lock = threading.Lock()
+        self._started: list[Any] | None = None
+        if not self._waits:  # every shard is there: read now
+            with contextlib.suppress(LayoutError):  # (a damaged file: handled by the wait)
+                self._started = self._start()
+        self._out: dict[str, np.ndarray] | None = None
+
+    def _start(self) -> list[Any]:
+        from loader._shards import submit_reads
+
+        b = self._backend
+        return submit_reads([(b._direct[p], r, b.widen.get(p)) for _, p, r in self._items])
+
+    def _wait(self, deadline: float | None) -> dict[str, np.ndarray]:
+        try:
+            return self._read(deadline)
+        finally:  # read (or failed): the cache may evict their shards again
+            self.release()
+
+    def release(self) -> None:
+        """End the hold on this fetch's shards (once)."""
+        keys, self._keys = self._keys, []
+        cache = self._backend.cache
+        if cache is not None:
+            for k in keys:
+                cache.release(k)
+
+    def _read(self, deadline: float | None) -> dict[str, np.ndarray]:
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+        for f in self._waits:
+            f.result(timeout=left())
+        for attempt in (1, 2):
+            try:
+                started = self._started if self._started is not None else self._start()
+                self._started = None
+                got = [g if isinstance(g, np.ndarray) else g.result() for g in started]
+                break
+            except LayoutError:
+                self._started = None
+                paths = [p for _, p, _ in self._items]
+                if attempt == 2 or not self._backend.repair(paths, [r for *_, r in self._items]):
+                    raise
+        self._backend._whole_read.update(p for _, p, _ in self._items)
+        return {key: g for (key, _, _), g in zip(self._items, got, strict=True)}
+
+    def handle(self, key: str) -> Any:
+        """Return a future-like object of ``key``'s elements."""
+        reads = self
+
+        class _Handle:
+            def result(self, timeout: float | None = None) -> np.ndarray:
+                deadline = None if timeout is None else time.monotonic() + timeout
+                with reads._lock:
+                    if reads._out is None:
+                        reads._out = reads._wait(deadline)
+                return reads._out[key]
+
+            def cancel(self) -> None:
+                for f in reads._started or ():
+                    if not isinstance(f, np.ndarray):
+                        f.cancel()
+                reads.release()
+
+        return _Handle()
 
 
 register_backend("tensorstore", TensorstoreBackend)

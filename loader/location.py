@@ -20,6 +20,7 @@ __all__ = [
     "HDF5_SIGNATURE",
     "OBJECT_STORE_SCHEMES",
     "RANGE_PROBE_TIMEOUT",
+    "STORE_PREFIX_ATTR",
     "http_range_error",
     "is_hdf5",
     "is_http",
@@ -33,6 +34,10 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 """The HDF5 superblock signature; it sits at byte 0, or at 512, 1024, 2048, ... when
 the file has a user block (HDF5 file format specification, section II.A)."""
 _USER_BLOCK_OFFSETS = (0, 512, 1024, 2048, 4096, 8192)
+
+STORE_PREFIX_ATTR = "sclayout_store_prefix"
+"""Root attribute of a store in a bucket replaced by ``convert --overwrite``: the prefix
+(``g-<id>``) under which the store's objects are, a complete store of its own."""
 
 OBJECT_STORE_SCHEMES = ("s3://", "gs://")
 """URL schemes read and written through tensorstore's ``s3`` and ``gcs`` kvstore drivers."""

@@ -456,9 +456,10 @@ def _field(attr: str, key: str | None, state: dict, stats: dict) -> dict[str, An
 
 
 def _var_names(reader: Any) -> list[str]:
-    """Gene names of a local store or .h5ad (``gene_i`` for a remote store)."""
+    """Gene names of a store (local or in a bucket) or .h5ad (``gene_i`` over HTTP)."""
     location = str(getattr(reader, "location", ""))
-    if "://" in location or not location:
+    listable = location.startswith(("s3://", "gs://")) and hasattr(reader, "local_elements")
+    if not location or ("://" in location and not listable):
         return [f"gene_{i}" for i in range(int(reader.n_vars))]
     from anndata.io import read_elem
 
@@ -469,4 +470,6 @@ def _var_names(reader: Any) -> list[str]:
             return [str(v) for v in read_elem(f["var"]).index]
     import zarr
 
+    if "://" in location:
+        location = reader.local_elements(["var"])
     return [str(v) for v in read_elem(zarr.open_group(location, mode="r")["var"]).index]

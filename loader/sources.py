@@ -711,10 +711,10 @@ def _read_element(reader: Any, element: str) -> Any:
     from anndata.io import read_elem
 
     location = getattr(reader, "location", None)
-    if location is None or "://" in str(location):
+    if location is None:
         raise InputError(
-            f"{element}: reading it from {location or 'this reader'} is not supported; "
-            "use a local store or .h5ad"
+            f"{element}: reading it from this reader is not supported; "
+            "use a store (local or in a bucket) or an .h5ad"
         )
     if reader.kind == "h5ad":
         import h5py
@@ -727,7 +727,9 @@ def _read_element(reader: Any, element: str) -> Any:
 
     from loader.checked import read_element
 
-    root = zarr.open_group(location, mode="r")
+    # a remote store's element: from a partial local copy of it
+    local = getattr(reader, "local_elements", None)
+    root = zarr.open_group(location if local is None else local([element]), mode="r")
     try:
         node = root[element]
     except KeyError:

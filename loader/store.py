@@ -81,7 +81,7 @@ from loader.errors import (
     too_many_files,
 )
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
-from loader.location import is_hdf5
+from loader.location import STORE_PREFIX_ATTR, is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
@@ -220,6 +220,15 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
 
     It is read from the root ``zarr.json`` alone (HTTP cannot list a directory).
     """
+    return _read_root(location, http)[0]
+
+
+def _read_root(location: str, http: Mapping[str, Any] | None = None) -> tuple[Manifest, str]:
+    """Return the manifest and the prefix the store's objects are under (``""``: none).
+
+    A store replaced in a bucket by ``convert --overwrite`` names its generation's
+    prefix in its root (:data:`loader.location.STORE_PREFIX_ATTR`).
+    """
     try:
         meta = json.loads(_read_store_text(location, "zarr.json", http))
     except (OSError, json.JSONDecodeError) as e:
@@ -234,7 +243,8 @@ def read_manifest(location: str, http: Mapping[str, Any] | None = None) -> Manif
             f"{location}: no sclayout manifest, this zarr store is not a layout store "
             f"(convert it with `sclayout convert {location} DST`)"
         )
-    return Manifest.from_dict(doc)
+    prefix = meta["attributes"].get(STORE_PREFIX_ATTR, "") if is_url(location) else ""
+    return Manifest.from_dict(doc), str(prefix).strip("/")
 
 
 def _dir_id(location: str) -> tuple[int, int] | None:
@@ -248,24 +258,26 @@ def _dir_id(location: str) -> tuple[int, int] | None:
 
 def _open_manifest(
     location: str, backend_options: Sequence[tuple[str, Any]]
-) -> tuple[Manifest, Any, dict[str, Any]]:
-    """Return the manifest, the directory it was read from (local) and the HTTP options.
+) -> tuple[Manifest, Any, dict[str, Any], str]:
+    """Return the manifest, its directory (local), the HTTP options and the objects' place.
 
-    The HTTP options are the ``http_*`` backend options (retries, delay, timeout). A
-    local manifest is read between two looks at the directory, so that both are of
-    the same store even if it is being replaced now.
+    The objects' place is ``location``, or the generation's prefix under it (a store
+    replaced in a bucket). The HTTP options are the ``http_*`` backend options
+    (retries, delay, timeout). A local manifest is read between two looks at the
+    directory, so that both are of the same store even if it is being replaced now.
     """
     opts = dict(backend_options)
     http = {
         n: opts[f"http_{n}"] for n in ("retries", "retry_delay", "timeout") if f"http_{n}" in opts
     }
     if is_url(location):
-        return read_manifest(location, http), None, http
+        manifest, prefix = _read_root(location, http)
+        return manifest, None, http, f"{location}/{prefix}" if prefix else location
     for _ in range(3):
         before = _dir_id(location)
         manifest = read_manifest(location, http)
         if before is not None and _dir_id(location) == before:
-            return manifest, before, http
+            return manifest, before, http, location
     raise StoreChangedError(
         f"store {location} is being replaced while it is opened; open it again once "
         "the conversion into it has finished"
@@ -474,6 +486,7 @@ class LayoutReader:
         self.generation: str | None = None  # see the class docstring
         self._dir: tuple[int, int] | None = None
         self._http: Mapping[str, Any] = {}
+        self._objects = location  # where the store's objects are (see _open_manifest)
         if kind == "h5ad":
             bs = (
                 H5AD_DEFAULT_BLOCK_SIZE
@@ -485,7 +498,9 @@ class LayoutReader:
             )
             self._bp_loaded = True
         else:
-            stored, self._dir, self._http = _open_manifest(location, settings.backend_options)
+            stored, self._dir, self._http, self._objects = _open_manifest(
+                location, settings.backend_options
+            )
             self.generation = stored.identity
             if settings.matrix not in stored.matrices:
                 raise InputError(
@@ -519,6 +534,8 @@ class LayoutReader:
             if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
                 options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
             options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
+            if options.get("cache_dir") is not None:  # the node cache keeps this generation's
+                options.setdefault("generation", self.generation)
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
                 0
@@ -526,7 +543,7 @@ class LayoutReader:
                 else TensorstoreSettings.CACHE_BYTES
             )
         self.backend_options = options
-        self._io = factory(location, **options)
+        self._io = factory(self._objects, **options)
         self._closed = False
 
     def close(self) -> None:
@@ -792,19 +809,39 @@ class LayoutReader:
             if self.kind == "h5ad":
                 root.close()
 
-    def _obs_root(self) -> Any:
+    def local_elements(self, prefixes: Sequence[str], *, metadata_only: bool = False) -> str:
+        """Return a local folder holding the store's elements under ``prefixes`` (``obs``, ``var``).
+
+        The store's own folder when it is local. For a remote one, a partial local copy
+        of those small elements (:func:`loader.cache.remote_elements`: in the shard
+        cache's folder if the reader has one, else in a temporary folder).
+        """
+        if not is_url(self.location):
+            return self.location
+        from loader.backends import RemoteObjects
+        from loader.cache import remote_elements
+
+        http = {k: v for k, v in self._http.items() if k in ("retries", "retry_delay")}
+        timeout = check_timeout(self._http.get("timeout", TensorstoreSettings.HTTP_TIMEOUT))
+        return remote_elements(
+            self._objects,
+            prefixes,
+            metadata_only=metadata_only,
+            objects=RemoteObjects(self._objects, http_context_spec(**http), timeout),
+            cache=getattr(self._io, "cache", None),
+            generation=self.generation,
+        )
+
+    def _obs_root(self, column: str | None = None) -> Any:
         if self.kind == "h5ad":
             import h5py
 
             return h5py.File(self.location, "r")
-        if is_url(self.location):
-            raise InputError(
-                f"obs columns of a remote store ({self.location}) are not "
-                "supported yet; read obs from a local copy of the store"
-            )
         import zarr
 
-        return zarr.open_group(self.location, mode="r")
+        if column is None:  # the columns' names and encodings: their metadata only
+            return zarr.open_group(self.local_elements(["obs"], metadata_only=True), mode="r")
+        return zarr.open_group(self.local_elements([f"obs/{column}"]), mode="r")
 
     def obs_codes(self, column: str) -> tuple[np.ndarray, list]:
         """Integer codes of obs ``column`` per stored row, and the categories.
@@ -813,7 +850,7 @@ class LayoutReader:
         factorized (sorted unique values).
         """
         if column not in self._obs:
-            root = self._obs_root()
+            root = self._obs_root(column)
             read = self._read_checked if self.kind == "store" else _read_h5
             try:
                 with self._replacement_named():

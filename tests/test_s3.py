@@ -117,14 +117,18 @@ def test_calibrate_reads_a_store_in_a_bucket(s3_store, tiny_plan):
     assert [n for n, _ in p.concurrency] == [1, 2, 4, 8, 16, 32, 64]
 
 
-def test_cli_reads_and_writes_s3(s3, s3_store, shared_store, run_cli, assert_one_line_error):
+def test_cli_reads_and_writes_s3(
+    s3, s3_store, shared_store, run_cli, assert_one_line_error, tmp_path
+):
     url, _ = s3_store
     src, _ = shared_store
     r = run_cli(
         "bench", url, "--batch-size", "16", "--fetch-factor", "4", "--runs", "1",
         "--seconds", "0.3", "--profile", "s3-same-region", "--json",
+        "--cache-dir", tmp_path / "cache", "--cache-limit", "1GB",
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
+    assert list((tmp_path / "cache").glob("*/X/data/c/0"))  # read through the node cache
     # the checks read a copy of the store, and name the URL
     for args in (("inspect", url), ("verify", url), ("verify", src, url)):
         r = run_cli(*args)
@@ -139,6 +143,8 @@ def test_cli_reads_and_writes_s3(s3, s3_store, shared_store, run_cli, assert_one
     r = run_cli("convert", src, cli, "--block-size", "16", "--overwrite")
     assert r.exit_code == 0, r.stderr
     assert open_layout(cli).block_size == 16
+    r = run_cli("verify", src, cli)  # the replaced store: under its generation's prefix
+    assert r.exit_code == 0, r.stderr
     assert_one_line_error(
         run_cli("convert", src, "s3://no-such-bucket/st.zarr"),
         "DST s3://no-such-bucket/st.zarr: reading failed",

@@ -671,6 +671,12 @@ def _space(
     help="Profile JSON or preset for the prediction [quick calibration of SOURCE].",
 )
 @click.option("--warm", is_flag=True, help="Local data: keep the page cache (do not evict it).")
+@click.option(
+    "--cache-dir", default=None, metavar="DIR", help="A remote store's node-local shard cache."
+)
+@click.option(
+    "--cache-limit", default=None, metavar="BYTES", help="Most the cache may hold (e.g. 200GB)."
+)
 @json_option
 @quiet_option
 def bench_command(
@@ -684,6 +690,8 @@ def bench_command(
     label: str | None,
     profile: str | None,
     warm: bool,
+    cache_dir: str | None,
+    cache_limit: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -713,6 +721,8 @@ def bench_command(
         label=label,
         seconds=seconds,
         cold=not warm,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
     )
     out = {
         "source": source,

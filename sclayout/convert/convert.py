@@ -61,7 +61,12 @@ from sclayout.convert.plan import (
     plan_dense,
     shard_bytes_for_budget,
 )
-from sclayout.convert.remote import delete_store, remote_store_state, upload_tree
+from sclayout.convert.remote import (
+    new_generation_prefix,
+    remote_store_state,
+    switch_store,
+    upload_tree,
+)
 from sclayout.convert.source import (
     DIRECT_PIECE,
     IO_THREADS,
@@ -300,8 +305,12 @@ def convert(
         check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
     else:
         check_obs_columns(src_p, opts.order.columns, info=infos[0])
+    if remote is not None and _check_remote_destination(remote, overwrite=overwrite):
+        # the old store stays until the new one is whole (sclayout.convert.remote)
+        replaced, remote = remote, new_generation_prefix(remote)
+    else:
+        replaced = None
     if remote is not None:
-        _check_remote_destination(remote, overwrite=overwrite)
         # no rename in an object store: small elements and the reorder's scratch are
         # staged locally, the shards go straight to the bucket (sclayout.convert.remote)
         tmp = Path(tempfile.mkdtemp(prefix="sclayout-convert-")) / "store"
@@ -344,6 +353,8 @@ def convert(
             _install(tmp, dst_p, overwrite=overwrite)
         else:
             upload_tree(tmp, remote)  # the root zarr.json (the manifest) last
+            if replaced is not None:
+                switch_store(replaced, remote)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if is_no_space(e):
@@ -376,11 +387,11 @@ def convert(
     return manifest
 
 
-def _check_remote_destination(url: str, *, overwrite: bool) -> None:
-    """Refuse an object-store DST that holds objects, unless ``overwrite`` (then delete them).
+def _check_remote_destination(url: str, *, overwrite: bool) -> bool:
+    """Refuse an object-store DST that holds objects, unless ``overwrite``.
 
-    An object store cannot swap a new store in by renaming: ``--overwrite`` deletes the
-    old store before the new one is written (docs/object-stores.md).
+    Returns whether it holds any (to be replaced: the new store is written under a new
+    prefix and switched to, docs/object-stores.md).
     """
     try:
         split_bucket(url)
@@ -388,11 +399,11 @@ def _check_remote_destination(url: str, *, overwrite: bool) -> None:
         raise InputError(f"DST {e}") from None
     state = remote_store_state(url)
     if state == "empty":
-        return
+        return False
     if not overwrite:
         what = "a layout store" if state == "store" else "objects but no layout store"
         raise InputError(f"DST {url} holds {what}: pass --overwrite to replace it")
-    delete_store(url)
+    return True
 
 
 def _rss() -> int:

@@ -6,19 +6,35 @@ folder, the big arrays' shards are written straight to the bucket by the convers
 tasks (wherever they run), and the staged files are uploaded at the end, the root
 ``zarr.json`` (which carries the manifest) last: until it is there, readers see no
 store at DST (docs/object-stores.md).
+
+``--overwrite`` of a store there writes the new store whole under a new generation
+prefix (``DST/g-<id>/``, a complete store of its own), then switches DST to it with one
+write of DST's root ``zarr.json`` (the new manifest plus the attribute
+:data:`loader.location.STORE_PREFIX_ATTR` naming the prefix), and only then deletes the
+old objects: a conversion stopped at any point leaves the old store readable.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import uuid
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 from loader.backends import http_context_spec, remote_concurrency_spec, ts_kvstore
 from loader.errors import InputError
+from loader.location import STORE_PREFIX_ATTR
 
-__all__ = ["delete_store", "download_tree", "remote_store_state", "upload_tree"]
+__all__ = [
+    "download_tree",
+    "new_generation_prefix",
+    "remote_store_state",
+    "switch_store",
+    "upload_tree",
+]
 
 UPLOAD_IN_FLIGHT = 64
 """Objects uploaded at once (the loader's remote concurrency)."""
@@ -63,16 +79,33 @@ def remote_store_state(url: str) -> str:
         raise _failed(url, "reading", e) from None
 
 
-def delete_store(url: str) -> None:
-    """Delete every object under DST ``url``'s prefix, the root ``zarr.json`` first."""
+def new_generation_prefix(url: str) -> str:
+    """Return a fresh URL under DST ``url`` to write a replacing store into (``url/g-<id>``)."""
+    return f"{url.rstrip('/')}/g-{uuid.uuid4().hex[:16]}"
+
+
+def switch_store(url: str, new: str) -> None:
+    """Make DST ``url`` the complete store written at ``new`` (under it), then delete the old.
+
+    One write switches: DST's root ``zarr.json`` becomes the new store's with
+    :data:`~loader.location.STORE_PREFIX_ATTR` naming the prefix, which readers follow.
+    Every other object under DST (the old store, leftovers of stopped conversions) is
+    deleted after it.
+    """
     import tensorstore as ts
 
+    sub = new.rstrip("/")[len(url.rstrip("/")) + 1 :]
     try:
         kv = _kvstore(url)
-        kv.delete_range(ts.KvStore.KeyRange(ROOT_KEY, ROOT_KEY + "\0")).result()
-        kv.delete_range(ts.KvStore.KeyRange()).result()
+        root = json.loads(bytes(kv.read(f"{sub}/{ROOT_KEY}").result().value))
+        root.setdefault("attributes", {})[STORE_PREFIX_ATTR] = sub
+        kv.write(ROOT_KEY, json.dumps(root, indent=2).encode()).result()
+        kept = sorted([(ROOT_KEY, ROOT_KEY + "\0"), (sub + "/", sub + "0")])
+        gaps = [("", kept[0][0]), (kept[0][1], kept[1][0]), (kept[1][1], "")]  # "": no end
+        for low, high in gaps:
+            kv.delete_range(ts.KvStore.KeyRange(low, high)).result()
     except ValueError as e:
-        raise _failed(url, "deleting the old store", e) from None
+        raise _failed(url, "switching to the new store", e) from None
 
 
 def upload_tree(local: str | os.PathLike[str], url: str, *, under: str = "") -> int:
@@ -108,14 +141,26 @@ def download_tree(url: str, local: str | os.PathLike[str]) -> int:
     root = Path(local)
     try:
         kv = _kvstore(url)
+        top = kv.read(ROOT_KEY).result()
+        sub = ""  # a replaced store lives under the prefix its root names
+        if top.state == "value":
+            sub = json.loads(bytes(top.value)).get("attributes", {}).get(STORE_PREFIX_ATTR, "")
         keys = sorted(k.decode() for k in kv.list().result())
+        keys = [k for k in keys if k.startswith(sub + "/")] if sub else keys
         for i in range(0, len(keys), UPLOAD_IN_FLIGHT):
             group = keys[i : i + UPLOAD_IN_FLIGHT]
             for key, f in [(k, kv.read(k)) for k in group]:
-                dest = root / key
+                dest = root / key[len(sub) + 1 if sub else 0 :]
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 dest.write_bytes(f.result().value)
     except ValueError as e:
         cause = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise InputError(f"{url}: reading failed ({cause}); {_fix(url)}") from None
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise InputError(
+            f"{url}: copying the store into {root} for the check failed (no space left on "
+            "that device): point TMPDIR at a folder with room for the whole store"
+        ) from None
     return len(keys)

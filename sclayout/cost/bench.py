@@ -57,6 +57,8 @@ def measure_loader(
     output: str = "dense",
     backend: str | None = None,
     warmup_seconds: float = 0.0,
+    cache_dir: str | None = None,
+    cache_limit: int | str | None = None,
 ) -> Measurement:
     """Iterate a :class:`loader.BlockDataset` over ``path`` and time it.
 
@@ -79,6 +81,8 @@ def measure_loader(
         minibatches): a remote store's reader fills its caches of shard indexes and row
         pointers during the first fetches, a one-off cost that a long run does not
         see and the cost model does not predict.
+    cache_dir, cache_limit
+        A remote store's node-local shard cache (``BlockDataset(cache_dir=...)``).
     """
     from loader import BlockDataset
     from loader.errors import InputError
@@ -99,6 +103,7 @@ def measure_loader(
         seed=seed,
         output=output,
         backend=backend,
+        **({"cache_dir": cache_dir, "cache_limit": cache_limit} if cache_dir else {}),
     )
     if workers > 0:
         it_src: Any = ds.dataloader(num_workers=workers, persistent_workers=True)

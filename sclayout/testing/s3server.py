@@ -21,7 +21,9 @@ import contextlib
 import sys
 import threading
 import time
+import urllib.parse
 import urllib.request
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,20 +49,27 @@ class S3Stats:
     gets: int = 0
     ranged_gets: int = 0
     puts: int = 0
+    get_bytes: int = 0
+    """Bytes of the GETs' answers."""
+    get_keys: Counter = field(default_factory=Counter)
+    """GETs by object path (``/bucket/key``)."""
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
-    def add(self, method: str, ranged: bool) -> None:
-        """Count one request."""
+    def add(self, method: str, ranged: bool, path: str = "") -> None:
+        """Count one request (of object ``path``)."""
         with self.lock:
             self.requests += 1
             self.gets += method == "GET"
             self.ranged_gets += method == "GET" and ranged
             self.puts += method == "PUT"
+            if method == "GET":
+                self.get_keys[path] += 1
 
     def reset(self) -> None:
         """Set every counter back to zero."""
         with self.lock:
-            self.requests = self.gets = self.ranged_gets = self.puts = 0
+            self.requests = self.gets = self.ranged_gets = self.puts = self.get_bytes = 0
+            self.get_keys.clear()
 
 
 def _require_moto() -> None:
@@ -88,20 +97,31 @@ def _quiet_handler() -> type:
 class S3Server(LoopbackServer):
     """A running loopback S3 server; ``endpoint`` is its ``http://127.0.0.1:PORT``."""
 
-    def __init__(self, *, delay: float = 0.0) -> None:
+    def __init__(self, *, delay: float = 0.0, gets_per_s: float | None = None) -> None:
         _require_moto()
         from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
         from werkzeug.serving import make_server
 
         self.delay = float(delay)
+        self.gets_per_s = None if gets_per_s is None else float(gets_per_s)
         self.stats = S3Stats()
+        self._pace = threading.Lock()
+        self._next_get = 0.0
         moto_app = DomainDispatcherApplication(create_backend_app)
 
         def app(environ: dict[str, Any], start_response: Any) -> Any:
-            self.stats.add(environ.get("REQUEST_METHOD", ""), "HTTP_RANGE" in environ)
+            method = environ.get("REQUEST_METHOD", "")
+            self.stats.add(
+                method,
+                "HTTP_RANGE" in environ,
+                urllib.parse.unquote(environ.get("PATH_INFO", "")),
+            )
+            if method == "GET":
+                self._wait_turn()
             if self.delay:
                 time.sleep(self.delay)
-            return moto_app(environ, start_response)
+            body = moto_app(environ, start_response)
+            return self._counted(body) if method == "GET" else body
 
         self._server = make_server(
             "127.0.0.1", 0, app, threaded=True, request_handler=_quiet_handler()
@@ -112,6 +132,29 @@ class S3Server(LoopbackServer):
             target=self._server.serve_forever, name="sclayout-s3server", daemon=True
         )
         self._thread.start()
+
+    def _wait_turn(self) -> None:
+        """Hold a GET until its turn under the cap of ``gets_per_s`` shared by all clients."""
+        if not self.gets_per_s:
+            return
+        with self._pace:
+            now = time.monotonic()
+            turn = max(now, self._next_get)
+            self._next_get = turn + 1.0 / self.gets_per_s
+        if turn > now:
+            time.sleep(turn - now)
+
+    def _counted(self, body: Any) -> Any:
+        """Yield the response ``body``, adding its bytes to ``stats.get_bytes``."""
+        try:
+            for part in body:
+                with self.stats.lock:
+                    self.stats.get_bytes += len(part)
+                yield part
+        finally:
+            close = getattr(body, "close", None)
+            if close is not None:
+                close()
 
     def create_bucket(self, name: str) -> None:
         """Create bucket ``name`` (moto takes the unsigned request)."""
@@ -125,10 +168,14 @@ class S3Server(LoopbackServer):
 
 
 def serve_s3(
-    *, buckets: Sequence[str] = (), delay: float = 0.0
+    *, buckets: Sequence[str] = (), delay: float = 0.0, gets_per_s: float | None = None
 ) -> contextlib.AbstractContextManager[S3Server]:
-    """Run an :class:`S3Server` with ``buckets`` created, for the ``with`` block."""
-    return S3Server(delay=delay).serving(buckets)
+    """Run an :class:`S3Server` with ``buckets`` created, for the ``with`` block.
+
+    ``delay``: seconds added to each request (latency); ``gets_per_s``: GETs answered
+    per second at most, across all clients (an object store's request cap).
+    """
+    return S3Server(delay=delay, gets_per_s=gets_per_s).serving(buckets)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,0 +1,228 @@
+"""Training from a throttled object store on several "nodes", with and without the node cache.
+
+An S3-protocol server on loopback (moto, :mod:`sclayout.testing.s3server`) stands for the
+bucket: a layer in front of moto adds a latency to every request (``--latency``) and caps
+the GETs answered per second across all clients (``--gets-per-s``), as an object
+store's per-prefix request rate does. Each "node" is a process reading its rank's share
+of an epoch (``rank``/``world_size``) with ``BlockDataset``; with the cache, each node
+has its own ``cache_dir`` (nodes share nothing but the bucket). The nodes of a phase
+start together; a phase is one epoch, in new processes (as non-persistent DataLoader
+workers are): epoch 2 of the cached runs reads the cache epoch 1 filled.
+
+Columns: total cells/s of all nodes (cells over the wall time from the first node's
+start to the last one's end), GETs per cell and bytes per cell answered by the server.
+The same store read from local disk (page cache warm) is the baseline of epoch 2.
+
+    python benchmarks/bucket_cache.py [--n-obs 40000] [--nodes 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent  # last on the path: its loader.py is not the package
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
+from _common import command_line, environment, markdown_table, write_results  # noqa: E402
+
+
+def node(args: argparse.Namespace) -> None:
+    """One node: build the dataset, say ready, wait for go, read one epoch, print the figures."""
+    from loader import BlockDataset
+
+    cache = {"cache_dir": args.cache} if args.cache else {}
+    ds = BlockDataset(
+        args.url,
+        batch_size=args.batch_size,
+        fetch_factor=args.fetch_factor,
+        rank=args.rank,
+        world_size=args.world,
+        seed=0,
+        prefetch_next_epoch=False,
+        **cache,
+    )
+    ds.set_epoch(args.epoch)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    start = time.time()
+    cells = sum(len(b["index"]) for b in ds)
+    print(json.dumps({"cells": cells, "start": start, "end": time.time()}), flush=True)
+
+
+def phase(
+    url: str, n: int, epoch: int, caches: list[str] | None, s3: Any, a: argparse.Namespace
+) -> dict[str, Any]:
+    """Run one epoch on ``n`` nodes; return the phase's figures."""
+    env = {**os.environ, **(s3.variables() if s3 else {})}
+    procs = []
+    for rank in range(n):
+        cmd = [sys.executable, __file__, "--node", url, "--rank", str(rank), "--world", str(n)]
+        cmd += ["--epoch", str(epoch), "--batch-size", str(a.batch_size)]
+        cmd += ["--fetch-factor", str(a.fetch_factor)]
+        if caches:
+            cmd += ["--cache", caches[rank]]
+        procs.append(
+            subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        )
+    for p in procs:
+        assert p.stdout.readline().strip() == "ready"
+    if s3:
+        s3.stats.reset()
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    got = [json.loads(p.stdout.readline()) for p in procs]
+    for p in procs:
+        p.wait(timeout=600)
+    cells = sum(g["cells"] for g in got)
+    wall = max(g["end"] for g in got) - min(g["start"] for g in got)
+    gets = s3.stats.gets if s3 else 0
+    sent = s3.stats.get_bytes if s3 else 0
+    return {
+        "cells": cells,
+        "seconds": round(wall, 3),
+        "cells_per_s": round(cells / wall),
+        "gets_per_cell": round(gets / cells, 4),
+        "bytes_per_cell": round(sent / cells, 1),
+        "x_gets": sum(v for k, v in (s3.stats.get_keys.items() if s3 else ()) if "/X/" in k),
+    }
+
+
+def make_store(root: Path, n_obs: int) -> Path:
+    """A Tahoe-like source converted to a local layout store (shuffled blocks)."""
+    from sclayout.convert.convert import convert
+    from sclayout.testing.datasets import make_tahoe_like
+
+    src = make_tahoe_like(
+        root / "src.h5ad", n_obs=n_obs, n_vars=2000, nnz_per_cell=300, n_plates=2,
+        n_cell_lines=3, seed=0,
+    )  # fmt: skip
+    store = root / "store.zarr"
+    convert(src, store, block_size=32, order="shuffled", seed=0)
+    return store
+
+
+def run(a: argparse.Namespace) -> None:
+    from sclayout.convert.remote import upload_tree
+    from sclayout.testing.s3server import serve_s3
+
+    work = Path(tempfile.mkdtemp(prefix="sclayout-bucket-cache-"))
+    rows: list[dict[str, Any]] = []
+    try:
+        store = make_store(work, a.n_obs)
+        for epoch in (1, 2):  # the baseline: the same store on local disk, one node
+            rows.append(
+                {"storage": "local disk", "nodes": 1, "cache": "-", "epoch": epoch}
+                | median_phase(str(store), 1, epoch, None, None, a)
+            )
+        with serve_s3(buckets=("data",), delay=a.latency, gets_per_s=a.gets_per_s) as s3:
+            url = "s3://data/store.zarr"
+            with s3.environment():
+                upload_tree(store, url)
+            for n in a.nodes:
+                for cached in (False, True):
+                    caches = [str(work / f"cache-{n}-{r}") for r in range(n)] if cached else None
+                    for epoch in (1, 2):
+                        figures = median_phase(url, n, epoch, caches, s3, a)
+                        rows.append(
+                            {"storage": "throttled S3", "nodes": n, "epoch": epoch}
+                            | {"cache": "yes" if cached else "no"}
+                            | figures
+                        )
+                        print(rows[-1], flush=True)
+                    for c in caches or ():
+                        shutil.rmtree(c, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    report(rows, a)
+
+
+def median_phase(
+    url: str, n: int, epoch: int, caches: list[str] | None, s3: Any, a: argparse.Namespace
+) -> dict[str, Any]:
+    """:func:`phase` ``--runs`` times (epoch 1 of a cached run: once, it fills the cache)."""
+    runs = 1 if (caches and epoch == 1) else a.runs
+    got = [phase(url, n, epoch, caches, s3, a) for _ in range(runs)]
+    out = dict(got[0])
+    for k in ("seconds", "cells_per_s", "gets_per_cell", "bytes_per_cell", "x_gets"):
+        out[k] = statistics.median(g[k] for g in got)
+    return out
+
+
+def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
+    """Write benchmarks/results/bucket_cache.{json,md}, with the targets' ratios."""
+
+    def cps(storage: str, n: int, cache: str, epoch: int) -> float:
+        return next(
+            r["cells_per_s"]
+            for r in rows
+            if (r["storage"], r["nodes"], r["cache"], r["epoch"]) == (storage, n, cache, epoch)
+        )
+
+    local2 = cps("local disk", 1, "-", 2)
+    one = cps("throttled S3", 1, "yes", 2)
+    ratios = {
+        "warm_cache_vs_local_epoch2": round(one / local2, 3),
+        **{
+            f"{n}_nodes_vs_1_cached_epoch2": round(cps("throttled S3", n, "yes", 2) / one, 3)
+            for n in a.nodes
+        },
+    }
+    cols = {
+        "storage": "storage",
+        "nodes": "nodes",
+        "cache": "cache",
+        "epoch": "epoch",
+        "cells_per_s": "cells/s (all nodes)",
+        "gets_per_cell": "GETs/cell",
+        "bytes_per_cell": "bytes/cell",
+        "x_gets": "GETs of X",
+        "seconds": "s",
+    }
+    md = (
+        f"# Throttled object store: nodes x cache\n\n`{command_line()}`\n\n"
+        f"latency {a.latency * 1000:g} ms a request, {a.gets_per_s:g} GETs/s across clients; "
+        f"{a.n_obs} cells, batch {a.batch_size}, fetch factor {a.fetch_factor}; median of "
+        f"{a.runs} runs (cached epoch 1: one run)\n\n{markdown_table(rows, cols)}\n\n"
+        + "\n".join(f"- {k}: {v}" for k, v in ratios.items())
+    )
+    payload = {"rows": rows, "ratios": ratios, "args": vars(a), "environment": environment()}
+    js, out = write_results("bucket_cache", payload, md)
+    print(md)
+    print(f"wrote {js} and {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n-obs", type=int, default=40_000)
+    ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4])
+    ap.add_argument("--latency", type=float, default=0.02, help="seconds added to a request")
+    ap.add_argument("--gets-per-s", type=float, default=300.0, help="GETs/s across clients")
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--fetch-factor", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=3)
+    # a node's own arguments (the benchmark starts its nodes with them)
+    ap.add_argument("--node", metavar="URL", help=argparse.SUPPRESS)
+    ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--epoch", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.node:
+        a.url = a.node
+        node(a)
+    else:
+        run(a)
+
+
+if __name__ == "__main__":
+    main()
