@@ -575,64 +575,87 @@ def measure_codecs(
     """
     import tempfile
 
-    from loader.backends import get_backend
-    from loader.store import read_manifest
-    from sclayout.pagecache import tree_bytes
-
     out = {}
     with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
         for name in codecs:
             if on_codec is not None:
                 on_codec(name)
-            ratio = 0.0
-            steps = []  # per block size: (chunks, raw bytes, step)
-            stores: list[Path] = []
-            for block_size in CODEC_BLOCK_SIZES:
-                store = _sample_store(
-                    data,
-                    indices,
-                    indptr,
-                    n_vars=n_vars,
-                    folder=Path(tmp),
-                    name="codecs",
-                    codec=name,
-                    block_size=block_size,
-                )
-                x = read_manifest(str(store)).X
-                arrays = [x.arrays["data"], x.arrays["indices"]]
-                raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
-                chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
-                on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
-                ratio = raw / max(on_disk, 1)  # the last (largest) block size's
-                # no chunk cache, no whole-array shortcut for small arrays: every step
-                # reads and decodes, as a fetch of a large store does
-                reader = get_backend(backend)(
-                    str(store), cache_bytes=0, whole_array_bytes=0, direct=direct
-                )
-                request = {
-                    a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays
-                }
-
-                def step(reader: Any = reader, request: Any = request, raw: int = raw) -> int:
-                    reader.submit(request).result()
-                    return raw
-
-                step()  # open the arrays, read the shard indexes
-                steps.append((chunks, raw, step))
-                stores.append(store)
-            each = seconds / len(steps) / CPU_ROUNDS
-            per_step = _median_rounds([partial(_cpu_per_step, step, each) for _, _, step in steps])
-            samples = [
-                (chunks, raw, float(cpu))
-                for (chunks, raw, _), cpu in zip(steps, per_step, strict=True)
+            sample = (data, indices, indptr, n_vars)
+            steps = [
+                _codec_reads(sample, Path(tmp), name, block_size, backend=backend, direct=direct)
+                for block_size in CODEC_BLOCK_SIZES
             ]
-            for store in stores:
-                shutil.rmtree(store, ignore_errors=True)
+            ratio = steps[-1].ratio  # the largest block size's
+            each = seconds / len(steps) / CPU_ROUNDS
+            per_step = _median_rounds([partial(_cpu_per_step, s.step, each) for s in steps])
+            samples = [(s.chunks, s.raw, float(c)) for s, c in zip(steps, per_step, strict=True)]
+            for s in steps:
+                shutil.rmtree(s.store, ignore_errors=True)
             chunk_s, byte_s = fit_costs(samples)
             if byte_s <= 0:  # noise put everything on the chunks: bytes alone instead
                 chunk_s, byte_s = 0.0, sum(c for *_, c in samples) / sum(b for _, b, _ in samples)
             out[name] = CodecSpeed(ratio=ratio, decode_Bps=1.0 / byte_s, chunk_s=chunk_s)
     return out
+
+
+@dataclass(frozen=True)
+class _CodecReads:
+    """A sample store of one codec and block size, and one timed read of all of it."""
+
+    store: Path
+    chunks: int
+    """Inner chunks of ``X/data`` and ``X/indices``."""
+    raw: int
+    """Their decoded bytes."""
+    ratio: float
+    """Their decoded bytes / their bytes on disk."""
+    step: Callable[[], int]
+    """Reads and decodes both arrays whole; returns ``raw``."""
+
+
+def _codec_reads(
+    sample: tuple[Any, ...],
+    folder: Path,
+    codec: str,
+    block_size: int,
+    *,
+    backend: str,
+    direct: bool,
+) -> _CodecReads:
+    """Convert the sample with ``codec`` and ``block_size``; open the loader's reader on it.
+
+    No chunk cache and no whole-array shortcut for small arrays: every step reads and
+    decodes, as a fetch of a large store does.
+    """
+    from loader.backends import get_backend
+    from loader.store import read_manifest
+    from sclayout.pagecache import tree_bytes
+
+    data, indices, indptr, n_vars = sample
+    store = _sample_store(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        folder=folder,
+        name="codecs",
+        codec=codec,
+        block_size=block_size,
+    )
+    x = read_manifest(str(store)).X
+    arrays = [x.arrays["data"], x.arrays["indices"]]
+    raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
+    chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
+    on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
+    reader = get_backend(backend)(str(store), cache_bytes=0, whole_array_bytes=0, direct=direct)
+    request = {a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays}
+
+    def step() -> int:
+        reader.submit(request).result()
+        return raw
+
+    step()  # open the arrays, read the shard indexes
+    return _CodecReads(store, chunks, raw, raw / max(on_disk, 1), step)
 
 
 def measure_assembly(
@@ -909,6 +932,235 @@ def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple
     return fit_costs(samples)
 
 
+class _ReadTimer:
+    """Times batches of reads and records their CPU (for :func:`fit_costs`).
+
+    The CPU is this process's, plus a loopback server's when the target is served from
+    this machine (:func:`_busy_cpu_s`).
+    """
+
+    def __init__(self, reader: _Reader, target: str):
+        self.reader = reader
+        server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
+        self.machine_wide = is_url(target) and _is_loopback(server)
+        self.server_pid = _loopback_server_pid(server) if self.machine_wide else None
+        self.cpu_samples: list[tuple[float, float, float]] = []
+
+    def __call__(
+        self, make: Callable[[], list[tuple[str, int, int]]], seconds: float
+    ) -> tuple[float, float]:
+        """Requests/s and bytes/s of reading ``make()``'s ranges over and over."""
+        cpu0 = _busy_cpu_s(self.machine_wide, self.server_pid)
+        state = {"n": 0}
+
+        def step() -> int:
+            ranges = make()
+            state["n"] += len(ranges)
+            return self.reader.read_all(ranges)
+
+        dt, _, nbytes = _timed_loop(step, seconds)
+        cpu = _busy_cpu_s(self.machine_wide, self.server_pid) - cpu0
+        self.cpu_samples.append((state["n"], nbytes, cpu))
+        return state["n"] / dt, nbytes / dt
+
+
+def _measure_latency(reader: _Reader, seconds: float) -> float:
+    """Measure step 1: the median time of small reads at random offsets, one at a time."""
+    times: list[float] = []
+    t_end = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < t_end:
+        (rng_,) = reader.random_ranges(1, SMALL_BYTES)
+        t0 = time.perf_counter()
+        reader.read_all([rng_])
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _measure_curve(
+    timer: _ReadTimer, seconds: float, request_bytes: int, bar: Any
+) -> tuple[tuple[int, float], ...]:
+    """Measure step 2: requests/s at each level of :data:`IN_FLIGHT`, made non-decreasing.
+
+    :data:`CONCURRENCY_ROUNDS` interleaved rounds over the levels, the median per level:
+    a burst of other I/O on a shared disk then spoils one sample of a level, not the
+    level.
+    """
+    rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}
+    for r in range(CONCURRENCY_ROUNDS):
+        for n in IN_FLIGHT:
+            bar.set_postfix_str(f"{n} in flight ({r + 1}/{CONCURRENCY_ROUNDS})")
+            rps, _ = timer(
+                lambda n=n: timer.reader.random_ranges(n, request_bytes),
+                seconds / CONCURRENCY_ROUNDS,
+            )
+            rounds[n].append(rps)
+            if r == CONCURRENCY_ROUNDS - 1:
+                bar.update()
+    return monotone_curve([(n, float(np.median(rounds[n]))) for n in IN_FLIGHT])
+
+
+def _measure_bandwidth(timer: _ReadTimer, files: list[tuple[str, int]], seconds: float) -> float:
+    """Measure step 3: bytes/s of large reads, the larger of two patterns.
+
+    Sequential reads (4 in flight, walking through the largest files) and many large
+    reads at random offsets in flight (the loader's pattern), ``seconds / 2`` each.
+    """
+    state = {"file": 0, "offset": 0}
+    big = sorted(files, key=lambda f: -f[1])
+
+    def seq_ranges() -> list[tuple[str, int, int]]:
+        ranges = []
+        for _ in range(4):
+            key, size = big[state["file"] % len(big)]
+            a = state["offset"]
+            b = min(a + SEQ_BYTES, size)
+            ranges.append((key, a, b))
+            if b >= size:
+                state["file"] += 1
+                state["offset"] = 0
+            else:
+                state["offset"] = b
+        return ranges
+
+    _, sequential = timer(seq_ranges, seconds / 2)
+    _, random_bw = timer(
+        lambda: timer.reader.random_ranges(RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES),
+        seconds / 2,
+    )
+    return max(sequential, random_bw)
+
+
+def _measure_storage(
+    target: str,
+    *,
+    reader: _Reader,
+    files: list[tuple[str, int]],
+    local: str | None,
+    plan: CalibrationPlan,
+    request_bytes: int,
+    evict: bool,
+    bar: Any,
+) -> dict[str, Any]:
+    """Measure steps 1–3: the storage figures of a :class:`Profile` (without its name).
+
+    A local target is evicted from the page cache before and every 0.5 s during them
+    (``evict``).
+    """
+    timer = _ReadTimer(reader, target)
+    evictor = None
+    if local is not None and evict:
+        from sclayout.pagecache import Evictor
+
+        evictor = Evictor([local]).start()
+    try:
+        bar.set_postfix_str("latency")
+        latency = _measure_latency(reader, plan.latency)
+        bar.update()
+        curve = _measure_curve(timer, plan.per_in_flight, request_bytes, bar)
+        bar.set_postfix_str("bandwidth")
+        bandwidth = _measure_bandwidth(timer, files, plan.bandwidth)
+        read_cpu_request, read_cpu_byte = fit_costs(timer.cpu_samples)
+        bar.update()
+    finally:
+        if evictor is not None:
+            evictor.stop()
+    if local is not None:
+        # a local store is read by the loader's own reader, whose CPU from the page
+        # cache on is in the codec figures (step 4): keep only what a cold read adds
+        warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
+        read_cpu_request = max(read_cpu_request - warm_req, 0.0)
+        read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
+    return {
+        "kind": "http" if is_url(target) else "local",
+        "latency_s": latency,
+        "bandwidth_Bps": bandwidth,
+        "concurrency": tuple(curve),
+        "request_bytes": request_bytes,
+        "request_cpu_s": read_cpu_request,
+        "read_cpu_s_per_byte": read_cpu_byte,
+        "read_cpu_scope": "machine" if timer.machine_wide else "process",
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _codec_sample(target: str, plan: CalibrationPlan, seed: int) -> tuple[tuple[Any, ...], str]:
+    """Return the CSR rows the CPU steps run on, and a phrase saying what they are.
+
+    The target's own first rows when it is a layout store, otherwise synthetic counts.
+    """
+    sample = _store_sample(target, plan.sample_elems)
+    if sample is not None:
+        return sample, f"{len(sample[2]) - 1:,} rows of {target}"
+    n_rows = max(16, plan.sample_elems // 1000)
+    data, indices, indptr = _count_data(n_rows, n_vars=20000, nnz_per_row=1000, seed=seed)
+    source = f"synthetic counts ({n_rows:,} rows × 20,000 genes, ~1,000 nnz/row)"
+    return (data, indices, indptr, 20000), source
+
+
+def _measure_cpu(
+    target: str,
+    *,
+    local: str | None,
+    plan: CalibrationPlan,
+    codecs: Sequence[str],
+    seed: int,
+    bar: Any,
+) -> tuple[dict[str, Any], str]:
+    """Measure steps 4–6: the CPU figures of a :class:`Profile`, and what they were timed on."""
+    (data, indices, indptr, n_vars), data_source = _codec_sample(target, plan, seed)
+    started: list[str] = []
+
+    def on_codec(name: str) -> None:  # one sample h5ad for all codecs, a bar step each
+        if started:
+            bar.update()
+        started.append(name)
+        bar.set_postfix_str(f"decode {name}")
+
+    speeds = measure_codecs(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        codecs=codecs,
+        seconds=plan.per_codec,
+        # the loader's direct shard reader reads local stores only: a remote store's
+        # responses are decoded by tensorstore, at a different CPU cost per byte
+        direct=local is not None,
+        on_codec=on_codec,
+    )
+    bar.update()
+    bar.set_postfix_str("assembly")
+    gather, densify = measure_assembly(
+        data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
+    )
+    copy_bps = _copy_bandwidth(plan.assembly * 0.1)
+    bar.update()
+    # how many cores the loader's pipeline keeps busy when nothing waits on I/O
+    bar.set_postfix_str("loader parallelism")
+    pipeline = measure_pipeline(
+        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers
+    )
+    bar.update()
+    figures = {
+        "codecs": speeds,
+        "gather_s_per_nnz": gather,
+        "densify_s_per_value": densify,
+        "copy_Bps": copy_bps,
+        "fetch_overhead_s": pipeline.fetch_cpu_s,
+        "cores": pipeline.parallelism,
+        "cpu_count": usable_cores(),  # the cores it ran with: affinity and cgroup quota
+        "worker_cores": pipeline.worker_cores,
+        "worker_cpu_s_per_cell": pipeline.worker_cpu_s_per_cell,
+    }
+    return figures, data_source
+
+
+def _steps(codecs: Sequence[str], cpu_from: Profile | None) -> list[str]:
+    """Return the names of the progress bar's steps."""
+    cpu = [] if cpu_from else [*(f"decode {c}" for c in codecs), "assembly", "loader parallelism"]
+    return ["latency", *[f"{n} in flight" for n in IN_FLIGHT], "bandwidth", *cpu]
+
+
 @typechecked
 def calibrate(
     target: str | os.PathLike[str],
@@ -955,192 +1207,29 @@ def calibrate(
     plan = plan or CalibrationPlan()
     target = os.fspath(target)
     kv_spec, files, local = _target(target)
-    steps = [
-        "latency",
-        *[f"{n} in flight" for n in IN_FLIGHT],
-        "bandwidth",
-        *([] if cpu_from else [f"decode {c}" for c in codecs]),
-        *([] if cpu_from else ["assembly", "loader parallelism"]),
-    ]
-    bar = tqdm(total=len(steps), desc="calibrate", disable=not progress, unit="step")
+    bar = tqdm(total=len(_steps(codecs, cpu_from)), desc="calibrate", disable=not progress)
     reader = _Reader(kv_spec, files, seed)
-    evictor = None
-    if local is not None and evict:
-        from sclayout.pagecache import Evictor
-
-        evictor = Evictor([local]).start()
-    try:
-        # 1. latency
-        bar.set_postfix_str("latency")
-        times: list[float] = []
-        t_end = time.perf_counter() + plan.latency
-        while len(times) < 5 or time.perf_counter() < t_end:
-            (rng_,) = reader.random_ranges(1, SMALL_BYTES)
-            t0 = time.perf_counter()
-            reader.read_all([rng_])
-            times.append(time.perf_counter() - t0)
-        latency = float(np.median(times))
-        bar.update()
-        # 2. concurrency curve: CONCURRENCY_ROUNDS interleaved rounds over the levels,
-        # the median per level (a burst of other I/O on a shared disk then spoils one
-        # sample of a level, not the level)
-        cpu_samples: list[tuple[float, float, float]] = []
-        server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
-        machine_wide = is_url(target) and _is_loopback(server)
-        server_pid = _loopback_server_pid(server) if machine_wide else None
-
-        def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
-            """Requests/s of reading ``make()``'s ranges over and over.
-
-            Also records the CPU per request and per byte.
-            """
-            cpu0 = _busy_cpu_s(machine_wide, server_pid)
-            state = {"n": 0}
-
-            def step() -> int:
-                ranges = make()
-                state["n"] += len(ranges)
-                return reader.read_all(ranges)
-
-            dt, _, nbytes = _timed_loop(step, seconds)
-            cpu_samples.append((state["n"], nbytes, _busy_cpu_s(machine_wide, server_pid) - cpu0))
-            return state["n"] / dt, nbytes / dt
-
-        rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}
-        for r in range(CONCURRENCY_ROUNDS):
-            for n in IN_FLIGHT:
-                bar.set_postfix_str(f"{n} in flight ({r + 1}/{CONCURRENCY_ROUNDS})")
-                rps, _ = timed_reads(
-                    lambda n=n: reader.random_ranges(n, request_bytes),
-                    plan.per_in_flight / CONCURRENCY_ROUNDS,
-                )
-                rounds[n].append(rps)
-                if r == CONCURRENCY_ROUNDS - 1:
-                    bar.update()
-        curve = monotone_curve([(n, float(np.median(rounds[n]))) for n in IN_FLIGHT])
-        # 3. sequential bandwidth: large reads, 4 in flight, walking through files
-        bar.set_postfix_str("bandwidth")
-        bw_state = {"file": 0, "offset": 0}
-        big = sorted(files, key=lambda f: -f[1])
-
-        def seq_ranges() -> list[tuple[str, int, int]]:
-            ranges = []
-            for _ in range(4):
-                key, size = big[bw_state["file"] % len(big)]
-                a = bw_state["offset"]
-                b = min(a + SEQ_BYTES, size)
-                ranges.append((key, a, b))
-                if b >= size:
-                    bw_state["file"] += 1
-                    bw_state["offset"] = 0
-                else:
-                    bw_state["offset"] = b
-            return ranges
-
-        _, bandwidth = timed_reads(seq_ranges, plan.bandwidth / 2)
-        # and many large reads at random offsets in flight (the loader's pattern)
-        _, random_bw = timed_reads(
-            lambda: reader.random_ranges(RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES),
-            plan.bandwidth / 2,
-        )
-        bandwidth = max(bandwidth, random_bw)
-        read_cpu_request, read_cpu_byte = fit_costs(cpu_samples)
-        bar.update()
-    finally:
-        if evictor is not None:
-            evictor.stop()
-    if local is not None:
-        # a local store is read by the loader's own reader, whose CPU from the page
-        # cache on is in the codec figures (step 4): keep only what a cold read adds
-        warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
-        read_cpu_request = max(read_cpu_request - warm_req, 0.0)
-        read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
-    kind = "http" if is_url(target) else "local"
-    storage = {
-        "name": name or target,
-        "kind": kind,
-        "latency_s": latency,
-        "bandwidth_Bps": bandwidth,
-        "concurrency": tuple(curve),
-        "request_bytes": request_bytes,
-        "request_cpu_s": read_cpu_request,
-        "read_cpu_s_per_byte": read_cpu_byte,
-        "read_cpu_scope": "machine" if machine_wide else "process",
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }
-    cache = "cold cache, evicted every 0.5 s" if kind == "local" and evict else "no eviction"
+    storage = _measure_storage(
+        target, reader=reader, files=files, local=local, plan=plan,
+        request_bytes=request_bytes, evict=evict, bar=bar,
+    )  # fmt: skip
+    storage["name"] = name or target
+    cold = storage["kind"] == "local" and evict
+    cache = "cold cache, evicted every 0.5 s" if cold else "no eviction"
     if cpu_from is not None:
         bar.close()
-        return cpu_from.with_(
-            **storage,
-            source=(
-                f"storage measured by `sclayout calibrate {target}` ({cache}); "
-                f"CPU figures from profile {cpu_from.name!r}"
-            ),
-            extra={"target": target, "plan": plan.__dict__, "cpu_from": cpu_from.name},
-        )
-    # 4. codecs, on the store's own values when we can read them
-    sample = _store_sample(target, plan.sample_elems)
-    if sample is None:
-        n_rows = max(16, plan.sample_elems // 1000)
-        data, indices, indptr = _count_data(n_rows, n_vars=20000, nnz_per_row=1000, seed=seed)
-        n_vars = 20000
-        data_source = f"synthetic counts ({n_rows:,} rows × 20,000 genes, ~1,000 nnz/row)"
-    else:
-        data, indices, indptr, n_vars = sample
-        data_source = f"{len(indptr) - 1:,} rows of {target}"
-    started: list[str] = []
-
-    def on_codec(name: str) -> None:  # one sample h5ad for all codecs, a bar step each
-        if started:
-            bar.update()
-        started.append(name)
-        bar.set_postfix_str(f"decode {name}")
-
-    speeds = measure_codecs(
-        data,
-        indices,
-        indptr,
-        n_vars=n_vars,
-        codecs=codecs,
-        seconds=plan.per_codec,
-        # the loader's direct shard reader reads local stores only: a remote store's
-        # responses are decoded by tensorstore, at a different CPU cost per byte
-        direct=local is not None,
-        on_codec=on_codec,
+        source = f"storage measured by `sclayout calibrate {target}` ({cache}); "
+        source += f"CPU figures from profile {cpu_from.name!r}"
+        extra = {"target": target, "plan": plan.__dict__, "cpu_from": cpu_from.name}
+        return cpu_from.with_(**storage, source=source, extra=extra)
+    cpu, data_source = _measure_cpu(
+        target, local=local, plan=plan, codecs=codecs, seed=seed, bar=bar
     )
-    bar.update()
-    # 5. assembly, copies, per-request CPU (warm reads of tiny ranges, 64 in flight)
-    bar.set_postfix_str("assembly")
-    gather, densify = measure_assembly(
-        data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
-    )
-    copy_bps = _copy_bandwidth(plan.assembly * 0.1)
-    bar.update()
-    # 6. how many cores the loader's pipeline keeps busy when nothing waits on I/O
-    bar.set_postfix_str("loader parallelism")
-    pipeline = measure_pipeline(
-        data,
-        indices,
-        indptr,
-        n_vars=n_vars,
-        seconds=plan.pipeline,
-        worker_seconds=plan.workers,
-    )
-    bar.update()
     bar.close()
     host = platform.node() or "this machine"
     return Profile(
         **storage,
-        codecs=speeds,
-        gather_s_per_nnz=gather,
-        densify_s_per_value=densify,
-        copy_Bps=copy_bps,
-        fetch_overhead_s=pipeline.fetch_cpu_s,
-        cores=pipeline.parallelism,
-        cpu_count=usable_cores(),  # the cores it ran with: affinity and cgroup quota
-        worker_cores=pipeline.worker_cores,
-        worker_cpu_s_per_cell=pipeline.worker_cpu_s_per_cell,
+        **cpu,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({usable_cores()} usable cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "
