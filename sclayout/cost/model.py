@@ -268,11 +268,8 @@ def virtual_layout(
         shard_chunks=spec.shard_chunks,
     )
     idx_dtype = str(stored_index_dtype(n_vars))
-    shapes_dtypes = {
-        "data": ((nnz,), data_dtype),
-        "indices": ((nnz,), idx_dtype),
-        "indptr": ((n_obs + 1,), "int64"),
-    }
+    shapes_dtypes = {"data": ((nnz,), data_dtype), "indices": ((nnz,), idx_dtype)}
+    shapes_dtypes["indptr"] = ((n_obs + 1,), "int64")
     arrays = {
         name: ArrayLayout(
             f"X/{name}",
