@@ -31,6 +31,7 @@ About a minute in total (``quick=True``: a few seconds, rougher).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -39,7 +40,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -134,14 +135,18 @@ class CalibrationPlan:
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
-        """Return a short plan for tests and smoke runs."""
+        """Return a short plan (``recommend`` and ``bench`` without a profile).
+
+        Its codecs are timed on a sample of about 500 rows: on fewer, the fixed cost of
+        a read outweighs the decoding and a codec looked several times slower.
+        """
         return cls(
             latency=0.5,
             per_in_flight=0.3,
             bandwidth=0.8,
-            per_codec=0.3,
+            per_codec=0.6,
             assembly=0.5,
-            sample_elems=2**18,
+            sample_elems=2**20,
             pipeline=0.5,
             workers=0.0,
         )
@@ -151,7 +156,7 @@ class CalibrationPlan:
         """Return a plan of a few hundredths of a second per step, no workers.
 
         The shape of a calibration, not its figures (tests and benchmark smoke runs):
-        its codec and assembly timings run on the quick plan's small sample, since
+        its codec and assembly timings run on a small sample, since
         building the full-size one took longer than all of its timings.
         """
         return cls(
@@ -371,22 +376,41 @@ def _median_rounds(measures: Sequence[Callable[[], Any]], *, rounds: int = CPU_R
 
 
 def _cpu_per_step(step: Callable[[], int], seconds: float) -> float:
-    """Process CPU seconds per call of ``step``, over ``seconds``."""
-    cpu0 = time.process_time()
+    """CPU seconds per call of ``step``, over ``seconds``.
+
+    This process's and its children's: the loader's decode processes run a fetch's
+    decoding on a machine with two or more cores.
+    """
+    cpu0 = cpu_with_children()
     _, it, _ = _timed_loop(step, seconds)
-    return (time.process_time() - cpu0) / it
+    return (cpu_with_children() - cpu0) / it
 
 
 def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> float:
-    """Units per second of ``step`` (which returns the units it did), over ``seconds``.
+    """Units per CPU second of ``step`` (which returns the units it did), over ``seconds``.
 
-    Wall-clock means, on purpose: on a machine shared with other jobs they include
-    the CPU share this process gets, which is also what the loader will get when it
-    runs; callers take the median of several rounds, so that the typical share counts,
-    not a burst of another job during one sample.
+    CPU time, not wall time: on a machine shared with other jobs, wall time would also
+    count the time this process waits for a core, and the model already divides a
+    fetch's CPU by the cores the loader gets (calibrate's measured parallelism), so it
+    would count the other jobs twice. Callers take the median of several rounds.
     """
-    dt, _, units = _timed_loop(step, seconds, min_iter=min_iter)
-    return units / dt
+    cpu0 = time.process_time()
+    _, _, units = _timed_loop(step, seconds, min_iter=min_iter)
+    return units / max(time.process_time() - cpu0, 1e-9)
+
+
+@contextlib.contextmanager
+def _as_the_loader_runs() -> Iterator[None]:
+    """Let fetches and dense minibatches reuse dropped buffers, as the loader's read loop does.
+
+    Fresh memory costs a page fault and a zeroed page for every page written; the
+    loader's loop hands out the memory of dropped fetches instead, and on two or more
+    cores decodes in processes only into such shared buffers.
+    """
+    from loader._buffers import reusing  # the engine's buffer pool (named here only)
+
+    with reusing():
+        yield
 
 
 # ---------------------------------------------------------------- CPU measurements
@@ -567,16 +591,18 @@ def measure_codecs(
     blosc stores its direct shard reader, tensorstore otherwise; ``direct=False``:
     tensorstore always, as for a remote store, whose responses tensorstore decodes) reads all of
     ``X/data`` and ``X/indices`` over and over from the page cache, measuring CPU
-    time (all threads). Two block sizes (:data:`CODEC_BLOCK_SIZES`) give two inner
-    chunk sizes, timed in :data:`CPU_ROUNDS` interleaved rounds (median CPU per read
-    of each); CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
-    them. The ratio is the arrays' raw bytes / their bytes on disk. ``on_codec(name)``
-    is called before each codec is timed (progress).
+    time (all threads, and the decode processes), reusing the fetch buffers as the
+    loader's read loop does (:func:`_as_the_loader_runs`). Two block sizes
+    (:data:`CODEC_BLOCK_SIZES`) give two inner chunk sizes, timed in
+    :data:`CPU_ROUNDS` interleaved rounds (median CPU per read of each); CPU = chunks ×
+    ``chunk_s`` + bytes / ``decode_Bps`` is fitted to them. The ratio is the arrays'
+    raw bytes / their bytes on disk. ``on_codec(name)`` is called before each codec is
+    timed (progress).
     """
     import tempfile
 
     out = {}
-    with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp, _as_the_loader_runs():
         for name in codecs:
             if on_codec is not None:
                 on_codec(name)
@@ -708,9 +734,10 @@ def measure_assembly(
 
     gather, dense = step(csr_out), step(dense_out)
     each = seconds / 2 / CPU_ROUNDS
-    gather_rate, dense_rate = _median_rounds(
-        [lambda: _rate(gather, each), lambda: _rate(dense, each)]
-    )
+    with _as_the_loader_runs():
+        gather_rate, dense_rate = _median_rounds(
+            [lambda: _rate(gather, each), lambda: _rate(dense, each)]
+        )
     t_gather = 1.0 / float(gather_rate)
     t_dense = 1.0 / float(dense_rate)
     nnz = int(indptr[-1])
@@ -720,6 +747,10 @@ def measure_assembly(
     return per_nnz, per_value
 
 
+MIN_PARALLELISM = 0.5
+"""Least parallelism a profile records (:class:`Profile`'s own lower limit). Below one
+core on a machine busy with other jobs: the loader then gets only a share of a core,
+and its CPU figures, timed in CPU seconds, would predict it as if it had a whole one."""
 PARALLELISM_ROWS = 16384
 """Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
 
@@ -761,7 +792,9 @@ def measure_pipeline(
     - parallelism: process CPU / wall time with the first (larger) fetch factor.
       Below the core count because parts of the pipeline (assembly, the dense
       scatter, the Python between them) hold the GIL or wait for each other; the
-      model divides a fetch's CPU time by it, not by the core count.
+      model divides a fetch's CPU time by it, not by the core count. On a machine
+      busy with other jobs, the share of the cores the loader gets: no longer raised
+      to one core (:data:`MIN_PARALLELISM`), since the CPU figures are CPU seconds.
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
       over more rows; the two (median) CPU-per-cell figures give it.
@@ -806,7 +839,7 @@ def measure_pipeline(
     rows = [64 * f for f in fetch_factors]
     per_fetch = (cpu_cell[1] - cpu_cell[0]) / (1 / rows[1] - 1 / rows[0])
     figures = PipelineFigures(
-        parallelism=float(min(max(busy, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+        parallelism=float(min(max(busy, MIN_PARALLELISM), cores)), fetch_cpu_s=max(per_fetch, 0.0)
     )
     if workers is None:
         return figures
