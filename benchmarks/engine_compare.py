@@ -26,10 +26,14 @@ per cell (the process's and its children's: decode processes count). Regimes: ``
 and every 0.5 s during the run, :class:`sclayout.pagecache.Evictor`). Every engine's
 first fetch is checked equal to the direct reader's.
 
+``--loader-split`` instead runs :class:`loader.BlockDataset` (batch 64, warm) and splits
+its CPU per cell between the main process and its decode processes.
+
 Usage (zarrs is not a dependency: run from a venv that has it)::
 
     python benchmarks/engine_compare.py STORE --rounds 3 --seconds 6
     python benchmarks/engine_compare.py STORE --engines direct-threads,direct-mp --regimes warm
+    python benchmarks/engine_compare.py STORE --loader-split 16:csr,64:csr --rounds 2
 """
 
 from __future__ import annotations
@@ -427,6 +431,49 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+# ------------------------------------------------- where the loader's CPU goes
+
+
+def loader_split(store: Path, spec: str, seconds: float, pool_from: int | None) -> dict[str, Any]:
+    """``BlockDataset`` with its defaults but ``spec`` (``FETCH_FACTOR:OUTPUT``), warm.
+
+    CPU per cell of the main process (all its threads) and of its decode processes: the
+    main process's part bounds the speed-up more cores can give. ``pool_from``: pool
+    (and so share with the decode processes) arrays from this many bytes instead of
+    the buffer pool's own threshold.
+    """
+    from loader import BlockDataset
+    from sclayout.cost.calibrate import cpu_with_children
+
+    if pool_from is not None:
+        _engine_modules()[1].MIN_BYTES = pool_from
+    ff, output = spec.split(":")
+    ds = BlockDataset(store, batch_size=64, fetch_factor=int(ff), output=output, seed=0)
+    cells, epoch, t0 = 0, 0, None
+    while t0 is None or time.perf_counter() - t0 < seconds:
+        ds.set_epoch(epoch)
+        epoch += 1
+        for i, batch in enumerate(ds):
+            if t0 is None and i == 3:
+                t0, c0, p0 = time.perf_counter(), cpu_with_children(), time.process_time()
+            elif t0 is not None:
+                cells += batch["X"].shape[0]
+                if time.perf_counter() - t0 >= seconds:
+                    break
+    wall, total = time.perf_counter() - t0, cpu_with_children() - c0
+    main = time.process_time() - p0
+    ds.close()
+    return {
+        "spec": spec,
+        "pool_from": pool_from,
+        "cells_per_s": cells / wall,
+        "cpu_us_per_cell": total / cells * 1e6,
+        "main_us_per_cell": main / cells * 1e6,
+        "bound_on_2_cores": total / max(main, total / 2),
+        "load": os.getloadavg()[0],
+    }
+
+
 # ---------------------------------------------------------------- the driver
 
 
@@ -482,6 +529,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--fetches", type=int, default=64, help="distinct fetches, read in a cycle")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, help="write the results as JSON here")
+    ap.add_argument(
+        "--loader-split",
+        metavar="FF:OUTPUT,...",
+        help="instead: where BlockDataset's CPU goes (main process, decode processes), warm",
+    )
+    ap.add_argument("--pool-from", type=int, help="with --loader-split: pool arrays from BYTES")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--regime", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -489,6 +542,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         args.engine = args.child
         print(json.dumps(run_one(args)))
+        return
+    if args.loader_split:
+        _warm(args.store)
+        for _ in range(args.rounds):
+            for spec in args.loader_split.split(","):
+                print(json.dumps(loader_split(args.store, spec, args.seconds, args.pool_from)))
         return
     engines, regimes = args.engines.split(","), args.regimes.split(",")
     results = []
