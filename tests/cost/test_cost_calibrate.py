@@ -73,6 +73,19 @@ def test_measure_assembly_takes_the_median_round(monkeypatch):
     assert per_value == pytest.approx(1 / 10.0 / (cells * n_vars))
 
 
+def test_codec_and_assembly_timings_use_the_loaders_shared_reused_buffers():
+    """Inside its timings, a fetch-sized array lies in a pooled memory file that decode
+    processes can map (as in the loader's read loop); outside, in private memory."""
+    from loader import _buffers as buffers
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("memory files are Linux-only")
+    big = 8 * 2**20
+    assert buffers.shared(buffers.empty(big, np.uint8)) is None
+    with calibrate_mod._as_the_loader_runs():
+        assert buffers.shared(buffers.empty(big, np.uint8)) is not None
+
+
 def test_measure_codecs_reads_through_the_loader_backend():
     data, indices, indptr, n_vars = _counts()
     speeds = measure_codecs(
