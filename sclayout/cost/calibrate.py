@@ -138,7 +138,10 @@ class CalibrationPlan:
         """Return a short plan (``recommend`` and ``bench`` without a profile).
 
         Its codecs are timed on a sample of about 500 rows: on fewer, the fixed cost of
-        a read outweighs the decoding and a codec looked several times slower.
+        a read outweighs the decoding and a codec looked several times slower. The
+        loader's parallelism gets 2 s (6 windows of a third of a second): the share
+        of the cores it gets on a busy machine is the figure most of its prediction
+        rests on there.
         """
         return cls(
             latency=0.5,
@@ -147,7 +150,7 @@ class CalibrationPlan:
             per_codec=0.6,
             assembly=0.5,
             sample_elems=2**20,
-            pipeline=0.5,
+            pipeline=2.0,
             workers=0.0,
         )
 
