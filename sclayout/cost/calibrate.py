@@ -31,6 +31,7 @@ About a minute in total (``quick=True``: a few seconds, rougher).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -39,7 +40,7 @@ import shutil
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
@@ -134,15 +135,22 @@ class CalibrationPlan:
 
     @classmethod
     def quick(cls) -> CalibrationPlan:
-        """Return a short plan for tests and smoke runs."""
+        """Return a short plan (``recommend`` and ``bench`` without a profile).
+
+        Its codecs are timed on a sample of about 500 rows: on fewer, the fixed cost of
+        a read outweighs the decoding and a codec looked several times slower. The
+        loader's parallelism gets 2 s (6 windows of a third of a second): the share
+        of the cores it gets on a busy machine is the figure most of its prediction
+        rests on there.
+        """
         return cls(
             latency=0.5,
             per_in_flight=0.3,
             bandwidth=0.8,
-            per_codec=0.3,
+            per_codec=0.6,
             assembly=0.5,
-            sample_elems=2**18,
-            pipeline=0.5,
+            sample_elems=2**20,
+            pipeline=2.0,
             workers=0.0,
         )
 
@@ -151,7 +159,7 @@ class CalibrationPlan:
         """Return a plan of a few hundredths of a second per step, no workers.
 
         The shape of a calibration, not its figures (tests and benchmark smoke runs):
-        its codec and assembly timings run on the quick plan's small sample, since
+        its codec and assembly timings run on a small sample, since
         building the full-size one took longer than all of its timings.
         """
         return cls(
@@ -371,22 +379,41 @@ def _median_rounds(measures: Sequence[Callable[[], Any]], *, rounds: int = CPU_R
 
 
 def _cpu_per_step(step: Callable[[], int], seconds: float) -> float:
-    """Process CPU seconds per call of ``step``, over ``seconds``."""
-    cpu0 = time.process_time()
+    """CPU seconds per call of ``step``, over ``seconds``.
+
+    This process's and its children's: the loader's decode processes run a fetch's
+    decoding on a machine with two or more cores.
+    """
+    cpu0 = cpu_with_children()
     _, it, _ = _timed_loop(step, seconds)
-    return (time.process_time() - cpu0) / it
+    return (cpu_with_children() - cpu0) / it
 
 
 def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> float:
-    """Units per second of ``step`` (which returns the units it did), over ``seconds``.
+    """Units per CPU second of ``step`` (which returns the units it did), over ``seconds``.
 
-    Wall-clock means, on purpose: on a machine shared with other jobs they include
-    the CPU share this process gets, which is also what the loader will get when it
-    runs; callers take the median of several rounds, so that the typical share counts,
-    not a burst of another job during one sample.
+    CPU time, not wall time: on a machine shared with other jobs, wall time would also
+    count the time this process waits for a core, and the model already divides a
+    fetch's CPU by the cores the loader gets (calibrate's measured parallelism), so it
+    would count the other jobs twice. Callers take the median of several rounds.
     """
-    dt, _, units = _timed_loop(step, seconds, min_iter=min_iter)
-    return units / dt
+    cpu0 = time.process_time()
+    _, _, units = _timed_loop(step, seconds, min_iter=min_iter)
+    return units / max(time.process_time() - cpu0, 1e-9)
+
+
+@contextlib.contextmanager
+def _as_the_loader_runs() -> Iterator[None]:
+    """Let fetches and dense minibatches reuse dropped buffers, as the loader's read loop does.
+
+    Fresh memory costs a page fault and a zeroed page for every page written; the
+    loader's loop hands out the memory of dropped fetches instead, and on two or more
+    cores decodes in processes only into such shared buffers.
+    """
+    from loader._buffers import reusing  # the engine's buffer pool (named here only)
+
+    with reusing():
+        yield
 
 
 # ---------------------------------------------------------------- CPU measurements
@@ -567,72 +594,97 @@ def measure_codecs(
     blosc stores its direct shard reader, tensorstore otherwise; ``direct=False``:
     tensorstore always, as for a remote store, whose responses tensorstore decodes) reads all of
     ``X/data`` and ``X/indices`` over and over from the page cache, measuring CPU
-    time (all threads). Two block sizes (:data:`CODEC_BLOCK_SIZES`) give two inner
-    chunk sizes, timed in :data:`CPU_ROUNDS` interleaved rounds (median CPU per read
-    of each); CPU = chunks × ``chunk_s`` + bytes / ``decode_Bps`` is fitted to
-    them. The ratio is the arrays' raw bytes / their bytes on disk. ``on_codec(name)``
-    is called before each codec is timed (progress).
+    time (all threads, and the decode processes), reusing the fetch buffers as the
+    loader's read loop does (:func:`_as_the_loader_runs`). Two block sizes
+    (:data:`CODEC_BLOCK_SIZES`) give two inner chunk sizes, timed in
+    :data:`CPU_ROUNDS` interleaved rounds (median CPU per read of each); CPU = chunks ×
+    ``chunk_s`` + bytes / ``decode_Bps`` is fitted to them. The ratio is the arrays'
+    raw bytes / their bytes on disk. ``on_codec(name)`` is called before each codec is
+    timed (progress).
     """
     import tempfile
 
-    from loader.backends import get_backend
-    from loader.store import read_manifest
-    from sclayout.pagecache import tree_bytes
-
     out = {}
-    with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="sclayout-calibrate-") as tmp, _as_the_loader_runs():
         for name in codecs:
             if on_codec is not None:
                 on_codec(name)
-            ratio = 0.0
-            steps = []  # per block size: (chunks, raw bytes, step)
-            stores: list[Path] = []
-            for block_size in CODEC_BLOCK_SIZES:
-                store = _sample_store(
-                    data,
-                    indices,
-                    indptr,
-                    n_vars=n_vars,
-                    folder=Path(tmp),
-                    name="codecs",
-                    codec=name,
-                    block_size=block_size,
-                )
-                x = read_manifest(str(store)).X
-                arrays = [x.arrays["data"], x.arrays["indices"]]
-                raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
-                chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
-                on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
-                ratio = raw / max(on_disk, 1)  # the last (largest) block size's
-                # no chunk cache, no whole-array shortcut for small arrays: every step
-                # reads and decodes, as a fetch of a large store does
-                reader = get_backend(backend)(
-                    str(store), cache_bytes=0, whole_array_bytes=0, direct=direct
-                )
-                request = {
-                    a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays
-                }
-
-                def step(reader: Any = reader, request: Any = request, raw: int = raw) -> int:
-                    reader.submit(request).result()
-                    return raw
-
-                step()  # open the arrays, read the shard indexes
-                steps.append((chunks, raw, step))
-                stores.append(store)
-            each = seconds / len(steps) / CPU_ROUNDS
-            per_step = _median_rounds([partial(_cpu_per_step, step, each) for _, _, step in steps])
-            samples = [
-                (chunks, raw, float(cpu))
-                for (chunks, raw, _), cpu in zip(steps, per_step, strict=True)
+            sample = (data, indices, indptr, n_vars)
+            steps = [
+                _codec_reads(sample, Path(tmp), name, block_size, backend=backend, direct=direct)
+                for block_size in CODEC_BLOCK_SIZES
             ]
-            for store in stores:
-                shutil.rmtree(store, ignore_errors=True)
+            ratio = steps[-1].ratio  # the largest block size's
+            each = seconds / len(steps) / CPU_ROUNDS
+            per_step = _median_rounds([partial(_cpu_per_step, s.step, each) for s in steps])
+            samples = [(s.chunks, s.raw, float(c)) for s, c in zip(steps, per_step, strict=True)]
+            for s in steps:
+                shutil.rmtree(s.store, ignore_errors=True)
             chunk_s, byte_s = fit_costs(samples)
             if byte_s <= 0:  # noise put everything on the chunks: bytes alone instead
                 chunk_s, byte_s = 0.0, sum(c for *_, c in samples) / sum(b for _, b, _ in samples)
             out[name] = CodecSpeed(ratio=ratio, decode_Bps=1.0 / byte_s, chunk_s=chunk_s)
     return out
+
+
+@dataclass(frozen=True)
+class _CodecReads:
+    """A sample store of one codec and block size, and one timed read of all of it."""
+
+    store: Path
+    chunks: int
+    """Inner chunks of ``X/data`` and ``X/indices``."""
+    raw: int
+    """Their decoded bytes."""
+    ratio: float
+    """Their decoded bytes / their bytes on disk."""
+    step: Callable[[], int]
+    """Reads and decodes both arrays whole; returns ``raw``."""
+
+
+def _codec_reads(
+    sample: tuple[Any, ...],
+    folder: Path,
+    codec: str,
+    block_size: int,
+    *,
+    backend: str,
+    direct: bool,
+) -> _CodecReads:
+    """Convert the sample with ``codec`` and ``block_size``; open the loader's reader on it.
+
+    No chunk cache and no whole-array shortcut for small arrays: every step reads and
+    decodes, as a fetch of a large store does.
+    """
+    from loader.backends import get_backend
+    from loader.store import read_manifest
+    from sclayout.pagecache import tree_bytes
+
+    data, indices, indptr, n_vars = sample
+    store = _sample_store(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        folder=folder,
+        name="codecs",
+        codec=codec,
+        block_size=block_size,
+    )
+    x = read_manifest(str(store)).X
+    arrays = [x.arrays["data"], x.arrays["indices"]]
+    raw = sum(a.shape[0] * np.dtype(a.dtype).itemsize for a in arrays)
+    chunks = sum(-(-a.shape[0] // a.chunks[0]) for a in arrays)
+    on_disk = sum(tree_bytes(store / a.path)[0] for a in arrays)
+    reader = get_backend(backend)(str(store), cache_bytes=0, whole_array_bytes=0, direct=direct)
+    request = {a.path: (a.path, np.array([[0, a.shape[0]]], dtype=np.int64)) for a in arrays}
+
+    def step() -> int:
+        reader.submit(request).result()
+        return raw
+
+    step()  # open the arrays, read the shard indexes
+    return _CodecReads(store, chunks, raw, raw / max(on_disk, 1), step)
 
 
 def measure_assembly(
@@ -685,9 +737,10 @@ def measure_assembly(
 
     gather, dense = step(csr_out), step(dense_out)
     each = seconds / 2 / CPU_ROUNDS
-    gather_rate, dense_rate = _median_rounds(
-        [lambda: _rate(gather, each), lambda: _rate(dense, each)]
-    )
+    with _as_the_loader_runs():
+        gather_rate, dense_rate = _median_rounds(
+            [lambda: _rate(gather, each), lambda: _rate(dense, each)]
+        )
     t_gather = 1.0 / float(gather_rate)
     t_dense = 1.0 / float(dense_rate)
     nnz = int(indptr[-1])
@@ -697,6 +750,10 @@ def measure_assembly(
     return per_nnz, per_value
 
 
+MIN_PARALLELISM = 0.5
+"""Least parallelism a profile records (:class:`Profile`'s own lower limit). Below one
+core on a machine busy with other jobs: the loader then gets only a share of a core,
+and its CPU figures, timed in CPU seconds, would predict it as if it had a whole one."""
 PARALLELISM_ROWS = 16384
 """Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
 
@@ -738,7 +795,9 @@ def measure_pipeline(
     - parallelism: process CPU / wall time with the first (larger) fetch factor.
       Below the core count because parts of the pipeline (assembly, the dense
       scatter, the Python between them) hold the GIL or wait for each other; the
-      model divides a fetch's CPU time by it, not by the core count.
+      model divides a fetch's CPU time by it, not by the core count. On a machine
+      busy with other jobs, the share of the cores the loader gets: no longer raised
+      to one core (:data:`MIN_PARALLELISM`), since the CPU figures are CPU seconds.
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
       over more rows; the two (median) CPU-per-cell figures give it.
@@ -783,7 +842,7 @@ def measure_pipeline(
     rows = [64 * f for f in fetch_factors]
     per_fetch = (cpu_cell[1] - cpu_cell[0]) / (1 / rows[1] - 1 / rows[0])
     figures = PipelineFigures(
-        parallelism=float(min(max(busy, 1.0), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+        parallelism=float(min(max(busy, MIN_PARALLELISM), cores)), fetch_cpu_s=max(per_fetch, 0.0)
     )
     if workers is None:
         return figures
@@ -909,6 +968,235 @@ def _warm_read_cpu(reader: _Reader, request_bytes: int, seconds: float) -> tuple
     return fit_costs(samples)
 
 
+class _ReadTimer:
+    """Times batches of reads and records their CPU (for :func:`fit_costs`).
+
+    The CPU is this process's, plus a loopback server's when the target is served from
+    this machine (:func:`_busy_cpu_s`).
+    """
+
+    def __init__(self, reader: _Reader, target: str):
+        self.reader = reader
+        server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
+        self.machine_wide = is_url(target) and _is_loopback(server)
+        self.server_pid = _loopback_server_pid(server) if self.machine_wide else None
+        self.cpu_samples: list[tuple[float, float, float]] = []
+
+    def __call__(
+        self, make: Callable[[], list[tuple[str, int, int]]], seconds: float
+    ) -> tuple[float, float]:
+        """Requests/s and bytes/s of reading ``make()``'s ranges over and over."""
+        cpu0 = _busy_cpu_s(self.machine_wide, self.server_pid)
+        state = {"n": 0}
+
+        def step() -> int:
+            ranges = make()
+            state["n"] += len(ranges)
+            return self.reader.read_all(ranges)
+
+        dt, _, nbytes = _timed_loop(step, seconds)
+        cpu = _busy_cpu_s(self.machine_wide, self.server_pid) - cpu0
+        self.cpu_samples.append((state["n"], nbytes, cpu))
+        return state["n"] / dt, nbytes / dt
+
+
+def _measure_latency(reader: _Reader, seconds: float) -> float:
+    """Measure step 1: the median time of small reads at random offsets, one at a time."""
+    times: list[float] = []
+    t_end = time.perf_counter() + seconds
+    while len(times) < 5 or time.perf_counter() < t_end:
+        (rng_,) = reader.random_ranges(1, SMALL_BYTES)
+        t0 = time.perf_counter()
+        reader.read_all([rng_])
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def _measure_curve(
+    timer: _ReadTimer, seconds: float, request_bytes: int, bar: Any
+) -> tuple[tuple[int, float], ...]:
+    """Measure step 2: requests/s at each level of :data:`IN_FLIGHT`, made non-decreasing.
+
+    :data:`CONCURRENCY_ROUNDS` interleaved rounds over the levels, the median per level:
+    a burst of other I/O on a shared disk then spoils one sample of a level, not the
+    level.
+    """
+    rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}
+    for r in range(CONCURRENCY_ROUNDS):
+        for n in IN_FLIGHT:
+            bar.set_postfix_str(f"{n} in flight ({r + 1}/{CONCURRENCY_ROUNDS})")
+            rps, _ = timer(
+                lambda n=n: timer.reader.random_ranges(n, request_bytes),
+                seconds / CONCURRENCY_ROUNDS,
+            )
+            rounds[n].append(rps)
+            if r == CONCURRENCY_ROUNDS - 1:
+                bar.update()
+    return monotone_curve([(n, float(np.median(rounds[n]))) for n in IN_FLIGHT])
+
+
+def _measure_bandwidth(timer: _ReadTimer, files: list[tuple[str, int]], seconds: float) -> float:
+    """Measure step 3: bytes/s of large reads, the larger of two patterns.
+
+    Sequential reads (4 in flight, walking through the largest files) and many large
+    reads at random offsets in flight (the loader's pattern), ``seconds / 2`` each.
+    """
+    state = {"file": 0, "offset": 0}
+    big = sorted(files, key=lambda f: -f[1])
+
+    def seq_ranges() -> list[tuple[str, int, int]]:
+        ranges = []
+        for _ in range(4):
+            key, size = big[state["file"] % len(big)]
+            a = state["offset"]
+            b = min(a + SEQ_BYTES, size)
+            ranges.append((key, a, b))
+            if b >= size:
+                state["file"] += 1
+                state["offset"] = 0
+            else:
+                state["offset"] = b
+        return ranges
+
+    _, sequential = timer(seq_ranges, seconds / 2)
+    _, random_bw = timer(
+        lambda: timer.reader.random_ranges(RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES),
+        seconds / 2,
+    )
+    return max(sequential, random_bw)
+
+
+def _measure_storage(
+    target: str,
+    *,
+    reader: _Reader,
+    files: list[tuple[str, int]],
+    local: str | None,
+    plan: CalibrationPlan,
+    request_bytes: int,
+    evict: bool,
+    bar: Any,
+) -> dict[str, Any]:
+    """Measure steps 1–3: the storage figures of a :class:`Profile` (without its name).
+
+    A local target is evicted from the page cache before and every 0.5 s during them
+    (``evict``).
+    """
+    timer = _ReadTimer(reader, target)
+    evictor = None
+    if local is not None and evict:
+        from sclayout.pagecache import Evictor
+
+        evictor = Evictor([local]).start()
+    try:
+        bar.set_postfix_str("latency")
+        latency = _measure_latency(reader, plan.latency)
+        bar.update()
+        curve = _measure_curve(timer, plan.per_in_flight, request_bytes, bar)
+        bar.set_postfix_str("bandwidth")
+        bandwidth = _measure_bandwidth(timer, files, plan.bandwidth)
+        read_cpu_request, read_cpu_byte = fit_costs(timer.cpu_samples)
+        bar.update()
+    finally:
+        if evictor is not None:
+            evictor.stop()
+    if local is not None:
+        # a local store is read by the loader's own reader, whose CPU from the page
+        # cache on is in the codec figures (step 4): keep only what a cold read adds
+        warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
+        read_cpu_request = max(read_cpu_request - warm_req, 0.0)
+        read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
+    return {
+        "kind": "http" if is_url(target) else "local",
+        "latency_s": latency,
+        "bandwidth_Bps": bandwidth,
+        "concurrency": tuple(curve),
+        "request_bytes": request_bytes,
+        "request_cpu_s": read_cpu_request,
+        "read_cpu_s_per_byte": read_cpu_byte,
+        "read_cpu_scope": "machine" if timer.machine_wide else "process",
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _codec_sample(target: str, plan: CalibrationPlan, seed: int) -> tuple[tuple[Any, ...], str]:
+    """Return the CSR rows the CPU steps run on, and a phrase saying what they are.
+
+    The target's own first rows when it is a layout store, otherwise synthetic counts.
+    """
+    sample = _store_sample(target, plan.sample_elems)
+    if sample is not None:
+        return sample, f"{len(sample[2]) - 1:,} rows of {target}"
+    n_rows = max(16, plan.sample_elems // 1000)
+    data, indices, indptr = _count_data(n_rows, n_vars=20000, nnz_per_row=1000, seed=seed)
+    source = f"synthetic counts ({n_rows:,} rows × 20,000 genes, ~1,000 nnz/row)"
+    return (data, indices, indptr, 20000), source
+
+
+def _measure_cpu(
+    target: str,
+    *,
+    local: str | None,
+    plan: CalibrationPlan,
+    codecs: Sequence[str],
+    seed: int,
+    bar: Any,
+) -> tuple[dict[str, Any], str]:
+    """Measure steps 4–6: the CPU figures of a :class:`Profile`, and what they were timed on."""
+    (data, indices, indptr, n_vars), data_source = _codec_sample(target, plan, seed)
+    started: list[str] = []
+
+    def on_codec(name: str) -> None:  # one sample h5ad for all codecs, a bar step each
+        if started:
+            bar.update()
+        started.append(name)
+        bar.set_postfix_str(f"decode {name}")
+
+    speeds = measure_codecs(
+        data,
+        indices,
+        indptr,
+        n_vars=n_vars,
+        codecs=codecs,
+        seconds=plan.per_codec,
+        # the loader's direct shard reader reads local stores only: a remote store's
+        # responses are decoded by tensorstore, at a different CPU cost per byte
+        direct=local is not None,
+        on_codec=on_codec,
+    )
+    bar.update()
+    bar.set_postfix_str("assembly")
+    gather, densify = measure_assembly(
+        data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
+    )
+    copy_bps = _copy_bandwidth(plan.assembly * 0.1)
+    bar.update()
+    # how many cores the loader's pipeline keeps busy when nothing waits on I/O
+    bar.set_postfix_str("loader parallelism")
+    pipeline = measure_pipeline(
+        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers
+    )
+    bar.update()
+    figures = {
+        "codecs": speeds,
+        "gather_s_per_nnz": gather,
+        "densify_s_per_value": densify,
+        "copy_Bps": copy_bps,
+        "fetch_overhead_s": pipeline.fetch_cpu_s,
+        "cores": pipeline.parallelism,
+        "cpu_count": usable_cores(),  # the cores it ran with: affinity and cgroup quota
+        "worker_cores": pipeline.worker_cores,
+        "worker_cpu_s_per_cell": pipeline.worker_cpu_s_per_cell,
+    }
+    return figures, data_source
+
+
+def _steps(codecs: Sequence[str], cpu_from: Profile | None) -> list[str]:
+    """Return the names of the progress bar's steps."""
+    cpu = [] if cpu_from else [*(f"decode {c}" for c in codecs), "assembly", "loader parallelism"]
+    return ["latency", *[f"{n} in flight" for n in IN_FLIGHT], "bandwidth", *cpu]
+
+
 @typechecked
 def calibrate(
     target: str | os.PathLike[str],
@@ -955,192 +1243,29 @@ def calibrate(
     plan = plan or CalibrationPlan()
     target = os.fspath(target)
     kv_spec, files, local = _target(target)
-    steps = [
-        "latency",
-        *[f"{n} in flight" for n in IN_FLIGHT],
-        "bandwidth",
-        *([] if cpu_from else [f"decode {c}" for c in codecs]),
-        *([] if cpu_from else ["assembly", "loader parallelism"]),
-    ]
-    bar = tqdm(total=len(steps), desc="calibrate", disable=not progress, unit="step")
+    bar = tqdm(total=len(_steps(codecs, cpu_from)), desc="calibrate", disable=not progress)
     reader = _Reader(kv_spec, files, seed)
-    evictor = None
-    if local is not None and evict:
-        from sclayout.pagecache import Evictor
-
-        evictor = Evictor([local]).start()
-    try:
-        # 1. latency
-        bar.set_postfix_str("latency")
-        times: list[float] = []
-        t_end = time.perf_counter() + plan.latency
-        while len(times) < 5 or time.perf_counter() < t_end:
-            (rng_,) = reader.random_ranges(1, SMALL_BYTES)
-            t0 = time.perf_counter()
-            reader.read_all([rng_])
-            times.append(time.perf_counter() - t0)
-        latency = float(np.median(times))
-        bar.update()
-        # 2. concurrency curve: CONCURRENCY_ROUNDS interleaved rounds over the levels,
-        # the median per level (a burst of other I/O on a shared disk then spoils one
-        # sample of a level, not the level)
-        cpu_samples: list[tuple[float, float, float]] = []
-        server = object_store_endpoint().get("endpoint", "") if is_object_store(target) else target
-        machine_wide = is_url(target) and _is_loopback(server)
-        server_pid = _loopback_server_pid(server) if machine_wide else None
-
-        def timed_reads(make: Callable[[], list[tuple[str, int, int]]], seconds: float) -> float:
-            """Requests/s of reading ``make()``'s ranges over and over.
-
-            Also records the CPU per request and per byte.
-            """
-            cpu0 = _busy_cpu_s(machine_wide, server_pid)
-            state = {"n": 0}
-
-            def step() -> int:
-                ranges = make()
-                state["n"] += len(ranges)
-                return reader.read_all(ranges)
-
-            dt, _, nbytes = _timed_loop(step, seconds)
-            cpu_samples.append((state["n"], nbytes, _busy_cpu_s(machine_wide, server_pid) - cpu0))
-            return state["n"] / dt, nbytes / dt
-
-        rounds: dict[int, list[float]] = {n: [] for n in IN_FLIGHT}
-        for r in range(CONCURRENCY_ROUNDS):
-            for n in IN_FLIGHT:
-                bar.set_postfix_str(f"{n} in flight ({r + 1}/{CONCURRENCY_ROUNDS})")
-                rps, _ = timed_reads(
-                    lambda n=n: reader.random_ranges(n, request_bytes),
-                    plan.per_in_flight / CONCURRENCY_ROUNDS,
-                )
-                rounds[n].append(rps)
-                if r == CONCURRENCY_ROUNDS - 1:
-                    bar.update()
-        curve = monotone_curve([(n, float(np.median(rounds[n]))) for n in IN_FLIGHT])
-        # 3. sequential bandwidth: large reads, 4 in flight, walking through files
-        bar.set_postfix_str("bandwidth")
-        bw_state = {"file": 0, "offset": 0}
-        big = sorted(files, key=lambda f: -f[1])
-
-        def seq_ranges() -> list[tuple[str, int, int]]:
-            ranges = []
-            for _ in range(4):
-                key, size = big[bw_state["file"] % len(big)]
-                a = bw_state["offset"]
-                b = min(a + SEQ_BYTES, size)
-                ranges.append((key, a, b))
-                if b >= size:
-                    bw_state["file"] += 1
-                    bw_state["offset"] = 0
-                else:
-                    bw_state["offset"] = b
-            return ranges
-
-        _, bandwidth = timed_reads(seq_ranges, plan.bandwidth / 2)
-        # and many large reads at random offsets in flight (the loader's pattern)
-        _, random_bw = timed_reads(
-            lambda: reader.random_ranges(RANDOM_LARGE_IN_FLIGHT, RANDOM_LARGE_BYTES),
-            plan.bandwidth / 2,
-        )
-        bandwidth = max(bandwidth, random_bw)
-        read_cpu_request, read_cpu_byte = fit_costs(cpu_samples)
-        bar.update()
-    finally:
-        if evictor is not None:
-            evictor.stop()
-    if local is not None:
-        # a local store is read by the loader's own reader, whose CPU from the page
-        # cache on is in the codec figures (step 4): keep only what a cold read adds
-        warm_req, warm_byte = _warm_read_cpu(reader, request_bytes, plan.per_in_flight)
-        read_cpu_request = max(read_cpu_request - warm_req, 0.0)
-        read_cpu_byte = max(read_cpu_byte - warm_byte, 0.0)
-    kind = "http" if is_url(target) else "local"
-    storage = {
-        "name": name or target,
-        "kind": kind,
-        "latency_s": latency,
-        "bandwidth_Bps": bandwidth,
-        "concurrency": tuple(curve),
-        "request_bytes": request_bytes,
-        "request_cpu_s": read_cpu_request,
-        "read_cpu_s_per_byte": read_cpu_byte,
-        "read_cpu_scope": "machine" if machine_wide else "process",
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-    }
-    cache = "cold cache, evicted every 0.5 s" if kind == "local" and evict else "no eviction"
+    storage = _measure_storage(
+        target, reader=reader, files=files, local=local, plan=plan,
+        request_bytes=request_bytes, evict=evict, bar=bar,
+    )  # fmt: skip
+    storage["name"] = name or target
+    cold = storage["kind"] == "local" and evict
+    cache = "cold cache, evicted every 0.5 s" if cold else "no eviction"
     if cpu_from is not None:
         bar.close()
-        return cpu_from.with_(
-            **storage,
-            source=(
-                f"storage measured by `sclayout calibrate {target}` ({cache}); "
-                f"CPU figures from profile {cpu_from.name!r}"
-            ),
-            extra={"target": target, "plan": plan.__dict__, "cpu_from": cpu_from.name},
-        )
-    # 4. codecs, on the store's own values when we can read them
-    sample = _store_sample(target, plan.sample_elems)
-    if sample is None:
-        n_rows = max(16, plan.sample_elems // 1000)
-        data, indices, indptr = _count_data(n_rows, n_vars=20000, nnz_per_row=1000, seed=seed)
-        n_vars = 20000
-        data_source = f"synthetic counts ({n_rows:,} rows × 20,000 genes, ~1,000 nnz/row)"
-    else:
-        data, indices, indptr, n_vars = sample
-        data_source = f"{len(indptr) - 1:,} rows of {target}"
-    started: list[str] = []
-
-    def on_codec(name: str) -> None:  # one sample h5ad for all codecs, a bar step each
-        if started:
-            bar.update()
-        started.append(name)
-        bar.set_postfix_str(f"decode {name}")
-
-    speeds = measure_codecs(
-        data,
-        indices,
-        indptr,
-        n_vars=n_vars,
-        codecs=codecs,
-        seconds=plan.per_codec,
-        # the loader's direct shard reader reads local stores only: a remote store's
-        # responses are decoded by tensorstore, at a different CPU cost per byte
-        direct=local is not None,
-        on_codec=on_codec,
+        source = f"storage measured by `sclayout calibrate {target}` ({cache}); "
+        source += f"CPU figures from profile {cpu_from.name!r}"
+        extra = {"target": target, "plan": plan.__dict__, "cpu_from": cpu_from.name}
+        return cpu_from.with_(**storage, source=source, extra=extra)
+    cpu, data_source = _measure_cpu(
+        target, local=local, plan=plan, codecs=codecs, seed=seed, bar=bar
     )
-    bar.update()
-    # 5. assembly, copies, per-request CPU (warm reads of tiny ranges, 64 in flight)
-    bar.set_postfix_str("assembly")
-    gather, densify = measure_assembly(
-        data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
-    )
-    copy_bps = _copy_bandwidth(plan.assembly * 0.1)
-    bar.update()
-    # 6. how many cores the loader's pipeline keeps busy when nothing waits on I/O
-    bar.set_postfix_str("loader parallelism")
-    pipeline = measure_pipeline(
-        data,
-        indices,
-        indptr,
-        n_vars=n_vars,
-        seconds=plan.pipeline,
-        worker_seconds=plan.workers,
-    )
-    bar.update()
     bar.close()
     host = platform.node() or "this machine"
     return Profile(
         **storage,
-        codecs=speeds,
-        gather_s_per_nnz=gather,
-        densify_s_per_value=densify,
-        copy_Bps=copy_bps,
-        fetch_overhead_s=pipeline.fetch_cpu_s,
-        cores=pipeline.parallelism,
-        cpu_count=usable_cores(),  # the cores it ran with: affinity and cgroup quota
-        worker_cores=pipeline.worker_cores,
-        worker_cpu_s_per_cell=pipeline.worker_cpu_s_per_cell,
+        **cpu,
         source=(
             f"measured by `sclayout calibrate {target}` on {host} ({usable_cores()} usable cores, "
             f"{platform.machine()}, Python {platform.python_version()}); "

@@ -268,11 +268,8 @@ def virtual_layout(
         shard_chunks=spec.shard_chunks,
     )
     idx_dtype = str(stored_index_dtype(n_vars))
-    shapes_dtypes = {
-        "data": ((nnz,), data_dtype),
-        "indices": ((nnz,), idx_dtype),
-        "indptr": ((n_obs + 1,), "int64"),
-    }
+    shapes_dtypes = {"data": ((nnz,), data_dtype), "indices": ((nnz,), idx_dtype)}
+    shapes_dtypes["indptr"] = ((n_obs + 1,), "int64")
     arrays = {
         name: ArrayLayout(
             f"X/{name}",
@@ -366,6 +363,154 @@ def sample_fetch_stats(
     )
 
 
+@dataclass(frozen=True)
+class _FetchTimes:
+    """One fetch's times on one pipeline (seconds), and what they follow from."""
+
+    requests: float
+    in_flight: float
+    compressed: float
+    bytes_read: float
+    t_io: float
+    t_decode: float
+    t_gather: float
+    t_dense: float
+    t_read_cpu: float
+    t_overhead: float
+    dec_parallel: float
+
+
+def _io_time(profile: Profile, requests: float, compressed: float, in_flight: float) -> float:
+    """Storage time of a fetch: its requests at ``in_flight``, plus bytes beyond them.
+
+    At least one latency.
+    """
+    beyond = max(0.0, compressed - requests * profile.request_bytes)
+    t = requests / profile.requests_per_s(in_flight) + beyond / profile.effective_bandwidth
+    return max(t, profile.latency_s)
+
+
+def _fetch_times(
+    stats: FetchStats,
+    *,
+    n_vars: int,
+    codec: str,
+    settings: LoaderSettings,
+    profile: Profile,
+    options: ModelOptions,
+    dec_threads: int,
+    cores: float,
+) -> _FetchTimes:
+    """Storage and CPU times of one fetch (see the module docstring's terms)."""
+    backend = settings.backend
+    R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
+    if pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
+        # read once, then served from tensorstore's chunk cache: no request per fetch
+        R -= stats.pointer_chunks if options.requests == "chunks" else stats.pointer_reads
+        n_chunks -= stats.pointer_chunks
+        bytes_read -= stats.pointer_bytes_read
+    speed = profile.codec(codec)
+    compressed = bytes_read / speed.ratio
+    c = max(1.0, min(R, _reads_in_flight(backend, codec, profile, dec_threads)))
+    dense = options.output == "dense"
+    # dense output in the reading process scatters from the fetch: nothing to gather
+    gathers = not dense or settings.num_workers > 0
+    t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
+    return _FetchTimes(
+        requests=R,
+        in_flight=c,
+        compressed=compressed,
+        bytes_read=bytes_read,
+        t_io=_io_time(profile, R, compressed, c),
+        t_decode=bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s,
+        t_gather=stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
+        t_dense=stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
+        t_read_cpu=t_read_cpu,
+        t_overhead=profile.fetch_overhead_s + t_read_cpu,
+        dec_parallel=min(dec_threads, cores),
+    )
+
+
+def _limits(
+    t: _FetchTimes,
+    stats: FetchStats,
+    *,
+    n_vars: int,
+    settings: LoaderSettings,
+    profile: Profile,
+    options: ModelOptions,
+    dec_threads: int,
+    cores: float,
+) -> tuple[dict[str, float], str]:
+    """Each bound on a fetch's time per pipeline, and the name of the pipeline's stage.
+
+    The pipeline (its front: reads and decoding; its back: assembly), the CPU of all
+    pipelines on the cores, the storage serving all their requests, and the main
+    process's densifying with workers.
+    """
+    workers = max(1, settings.num_workers)
+    t_assembly = t.t_gather + t.t_dense
+    t_dec_wall = t.t_decode / t.dec_parallel
+    # decoding overlaps the reads still in flight: the backend decodes each response as
+    # it lands, and the direct reader announces a fetch's runs to the kernel before its
+    # decode threads read them one by one, so a thread's next run is mostly read by the
+    # time it asks. The decode threads' time is a bound, and so is the last read's
+    # arrival followed by its own decode
+    front = max(t_dec_wall, t.t_io + t.t_decode / max(t.requests, 1.0))
+    if settings.num_workers > 0:
+        # workers hand their rows over as CSR through shared memory (a copy in, a
+        # copy out: ``loader._workers``); the main process cuts and densifies them
+        t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
+        back = t.t_gather + profile.fetch_overhead_s + t_ipc / 2
+        main = t.t_dense + t_ipc / 2
+    else:
+        t_ipc = 0.0
+        back = t_assembly + profile.fetch_overhead_s
+        main = 0.0
+    cpu_total = t.t_decode + t_assembly + t.t_overhead + t_ipc
+    busy_cores = cores
+    if settings.num_workers > 0 and profile.worker_cores > 0:
+        # measured by calibrate with 2 workers: what the worker path adds per cell to
+        # one process's CPU (the gather, packing, hand-over and unpacking, the copies
+        # above included), and the cores the processes keep busy together
+        cpu_total = (
+            t.t_decode + t.t_dense + t.t_overhead + stats.rows * profile.worker_cpu_s_per_cell
+        )
+        busy_cores = _busy_cores(profile, profile.worker_cores, settings.num_workers, dec_threads)
+    pipe = max(front, back) if options.read_ahead > 0 else front + back
+    stage = "io" if front >= back else "assembly"
+    # the storage serves every pipeline's requests at once (amortised time per fetch at
+    # W·c in flight), the cores run every pipeline's CPU
+    limits = {
+        stage: pipe / workers,
+        "cpu": _cpu_limit(cpu_total, t.t_read_cpu, profile, busy_cores),
+        "storage": _io_time(profile, t.requests, t.compressed, workers * t.in_flight),
+        "main process": main,
+    }
+    return limits, stage
+
+
+def _peak_memory(
+    stats: FetchStats, *, ratio: float, n_vars: int, settings: LoaderSettings, options: ModelOptions
+) -> int:
+    """Peak memory of all pipelines.
+
+    A fetch's rows are its decoded arrays (minibatches are cut from them, no copy of the
+    fetch): compressed + decoded bytes, and the minibatch being cut.
+    """
+    workers = max(1, settings.num_workers)
+    per_fetch = stats.max_bytes_read * (1.0 + 1.0 / ratio)
+    batch_bytes = _output_bytes(
+        settings.batch_size,
+        stats.nnz / max(stats.rows, 1) * settings.batch_size,
+        n_vars,
+        options.output,
+    )
+    peak = workers * ((1 + options.read_ahead) * per_fetch + CACHE_BYTES + batch_bytes)
+    peak += workers * PREFETCH_BATCHES * batch_bytes if settings.num_workers > 0 else 0
+    return int(peak)
+
+
 def predict_from_stats(
     stats: FetchStats,
     *,
@@ -389,76 +534,13 @@ def predict_from_stats(
             f"backend={backend!r}: unknown to the cost model; known: "
             f"{', '.join(sorted(BACKEND_IN_FLIGHT))}"
         )
-    workers = max(1, settings.num_workers)
     dec_threads = decode_threads_for(backend, profile, settings.num_workers)
-    cores = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
-    R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
-    if pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
-        # read once, then served from tensorstore's chunk cache: no request per fetch
-        R -= stats.pointer_chunks if options.requests == "chunks" else stats.pointer_reads
-        n_chunks -= stats.pointer_chunks
-        bytes_read -= stats.pointer_bytes_read
-    speed = profile.codec(codec)
-    compressed = bytes_read / speed.ratio
-    c = max(1.0, min(R, _reads_in_flight(backend, codec, profile, dec_threads)))
-
-    # ---- storage
-    def io_time(in_flight: float) -> float:
-        beyond = max(0.0, compressed - R * profile.request_bytes)
-        t = R / profile.requests_per_s(in_flight) + beyond / profile.effective_bandwidth
-        return max(t, profile.latency_s)
-
-    t_io = io_time(c)
-    # ---- CPU
-    t_decode = bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s
-    dec_parallel = min(dec_threads, cores)
-    dense = options.output == "dense"
-    t_dense = stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0
-    # dense output in the reading process scatters from the fetch: nothing to gather
-    gathers = not dense or settings.num_workers > 0
-    t_gather = stats.nnz * profile.gather_s_per_nnz if gathers else 0.0
-    t_assembly = t_gather + t_dense
-    t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
-    t_overhead = profile.fetch_overhead_s + t_read_cpu
-    # ---- one pipeline
-    t_dec_wall = t_decode / dec_parallel
-    # decoding overlaps the reads still in flight: the backend decodes each response as
-    # it lands, and the direct reader announces a fetch's runs to the kernel before its
-    # decode threads read them one by one, so a thread's next run is mostly read by the
-    # time it asks. The decode threads' time is a bound, and so is the last read's
-    # arrival followed by its own decode
-    front = max(t_dec_wall, t_io + t_decode / max(R, 1.0))
-    if settings.num_workers > 0:
-        # workers hand their rows over as CSR through shared memory (a copy in, a
-        # copy out: ``loader._workers``); the main process cuts and densifies them
-        t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
-        back = t_gather + profile.fetch_overhead_s + t_ipc / 2
-        main = t_dense + t_ipc / 2
-    else:
-        t_ipc = 0.0
-        back = t_assembly + profile.fetch_overhead_s
-        main = 0.0
-    cpu_total = t_decode + t_assembly + t_overhead + t_ipc
-    busy_cores = cores
-    if settings.num_workers > 0 and profile.worker_cores > 0:
-        # measured by calibrate with 2 workers: what the worker path adds per cell to
-        # one process's CPU (the gather, packing, hand-over and unpacking, the copies
-        # above included), and the cores the processes keep busy together
-        cpu_total = t_decode + t_dense + t_overhead + stats.rows * profile.worker_cpu_s_per_cell
-        busy_cores = _busy_cores(profile, profile.worker_cores, settings.num_workers, dec_threads)
-    pipe = max(front, back) if options.read_ahead > 0 else front + back
-    # ---- shared resources: the storage serves every pipeline's requests at once
-    # (amortised time per fetch at W·c in flight), the cores run every pipeline's CPU
-    shared_io = io_time(workers * c)
-    stage = "io" if front >= back else "assembly"
-    limits = {
-        stage: pipe / workers,
-        "cpu": _cpu_limit(cpu_total, t_read_cpu, profile, busy_cores),
-        "storage": shared_io,
-        "main process": main,
-    }
+    busy = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
+    shared = {"settings": settings, "profile": profile, "dec_threads": dec_threads, "cores": busy}
+    t = _fetch_times(stats, n_vars=n_vars, codec=codec, options=options, **shared)
+    limits, stage = _limits(t, stats, n_vars=n_vars, options=options, **shared)
     bound = max(limits, key=lambda k: limits[k])
-    if bound == "io" and t_io <= profile.latency_s * 1.01:
+    if bound == "io" and t.t_io <= profile.latency_s * 1.01:
         bound = "latency"
     # the pipeline's stages run on the cores whose CPU time bounds it too: where the two
     # limits come close, each stage waits on the other part of the time, so they join
@@ -466,32 +548,23 @@ def predict_from_stats(
     fetch_s = max(
         _soft_max(limits[stage], limits["cpu"]), limits["storage"], limits["main process"]
     )
-    # ---- memory
-    # a fetch's rows are its decoded arrays (minibatches are cut from them, no copy
-    # of the fetch): compressed + decoded bytes, and the minibatch being cut
-    per_fetch = stats.max_bytes_read * (1.0 + 1.0 / speed.ratio)
-    batch_bytes = _output_bytes(
-        settings.batch_size,
-        stats.nnz / max(stats.rows, 1) * settings.batch_size,
-        n_vars,
-        options.output,
-    )
-    peak = workers * ((1 + options.read_ahead) * per_fetch + CACHE_BYTES + batch_bytes)
-    peak += workers * PREFETCH_BATCHES * batch_bytes if settings.num_workers > 0 else 0
+    ratio = profile.codec(codec).ratio
     return Prediction(
         cells_per_s=stats.rows / fetch_s,
         fetch_s=fetch_s,
-        t_io=t_io,
-        t_decode=t_decode,
-        t_assembly=t_assembly,
-        t_overhead=t_overhead,
+        t_io=t.t_io,
+        t_decode=t.t_decode,
+        t_assembly=t.t_gather + t.t_dense,
+        t_overhead=t.t_overhead,
         bound=bound,
         rows_per_fetch=stats.rows,
-        requests_per_fetch=R,
-        read_bytes_per_fetch=compressed,
-        overread=bytes_read / max(stats.bytes_needed, 1.0) - 1.0,
-        peak_memory=int(peak),
-        workers=workers,
+        requests_per_fetch=t.requests,
+        read_bytes_per_fetch=t.compressed,
+        overread=t.bytes_read / max(stats.bytes_needed, 1.0) - 1.0,
+        peak_memory=_peak_memory(
+            stats, ratio=ratio, n_vars=n_vars, settings=settings, options=options
+        ),
+        workers=max(1, settings.num_workers),
     )
 
 

@@ -73,6 +73,19 @@ def test_measure_assembly_takes_the_median_round(monkeypatch):
     assert per_value == pytest.approx(1 / 10.0 / (cells * n_vars))
 
 
+def test_codec_and_assembly_timings_use_the_loaders_shared_reused_buffers():
+    """Inside its timings, a fetch-sized array lies in a pooled memory file that decode
+    processes can map (as in the loader's read loop); outside, in private memory."""
+    from loader import _buffers as buffers
+
+    if not hasattr(os, "memfd_create"):
+        pytest.skip("memory files are Linux-only")
+    big = 8 * 2**20
+    assert buffers.shared(buffers.empty(big, np.uint8)) is None
+    with calibrate_mod._as_the_loader_runs():
+        assert buffers.shared(buffers.empty(big, np.uint8)) is not None
+
+
 def test_measure_codecs_reads_through_the_loader_backend():
     data, indices, indptr, n_vars = _counts()
     speeds = measure_codecs(
@@ -108,7 +121,7 @@ def test_measure_pipeline_gives_parallelism_and_a_per_fetch_cost():
     data, indices, indptr, n_vars = _counts()
     # 1.2 s: 6 timed slots (3 rounds x 2 fetch factors) of 0.2 s each
     got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=1.2, block_size=16)
-    assert 1.0 <= got.parallelism <= (os.cpu_count() or 1)
+    assert calibrate_mod.MIN_PARALLELISM <= got.parallelism <= (os.cpu_count() or 1)
     # a difference of two CPU timings, clamped at 0 where a loaded machine's noise
     # hides it (the exact arithmetic is the next test's); far below a second anywhere
     assert 0.0 <= got.fetch_cpu_s < 1.0
@@ -134,6 +147,19 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
     assert got.parallelism == pytest.approx(1.5)  # median of 1.6, 1.0, 1.5
     # medians 16 and 20 us/cell: 4 us/cell more at 256 rows than at 1,024 rows
     assert got.fetch_cpu_s == pytest.approx(4e-6 / (1 / 256 - 1 / 1024))
+
+
+@pytest.mark.parametrize(("busy", "want"), [(0.6, 0.6), (0.2, 0.5)])
+def test_measure_pipeline_keeps_a_share_below_one_core(monkeypatch, busy, want):
+    """On a machine busy with other jobs the loader gets part of a core: the profile
+    records that share (CPU figures are CPU seconds), down to MIN_PARALLELISM."""
+    assert calibrate_mod.MIN_PARALLELISM == 0.5
+    monkeypatch.setattr(
+        calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: (1.0, busy, 50_000)
+    )
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    assert got.parallelism == pytest.approx(want)
 
 
 def test_measure_pipeline_with_workers_counts_their_cpu(monkeypatch):
