@@ -11,10 +11,10 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
 
 ``tensorstore`` (default)
     Local arrays sharded with ``bytes`` (+ ``blosc``) inner chunks (what ``sclayout
-    convert`` writes with the blosc codecs or none) are read by :mod:`loader._shards`:
+    convert`` writes with the blosc codecs or none) are read by :mod:`loader.engine.shards`:
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
     kernel at submit, decoded by blosc in the process's decode threads (one per
-    usable core, shared among DataLoader workers: :mod:`loader.cores`) straight into
+    usable core, shared among DataLoader workers: :mod:`loader.engine.cores`) straight into
     the output array (``direct=False`` turns this off). Everything else (HTTP, other
     codecs) goes through tensorstore's ``zarr3`` driver: each key is one read of a
     ``ts.concat`` of the ranges, so tensorstore fetches every inner chunk
@@ -166,7 +166,7 @@ class TensorstoreSettings:
     the backend sets both unless the environment already does."""
     DATA_COPY_CONCURRENCY = None
     """Decode/copy threads; ``None``: the process's decode threads
-    (:func:`loader._shards.process_decode_threads`: its share of the usable cores, the
+    (:func:`loader.engine.shards.process_decode_threads`: its share of the usable cores, the
     same count as the direct reader's; docs/scaling.md)."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
@@ -316,7 +316,7 @@ class TensorstoreBackend:
         if self._pid != os.getpid():
             import tensorstore as ts
 
-            from loader._shards import process_decode_threads
+            from loader.engine.shards import process_decode_threads
 
             o = self.options
             copy_threads = o["data_copy_concurrency"] or process_decode_threads()
@@ -362,14 +362,14 @@ class TensorstoreBackend:
         return arr
 
     def _direct_array(self, path: str) -> Any:
-        """Return the :mod:`loader._shards` reader of ``path``, or ``None``.
+        """Return the :mod:`loader.engine.shards` reader of ``path``, or ``None``.
 
         ``None`` means tensorstore reads it.
         """
         if not self.direct:
             return None
         if path not in self._direct:
-            from loader._shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
+            from loader.engine.shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
             whole = self.whole_array_bytes
             if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
@@ -410,7 +410,7 @@ class TensorstoreBackend:
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
         if direct_items:
-            from loader._shards import submit_reads
+            from loader.engine.shards import submit_reads
 
             got = submit_reads(
                 [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items]
@@ -565,7 +565,7 @@ class ZarrBackend:
         if not self.require_chunks:
             return
         if path not in self._indexes:
-            from loader._shards import missing_chunk, open_index
+            from loader.engine.shards import missing_chunk, open_index
 
             index = open_index(self.location, path)
             if index is None:  # not sharded (anndata's arrays): every chunk file, once

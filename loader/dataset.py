@@ -44,7 +44,7 @@ Workers and the main process
     the main process cuts them into minibatches, densifies them and yields them in
     the same round-robin order a DataLoader gives single minibatches. Each worker
     decodes with its share of the cores the process may use, one left to the main
-    process (:func:`loader.cores.decode_threads`). A plain ``DataLoader`` still gets
+    process (:func:`loader.engine.cores.decode_threads`). A plain ``DataLoader`` still gets
     one finished minibatch per item.
 
 Resuming
@@ -542,7 +542,7 @@ class BlockDataset:
             carry.cancel()
         for reader in self._opened:
             reader.close()
-        from loader import _buffers
+        from loader.engine import buffers as _buffers
 
         _buffers.release_spares()
 
@@ -836,7 +836,7 @@ class BlockDataset:
             epoch = plan.key[0]
             ahead = Carry(lambda: S.worker_plan(self.config, epoch + 1, **place), reader)
         if info is not None:
-            from loader._shards import share_decode_threads
+            from loader.engine.shards import share_decode_threads
 
             share_decode_threads(info[1])  # the workers share the process's cores
         grouped = self.group_workers and info is not None

@@ -91,7 +91,7 @@ def test_measure_codecs_reads_through_the_loader_backend():
 def test_measure_codecs_times_the_direct_reader_only_when_asked(monkeypatch, direct):
     """A remote store's responses are decoded by tensorstore, never by the direct
     shard reader: ``direct=False`` must time that path."""
-    import loader._shards as shards
+    import loader.engine.shards as shards
 
     calls = []
     real = shards.submit_reads

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loader import BlockDataset
-from loader import _buffers as buffers
+from loader.engine import buffers
 
 N = buffers.MIN_BYTES // 4  # float32 values of the smallest pooled array
 

@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from loader.cores import cgroup_cpu_limit, decode_threads, usable_cores
+from loader.engine.cores import cgroup_cpu_limit, decode_threads, usable_cores
 from loader.errors import InputError
 
 V2_SELF = "0::/job/step\n"
@@ -103,8 +103,8 @@ def test_decode_threads_override(monkeypatch):
 
 @pytest.mark.parametrize("given", [None, 5], ids=["decode-threads", "given"])
 def test_tensorstore_copy_threads_follow_the_decode_threads(tmp_path, given):
-    from loader._shards import process_decode_threads
     from loader.backends import TensorstoreBackend
+    from loader.engine.shards import process_decode_threads
 
     backend = TensorstoreBackend(str(tmp_path), data_copy_concurrency=given)
     backend._ensure()  # the context of this process
@@ -116,8 +116,9 @@ CHILD = """
 import json, os, sys, threading
 import numpy as np
 import torch
-from loader import BlockDataset, _buffers, open_layout
-from loader._shards import decode_processes, process_decode_threads
+from loader import BlockDataset, open_layout
+from loader.engine import buffers as _buffers
+from loader.engine.shards import decode_processes, process_decode_threads
 
 _buffers.MIN_BYTES = 0  # every fetch array shared: decode processes, where used, decode all
 

@@ -1,4 +1,4 @@
-"""Decode processes (:mod:`loader._decoders`): a dataset decoding in child processes
+"""Decode processes (:mod:`loader.engine.decoders`): a dataset decoding in child processes
 delivers what one decoding in threads does, every row once and equal to the source;
 a damaged chunk, a failing decoder and a decode process that dies are errors that
 name the problem, and the next read starts a new process; the choice between threads
@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, Job, supported
-from loader.cores import decode_in_processes
+from loader.engine import buffers
+from loader.engine.cores import decode_in_processes
+from loader.engine.decoders import DecodeProcesses, Job, supported
 from loader.errors import InputError, LayoutError, ReadError
 
 pytestmark = pytest.mark.skipif(not supported(), reason="decode processes need Linux")
@@ -190,7 +190,8 @@ DATASET = """
 import json, os, sys
 import numpy as np
 import torch
-from loader import _buffers, _shards, open_layout, BlockDataset
+from loader import open_layout, BlockDataset
+from loader.engine import buffers as _buffers, shards as _shards
 from loader.errors import LayoutError
 
 _buffers.MIN_BYTES = 0  # every fetch array in a shared buffer

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from loader._decoders import supported
+from loader.engine.decoders import supported
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_TIMEOUT = 60  # seconds a scenario may take: generous, a hang is what fails
@@ -35,7 +35,8 @@ pytestmark = pytest.mark.skipif(
 
 RUNNER = """
 import json, os, signal, sys, tempfile, time
-from loader import BlockDataLoader, BlockDataset, _buffers, _shards
+from loader import BlockDataLoader, BlockDataset
+from loader.engine import buffers as _buffers, shards as _shards
 import loader._torch  # torch too, before the children fork
 
 _buffers.MIN_BYTES = 0  # every fetch array from the buffer pool, as a large store's are
@@ -92,7 +93,7 @@ else:
 # ------------------------------------------------------------------- the scenarios
 
 PIDS = """
-from loader._shards import decode_processes
+from loader.engine.shards import decode_processes
 print("decoders", decode_processes().pids() if decode_processes() else [])
 print("spares", _buffers.spare_bytes())
 print("exiting", flush=True)
@@ -144,7 +145,7 @@ EXITS = {
 COUNTS = """
 import gc, threading
 from loader.errors import InputError
-from loader._shards import process_decode_threads
+from loader.engine.shards import process_decode_threads
 gc.freeze()  # the modules' objects: each collection then walks only what came after
 
 def children():
@@ -249,7 +250,7 @@ while True:
     for batch in batches:
         n += 1
         if n == 5:
-            from loader._shards import decode_processes
+            from loader.engine.shards import decode_processes
             print("decoders", decode_processes().pids() if decode_processes() else [])
             print("reading", flush=True)
 """

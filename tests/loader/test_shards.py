@@ -1,4 +1,4 @@
-"""The direct shard reader (:mod:`loader._shards`): equal to zarr-python on every
+"""The direct shard reader (:mod:`loader.engine.shards`): equal to zarr-python on every
 range (across inner-chunk and shard borders, the partial last chunk, absent chunks
 and shards), blosc and uncompressed inner chunks, 1-d and 2-d, as stored or cast to a
 wider dtype while decoding; arrays it cannot read
@@ -17,7 +17,7 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader import _shards
+from loader.engine import shards as _shards
 from loader.errors import LayoutError
 
 BLOSC = zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")

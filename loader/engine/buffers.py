@@ -11,7 +11,7 @@ once the lease is collected (see :class:`_Pool`), so a minibatch that shares a f
 memory keeps that memory out of the pool for as long as it lives.
 
 On Linux the buffers are memory files (``memfd_create``): a decode process
-(:mod:`loader._decoders`) maps the same file and decodes straight into a fetch's array.
+(:mod:`loader.engine.decoders`) maps the same file and decodes straight into a fetch's array.
 :func:`shared` names the file an array lies in.
 """
 
@@ -176,7 +176,8 @@ class _Pool:
     def _janitor(self) -> None:
         """While no loop runs, take back the collected leases' buffers as they come
         (unmapped, as no loop keeps them), and unmap the spares at each
-        :attr:`deadline` that no loop cancelled (a thread)."""
+        :attr:`deadline` that no loop cancelled (a thread).
+        """
         while True:
             self.idle.wait()
             with self.lock:
@@ -205,7 +206,8 @@ _POOL = _Pool()
 
 class SharedBuffer(NamedTuple):
     """Where an array lies in a buffer another process can map: the buffer's number
-    (unique in this process), its memory file and the array's offset in it."""
+    (unique in this process), its memory file and the array's offset in it.
+    """
 
     number: int
     fd: int
@@ -271,7 +273,8 @@ def _close_unmapped() -> None:
 
 def shared(array: np.ndarray) -> SharedBuffer | None:
     """The memory file ``array`` lies in (an array :func:`empty` lent from the pool), or
-    ``None`` (memory of this process only)."""
+    ``None`` (memory of this process only).
+    """
     base: Any = array
     while isinstance(base, np.ndarray):
         base = base.base
@@ -287,7 +290,8 @@ def shared(array: np.ndarray) -> SharedBuffer | None:
 
 def dropped_buffers() -> list[int]:
     """Numbers of the shared buffers unmapped since the last call (so that processes
-    that mapped them unmap them too)."""
+    that mapped them unmap them too).
+    """
     with _unmap_lock:
         _close_unmapped()
         out = []
@@ -322,7 +326,8 @@ def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
 
 def empty(shape: Any, dtype: Any) -> np.ndarray:
     """An uninitialised C-contiguous array, as ``np.empty``; large ones in reused memory
-    while a read loop runs."""
+    while a read loop runs.
+    """
     return _lend(shape, dtype, zero=False)
 
 
@@ -334,7 +339,8 @@ def zeros(shape: Any, dtype: Any) -> np.ndarray:
 @contextmanager
 def reusing() -> Iterator[None]:
     """Reuse large buffers while the block runs (a read loop); the spares go
-    :data:`SPARE_GRACE_S` after the last loop ends."""
+    :data:`SPARE_GRACE_S` after the last loop ends.
+    """
     _POOL.loop(+1)
     try:
         yield
@@ -344,7 +350,8 @@ def reusing() -> Iterator[None]:
 
 def release_spares() -> None:
     """Unmap the unused buffers now (unless a read loop runs): a closed dataset's
-    memory goes back to the system at once rather than after the grace."""
+    memory goes back to the system at once rather than after the grace.
+    """
     _POOL.release()
 
 

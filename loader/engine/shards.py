@@ -11,13 +11,13 @@ this module
 2. turns a fetch's element ranges into runs of inner chunks that sit back to back in
    one shard file (one ``preadv`` per run, at most :data:`RUN_BYTES` bytes);
 3. runs every run as one task on the process's decode threads (one per usable core,
-   :mod:`loader.cores`, shared among DataLoader workers): the
+   :mod:`loader.engine.cores`, shared among DataLoader workers): the
    ``preadv`` and ``numcodecs.blosc.decompress`` (single-threaded blosc context) both
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
    scratch buffer and their part copied. A process that loads on two or more cores
    without DataLoader workers runs the same tasks in decode *processes* instead
-   (:mod:`loader._decoders`), when the output lies in a shared buffer: their Python
+   (:mod:`loader.engine.decoders`), when the output lies in a shared buffer: their Python
    never waits for the GIL of the training loop's process;
 4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
    in one task queued on the decode threads just ahead of the fetch's reads: the
@@ -40,7 +40,7 @@ is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill val
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
-:func:`loader.cores.decode_threads` per process.
+:func:`loader.engine.cores.decode_threads` per process.
 """
 
 from __future__ import annotations
@@ -59,9 +59,9 @@ from typing import Any
 
 import numpy as np
 
-from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, Job, supported
-from loader.cores import decode_in_processes, decode_threads
+from loader.engine import buffers
+from loader.engine.cores import decode_in_processes, decode_threads
+from loader.engine.decoders import DecodeProcesses, Job, supported
 from loader.errors import InputError, LayoutError, too_many_files
 from loader.location import is_url
 
@@ -141,7 +141,8 @@ _DECODABLE = (["bytes"], ["bytes", "blosc"])
 
 def _parse(meta: dict) -> _Meta | None:
     """The parts of a zarr v3 array's metadata the direct path needs, or ``None``
-    (not sharded by rows, or a shard index this module cannot read)."""
+    (not sharded by rows, or a shard index this module cannot read).
+    """
     try:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
             return None
@@ -286,14 +287,16 @@ def missing_chunk(location: str, path: str) -> str | None:
 
 def open_index(location: str, path: str) -> DirectArray | None:
     """A :class:`DirectArray` of a local sharded array used only for
-    :meth:`DirectArray.check_present` (any inner codecs), or ``None``."""
+    :meth:`DirectArray.check_present` (any inner codecs), or ``None``.
+    """
     meta = _open_meta(location, path)
     return None if meta is None else DirectArray(location, path, meta, require_chunks=True)
 
 
 class _Pool:
     """This process's decode threads (created lazily, again after a fork), as many as
-    :func:`loader.cores.decode_threads` gives for the process's share of the cores."""
+    :func:`loader.engine.cores.decode_threads` gives for the process's share of the cores.
+    """
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
@@ -352,7 +355,7 @@ def share_decode_threads(num_workers: int) -> None:
     """Make this process one of ``num_workers`` DataLoader workers sharing the cores.
 
     Called in each worker before its first read: the decode threads it then starts
-    are its share (:func:`loader.cores.decode_threads`), so that the workers together
+    are its share (:func:`loader.engine.cores.decode_threads`), so that the workers together
     use the cores the process may use. The tensorstore backend sizes its copy
     threads from :func:`process_decode_threads` likewise.
     """
@@ -361,13 +364,15 @@ def share_decode_threads(num_workers: int) -> None:
 
 def process_decode_threads() -> int:
     """Decode threads of this process (its share of the cores, see
-    :func:`share_decode_threads`)."""
+    :func:`share_decode_threads`).
+    """
     return _POOL.size()
 
 
 def decode_processes() -> DecodeProcesses | None:
     """This process's decode processes (started on their first task), or ``None`` when
-    it decodes in threads (:func:`loader.cores.decode_in_processes`)."""
+    it decodes in threads (:func:`loader.engine.cores.decode_in_processes`).
+    """
     return _POOL.processes()
 
 
@@ -445,7 +450,8 @@ class DirectArray:
     def close(self) -> None:
         """Close the shard files (at once, or as the reads using them end) and let the
         decode processes drop their copy; reading afterwards is an :class:`InputError`.
-        Idempotent."""
+        Idempotent.
+        """
         with self._lock:
             if self._closed:
                 return
@@ -470,14 +476,16 @@ class DirectArray:
 
     def check_present(self, ranges: np.ndarray) -> None:
         """Raise :class:`LayoutError` naming the first absent inner chunk (or shard)
-        that rows ``ranges`` (``(n, 2)``) touch; reads only shard indexes."""
+        that rows ``ranges`` (``(n, 2)``) touch; reads only shard indexes.
+        """
         chunk = self.first_missing(ranges)
         if chunk is not None:
             raise self._missing(chunk, chunk // self.meta.chunks_per_shard)
 
     def shard_entries(self) -> Iterator[tuple[int, int, np.ndarray]]:
         """``(shard, file size, (n, 2) offset/nbytes of its stored chunks)`` of every
-        shard file that exists (for checks of the whole array)."""
+        shard file that exists (for checks of the whole array).
+        """
         self._check_pid()
         n_shards = -(-self.shape[0] // self.meta.shard_rows)
         for shard in range(n_shards):
@@ -524,7 +532,8 @@ class DirectArray:
 
     def _fd(self, shard: int) -> int | None:
         """The descriptor of ``shard`` (opened on first use), ``None`` if the shard
-        is absent; call with :attr:`_lock` held."""
+        is absent; call with :attr:`_lock` held.
+        """
         if self._closed:
             raise InputError(
                 f"{self._where()}: read after its dataset or reader was closed; "
@@ -550,7 +559,8 @@ class DirectArray:
     def _file(self, shard: int) -> Iterator[int | None]:
         """``shard``'s descriptor, kept open until the block ends even if
         :meth:`close` is called meanwhile (it is never closed under a read, whose
-        number another open could then reuse)."""
+        number another open could then reuse).
+        """
         with self._lock:
             fd = self._fd(shard)
             self._users += 1
@@ -609,7 +619,8 @@ class DirectArray:
         self, ranges: np.ndarray, dtype: Any = None
     ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
         """The output array, decode tasks and announcements of reading ``ranges``, or
-        the finished array (small arrays)."""
+        the finished array (small arrays).
+        """
         self._check_pid()
         if self._small:
             whole = self._read_whole()
@@ -635,7 +646,8 @@ class DirectArray:
 
     def _tasks(self, ranges: np.ndarray) -> list[tuple]:
         """Runs of inner chunks to read and decode: ``(shard, file offset, length,
-        [(chunk offset in run, nbytes, chunk id, [(lo, hi, dest row)])])``."""
+        [(chunk offset in run, nbytes, chunk id, [(lo, hi, dest row)])])``.
+        """
         m = self.meta
         C = m.chunk_rows
         per_shard = m.chunks_per_shard
@@ -688,7 +700,8 @@ class DirectArray:
     def announce(self, runs: list[tuple[int, int, int]]) -> None:
         """``posix_fadvise(WILLNEED)`` every ``(shard, offset, length)``: the kernel
         starts reading them. A hint, so an OS error (a filesystem that refuses it) is
-        ignored."""
+        ignored.
+        """
         self._check_pid()
         for shard, start, length in runs:
             with self._file(shard) as fd:
@@ -701,14 +714,16 @@ class DirectArray:
 
     def run_tasks(self, out: np.ndarray, tasks: list[tuple]) -> None:
         """Read and decode ``tasks`` into ``out`` (a decode process's share of a fetch,
-        :mod:`loader._decoders`)."""
+        :mod:`loader.engine.decoders`).
+        """
         self._check_pid()
         for task in tasks:
             self._run(out, task)
 
     def _run(self, out: np.ndarray, task: tuple) -> None:
         """Read one run and decode its chunks into ``out`` (a decode thread), cast to
-        ``out``'s dtype if it is not the stored one."""
+        ``out``'s dtype if it is not the stored one.
+        """
         m = self.meta
         C = m.chunk_rows
         row_bytes = m.row_bytes
@@ -825,7 +840,8 @@ def submit_reads(
 
 def _close_fds(fds: dict[int, int | None]) -> None:
     """Close every descriptor of ``fds`` and empty it (also a finalizer: no thread,
-    no lock)."""
+    no lock).
+    """
     while fds:
         _, fd = fds.popitem()
         if fd is not None:
@@ -835,7 +851,8 @@ def _close_fds(fds: dict[int, int | None]) -> None:
 
 def _forget_in_processes(array: DirectArray) -> None:
     """Have this process's decode processes drop their copy of ``array`` (and its
-    files) now, if they were started."""
+    files) now, if they were started.
+    """
     processes = _POOL.started_processes()
     if processes is not None:
         processes.forget(array)
@@ -855,7 +872,8 @@ def _crc32c(data: Any) -> int:
 
 def _check_crc32c(raw: bytes, what: str) -> None:
     """Raise :class:`LayoutError` unless the last 4 bytes of ``raw`` are the
-    little-endian crc32c of the rest (zarr v3's ``crc32c`` codec)."""
+    little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
+    """
     stored = int.from_bytes(raw[-4:], "little")
     if len(raw) < 4 or _crc32c(raw[:-4]) != stored:
         raise LayoutError(
