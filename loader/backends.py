@@ -14,7 +14,8 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
     convert`` writes with the blosc codecs or none) are read by :mod:`loader.engine.shards`:
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
     kernel at submit, decoded by blosc in the process's decode threads (one per
-    usable core, shared among DataLoader workers: :mod:`loader.engine.cores`) straight into
+    usable core, shared among DataLoader workers: the backend's
+    :class:`~loader.engine.engine.Engine`, option ``engine=EngineConfig(...)``) straight into
     the output array (``direct=False`` turns this off). Everything else (HTTP, other
     codecs) goes through tensorstore's ``zarr3`` driver: each key is one read of a
     ``ts.concat`` of the ranges, so tensorstore fetches every inner chunk
@@ -46,6 +47,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from loader.argtypes import typechecked
+from loader.engine.config import EngineConfig
+from loader.engine.engine import Engine
 from loader.errors import InputError, LayoutError, ReadError
 from loader.location import (
     http_range_error,
@@ -166,7 +169,7 @@ class TensorstoreSettings:
     the backend sets both unless the environment already does."""
     DATA_COPY_CONCURRENCY = None
     """Decode/copy threads; ``None``: the process's decode threads
-    (:func:`loader.engine.shards.process_decode_threads`: its share of the usable cores, the
+    (:meth:`loader.engine.engine.Engine.decode_threads`: its share of the usable cores, the
     same count as the direct reader's; docs/scaling.md)."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
@@ -290,10 +293,13 @@ class TensorstoreBackend:
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
         http_timeout: float = TensorstoreSettings.HTTP_TIMEOUT,
         require_chunks: bool = False,
+        engine: EngineConfig | None = None,
         **_: Any,
     ) -> None:
         self.location = location
         self.require_chunks = bool(require_chunks)
+        # the decoders of direct reads (and the size of tensorstore's copy threads)
+        self.engine = Engine(engine)
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self._timeout = check_timeout(http_timeout) if is_url(location) else None
@@ -316,10 +322,8 @@ class TensorstoreBackend:
         if self._pid != os.getpid():
             import tensorstore as ts
 
-            from loader.engine.shards import process_decode_threads
-
             o = self.options
-            copy_threads = o["data_copy_concurrency"] or process_decode_threads()
+            copy_threads = o["data_copy_concurrency"] or self.engine.decode_threads()
             self._context = ts.Context(
                 {
                     "cache_pool": {"total_bytes_limit": int(o["cache_bytes"])},
@@ -380,11 +384,17 @@ class TensorstoreBackend:
         return self._direct[path]
 
     def close(self) -> None:
-        """Close the direct arrays' shard files and drop tensorstore's handles."""
+        """Close the direct arrays' shard files and drop tensorstore's handles.
+
+        The decode processes drop their copies of the arrays, and the engine gives its
+        decoders back.
+        """
         direct, self._direct = self._direct, {}
         for array in direct.values():
             if array is not None:
                 array.close()
+                self.engine.forget(array)
+        self.engine.close()
         self._arrays, self._context, self._pid = {}, None, -1
 
     def submit(self, request: Request) -> PendingReads:
@@ -413,7 +423,8 @@ class TensorstoreBackend:
             from loader.engine.shards import submit_reads
 
             got = submit_reads(
-                [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items]
+                [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items],
+                self.engine,
             )
             for (key, _, _), g in zip(direct_items, got, strict=True):
                 if isinstance(g, np.ndarray):

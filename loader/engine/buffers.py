@@ -7,12 +7,16 @@ already dropped instead.
 
 A buffer is reused only when no array refers to it any more: each one is lent as an
 array (the *lease*) whose views all refer to it, and the memory goes back to the pool
-once the lease is collected (see :class:`_Pool`), so a minibatch that shares a fetch's
-memory keeps that memory out of the pool for as long as it lives.
+once the lease is collected (see :class:`BufferPool`), so a minibatch that shares a
+fetch's memory keeps that memory out of the pool for as long as it lives.
 
 On Linux the buffers are memory files (``memfd_create``): a decode process
-(:mod:`loader.engine.decoders`) maps the same file and decodes straight into a fetch's array.
-:func:`shared` names the file an array lies in.
+(:mod:`loader.engine.decoders`) maps the same file and decodes straight into a
+fetch's array. :func:`shared` names the file an array lies in.
+
+The pool is one object per process (:func:`pool`), made on first use, with its
+state behind its locks; a forked child makes its own on first use (an at-fork hook,
+registered when the first pool is made, drops the parent's).
 """
 
 from __future__ import annotations
@@ -36,9 +40,11 @@ __all__ = [
     "MIN_BYTES",
     "SPARE_BYTES",
     "SPARE_GRACE_S",
+    "BufferPool",
     "SharedBuffer",
     "dropped_buffers",
     "empty",
+    "pool",
     "release_spares",
     "reusing",
     "shared",
@@ -60,23 +66,36 @@ fit the buffers of earlier ones."""
 _PAGE = 2 << 20
 
 
-class _Pool:
-    """Spare buffers, and one janitor thread that takes back the buffers of collected
-    leases and unmaps the spares once no read loop has run for :data:`SPARE_GRACE_S`.
+class SharedBuffer(NamedTuple):
+    """Where an array lies in a buffer another process can map.
 
-    Why one long-lived janitor: a loop ends in a generator's clean-up, which can run in
-    a finalizer or at interpreter shutdown, where starting a thread waits forever
-    (a thread cannot begin once the interpreter finalizes). The janitor is started by
-    the first loop to begin (always a caller's own thread, in this process); a loop's
-    end only wakes it. It is a daemon: at exit it is simply stopped, and a loop that
-    ends while the interpreter finalizes drops the spares itself.
+    The buffer's number (unique in this process), its memory file and the array's
+    offset in it.
+    """
 
-    A lease's return runs no Python code when the lease is collected: its weak
-    reference's callback is the C ``put`` of :attr:`returns`. While a loop runs, the
-    loop's own calls (the next :meth:`take`, its end) give the buffers back; when none
-    runs, the janitor does. Python code run by a collection in the training loop's
-    thread would swallow a Ctrl-C that arrived meanwhile ("Exception ignored in
-    finalize"), and the epoch would go on.
+    number: int
+    fd: int
+    offset: int
+
+
+class BufferPool:
+    """The fetch buffers of a process: the spares, the lent ones and their memory files.
+
+    One janitor thread takes back the buffers of collected leases and unmaps the
+    spares once no read loop has run for :data:`SPARE_GRACE_S`. Why one long-lived
+    janitor: a loop ends in a generator's clean-up, which can run in a finalizer or at
+    interpreter shutdown, where starting a thread waits forever (a thread cannot begin
+    once the interpreter finalizes). The janitor is started by the first loop to begin
+    (always a caller's own thread, in this process); a loop's end only wakes it. It is
+    a daemon: at exit it is simply stopped, and a loop that ends while the interpreter
+    finalizes drops the spares itself.
+
+    No Python code runs when a lease or a buffer is collected: their weak references'
+    callbacks are the C ``put`` of a queue (:attr:`returns`, :attr:`unmaps`). While a
+    loop runs, the loop's own calls (the next :meth:`take`, its end) give the buffers
+    back; when none runs, the janitor does. Python code run by a collection in the
+    training loop's thread would swallow a Ctrl-C that arrived meanwhile ("Exception
+    ignored in finalize"), and the epoch would go on.
     """
 
     def __init__(self) -> None:
@@ -91,13 +110,34 @@ class _Pool:
         self.returns: queue.SimpleQueue = queue.SimpleQueue()  # collected leases' refs
         # lent buffers, by the id of their lease's weak reference (kept here too)
         self.leases: dict[int, tuple[weakref.ref, mmap.mmap]] = {}
+        # memory files: the two locks below guard the fields after each
+        self.numbers = itertools.count(1)
+        self.files_lock = threading.Lock()
+        self.files: dict[int, tuple[int, int]] = {}  # id(mmap) -> (number, fd), while mapped
+        self.mapped: dict[int, tuple] = {}  # id(weak ref) -> (ref, id(mmap), number, fd)
+        self.named: set[int] = set()  # numbers shared() has named: another process may map
+        self.unmap_lock = threading.RLock()  # closing unmapped buffers' files, reporting them
+        self.dropped: list[int] = []  # named ones unmapped since dropped() was asked
+        self.unmaps: queue.SimpleQueue = queue.SimpleQueue()  # weak refs of unmapped buffers
 
+    def forked(self) -> BufferPool:
+        """Return a fresh pool for a forked child that still closes the inherited files.
+
+        The parent's buffers are not the child's to share or lend, but a mapping the
+        child inherited closes its inherited descriptor once the child unmaps it.
+        """
+        fresh = BufferPool()
+        fresh.unmaps, fresh.mapped = self.unmaps, self.mapped
+        return fresh
+
+    # -- lending
     def lend(self, nbytes: int) -> tuple[np.ndarray, bool]:
-        """A lease of at least ``nbytes`` (uint8) and whether its buffer is new."""
+        """Return a lease of at least ``nbytes`` (uint8) and whether its buffer is new."""
         buf, fresh = self.take(nbytes)
         lease = np.frombuffer(buf, dtype=np.uint8)
         ref = weakref.ref(lease, self.returns.put)
-        self.leases[id(ref)] = (ref, buf)
+        with self.lock:
+            self.leases[id(ref)] = (ref, buf)
         return lease, fresh
 
     def collect(self) -> None:
@@ -109,16 +149,17 @@ class _Pool:
             except queue.Empty:
                 break
             woken = woken or ref is None
-            entry = self.leases.pop(id(ref), None) if ref is not None else None
+            with self.lock:
+                entry = self.leases.pop(id(ref), None) if ref is not None else None
             if entry is not None:
                 self.give(entry[1])
             del entry
         if woken:  # the janitor's wake-up (a loop's end) is the janitor's
             self.returns.put(None)
-        _close_unmapped()
+        self.close_unmapped()
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
-        """The smallest spare buffer of ``nbytes`` to twice that, or a new one (``True``)."""
+        """Return the smallest spare of ``nbytes`` to twice that, or a new one (``True``)."""
         self.collect()
         with self.lock:
             fits = [m for m in self.spare if nbytes <= len(m) <= 2 * nbytes + _PAGE]
@@ -127,7 +168,7 @@ class _Pool:
                 self.spare.remove(best)
                 return best, False
         size = -(-(nbytes + nbytes // _SLACK) // _PAGE) * _PAGE
-        return _new_buffer(size), True
+        return self.new_buffer(size), True
 
     def give(self, buf: mmap.mmap) -> None:
         """Keep ``buf`` for reuse, dropping the largest spares past :data:`SPARE_BYTES`."""
@@ -139,8 +180,18 @@ class _Pool:
             while sum(len(m) for m in self.spare) > SPARE_BYTES:
                 self.spare.pop()
 
+    def spare_bytes(self) -> int:
+        """Return the bytes of unused buffers kept for reuse."""
+        self.collect()
+        with self.lock:
+            return sum(len(m) for m in self.spare)
+
+    # -- read loops and the janitor
     def loop(self, step: int) -> None:
-        """A read loop begins (``+1``) or ends (``-1``); never starts a thread on an end."""
+        """Count a read loop that begins (``+1``) or ends (``-1``).
+
+        Never starts a thread on an end.
+        """
         self.collect()  # leases dropped during the loop: its spares
         dropped = None
         with self.lock:
@@ -160,7 +211,7 @@ class _Pool:
                 self.deadline = time.monotonic() + SPARE_GRACE_S
                 self.returns.put(None)  # wakes the janitor
         del dropped  # unmapped here, outside the lock
-        _close_unmapped()
+        self.close_unmapped()
 
     def release(self) -> None:
         """Unmap the spares now, unless a read loop runs."""
@@ -171,12 +222,13 @@ class _Pool:
             dropped, self.spare = self.spare, []
             self.deadline = None
         del dropped
-        _close_unmapped()
+        self.close_unmapped()
 
     def _janitor(self) -> None:
-        """While no loop runs, take back the collected leases' buffers as they come
-        (unmapped, as no loop keeps them), and unmap the spares at each
-        :attr:`deadline` that no loop cancelled (a thread).
+        """Take back collected leases while no loop runs, and drop the spares on time.
+
+        Buffers taken back are unmapped (no loop keeps them); the spares are unmapped
+        at each :attr:`deadline` that no loop cancelled (a thread).
         """
         while True:
             self.idle.wait()
@@ -198,126 +250,143 @@ class _Pool:
                     dropped, self.spare = self.spare, []
                     self.deadline = None
             del entry, dropped  # unmapped here, outside the lock
-            _close_unmapped()
+            self.close_unmapped()
 
+    # -- memory files
+    def new_buffer(self, size: int) -> mmap.mmap:
+        """Return a zeroed shared mapping of ``size`` bytes.
 
-_POOL = _Pool()
-
-
-class SharedBuffer(NamedTuple):
-    """Where an array lies in a buffer another process can map: the buffer's number
-    (unique in this process), its memory file and the array's offset in it.
-    """
-
-    number: int
-    fd: int
-    offset: int
-
-
-_numbers = itertools.count(1)
-_files: dict[int, tuple[int, int]] = {}  # id(mmap) -> (number, fd), while it is mapped
-_named: set[int] = set()  # numbers shared() has named: another process may map them
-_dropped: list[int] = []  # those of them unmapped since dropped_buffers() was asked
-_unmaps: queue.SimpleQueue = queue.SimpleQueue()  # weak references of unmapped buffers
-_mapped: dict[int, tuple] = {}  # id(weak ref) -> (ref, id(mmap), number, fd), while mapped
-_files_lock = threading.Lock()  # _files and _mapped change together
-_unmap_lock = threading.RLock()  # closing unmapped buffers' files, and reporting them
-
-
-def _new_buffer(size: int) -> mmap.mmap:
-    """A zeroed shared mapping of ``size`` bytes, a memory file where the OS has them."""
-    if not hasattr(os, "memfd_create"):
-        return mmap.mmap(-1, size)
-    fd = os.memfd_create("sclayout-fetch", os.MFD_CLOEXEC)
-    try:
-        os.ftruncate(fd, size)
-        buf = mmap.mmap(fd, size)
-    except BaseException:
-        os.close(fd)
-        raise
-    number = next(_numbers)
-    ref = weakref.ref(buf, _unmaps.put)  # C code only when collected (see _close_unmapped)
-    with _files_lock:
-        _files[id(buf)] = (number, fd)
-        _mapped[id(ref)] = (ref, id(buf), number, fd)
-    return buf
-
-
-def _close_unmapped() -> None:
-    """Close the memory files of the buffers unmapped since the last call.
-
-    An unmapped buffer's weak reference lands in a queue (a C ``put``, no Python code)
-    rather than running a finalizer: a finalizer that runs in the training loop's thread
-    when a buffer is collected would swallow a Ctrl-C arriving meanwhile ("Exception
-    ignored in finalize"), and the loop would go on. The pool calls this from its own
-    calls and its janitor, and :func:`dropped_buffers` before it answers.
-    """
-    with _unmap_lock:  # dropped_buffers() sees every number this call reports
-        while True:
-            try:
-                ref = _unmaps.get_nowait()
-            except queue.Empty:
-                return
-            with _files_lock:
-                entry = _mapped.pop(id(ref), None)
-                if entry is None:
-                    continue
-                _, key, number, fd = entry
-                if _files.get(key) == (number, fd):  # not a newer buffer at the same address
-                    del _files[key]
+        A memory file where the OS has them, so that decode processes can map it.
+        """
+        if not hasattr(os, "memfd_create"):
+            return mmap.mmap(-1, size)
+        fd = os.memfd_create("sclayout-fetch", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, size)
+            buf = mmap.mmap(fd, size)
+        except BaseException:
             os.close(fd)
-            if number in _named:
-                _named.discard(number)
-                _dropped.append(number)
+            raise
+        number = next(self.numbers)
+        ref = weakref.ref(buf, self.unmaps.put)  # C code only when collected
+        with self.files_lock:
+            self.files[id(buf)] = (number, fd)
+            self.mapped[id(ref)] = (ref, id(buf), number, fd)
+        return buf
+
+    def close_unmapped(self) -> None:
+        """Close the memory files of the buffers unmapped since the last call.
+
+        An unmapped buffer's weak reference lands in :attr:`unmaps` (see the class
+        docstring); the pool's own calls and its janitor come here, and so does
+        :meth:`dropped_buffers` before it answers.
+        """
+        with self.unmap_lock:  # dropped_buffers() sees every number this call reports
+            while True:
+                try:
+                    ref = self.unmaps.get_nowait()
+                except queue.Empty:
+                    return
+                with self.files_lock:
+                    entry = self.mapped.pop(id(ref), None)
+                    if entry is None:
+                        continue
+                    _, key, number, fd = entry
+                    if self.files.get(key) == (number, fd):  # not a newer one at its address
+                        del self.files[key]
+                    named = number in self.named
+                    self.named.discard(number)
+                os.close(fd)
+                if named:
+                    self.dropped.append(number)
+
+    def shared(self, array: np.ndarray) -> SharedBuffer | None:
+        """Return the memory file ``array`` lies in, or ``None`` (not a lent buffer)."""
+        base: Any = array
+        while isinstance(base, np.ndarray):
+            base = base.base
+        if isinstance(base, memoryview):  # np.frombuffer's view of the mapping
+            base = base.obj
+        if not isinstance(base, mmap.mmap):
+            return None
+        with self.files_lock:
+            found = self.files.get(id(base))
+            if found is None:
+                return None
+            self.named.add(found[0])
+        start = np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
+        return SharedBuffer(found[0], found[1], array.ctypes.data - start)
+
+    def dropped_buffers(self) -> list[int]:
+        """Return the numbers of the shared buffers unmapped since the last call."""
+        with self.unmap_lock:
+            self.close_unmapped()
+            out, self.dropped = self.dropped, []
+        return out
+
+
+_POOL: BufferPool | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def pool() -> BufferPool:
+    """Return this process's buffer pool, made on first use."""
+    found = _POOL
+    if found is None:
+        found = _make_pool()
+    return found
+
+
+def _make_pool() -> BufferPool:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = BufferPool()
+            _at_fork_once()
+        return _POOL
+
+
+_FORK_HOOK: list[bool] = []
+
+
+def _at_fork_once() -> None:
+    """Register the at-fork hook with the first pool (call with ``_POOL_LOCK`` held)."""
+    if not _FORK_HOOK:
+        os.register_at_fork(after_in_child=_after_fork)
+        _FORK_HOOK.append(True)
+
+
+def _after_fork() -> None:
+    global _POOL, _POOL_LOCK
+    _POOL_LOCK = threading.Lock()  # a thread of the parent may have held it
+    if _POOL is not None:
+        _POOL = _POOL.forked()
 
 
 def shared(array: np.ndarray) -> SharedBuffer | None:
-    """The memory file ``array`` lies in (an array :func:`empty` lent from the pool), or
-    ``None`` (memory of this process only).
+    """Return the memory file ``array`` lies in, or ``None``.
+
+    ``None``: memory of this process only (not an array :func:`empty` lent).
     """
-    base: Any = array
-    while isinstance(base, np.ndarray):
-        base = base.base
-    if isinstance(base, memoryview):  # np.frombuffer's view of the mapping
-        base = base.obj
-    found = _files.get(id(base)) if isinstance(base, mmap.mmap) else None
-    if found is None:
-        return None
-    start = np.frombuffer(base, dtype=np.uint8, count=1).ctypes.data
-    _named.add(found[0])
-    return SharedBuffer(found[0], found[1], array.ctypes.data - start)
+    return pool().shared(array)
 
 
 def dropped_buffers() -> list[int]:
-    """Numbers of the shared buffers unmapped since the last call (so that processes
-    that mapped them unmap them too).
+    """Return the numbers of the shared buffers unmapped since the last call.
+
+    Processes that mapped them unmap them too.
     """
-    with _unmap_lock:
-        _close_unmapped()
-        out = []
-        while _dropped:
-            out.append(_dropped.pop())
-    return out
-
-
-def _reset_after_fork() -> None:
-    global _POOL
-    _POOL = _Pool()
-    _files.clear()  # the parent's buffers: not this process's to share
-    _named.clear()
-    _dropped.clear()  # (an inherited mapping still closes its inherited descriptor)
-
-
-os.register_at_fork(after_in_child=_reset_after_fork)
+    return pool().dropped_buffers()
 
 
 def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, tuple | list) else (shape,)))
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MIN_BYTES or not _POOL.loops:
+    lender = pool()
+    if nbytes < MIN_BYTES or not lender.loops:
         return (np.zeros if zero else np.empty)(shape, dtype=dtype)
-    lease, fresh = _POOL.lend(nbytes)
+    lease, fresh = lender.lend(nbytes)
     out = lease[:nbytes]
     if zero and not fresh:  # a new mapping is zero already
         out.fill(0)
@@ -325,38 +394,42 @@ def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
 
 
 def empty(shape: Any, dtype: Any) -> np.ndarray:
-    """An uninitialised C-contiguous array, as ``np.empty``; large ones in reused memory
-    while a read loop runs.
+    """Return an uninitialised C-contiguous array, as ``np.empty``.
+
+    Large ones lie in reused memory while a read loop runs.
     """
     return _lend(shape, dtype, zero=False)
 
 
 def zeros(shape: Any, dtype: Any) -> np.ndarray:
-    """A zeroed C-contiguous array, as ``np.zeros``; large ones as :func:`empty`."""
+    """Return a zeroed C-contiguous array, as ``np.zeros``; large ones as :func:`empty`."""
     return _lend(shape, dtype, zero=True)
 
 
 @contextmanager
 def reusing() -> Iterator[None]:
-    """Reuse large buffers while the block runs (a read loop); the spares go
-    :data:`SPARE_GRACE_S` after the last loop ends.
+    """Reuse large buffers while the block runs (a read loop).
+
+    The spares go :data:`SPARE_GRACE_S` after the last loop ends.
     """
-    _POOL.loop(+1)
+    lender = pool()
+    lender.loop(+1)
     try:
         yield
     finally:
-        _POOL.loop(-1)
+        lender.loop(-1)
 
 
 def release_spares() -> None:
-    """Unmap the unused buffers now (unless a read loop runs): a closed dataset's
-    memory goes back to the system at once rather than after the grace.
+    """Unmap the unused buffers now (unless a read loop runs).
+
+    A closed dataset's memory goes back to the system at once rather than after the
+    grace.
     """
-    _POOL.release()
+    if _POOL is not None:
+        _POOL.release()
 
 
 def spare_bytes() -> int:
-    """Bytes of unused buffers this process keeps for reuse."""
-    _POOL.collect()
-    with _POOL.lock:
-        return sum(len(m) for m in _POOL.spare)
+    """Return the bytes of unused buffers this process keeps for reuse."""
+    return pool().spare_bytes()

@@ -1,22 +1,16 @@
-"""How many cores this process may use, and how many decode threads follow from that.
+"""How many cores this process may use, and how many decoders follow from that.
+
+Pure policy: the machine's affinity and cgroup quota, no environment variables.
 
 Thread counts come from the machine the loader runs on, not from constants: the CPU
 affinity of the process (``taskset``, a batch scheduler's CPU set) and the cgroup CPU
 quota of its container (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``),
 the smaller of the two, shared by the training processes a launcher started on the
-node (``LOCAL_WORLD_SIZE``) unless it pinned each to CPUs of its own. DataLoader workers
-split those cores between them; the main process keeps one for what stays there
-(densifying the rows workers hand over).
-
-Environment overrides (docs/scaling.md), read when a process starts its decode threads:
-
-``SCLAYOUT_CORES``
-    the cores to plan for, instead of affinity and quota;
-``SCLAYOUT_DECODE_THREADS``
-    decode threads per process (main or worker), instead of the split of the cores;
-``SCLAYOUT_DECODE``
-    ``threads`` or ``processes``: where a process decodes, instead of the default
-    (decode processes when loading without DataLoader workers on two or more cores).
+node unless it pinned each to CPUs of its own. DataLoader workers split those cores
+between them; the main process keeps one for what stays there (densifying the rows
+workers hand over). The overrides (``SCLAYOUT_CORES``, ``SCLAYOUT_DECODE_THREADS``,
+``SCLAYOUT_DECODE``, the launcher's ``LOCAL_WORLD_SIZE``) are read in one place,
+:meth:`loader.engine.config.EngineConfig.resolved`.
 """
 
 from __future__ import annotations
@@ -25,35 +19,14 @@ import math
 import os
 from pathlib import Path
 
-from loader.errors import InputError
-
 __all__ = [
     "cgroup_cpu_limit",
-    "decode_in_processes",
-    "decode_threads",
+    "machine_cores",
+    "prefer_processes",
     "split_cores",
-    "usable_cores",
 ]
 
-CORES_ENV = "SCLAYOUT_CORES"
-THREADS_ENV = "SCLAYOUT_DECODE_THREADS"
-DECODE_ENV = "SCLAYOUT_DECODE"
-LOCAL_WORLD_ENV = "LOCAL_WORLD_SIZE"
 CGROUP_ROOT = "/sys/fs/cgroup"
-
-
-def _env_count(name: str) -> int | None:
-    """Return the whole number >= 1 in environment variable ``name`` (``None``: unset)."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise InputError(f"{name}={raw!r}: set it to a whole number >= 1, or unset it")
-    return value
 
 
 def _read(path: Path) -> str | None:
@@ -119,20 +92,20 @@ def cgroup_cpu_limit(
     return min(limits) if limits else None
 
 
-def usable_cores(
-    *, cgroup_root: str | Path = CGROUP_ROOT, proc_cgroup: str | Path = "/proc/self/cgroup"
+def machine_cores(
+    local_world_size: int = 1,
+    *,
+    cgroup_root: str | Path = CGROUP_ROOT,
+    proc_cgroup: str | Path = "/proc/self/cgroup",
 ) -> int:
     """Return the cores this process may use, at least 1.
 
-    ``SCLAYOUT_CORES`` if set, else the smaller of its CPU affinity and its cgroup CPU
-    quota (rounded up: a quota of 1.5 cores lets two threads run part of the time).
-    Under a launcher that starts several training processes on the node (``torchrun``
-    sets ``LOCAL_WORLD_SIZE``) and has not pinned each to CPUs of its own (the
-    affinity is every CPU), each process takes an equal share.
+    The smaller of its CPU affinity and its cgroup CPU quota (rounded up: a quota of
+    1.5 cores lets two threads run part of the time). When a launcher started
+    ``local_world_size`` training processes on the node (``torchrun`` sets
+    ``LOCAL_WORLD_SIZE``) and has not pinned each to CPUs of its own (the affinity is
+    every CPU), each process takes an equal share.
     """
-    override = _env_count(CORES_ENV)
-    if override is not None:
-        return override
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -141,21 +114,9 @@ def usable_cores(
     quota = cgroup_cpu_limit(cgroup_root, proc_cgroup)
     if quota is not None:
         cores = min(cores, math.ceil(quota - 1e-9))
-    local = _local_world_size()
-    if unpinned and local > 1:
-        cores //= local
+    if unpinned and local_world_size > 1:
+        cores //= local_world_size
     return max(1, cores)
-
-
-def _local_world_size() -> int:
-    """Training processes on this node, by the launcher's ``LOCAL_WORLD_SIZE``.
-
-    1 when unset or not a whole number: a launcher's variable, not the user's to fix.
-    """
-    try:
-        return max(1, int(os.environ.get(LOCAL_WORLD_ENV, "1")))
-    except ValueError:
-        return 1
 
 
 def split_cores(cores: int, num_workers: int = 0) -> int:
@@ -172,32 +133,12 @@ def split_cores(cores: int, num_workers: int = 0) -> int:
     return max(1, (n - 1) // workers)
 
 
-def decode_threads(num_workers: int = 0, cores: int | None = None) -> int:
-    """Return the decode threads this process uses.
+def prefer_processes(num_workers: int, threads: int) -> bool:
+    """Whether a process decodes in child processes rather than in threads, by default.
 
-    ``SCLAYOUT_DECODE_THREADS`` if set, else :func:`split_cores` of ``cores`` (default
-    :func:`usable_cores`).
+    Yes when it loads in the main process (``num_workers`` 0) with two or more
+    decoders: a decode thread waits for the GIL after each C call while the training
+    loop runs Python, a process does not (docs/design.md, "Decode processes").
+    DataLoader workers are processes already.
     """
-    override = _env_count(THREADS_ENV)
-    if override is not None:
-        return override
-    return split_cores(usable_cores() if cores is None else cores, num_workers)
-
-
-def decode_in_processes(num_workers: int = 0, cores: int | None = None) -> bool:
-    """Whether this process decodes in child processes rather than in threads.
-
-    ``SCLAYOUT_DECODE`` (``threads`` or ``processes``) if set; else yes when it loads
-    in the main process (``num_workers`` 0) with two or more decode threads' worth of
-    cores: a decode thread waits for the GIL after each C call while the training loop
-    runs Python, a process does not (docs/design.md, "Decode processes"). DataLoader
-    workers are processes already.
-    """
-    raw = os.environ.get(DECODE_ENV, "").strip().lower()
-    if raw == "threads":
-        return False
-    if raw == "processes":
-        return True
-    if raw:
-        raise InputError(f"{DECODE_ENV}={raw!r}: set it to 'threads' or 'processes', or unset it")
-    return int(num_workers) == 0 and decode_threads(0, cores) >= 2
+    return int(num_workers) == 0 and int(threads) >= 2

@@ -1,5 +1,5 @@
 """Direct reads of sharded zarr v3 arrays: byte ranges of whole inner chunks, decoded
-by blosc in the reader's own decode threads.
+by blosc on the decoders of the reader's engine (:mod:`loader.engine.engine`).
 
 tensorstore decodes every inner chunk on its own path (a read, a decode into a chunk
 buffer, a copy into the output), which costs noticeably more CPU per cell than blosc's
@@ -10,8 +10,8 @@ this module
 1. reads each shard's index once (then keeps it: 16 bytes per inner chunk);
 2. turns a fetch's element ranges into runs of inner chunks that sit back to back in
    one shard file (one ``preadv`` per run, at most :data:`RUN_BYTES` bytes);
-3. runs every run as one task on the process's decode threads (one per usable core,
-   :mod:`loader.engine.cores`, shared among DataLoader workers): the
+3. runs every run as one task on the engine's decode threads (one per usable core,
+   :mod:`loader.engine.config`, shared among DataLoader workers): the
    ``preadv`` and ``numcodecs.blosc.decompress`` (single-threaded blosc context) both
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
@@ -40,7 +40,7 @@ is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill val
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
-:func:`loader.engine.cores.decode_threads` per process.
+:func:`loader.engine.config.decode_threads` per process.
 """
 
 from __future__ import annotations
@@ -55,27 +55,27 @@ import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from loader.engine import buffers
-from loader.engine.cores import decode_in_processes, decode_threads
-from loader.engine.decoders import DecodeProcesses, Job, supported
+from loader.engine.decoders import Job
 from loader.errors import InputError, LayoutError, too_many_files
 from loader.location import is_url
+
+if TYPE_CHECKING:
+    from loader.engine.engine import Engine
 
 __all__ = [
     "ROW_TABLE_BYTES",
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
-    "decode_processes",
     "missing_chunk",
     "open_direct",
     "open_index",
-    "process_decode_threads",
-    "share_decode_threads",
+    "submit_reads",
 ]
 
 RUN_BYTES = 1 << 20
@@ -293,89 +293,6 @@ def open_index(location: str, path: str) -> DirectArray | None:
     return None if meta is None else DirectArray(location, path, meta, require_chunks=True)
 
 
-class _Pool:
-    """This process's decode threads (created lazily, again after a fork), as many as
-    :func:`loader.engine.cores.decode_threads` gives for the process's share of the cores.
-    """
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._processes: DecodeProcesses | None = None
-        self._size = 0
-        self._pid = -1
-        self._lock = threading.Lock()
-        self.workers = 0  # DataLoader workers sharing the cores (set in each worker)
-
-    def size(self) -> int:
-        """Threads the pool has (or will have when first used) in this process."""
-        return self._size if self._pid == os.getpid() else decode_threads(self.workers)
-
-    def get(self) -> ThreadPoolExecutor:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._size = decode_threads(self.workers)
-                    self._processes = None
-                    if supported() and decode_in_processes(self.workers):
-                        self._processes = DecodeProcesses(self._size)
-                    # with decode processes too: they take the arrays in shared buffers,
-                    # the threads those too small to share (a small fetch's)
-                    self._pool = ThreadPoolExecutor(
-                        self._size, thread_name_prefix="sclayout-decode"
-                    )
-                    self._lock = threading.Lock()
-                    self._pid = os.getpid()
-        assert self._pool is not None
-        return self._pool
-
-    def processes(self) -> DecodeProcesses | None:
-        """This process's decode processes, or ``None`` (it decodes in threads)."""
-        self.get()
-        return self._processes
-
-    def started_processes(self) -> DecodeProcesses | None:
-        """This process's decode processes if it made them already (never makes them)."""
-        return self._processes if self._pid == os.getpid() else None
-
-    def share(self, num_workers: int) -> None:
-        self.workers = max(0, int(num_workers))
-        if self._pid == os.getpid() and self._size != decode_threads(self.workers):
-            # started before the share was known: let its threads finish, start anew
-            assert self._pool is not None
-            self._pool.shutdown(wait=False)
-            if self._processes is not None:
-                self._processes.close()
-            self._pid = -1
-
-
-_POOL = _Pool()
-
-
-def share_decode_threads(num_workers: int) -> None:
-    """Make this process one of ``num_workers`` DataLoader workers sharing the cores.
-
-    Called in each worker before its first read: the decode threads it then starts
-    are its share (:func:`loader.engine.cores.decode_threads`), so that the workers together
-    use the cores the process may use. The tensorstore backend sizes its copy
-    threads from :func:`process_decode_threads` likewise.
-    """
-    _POOL.share(num_workers)
-
-
-def process_decode_threads() -> int:
-    """Decode threads of this process (its share of the cores, see
-    :func:`share_decode_threads`).
-    """
-    return _POOL.size()
-
-
-def decode_processes() -> DecodeProcesses | None:
-    """This process's decode processes (started on their first task), or ``None`` when
-    it decodes in threads (:func:`loader.engine.cores.decode_in_processes`).
-    """
-    return _POOL.processes()
-
-
 _local = threading.local()
 
 
@@ -458,7 +375,6 @@ class DirectArray:
             self._closed = True
             if not self._users:
                 _close_fds(self._fds)
-        _forget_in_processes(self)
 
     @property
     def closed(self) -> bool:
@@ -606,14 +522,16 @@ class DirectArray:
             return index
 
     # -- reading
-    def submit(self, ranges: np.ndarray, dtype: Any = None) -> Future[np.ndarray] | np.ndarray:
-        """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds);
-        returns the finished array (small arrays) or a future of it.
+    def submit(
+        self, ranges: np.ndarray, dtype: Any = None, *, engine: Engine
+    ) -> Future[np.ndarray] | np.ndarray:
+        """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds) on
+        ``engine``'s decoders; returns the finished array (small arrays) or a future of it.
 
         ``dtype``: a wider dtype the decode threads cast each chunk to as they decode
         it (narrowed values, compact column ids); small arrays come as stored.
         """
-        return submit_reads([(self, ranges, dtype)])[0]
+        return submit_reads([(self, ranges, dtype)], engine)[0]
 
     def _start(
         self, ranges: np.ndarray, dtype: Any = None
@@ -799,7 +717,7 @@ class DirectArray:
 
 
 def submit_reads(
-    items: list[tuple[DirectArray, np.ndarray, Any]],
+    items: list[tuple[DirectArray, np.ndarray, Any]], engine: Engine
 ) -> list[Future[np.ndarray] | np.ndarray]:
     """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
     :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
@@ -810,10 +728,11 @@ def submit_reads(
 
     The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
     the disk reads before it returns, time the consumer thread would otherwise lose.
+    ``engine`` (:class:`loader.engine.engine.Engine`) holds the decoders.
     """
     started = [a._start(r, dtype) for a, r, dtype in items]
-    pool = _POOL.get()
-    processes = _POOL.processes()
+    pool = engine.thread_pool()
+    processes = engine.processes()
     jobs, in_threads = {}, {}  # by item: decode processes' jobs, and the rest's
     for i, ((array, _, _), s) in enumerate(zip(items, started, strict=True)):
         if isinstance(s, np.ndarray):
@@ -847,15 +766,6 @@ def _close_fds(fds: dict[int, int | None]) -> None:
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _forget_in_processes(array: DirectArray) -> None:
-    """Have this process's decode processes drop their copy of ``array`` (and its
-    files) now, if they were started.
-    """
-    processes = _POOL.started_processes()
-    if processes is not None:
-        processes.forget(array)
 
 
 def _announce(announce: list[tuple[DirectArray, list[tuple[int, int, int]]]]) -> None:

@@ -95,7 +95,9 @@ def test_measure_codecs_times_the_direct_reader_only_when_asked(monkeypatch, dir
 
     calls = []
     real = shards.submit_reads
-    monkeypatch.setattr(shards, "submit_reads", lambda items: calls.append(1) or real(items))
+    monkeypatch.setattr(
+        shards, "submit_reads", lambda items, engine: calls.append(1) or real(items, engine)
+    )
     data, indices, indptr, n_vars = _counts()
     speeds = measure_codecs(
         data, indices, indptr, n_vars=n_vars, codecs=("blosc-lz4",), seconds=0.05, direct=direct

@@ -93,8 +93,8 @@ else:
 # ------------------------------------------------------------------- the scenarios
 
 PIDS = """
-from loader.engine.shards import decode_processes
-print("decoders", decode_processes().pids() if decode_processes() else [])
+from loader.engine.engine import running
+print("decoders", [p for d in running() for p in d.pids()])
 print("spares", _buffers.spare_bytes())
 print("exiting", flush=True)
 """
@@ -145,7 +145,7 @@ EXITS = {
 COUNTS = """
 import gc, threading
 from loader.errors import InputError
-from loader.engine.shards import process_decode_threads
+from loader.engine.engine import running
 gc.freeze()  # the modules' objects: each collection then walks only what came after
 
 def children():
@@ -174,12 +174,13 @@ def counts():
         "threads": threading.active_count() - decode,
         "os_threads": len(os.listdir("/proc/self/task")) - decode,
         "decode_threads": decode,
-        "decode_limit": process_decode_threads(),
+        "decode_limit": sum(d.threads for d in running()),
         "children": len(kids),
         "children_fds": sum(len(os.listdir(f"/proc/{{p}}/fd")) for p in kids),
     }}
 
-UNEQUAL = ("maps", "decode_threads")  # the allocators' own mappings; decode threads grow
+UNEQUAL = ("maps", "decode_threads", "reading_children")  # mappings: the allocators'; decode
+# threads grow on demand; reading_children: counted during a cycle, not by counts()
 
 def settled(want):
     # threads end and decode processes drop their files a moment after the call
@@ -195,6 +196,7 @@ def cycle(close):
     it = iter(ds)
     sizes = [next(it)["index"].shape[0] for _ in range(3)]
     assert sizes == [16, 16, 16], sizes
+    reading = len(children())  # the dataset's decode processes, while it reads
     if close:
         ds.close()
         try:
@@ -208,13 +210,15 @@ def cycle(close):
     if not close:
         gc.collect()  # the pass's clean-up runs: its fetches go back to the pool
         _buffers.release_spares()  # the pool's bounded cache, not a leak
+    return reading
 
 seen = {{}}
 for close in (True, False):
     counted = []
     for i in range(30):
-        cycle(close)
+        reading = cycle(close)
         counted.append(counts() if i < 2 else settled(counted[1]))
+        counted[-1]["reading_children"] = reading
     seen["closed" if close else "dropped"] = counted
 print(json.dumps(seen))
 """
@@ -250,8 +254,8 @@ while True:
     for batch in batches:
         n += 1
         if n == 5:
-            from loader.engine.shards import decode_processes
-            print("decoders", decode_processes().pids() if decode_processes() else [])
+            from loader.engine.engine import running
+            print("decoders", [p for d in running() for p in d.pids()])
             print("reading", flush=True)
 """
 
@@ -331,16 +335,19 @@ leak of one mapping per dataset would be 28 over the counted cycles."""
 def test_descriptors_mappings_threads_and_children_stay_flat(runs, mode, how):
     """Over 30 ``open, iterate, close`` cycles and 30 datasets dropped without close
     (dense output decoding in threads, CSR in decode processes): after a first two
-    cycles (process-wide decode threads and processes, the pool's janitor), every
-    cycle leaves the same descriptors, fetch buffers, threads, child processes and
-    children's descriptors as the one before, so a closed or collected dataset leaves
-    nothing behind, in this process or in its decode processes."""
+    cycles (the buffer pool's janitor), every cycle leaves the same descriptors, fetch
+    buffers, threads, child processes and children's descriptors as the one before, so
+    a closed or collected dataset leaves nothing behind, in this process or in its
+    decode processes; the decode processes a dataset started end with it."""
     run = runs[f"counts {mode}"]
     assert run["code"] == 0, run["err"][-3000:]
     seen = json.loads(run["out"].splitlines()[-1])[how]
     base = seen[1]
     if mode == "processes":
-        assert base["children"] >= 1  # decode processes did the reads
+        assert base["reading_children"] >= 1  # decode processes did the reads
+        assert base["children"] == 0  # and ended with their dataset
+    else:
+        assert base["reading_children"] == 0
     assert base["fetch_maps"] == 0  # closed or collected: no fetch buffer left mapped
     for i, got in enumerate(seen[2:], start=3):
         for key in base:
