@@ -73,6 +73,7 @@ __all__ = [
     "read_error",
     "register_backend",
     "remote_concurrency_spec",
+    "start_http_transport",
     "timed_out",
     "ts_kvstore",
 ]
@@ -164,9 +165,10 @@ class TensorstoreSettings:
     HTTP_STALL_SECONDS = 30
     """A request that receives no byte for this long is abandoned (and retried):
     without it, a server that accepts connections but never answers hangs a read
-    forever. tensorstore takes it from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
-    (with ``..._LIMIT_BYTES=1``) when its HTTP transport starts, once per process;
-    the backend sets both unless the environment already does."""
+    forever. tensorstore reads it only from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
+    (with ``..._LIMIT_BYTES=1``), once per process, when its HTTP transport starts:
+    :func:`start_http_transport` starts it with both set and then removes them again,
+    unless the environment sets them already (the user's values win)."""
     DATA_COPY_CONCURRENCY = None
     """Decode/copy threads; ``None``: the process's decode threads
     (:meth:`loader.engine.engine.Engine.decode_threads`: its share of the usable cores, the
@@ -187,18 +189,15 @@ def http_context_spec(
 ) -> dict[str, Any]:
     """Return the tensorstore context members for HTTP reads.
 
-    ``retries`` retries from ``retry_delay`` seconds doubling up to 8 s. Also sets the
-    stall watchdog of tensorstore's HTTP transport
-    (:attr:`TensorstoreSettings.HTTP_STALL_SECONDS`) unless the environment already
-    does.
+    ``retries`` retries from ``retry_delay`` seconds doubling up to 8 s. Also starts
+    tensorstore's HTTP transport with its stall watchdog
+    (:func:`start_http_transport`).
     """
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise InputError(f"http_retries={retries!r}: pass a whole number of retries >= 0")
     if not isinstance(retry_delay, int | float) or not retry_delay > 0:
         raise InputError(f"http_retry_delay={retry_delay!r}: pass a number of seconds > 0")
-    stall = str(TensorstoreSettings.HTTP_STALL_SECONDS)
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", stall)
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    start_http_transport()
     delay = float(retry_delay)
     backoff = {"initial_delay": f"{delay}s", "max_delay": f"{max(delay, 8.0)}s"}
     # the object-store drivers count attempts (at least 1), the http driver retries
@@ -207,6 +206,43 @@ def http_context_spec(
         "s3_request_retries": {"max_retries": max(1, retries), **backoff},
         "gcs_request_retries": {"max_retries": max(1, retries), **backoff},
     }
+
+
+_STALL_VARIABLES = (
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+)
+_transport_lock = threading.Lock()
+_transport_started: list[bool] = []  # once per interpreter
+
+
+def start_http_transport() -> None:
+    """Start tensorstore's HTTP transport with the stall watchdog, once per process.
+
+    tensorstore has no context member for the watchdog: it reads
+    ``TENSORSTORE_CURL_LOW_SPEED_*`` from the environment when it makes its HTTP
+    transport (shared by the ``http``, ``s3`` and ``gcs`` drivers), then never again.
+    So the variables the environment lacks are set for that moment only (opening an
+    ``http`` kvstore makes the transport; no request is sent) and removed at once:
+    ``os.environ`` is the same afterwards. A transport that tensorstore made earlier
+    in the process keeps the settings it was made with.
+    """
+    with _transport_lock:
+        if _transport_started:
+            return
+        import tensorstore as ts
+
+        values = (str(TensorstoreSettings.HTTP_STALL_SECONDS), "1")
+        added = [k for k in _STALL_VARIABLES if k not in os.environ]
+        try:
+            for key, value in zip(_STALL_VARIABLES, values, strict=True):
+                if key in added:
+                    os.environ[key] = value
+            ts.KvStore.open({"driver": "http", "base_url": "http://127.0.0.1:9/"}).result()
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
+        _transport_started.append(True)
 
 
 def remote_concurrency_spec(limit: int) -> dict[str, Any]:

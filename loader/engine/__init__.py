@@ -6,3 +6,8 @@
 - :mod:`loader.engine.buffers`: the pool of large fetch buffers (memory files);
 - :mod:`loader.engine.cores`: how many cores this process may use.
 """
+
+from loader.engine.config import EngineConfig
+from loader.engine.engine import Engine
+
+__all__ = ["Engine", "EngineConfig"]
