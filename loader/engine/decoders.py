@@ -1,5 +1,7 @@
-"""Decode processes: a fetch's read-and-decode tasks run in child processes that write
-straight into the fetch's arrays, which live in memory files (:mod:`loader.engine.buffers`).
+"""Decode processes: a fetch's read-and-decode tasks run in child processes.
+
+They write straight into the fetch's arrays, which live in memory files
+(:mod:`loader.engine.buffers`).
 
 Why processes: decode threads are Python threads, and each takes the GIL back after
 every C call (a read, a blosc decode, a cast). On two cores a thread often sleeps
@@ -45,19 +47,21 @@ _MAX_FDS = 16
 
 
 class Decoder(Protocol):
-    """What a child runs, with its own files: tell the kernel about ``runs`` it will
-    read soon, and read and decode ``tasks`` into ``out``.
-    """
+    """What a child runs, with its own files."""
 
-    def announce(self, runs: list) -> None: ...
+    def announce(self, runs: list) -> None:
+        """Tell the kernel about ``runs`` it will read soon."""
 
-    def run_tasks(self, out: np.ndarray, tasks: list) -> None: ...
+    def run_tasks(self, out: np.ndarray, tasks: list) -> None:
+        """Read and decode ``tasks`` into ``out``."""
 
 
 class Job(NamedTuple):
-    """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``, which lies at
-    ``where`` (:func:`loader.engine.buffers.shared`); ``sizes``: bytes read per task;
-    ``runs``: what to announce to the kernel before any of the fetch is read.
+    """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``.
+
+    ``out`` lies at ``where`` (:func:`loader.engine.buffers.shared`); ``sizes``: bytes
+    read per task; ``runs``: what to announce to the kernel before any of the fetch is
+    read.
     """
 
     obj: Decoder
@@ -69,8 +73,9 @@ class Job(NamedTuple):
 
 
 def supported() -> bool:
-    """Whether this OS can share fetch buffers with child processes (memory files and
-    descriptor passing: Linux).
+    """Whether this OS can share fetch buffers with child processes.
+
+    Memory files and descriptor passing: Linux.
     """
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
@@ -98,7 +103,7 @@ def _recv_exactly(sock: socket.socket, n: int, head: bytes = b"") -> bytes | Non
 
 
 def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
-    """The next message and the descriptors that came with it, or ``None`` at the end."""
+    """Return the next message and the descriptors with it, or ``None`` at the end."""
     head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
     header = _recv_exactly(sock, _HEADER.size, head) if head else None
     if header is None:
@@ -180,8 +185,10 @@ class _Child:
         forget: tuple[list[int], list[int]],
         keep: list,
     ) -> Future:
-        """Send one fetch's share: ``parts`` (token, buffer, offset, shape, dtype,
-        tasks), after announcing ``announce`` (token, runs); ``objects`` by token and
+        """Send one fetch's share to the child; return the future of its report.
+
+        ``parts``: (token, buffer, offset, shape, dtype, tasks), after announcing
+        ``announce`` (token, runs); ``objects`` by token and
         the buffers' descriptors go first where this child lacks them. ``keep``: the
         arrays the share writes, held until the child reports.
         """
@@ -215,8 +222,9 @@ class _Child:
         return future
 
     def _forget(self, forget: tuple[list[int], list[int]]) -> None:
-        """Tell the child to drop the buffers and objects of ``forget`` it holds (with
-        :attr:`lock` held).
+        """Tell the child to drop the buffers and objects of ``forget`` it holds.
+
+        Call with :attr:`lock` held.
         """
         buffers_gone = [n for n in forget[0] if n in self.buffers]
         objects_gone = [t for t in forget[1] if t in self.objects]
@@ -288,8 +296,9 @@ class DecodeProcesses:
             return token
 
     def submit(self, jobs: list[Job]) -> list[Future]:
-        """Futures of decoding a fetch's ``jobs``, one per child that got a share, after
-        the first child tells the kernel about every job's ``runs``.
+        """Return the futures of decoding a fetch's ``jobs``, one per child with a share.
+
+        The first child tells the kernel about every job's ``runs`` first.
 
         Each task goes, in order, to the child with the fewest bytes so far, so the
         children move through the fetch's files side by side, front to back, as the
@@ -351,8 +360,9 @@ class DecodeProcesses:
 
 
 def _settle(future: Future, error: BaseException | None) -> None:
-    """Complete ``future`` with ``error`` (or success), unless it was cancelled (an
-    abandoned fetch).
+    """Complete ``future`` with ``error`` (or success).
+
+    Unless it was cancelled (an abandoned fetch).
     """
     try:
         if error is None:
@@ -364,8 +374,9 @@ def _settle(future: Future, error: BaseException | None) -> None:
 
 
 def serve(fd: int) -> None:
-    """A decode process's loop: run what the parent sends on socket ``fd`` until it
-    closes (see the module docstring).
+    """Run what the parent sends on socket ``fd`` until it closes (a decode process).
+
+    See the module docstring.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -1,5 +1,7 @@
-"""Direct reads of sharded zarr v3 arrays: byte ranges of whole inner chunks, decoded
-by blosc on the decoders of the reader's engine (:mod:`loader.engine.engine`).
+"""Direct reads of sharded zarr v3 arrays: byte ranges of whole inner chunks.
+
+They are decoded by blosc on the decoders of the reader's engine
+(:mod:`loader.engine.engine`).
 
 tensorstore decodes every inner chunk on its own path (a read, a decode into a chunk
 buffer, a copy into the output), which costs noticeably more CPU per cell than blosc's
@@ -53,7 +55,7 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -140,8 +142,9 @@ _DECODABLE = (["bytes"], ["bytes", "blosc"])
 
 
 def _parse(meta: dict) -> _Meta | None:
-    """The parts of a zarr v3 array's metadata the direct path needs, or ``None``
-    (not sharded by rows, or a shard index this module cannot read).
+    """Return the parts of a zarr v3 array's metadata the direct path needs.
+
+    ``None``: not sharded by rows, or a shard index this module cannot read.
     """
     try:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
@@ -229,8 +232,9 @@ def open_direct(
     whole_array_bytes: int = SMALL_ARRAY_BYTES,
     require_chunks: bool = False,
 ) -> DirectArray | None:
-    """A :class:`DirectArray` for array ``path`` of the local store at ``location``,
-    or ``None`` when the direct path does not apply (the caller uses tensorstore).
+    """Return a :class:`DirectArray` for array ``path`` of the local store at ``location``.
+
+    ``None`` when the direct path does not apply (the caller uses tensorstore).
 
     Arrays of at most ``whole_array_bytes`` decoded bytes are read whole on first use.
     ``require_chunks``: an absent chunk or shard raises :class:`LayoutError` (a store
@@ -249,8 +253,9 @@ def open_direct(
 
 
 def missing_chunk(location: str, path: str) -> str | None:
-    """The first chunk of the local zarr v3 array ``path`` that is not stored (``"chunk
-    N"``, ``"chunk (i, j)"``), or ``None`` when every chunk of the grid exists.
+    """Return the first chunk of the local zarr v3 array ``path`` that is not stored.
+
+    As ``"chunk N"`` or ``"chunk (i, j)"``; ``None`` when every chunk of the grid exists.
 
     Sharded by rows: reads shard indexes; otherwise (arrays anndata writes) checks that
     every chunk file of the regular grid exists.
@@ -286,8 +291,9 @@ def missing_chunk(location: str, path: str) -> str | None:
 
 
 def open_index(location: str, path: str) -> DirectArray | None:
-    """A :class:`DirectArray` of a local sharded array used only for
-    :meth:`DirectArray.check_present` (any inner codecs), or ``None``.
+    """Return a :class:`DirectArray` of a local sharded array, or ``None``.
+
+    Used only for :meth:`DirectArray.check_present` (any inner codecs).
     """
     meta = _open_meta(location, path)
     return None if meta is None else DirectArray(location, path, meta, require_chunks=True)
@@ -297,7 +303,7 @@ _local = threading.local()
 
 
 def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least ``nbytes``."""
+    """Return a per-thread reusable byte buffer of at least ``nbytes``."""
     buf = getattr(_local, name, None)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
@@ -365,9 +371,10 @@ class DirectArray:
         return what
 
     def close(self) -> None:
-        """Close the shard files (at once, or as the reads using them end) and let the
-        decode processes drop their copy; reading afterwards is an :class:`InputError`.
-        Idempotent.
+        """Close the shard files, at once or as the reads using them end.
+
+        Reading afterwards is an :class:`InputError`. Idempotent. Decode processes that
+        hold a copy drop it through :meth:`loader.engine.engine.Engine.forget`.
         """
         with self._lock:
             if self._closed:
@@ -391,16 +398,18 @@ class DirectArray:
         )
 
     def check_present(self, ranges: np.ndarray) -> None:
-        """Raise :class:`LayoutError` naming the first absent inner chunk (or shard)
-        that rows ``ranges`` (``(n, 2)``) touch; reads only shard indexes.
+        """Raise :class:`LayoutError` naming the first absent chunk rows ``ranges`` touch.
+
+        ``ranges``: ``(n, 2)``; reads only shard indexes; names the shard if it is absent.
         """
         chunk = self.first_missing(ranges)
         if chunk is not None:
             raise self._missing(chunk, chunk // self.meta.chunks_per_shard)
 
     def shard_entries(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        """``(shard, file size, (n, 2) offset/nbytes of its stored chunks)`` of every
-        shard file that exists (for checks of the whole array).
+        """Yield every shard file that exists, for checks of the whole array.
+
+        As ``(shard, file size, (n, 2) offset/nbytes of its stored chunks)``.
         """
         self._check_pid()
         n_shards = -(-self.shape[0] // self.meta.shard_rows)
@@ -413,7 +422,7 @@ class DirectArray:
             yield shard, size, index[index[:, 0] != _MISSING]
 
     def first_missing(self, ranges: np.ndarray) -> int | None:
-        """The first inner chunk that rows ``ranges`` touch and that is not stored."""
+        """Return the first inner chunk that rows ``ranges`` touch and is not stored."""
         self._check_pid()
         C = self.meta.chunk_rows
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
@@ -447,8 +456,9 @@ class DirectArray:
             self._pid = os.getpid()
 
     def _fd(self, shard: int) -> int | None:
-        """The descriptor of ``shard`` (opened on first use), ``None`` if the shard
-        is absent; call with :attr:`_lock` held.
+        """Return the descriptor of ``shard`` (opened on first use).
+
+        ``None`` if the shard is absent; call with :attr:`_lock` held.
         """
         if self._closed:
             raise InputError(
@@ -473,9 +483,10 @@ class DirectArray:
 
     @contextlib.contextmanager
     def _file(self, shard: int) -> Iterator[int | None]:
-        """``shard``'s descriptor, kept open until the block ends even if
-        :meth:`close` is called meanwhile (it is never closed under a read, whose
-        number another open could then reuse).
+        """Yield ``shard``'s descriptor, kept open until the block ends.
+
+        Even if :meth:`close` is called meanwhile: it is never closed under a read,
+        whose number another open could then reuse.
         """
         with self._lock:
             fd = self._fd(shard)
@@ -525,8 +536,10 @@ class DirectArray:
     def submit(
         self, ranges: np.ndarray, dtype: Any = None, *, engine: Engine
     ) -> Future[np.ndarray] | np.ndarray:
-        """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds) on
-        ``engine``'s decoders; returns the finished array (small arrays) or a future of it.
+        """Start reading the rows of ``ranges`` on ``engine``'s decoders.
+
+        ``ranges``: ``(n, 2)``, non-empty, in bounds. Returns the finished array (small
+        arrays) or a future of it.
 
         ``dtype``: a wider dtype the decode threads cast each chunk to as they decode
         it (narrowed values, compact column ids); small arrays come as stored.
@@ -536,8 +549,9 @@ class DirectArray:
     def _start(
         self, ranges: np.ndarray, dtype: Any = None
     ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
-        """The output array, decode tasks and announcements of reading ``ranges``, or
-        the finished array (small arrays).
+        """Return the output array, decode tasks and announcements of reading ``ranges``.
+
+        Or the finished array (small arrays).
         """
         self._check_pid()
         if self._small:
@@ -563,8 +577,10 @@ class DirectArray:
         return self._whole
 
     def _tasks(self, ranges: np.ndarray) -> list[tuple]:
-        """Runs of inner chunks to read and decode: ``(shard, file offset, length,
-        [(chunk offset in run, nbytes, chunk id, [(lo, hi, dest row)])])``.
+        """Return the runs of inner chunks to read and decode.
+
+        Each: ``(shard, file offset, length, [(chunk offset in run, nbytes, chunk id,
+        [(lo, hi, dest row)])])``.
         """
         m = self.meta
         C = m.chunk_rows
@@ -616,9 +632,10 @@ class DirectArray:
         return out
 
     def announce(self, runs: list[tuple[int, int, int]]) -> None:
-        """``posix_fadvise(WILLNEED)`` every ``(shard, offset, length)``: the kernel
-        starts reading them. A hint, so an OS error (a filesystem that refuses it) is
-        ignored.
+        """Tell the kernel to start reading every ``(shard, offset, length)``.
+
+        ``posix_fadvise(WILLNEED)``: a hint, so an OS error (a filesystem that refuses
+        it) is ignored.
         """
         self._check_pid()
         for shard, start, length in runs:
@@ -631,16 +648,18 @@ class DirectArray:
                     pass
 
     def run_tasks(self, out: np.ndarray, tasks: list[tuple]) -> None:
-        """Read and decode ``tasks`` into ``out`` (a decode process's share of a fetch,
-        :mod:`loader.engine.decoders`).
+        """Read and decode ``tasks`` into ``out``.
+
+        A decode process's share of a fetch (:mod:`loader.engine.decoders`).
         """
         self._check_pid()
         for task in tasks:
             self._run(out, task)
 
     def _run(self, out: np.ndarray, task: tuple) -> None:
-        """Read one run and decode its chunks into ``out`` (a decode thread), cast to
-        ``out``'s dtype if it is not the stored one.
+        """Read one run and decode its chunks into ``out`` (a decode thread).
+
+        Cast to ``out``'s dtype if it is not the stored one.
         """
         m = self.meta
         C = m.chunk_rows
@@ -719,8 +738,9 @@ class DirectArray:
 def submit_reads(
     items: list[tuple[DirectArray, np.ndarray, Any]], engine: Engine
 ) -> list[Future[np.ndarray] | np.ndarray]:
-    """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
-    :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
+    """Start reading ``ranges`` of each ``(array, ranges, dtype)`` on ``engine``.
+
+    See :meth:`DirectArray.submit`. One task queued on the decode threads tells the kernel
     about every run of all of them, then each run's read-and-decode task is queued
     behind it (FIFO, after earlier fetches' tasks). With decode processes, the arrays
     in shared buffers go to them instead, as one message per process, the first one
@@ -758,8 +778,9 @@ def submit_reads(
 
 
 def _close_fds(fds: dict[int, int | None]) -> None:
-    """Close every descriptor of ``fds`` and empty it (also a finalizer: no thread,
-    no lock).
+    """Close every descriptor of ``fds`` and empty it.
+
+    Also a finalizer: no thread, no lock.
     """
     while fds:
         _, fd = fds.popitem()
@@ -781,8 +802,9 @@ def _crc32c(data: Any) -> int:
 
 
 def _check_crc32c(raw: bytes, what: str) -> None:
-    """Raise :class:`LayoutError` unless the last 4 bytes of ``raw`` are the
-    little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
+    """Raise :class:`LayoutError` unless ``raw`` ends with its checksum.
+
+    The last 4 bytes: the little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
     """
     stored = int.from_bytes(raw[-4:], "little")
     if len(raw) < 4 or _crc32c(raw[:-4]) != stored:
