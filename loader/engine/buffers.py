@@ -143,20 +143,23 @@ class BufferPool:
     def collect(self) -> None:
         """Take back the buffers of the leases collected so far."""
         woken = False
-        while True:
-            try:
-                ref = self.returns.get_nowait()
-            except queue.Empty:
-                break
-            woken = woken or ref is None
-            with self.lock:
-                entry = self.leases.pop(id(ref), None) if ref is not None else None
-            if entry is not None:
-                self.give(entry[1])
-            del entry
-        if woken:  # the janitor's wake-up (a loop's end) is the janitor's
-            self.returns.put(None)
-        self.close_unmapped()
+        # a buffer taken back and unmapped is reported in the same hold of unmap_lock,
+        # so dropped_buffers() never answers between the two
+        with self.unmap_lock:
+            while True:
+                try:
+                    ref = self.returns.get_nowait()
+                except queue.Empty:
+                    break
+                woken = woken or ref is None
+                with self.lock:
+                    entry = self.leases.pop(id(ref), None) if ref is not None else None
+                if entry is not None:
+                    self.give(entry[1])
+                del entry
+            if woken:  # the janitor's wake-up (a loop's end) is the janitor's
+                self.returns.put(None)
+            self.close_unmapped()
 
     def take(self, nbytes: int) -> tuple[mmap.mmap, bool]:
         """Return the smallest spare of ``nbytes`` to twice that, or a new one (``True``)."""
@@ -240,17 +243,18 @@ class BufferPool:
             except queue.Empty:
                 item = None
             dropped = None
-            with self.lock:
-                if self.loops:  # a loop began meanwhile: its own calls collect
-                    if item is not None:
-                        self.returns.put(item)
-                    continue
-                entry = self.leases.pop(id(item), None) if item is not None else None
-                if self.deadline is not None and time.monotonic() >= self.deadline:
-                    dropped, self.spare = self.spare, []
-                    self.deadline = None
-            del entry, dropped  # unmapped here, outside the lock
-            self.close_unmapped()
+            with self.unmap_lock:  # taken back, unmapped and reported in one hold
+                with self.lock:
+                    if self.loops:  # a loop began meanwhile: its own calls collect
+                        if item is not None:
+                            self.returns.put(item)
+                        continue
+                    entry = self.leases.pop(id(item), None) if item is not None else None
+                    if self.deadline is not None and time.monotonic() >= self.deadline:
+                        dropped, self.spare = self.spare, []
+                        self.deadline = None
+                del entry, dropped  # unmapped here, outside the pool's lock
+                self.close_unmapped()
 
     # -- memory files
     def new_buffer(self, size: int) -> mmap.mmap:
