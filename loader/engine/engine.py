@@ -8,13 +8,15 @@ reads (again in a forked or spawned copy), from the configuration resolved there
 The readers of one process share their decoders: every engine whose resolved
 configuration asks for the same number and mode holds a lease on one
 :class:`Decoders` (a stacked dataset of ten stores decodes on the process's cores,
-not ten times them). The last lease released closes them: their threads end and
-their decode processes exit. :func:`running` lists what runs now.
+not ten times them). :data:`LINGER_S` after the last lease is released they stop:
+their threads end and their decode processes exit (a reader opened meanwhile takes
+them over; :func:`stop_idle` stops them at once). :func:`running` lists what runs now.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -24,7 +26,7 @@ from loader.engine.config import EngineConfig
 from loader.engine.decoders import DecodeProcesses, supported
 from loader.errors import InputError
 
-__all__ = ["Decoders", "Engine", "running"]
+__all__ = ["LINGER_S", "Decoders", "Engine", "running", "stop_idle"]
 
 
 class Decoders:
@@ -53,6 +55,12 @@ class Decoders:
             self.processes.close()
 
 
+LINGER_S = 2.0
+"""Seconds the decoders outlive the last engine that held them: a reader opened soon
+after (the next dataset of a loop, a notebook cell run again) takes them over instead
+of starting decode processes anew."""
+
+
 class _Shared:
     """The :class:`Decoders` of a process, by ``(threads, processes)``, and their leases."""
 
@@ -60,17 +68,21 @@ class _Shared:
         self.lock = threading.Lock()
         self.pid = os.getpid()
         self.decoders: dict[tuple[int, bool], Decoders] = {}
+        self.timers: dict[tuple[int, bool], threading.Timer] = {}  # of idle decoders
 
     def _here(self) -> None:
         """Forget a parent's decoders in a forked copy (call with :attr:`lock` held)."""
         if self.pid != os.getpid():
-            self.decoders = {}  # the parent's threads and children: not this process's
+            self.decoders, self.timers = {}, {}  # the parent's: not this process's
             self.pid = os.getpid()
 
     def acquire(self, threads: int, processes: bool) -> Decoders:
         with self.lock:
             self._here()
             key = (int(threads), bool(processes))
+            timer = self.timers.pop(key, None)
+            if timer is not None:  # idle ones, taken over
+                timer.cancel()
             found = self.decoders.get(key)
             if found is None:
                 found = self.decoders[key] = Decoders(threads, processes)
@@ -78,17 +90,37 @@ class _Shared:
             return found
 
     def release(self, decoders: Decoders, pid: int) -> None:
+        key = (decoders.threads, decoders.processes is not None)
         with self.lock:
             self._here()
             if pid != self.pid:
                 return  # a lease taken before a fork: the parent's to release
             decoders.leases -= 1
-            if decoders.leases > 0:
+            if decoders.leases > 0 or self.decoders.get(key) is not decoders:
                 return
-            key = (decoders.threads, decoders.processes is not None)
-            if self.decoders.get(key) is decoders:
-                del self.decoders[key]
+            if not sys.is_finalizing():  # no thread can start while Python exits
+                timer = threading.Timer(LINGER_S, self.stop_idle, args=(key,))
+                timer.name, timer.daemon = "sclayout-linger", True
+                self.timers[key] = timer
+                timer.start()
+                return
+            del self.decoders[key]
         decoders.close()
+
+    def stop_idle(self, key: tuple[int, bool] | None = None) -> None:
+        """Stop the decoders no engine holds (those of ``key`` only, if given)."""
+        with self.lock:
+            self._here()
+            idle = [
+                k for k, d in self.decoders.items() if d.leases == 0 and (key is None or k == key)
+            ]
+            stopped = [self.decoders.pop(k) for k in idle]
+            for k in idle:
+                timer = self.timers.pop(k, None)
+                if timer is not None:
+                    timer.cancel()
+        for decoders in stopped:
+            decoders.close()
 
     def snapshot(self) -> list[Decoders]:
         with self.lock:
@@ -100,8 +132,13 @@ _SHARED = _Shared()
 
 
 def running() -> list[Decoders]:
-    """Return the decoders of this process that some engine holds now."""
+    """Return the decoders of this process: held by engines, or idle for a moment."""
     return _SHARED.snapshot()
+
+
+def stop_idle() -> None:
+    """Stop now the decoders no engine holds, rather than :data:`LINGER_S` later."""
+    _SHARED.stop_idle()
 
 
 def _release(decoders: Decoders, pid: int) -> None:
@@ -186,7 +223,7 @@ class Engine:
             decoders.processes.forget(obj)
 
     def close(self) -> None:
-        """Give the decoders back: the last engine that held them stops them. Idempotent."""
+        """Give the decoders back (they stop once no engine holds them). Idempotent."""
         with self._lock:
             self._closed = True
             release, self._release, self._decoders = self._release, None, None

@@ -165,14 +165,16 @@ def counts():
     with open("/proc/self/maps") as f:
         maps = f.read().splitlines()
     kids = children()
-    # the process-wide decode threads start on demand up to their number: counted apart
+    # decode threads start on demand up to their number: counted apart
     decode = sum(t.name.startswith("sclayout-decode") for t in threading.enumerate())
+    # the timer that stops idle decoders: one after a close, gone when the next takes them
+    linger = sum(t.name == "sclayout-linger" for t in threading.enumerate())
     return {{
         "fds": len(os.listdir("/proc/self/fd")),
         "fetch_maps": sum("sclayout-fetch" in m for m in maps),
         "maps": len(maps),
-        "threads": threading.active_count() - decode,
-        "os_threads": len(os.listdir("/proc/self/task")) - decode,
+        "threads": threading.active_count() - decode - linger,
+        "os_threads": len(os.listdir("/proc/self/task")) - decode - linger,
         "decode_threads": decode,
         "decode_limit": sum(d.threads for d in running()),
         "children": len(kids),
@@ -220,6 +222,13 @@ for close in (True, False):
         counted.append(counts() if i < 2 else settled(counted[1]))
         counted[-1]["reading_children"] = reading
     seen["closed" if close else "dropped"] = counted
+deadline = time.monotonic() + 30  # the idle decoders stop LINGER_S after the last close
+idle = counts()
+while (running() or idle["decode_threads"] or idle["children"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    idle = counts()
+seen["idle"] = {{"children": idle["children"], "decode_threads": idle["decode_threads"],
+                "decoders": [d.threads for d in running()]}}
 print(json.dumps(seen))
 """
 
@@ -335,19 +344,25 @@ leak of one mapping per dataset would be 28 over the counted cycles."""
 def test_descriptors_mappings_threads_and_children_stay_flat(runs, mode, how):
     """Over 30 ``open, iterate, close`` cycles and 30 datasets dropped without close
     (dense output decoding in threads, CSR in decode processes): after a first two
-    cycles (the buffer pool's janitor), every cycle leaves the same descriptors, fetch
-    buffers, threads, child processes and children's descriptors as the one before, so
-    a closed or collected dataset leaves nothing behind, in this process or in its
-    decode processes; the decode processes a dataset started end with it."""
+    cycles (the buffer pool's janitor, the decoders the next dataset takes over),
+    every cycle leaves the same descriptors, fetch buffers, threads, child processes
+    and children's descriptors as the one before, so a closed or collected dataset
+    leaves nothing behind, in this process or in its decode processes; once no dataset
+    is open, the decode threads and processes stop."""
     run = runs[f"counts {mode}"]
     assert run["code"] == 0, run["err"][-3000:]
     seen = json.loads(run["out"].splitlines()[-1])[how]
     base = seen[1]
     if mode == "processes":
         assert base["reading_children"] >= 1  # decode processes did the reads
-        assert base["children"] == 0  # and ended with their dataset
     else:
         assert base["reading_children"] == 0
+    # held by no reader, the decode threads and processes stop a moment later
+    assert json.loads(run["out"].splitlines()[-1])["idle"] == {
+        "children": 0,
+        "decode_threads": 0,
+        "decoders": [],
+    }
     assert base["fetch_maps"] == 0  # closed or collected: no fetch buffer left mapped
     for i, got in enumerate(seen[2:], start=3):
         for key in base:
