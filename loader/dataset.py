@@ -523,7 +523,8 @@ class BlockDataset:
         the readers it opened close; a reader you passed as ``path`` stays yours to
         close. Iterating afterwards is an :class:`~loader.errors.InputError`.
         ``with BlockDataset(...) as ds:`` closes at the block's end. The decode threads
-        and processes of the readers it opened stop, unless an open reader shares them.
+        and processes of the readers it opened stop shortly after, unless an open reader
+        shares them.
         """
         if self._closed:
             return
