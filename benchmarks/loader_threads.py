@@ -58,13 +58,13 @@ def _threads() -> dict[int, dict[str, float | str]]:
     system seconds."""
     import threading
 
-    from loader.engine.shards import decode_processes
+    from loader.engine.engine import running
 
     # Python 3.11 leaves the OS thread names alone: take them from threading
     names = {t.native_id: t.name for t in threading.enumerate()}
-    procs = decode_processes()
+    pids = [pid for decoders in running() for pid in decoders.pids()]
     where = {int(t): os.getpid() for t in os.listdir("/proc/self/task")}
-    for pid in procs.pids() if procs is not None else []:
+    for pid in pids:
         for t in os.listdir(f"/proc/{pid}/task"):
             where[int(t)] = pid
             names[int(t)] = "decode process"
