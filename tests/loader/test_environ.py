@@ -34,10 +34,12 @@ buffers.MIN_BYTES = 0  # every fetch array shared: decode processes decode them 
 TensorstoreSettings.HTTP_STALL_SECONDS = 5  # the watchdog the first transport gets
 report = {}
 
-def epoch(where, **reader):
-    with BlockDataset(open_layout(where, **reader), batch_size=16, output="csr") as ds:
+def epoch(where, **options):
+    reader = open_layout(where, **options)
+    with BlockDataset(reader, batch_size=16, output="csr") as ds:
         rows = np.concatenate([b["index"].numpy() for b in ds])
         assert sorted(rows.tolist()) == list(range(n_obs)), where
+    reader.close()  # a reader passed to a dataset is the caller's to close
     return len(rows)
 
 # a server that accepts and never answers: only the stall watchdog ends the read
