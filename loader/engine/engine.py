@@ -180,6 +180,8 @@ class Engine:
     def settings(self) -> EngineConfig:
         """Return the configuration resolved in this process (every field set)."""
         if self._pid != os.getpid() or self._settings is None:
+            if self._pid not in (-1, os.getpid()):  # a forked copy: a parent's thread
+                self._lock = threading.Lock()  # may have held the lock at the fork
             with self._lock:
                 if self._pid != os.getpid() or self._settings is None:
                     self._settings = self.config.resolved()
