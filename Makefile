@@ -19,7 +19,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	# two processes, whole files each: a file's module fixtures are built once
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

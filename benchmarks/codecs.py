@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -133,48 +134,45 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
-    sources = list(args.source or [])
-    if not args.source:
-        sources += sorted(SHARED.glob("*.h5ad")) if SHARED.is_dir() else []
-        if not args.no_tahoe:
-            from sclayout.testing.datasets import cached_tahoe_like
-
-            sources.append(cached_tahoe_like(progress=True))
-    if not sources:
-        print("no dataset: pass --source FILE.h5ad", file=sys.stderr)
-        return 2
+def _measure_source(src: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Time every codec of ``args.codecs`` on one dataset's data and indices."""
+    data, indices, n = _arrays(src, args.cells)
+    nnz_cell = data.size / max(n, 1)
+    chunk = max(1, round(args.chunk_cells * nnz_cell))
     rows = []
-    for src in sources:
-        data, indices, n = _arrays(src, args.cells)
-        nnz_cell = data.size / max(n, 1)
-        chunk = max(1, round(args.chunk_cells * nnz_cell))
-        for codec in args.codecs:
-            d = measure(data, codec, chunk=chunk, repeat=args.repeat)
-            i = measure(indices, codec, chunk=chunk, repeat=args.repeat)
-            rows.append(
-                {
-                    "dataset": src.name,
-                    "cells": n,
-                    "nnz_per_cell": nnz_cell,
-                    "codec": codec,
-                    "data": d,
-                    "indices": i,
-                    "decode_us_per_1k": d["decode_us"] + i["decode_us"],
-                    "encode_us_per_1k": d["encode_us"] + i["encode_us"],
-                    "bytes_per_value": 4 / d["ratio"] + 4 / i["ratio"],  # f32 + i32
-                }
-            )
-            r = rows[-1]
-            print(
-                f"{src.name[:44]:44s} {codec:14s} decode {r['decode_us_per_1k']:5.2f} "
-                f"encode {r['encode_us_per_1k']:6.1f} µs/1k values, "
-                f"{r['bytes_per_value']:.2f} B/value",
-                flush=True,
-            )
+    for codec in args.codecs:
+        d = measure(data, codec, chunk=chunk, repeat=args.repeat)
+        i = measure(indices, codec, chunk=chunk, repeat=args.repeat)
+        r = {
+            "dataset": src.name,
+            "cells": n,
+            "nnz_per_cell": nnz_cell,
+            "codec": codec,
+            "data": d,
+            "indices": i,
+            "decode_us_per_1k": d["decode_us"] + i["decode_us"],
+            "encode_us_per_1k": d["encode_us"] + i["encode_us"],
+            "bytes_per_value": 4 / d["ratio"] + 4 / i["ratio"],  # f32 + i32
+        }
+        rows.append(r)
+        print(
+            f"{src.name[:44]:44s} {codec:14s} decode {r['decode_us_per_1k']:5.2f} "
+            f"encode {r['encode_us_per_1k']:6.1f} µs/1k values, "
+            f"{r['bytes_per_value']:.2f} B/value",
+            flush=True,
+        )
+    return rows
+
+
+def _markdown(
+    args: argparse.Namespace,
+    rows: list[dict[str, Any]],
+    by: dict[tuple[str, str], dict[str, Any]],
+    summary: dict[str, dict[str, float]],
+    env: dict[str, Any],
+) -> str:
+    """The results page: one row per dataset and codec, ratios against the first codec."""
     base = args.codecs[0]
-    by = {(r["dataset"], r["codec"]): r for r in rows}
     table = []
     for r in rows:
         b = by[(r["dataset"], base)]
@@ -190,25 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "erel": f"{r['encode_us_per_1k'] / b['encode_us_per_1k']:.1f}×",
             }
         )
-    summary = {
-        codec: {
-            "decode_vs_first": statistics.median(
-                by[(s.name, codec)]["decode_us_per_1k"] / by[(s.name, base)]["decode_us_per_1k"]
-                for s in sources
-            ),
-            "bytes_vs_first": statistics.median(
-                by[(s.name, codec)]["bytes_per_value"] / by[(s.name, base)]["bytes_per_value"]
-                for s in sources
-            ),
-            "encode_vs_first": statistics.median(
-                by[(s.name, codec)]["encode_us_per_1k"] / by[(s.name, base)]["encode_us_per_1k"]
-                for s in sources
-            ),
-        }
-        for codec in args.codecs
-    }
-    env = environment()
-    md = (
+    return (
         "### Codecs on count data: disk bytes, decode and encode CPU\n\n"
         f"First {args.cells:,} cells of each dataset (all of a smaller one), inner chunks of "
         f"{args.chunk_cells} "
@@ -238,6 +218,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         + f".\n\nCommand: `{command_line()}` — {env['date']}, git {env['git']}.\n"
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    sources = list(args.source or [])
+    if not args.source:
+        sources += sorted(SHARED.glob("*.h5ad")) if SHARED.is_dir() else []
+        if not args.no_tahoe:
+            from sclayout.testing.datasets import cached_tahoe_like
+
+            sources.append(cached_tahoe_like(progress=True))
+    if not sources:
+        print("no dataset: pass --source FILE.h5ad", file=sys.stderr)
+        return 2
+    rows = [row for src in sources for row in _measure_source(src, args)]
+    base = args.codecs[0]
+    by = {(r["dataset"], r["codec"]): r for r in rows}
+    summary = {
+        codec: {
+            f"{what}_vs_first": statistics.median(
+                by[(s.name, codec)][key] / by[(s.name, base)][key] for s in sources
+            )
+            for what, key in (
+                ("decode", "decode_us_per_1k"),
+                ("bytes", "bytes_per_value"),
+                ("encode", "encode_us_per_1k"),
+            )
+        }
+        for codec in args.codecs
+    }
+    env = environment()
+    md = _markdown(args, rows, by, summary, env)
     payload = {
         "meta": {"command": command_line(), "environment": env, **vars(args)},
         "rows": rows,

@@ -233,12 +233,7 @@ def run_profile(
 ) -> tuple[list[dict[str, Any]], tuple[Any, Any], list[dict[str, Any]]]:
     """Calibrate and measure one profile: its rows, (round 1's profile, the server or
     None) and every round's profile as a dict."""
-    from loader.spec import LoaderSettings
-    from loader.store import open_layout
-    from sclayout.cost.bench import measure_loader
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
-    from sclayout.cost.diversity import simulate_diversity
-    from sclayout.cost.model import predict
     from sclayout.testing.measure import warm
 
     root = next(iter(stores.values())).parent
@@ -268,25 +263,7 @@ def run_profile(
         # store back to back, tie each row's error to whatever the machine was doing
         # at that moment. Interleaved rounds spread every configuration over the
         # whole run, and each prediction uses the machine as measured minutes before.
-        configs = []
-        for store, b, f, w in CONFIGS:
-            if store not in stores:  # the S3 profile's subset
-                continue
-            if smoke and w and any(c[3] for c in configs):
-                # each worker run spawns processes: --smoke measures one to check the path
-                print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke runs one worker configuration")
-                continue
-            path = stores[store]
-            reader = open_layout(loc(path), block_size=b)
-            if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
-                print(f"[{kind}] {store} b{b} f{f}: fetch larger than the data, skipped")
-                continue
-            labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
-            pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
-            settings = LoaderSettings(
-                batch_size=BATCH, fetch_factor=f, num_workers=w, backend=reader.backend
-            )
-            configs.append((store, b, f, w, path, reader, settings, pred_div))
+        configs = _configs(kind, stores, loc, smoke=smoke)
         preds: list[list[Any]] = [[] for _ in configs]
         meas: list[list[Any]] = [[] for _ in configs]
         profiles = []
@@ -296,60 +273,14 @@ def run_profile(
                 loc(first), name=f"costmodel-{kind}", plan=plan, progress=not smoke, **codecs
             )
             profiles.append(profile)
-            for k, (store, b, f, w, path, reader, settings, _) in enumerate(configs):
-                pred = predict(
-                    reader.manifest, reader.block_pointer, settings=settings, profile=profile
-                )
-                m = measure_loader(
-                    loc(path),
-                    batch_size=BATCH,
-                    fetch_factor=f,
-                    block_size=b,
-                    workers=w,
-                    label=LABEL if kind == "local" else None,
-                    seconds=seconds,
-                    cold=(kind == "local"),
-                    seed=r,
-                    warmup_seconds=S3_WARMUP_S if kind == "s3" and not smoke else 0.0,
-                )
+            for k, config in enumerate(configs):
+                pred, m = _measure_config(kind, config, profile, loc, r, seconds, smoke=smoke)
                 preds[k].append(pred)
                 meas[k].append(m)
-                print(
-                    f"[{kind}] r{r + 1} {store:24s} b{b:<4d} f{f:<3d} w{w}  "
-                    f"pred {pred.cells_per_s:9,.0f}  meas {m.cells_per_s:9,.0f}"
-                    f"  ({pred.cells_per_s / m.cells_per_s - 1:+.0%}, {pred.bound})",
-                    flush=True,
-                )
         profile = profiles[0]
         tag = "-smoke" if smoke else ""  # a smoke run leaves the real profiles alone
         profile.save(RESULTS / f"costmodel-profile-{kind}{tag}.json")
-        rows = []
-        for k, (store, b, f, w, _, reader, _, pred_div) in enumerate(configs):
-            p_med = float(np.median([p.cells_per_s for p in preds[k]]))
-            m_med = float(np.median([m.cells_per_s for m in meas[k]]))
-            divs = [m.diversity for m in meas[k] if m.diversity is not None]
-            # the bound of the round whose prediction is the median one
-            bound = sorted(preds[k], key=lambda q: q.cells_per_s)[len(preds[k]) // 2].bound
-            row = {
-                "profile": kind,
-                "store": store,
-                "block_size": b,
-                "fetch_factor": f,
-                "workers": w,
-                "codec": reader.manifest.X.arrays["data"].codec,
-                "order": reader.manifest.order.kind,
-                "chunk_nnz": reader.manifest.X.arrays["data"].chunks[0],
-                "predicted": p_med,
-                "measured": m_med,
-                "predicted_runs": [q.cells_per_s for q in preds[k]],
-                "runs": [m.cells_per_s for m in meas[k]],
-                "rel_error": p_med / m_med - 1,
-                "bound": bound,
-                "predicted_diversity": pred_div,
-                "measured_diversity": float(np.median(divs)) if divs else None,
-                "peak_memory_predicted": preds[k][0].peak_memory,
-            }
-            rows.append(row)
+        rows = [_row(kind, config, preds[k], meas[k]) for k, config in enumerate(configs)]
         print(
             f"[{kind}] calibrated CPU per round: blosc-lz4 decode "
             + ", ".join(f"{q.codec('blosc-lz4').decode_Bps / 1e9:.2f}" for q in profiles)
@@ -362,6 +293,94 @@ def run_profile(
         if server:
             server.close()
         raise
+
+
+def _configs(kind: str, stores: dict[str, Path], loc: Any, *, smoke: bool) -> list[tuple]:
+    """The configurations of :data:`CONFIGS` this profile measures, each with its open
+    reader, loader settings and predicted diversity."""
+    from loader.spec import LoaderSettings
+    from loader.store import open_layout
+    from sclayout.cost.diversity import simulate_diversity
+
+    configs: list[tuple] = []
+    for store, b, f, w in CONFIGS:
+        if store not in stores:  # the S3 profile's subset
+            continue
+        if smoke and w and any(c[3] for c in configs):
+            # each worker run spawns processes: --smoke measures one to check the path
+            print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke runs one worker configuration")
+            continue
+        path = stores[store]
+        reader = open_layout(loc(path), block_size=b)
+        if BATCH * f > reader.manifest.n_obs:  # --smoke's small set: fetch > dataset
+            print(f"[{kind}] {store} b{b} f{f}: fetch larger than the data, skipped")
+            continue
+        labels = open_layout(path, block_size=b).obs_codes(LABEL)[0]
+        pred_div = simulate_diversity(labels, batch_size=BATCH, fetch_factor=f, block_size=b)
+        settings = LoaderSettings(
+            batch_size=BATCH, fetch_factor=f, num_workers=w, backend=reader.backend
+        )
+        configs.append((store, b, f, w, path, reader, settings, pred_div))
+    return configs
+
+
+def _measure_config(
+    kind: str, config: tuple, profile: Any, loc: Any, r: int, seconds: float, *, smoke: bool
+) -> tuple[Any, Any]:
+    """Predict one configuration from this round's profile and measure it once."""
+    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.model import predict
+
+    store, b, f, w, path, reader, settings, _ = config
+    pred = predict(reader.manifest, reader.block_pointer, settings=settings, profile=profile)
+    m = measure_loader(
+        loc(path),
+        batch_size=BATCH,
+        fetch_factor=f,
+        block_size=b,
+        workers=w,
+        label=LABEL if kind == "local" else None,
+        seconds=seconds,
+        cold=(kind == "local"),
+        seed=r,
+        warmup_seconds=S3_WARMUP_S if kind == "s3" and not smoke else 0.0,
+    )
+    print(
+        f"[{kind}] r{r + 1} {store:24s} b{b:<4d} f{f:<3d} w{w}  "
+        f"pred {pred.cells_per_s:9,.0f}  meas {m.cells_per_s:9,.0f}"
+        f"  ({pred.cells_per_s / m.cells_per_s - 1:+.0%}, {pred.bound})",
+        flush=True,
+    )
+    return pred, m
+
+
+def _row(kind: str, config: tuple, preds: list[Any], meas: list[Any]) -> dict[str, Any]:
+    """One configuration's row: medians over the rounds, and every round."""
+    store, b, f, w, _, reader, _, pred_div = config
+    p_med = float(np.median([p.cells_per_s for p in preds]))
+    m_med = float(np.median([m.cells_per_s for m in meas]))
+    divs = [m.diversity for m in meas if m.diversity is not None]
+    # the bound of the round whose prediction is the median one
+    bound = sorted(preds, key=lambda q: q.cells_per_s)[len(preds) // 2].bound
+    return {
+        "profile": kind,
+        "store": store,
+        "block_size": b,
+        "fetch_factor": f,
+        "workers": w,
+        "codec": reader.manifest.X.arrays["data"].codec,
+        "order": reader.manifest.order.kind,
+        "chunk_nnz": reader.manifest.X.arrays["data"].chunks[0],
+        "predicted": p_med,
+        "measured": m_med,
+        "predicted_runs": [q.cells_per_s for q in preds],
+        "runs": [m.cells_per_s for m in meas],
+        "rel_error": p_med / m_med - 1,
+        "bound": bound,
+        "predicted_diversity": pred_div,
+        "measured_diversity": float(np.median(divs)) if divs else None,
+        "peak_memory_predicted": preds[0].peak_memory,
+    }
 
 
 def check_pick(
@@ -579,7 +598,8 @@ def markdown(rows: list[dict[str, Any]], summary: dict[str, Any], picks: list[di
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny dataset, seconds")
     ap.add_argument("--build", action="store_true", help="only convert the stores")
@@ -599,20 +619,27 @@ def main(argv: list[str] | None = None) -> None:
         help="keep the other profiles' rows of an existing results file (re-measure some only)",
     )
     ap.add_argument("--out", type=Path, default=None, help="results folder [benchmarks/results]")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _replot(*, smoke: bool, repredict_rows: bool) -> None:
+    """Redraw the .md and .png from the results .json (predicting its rows again first)."""
+    tag = "-smoke" if smoke else ""
+    doc = json.loads((RESULTS / f"costmodel{tag}.json").read_text())
+    if repredict_rows:
+        repredict(doc, smoke)
+        (RESULTS / f"costmodel{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (RESULTS / f"costmodel{tag}.md").write_text(markdown(doc["rows"], doc["summary"], doc["picks"]))
+    plot(doc["rows"], doc["picks"], RESULTS / f"costmodel{tag}.png")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
     global RESULTS
     RESULTS = args.out or RESULTS
     RESULTS.mkdir(parents=True, exist_ok=True)
     if args.replot:
-        tag = "-smoke" if args.smoke else ""
-        doc = json.loads((RESULTS / f"costmodel{tag}.json").read_text())
-        if args.repredict:
-            repredict(doc, args.smoke)
-            (RESULTS / f"costmodel{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
-        (RESULTS / f"costmodel{tag}.md").write_text(
-            markdown(doc["rows"], doc["summary"], doc["picks"])
-        )
-        plot(doc["rows"], doc["picks"], RESULTS / f"costmodel{tag}.png")
+        _replot(smoke=args.smoke, repredict_rows=args.repredict)
         return
     runs, seconds = (1, 0.15) if args.smoke else (args.runs, args.seconds)
     src = _source(args.smoke)

@@ -77,27 +77,14 @@ def run(location: str, fetch_factor: int, *, seconds: float, seed: int, evict: s
                     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
-    ap.add_argument("--fetch-factors", default="16,64")
-    ap.add_argument("--regimes", default="warm,cold,http")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--name", default="fetch_size")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
-    args = ap.parse_args(argv)
-    if not (args.store / "zarr.json").exists():
-        sys.exit(f"error: {args.store}: no store; build it: python benchmarks/costmodel.py --build")
+def _model(store: Path, ffs: list[int]) -> dict[int, dict[str, float]]:
+    """The model's cells/s and planned KB read per cell for each fetch factor."""
     from loader.spec import LoaderSettings
     from loader.store import open_layout
     from sclayout.cost.model import predict
     from sclayout.cost.profile import load_profile
-    from sclayout.testing.measure import warm
 
-    ffs = [int(f) for f in args.fetch_factors.split(",")]
-    regimes = args.regimes.split(",")
-    reader = open_layout(args.store)
+    reader = open_layout(store)
     model = {}
     for f in ffs:
         settings = LoaderSettings(batch_size=64, fetch_factor=f, backend=reader.backend)
@@ -111,6 +98,50 @@ def main(argv: list[str] | None = None) -> None:
             "cells_per_s": p.cells_per_s,
             "planned_read_kb_per_cell": p.read_bytes_per_fetch / p.rows_per_fetch / 1e3,
         }
+    return model
+
+
+def _markdown(args: argparse.Namespace, rows: list[dict], ffs: list[int]) -> str:
+    """The results table: one row per regime and fetch factor, ratios to the first fetch."""
+    lines = [
+        f"Command: `python benchmarks/fetch_size.py --store {args.store.name} --fetch-factors "
+        f"{args.fetch_factors} --regimes {args.regimes} --rounds {args.rounds} --seconds "
+        f"{args.seconds}`; medians of {args.rounds} interleaved rounds.",
+        "",
+        "| regime | fetch | cells/s | vs first fetch | model vs first | user µs/cell | "
+        "sys µs/cell | minor faults/cell | disk KB/cell | planned KB/cell |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        base = next(x for x in rows if x["regime"] == row["regime"] and x["fetch_factor"] == ffs[0])
+        lines.append(
+            f"| {row['regime']} | {row['fetch_factor']} | {row['cells_per_s']:,.0f} | "
+            f"{row['cells_per_s'] / base['cells_per_s']:.2f}x | "
+            f"{row['model_cells_per_s'] / base['model_cells_per_s']:.2f}x | "
+            f"{row['user_us_per_cell']:.1f} | {row['sys_us_per_cell']:.1f} | "
+            f"{row['minor_faults_per_cell']:.2f} | {row['disk_kb_per_cell']:.1f} | "
+            f"{row['model_planned_read_kb_per_cell']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", type=Path, default=DEFAULT_STORE)
+    ap.add_argument("--fetch-factors", default="16,64")
+    ap.add_argument("--regimes", default="warm,cold,http")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--name", default="fetch_size")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    args = ap.parse_args(argv)
+    if not (args.store / "zarr.json").exists():
+        sys.exit(f"error: {args.store}: no store; build it: python benchmarks/costmodel.py --build")
+    from sclayout.testing.measure import warm
+
+    ffs = [int(f) for f in args.fetch_factors.split(",")]
+    regimes = args.regimes.split(",")
+    model = _model(args.store, ffs)
     server = None
     if "http" in regimes:
         cmd = [sys.executable, "-m", "sclayout.testing.httpserver", str(args.store.parent)]
@@ -140,26 +171,7 @@ def main(argv: list[str] | None = None) -> None:
         med = {k: statistics.median(m[k] for m in ms) for k in ms[0]}
         rows.append({"regime": regime, "fetch_factor": f, **med, "runs": ms, **{
             f"model_{k}": v for k, v in model[f].items()}})  # fmt: skip
-    lines = [
-        f"Command: `python benchmarks/fetch_size.py --store {args.store.name} --fetch-factors "
-        f"{args.fetch_factors} --regimes {args.regimes} --rounds {args.rounds} --seconds "
-        f"{args.seconds}`; medians of {args.rounds} interleaved rounds.",
-        "",
-        "| regime | fetch | cells/s | vs first fetch | model vs first | user µs/cell | "
-        "sys µs/cell | minor faults/cell | disk KB/cell | planned KB/cell |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for row in rows:
-        base = next(x for x in rows if x["regime"] == row["regime"] and x["fetch_factor"] == ffs[0])
-        lines.append(
-            f"| {row['regime']} | {row['fetch_factor']} | {row['cells_per_s']:,.0f} | "
-            f"{row['cells_per_s'] / base['cells_per_s']:.2f}x | "
-            f"{row['model_cells_per_s'] / base['model_cells_per_s']:.2f}x | "
-            f"{row['user_us_per_cell']:.1f} | {row['sys_us_per_cell']:.1f} | "
-            f"{row['minor_faults_per_cell']:.2f} | {row['disk_kb_per_cell']:.1f} | "
-            f"{row['model_planned_read_kb_per_cell']:.1f} |"
-        )
-    md = "\n".join(lines) + "\n"
+    md = _markdown(args, rows, ffs)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.name}.md").write_text(md)
     (args.out / f"{args.name}.json").write_text(json.dumps(rows, indent=1) + "\n")

@@ -70,6 +70,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from dask.utils import format_bytes
@@ -743,7 +744,8 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options (:func:`_parse` fills the defaults that depend on --quick)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny generated dataset, 1 run")
     p.add_argument("--repeat", type=int, default=None, help="runs per configuration [3]")
@@ -795,6 +797,11 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="on",
         help="stores with chunk checksums (on), without (off) or both (on,off) [on]",
     )
+    return p
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = _parser()
     args = p.parse_args(argv)
     d = QUICK if args.quick else FULL
     args.repeat = args.repeat or d["repeat"]
@@ -832,6 +839,70 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
+def _measure_rows(args: argparse.Namespace, src: Path, stores: dict, labels: Any) -> list[dict]:
+    """Measure every configuration in every regime, ``args.repeat`` runs each."""
+    rows: list[dict] = []
+    for cfg in _configs(args, src, stores):
+        files = [cfg["path"]]
+        for regime in args.regimes:
+            if regime == "cold" and cfg.get("fetch_factor", 0) not in (0, *args.cold_ff):
+                continue  # cold rows only for some fetch factors: time
+            runs = []
+            for i in range(args.repeat):
+                runs.append(
+                    _measure(
+                        _make(cfg, seed=i),
+                        files,
+                        labels,
+                        regime=regime,
+                        cells=args.cells,
+                        seconds=args.seconds,
+                    )
+                )
+            row = {k: v for k, v in cfg.items() if k not in ("path", "subset")}
+            row.update(regime=regime, runs=runs, **median_of(runs))
+            rows.append(row)
+            print(
+                f"{_label(row):38s} {regime:8s} bs={row.get('block_size', '-')!s:>5} "
+                f"ff={row.get('fetch_factor', '-')!s:>3} {row.get('output', 'dense'):5s} "
+                f"{row['cells_per_s']:>10,.0f} cells/s  diversity {row['diversity']:.3f}",
+                flush=True,
+            )
+    return rows
+
+
+def _judge(rows: list[dict]) -> dict[str, Any]:
+    """Mark each row against true random and the targets; return the headline row."""
+    random_by_regime = {r["regime"]: r["cells_per_s"] for r in rows if r["kind"] == "random"}
+    for r in rows:
+        base = random_by_regime.get(r["regime"])
+        r["vs_random"] = r["cells_per_s"] / base if base else None
+        r["meets_target"] = (
+            r["kind"] == "store"
+            and r.get("output") == "dense"
+            and r["diversity"] >= TARGET_DIVERSITY
+            and r["cells_per_s"] >= TARGET_CELLS_S
+            and (r["vs_random"] or 0) >= TARGET_VS_RANDOM
+        )
+    candidates = [
+        r
+        for r in rows
+        if r["kind"] == "store"
+        and r.get("output") == "dense"
+        and r["regime"] == "evicting"
+        and r["diversity"] >= TARGET_DIVERSITY
+    ] or [r for r in rows if r["kind"] != "random"]
+    best = max(candidates, key=lambda r: r["cells_per_s"])
+    headline = {
+        "label": f"{_label(best)}, block {best.get('block_size')}, "
+        f"fetch factor {best.get('fetch_factor')}",
+        "cells_per_s": best["cells_per_s"],
+        "vs_random": best["vs_random"] or float("nan"),
+        "diversity": best["diversity"],
+    }
+    return headline
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     if args.cores_child is not None:
@@ -860,60 +931,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         labels = _plate_labels(src)
         check = check_eviction(src)
         print(check, flush=True)
-        rows: list[dict] = []
-        for cfg in _configs(args, src, stores):
-            files = [cfg["path"]]
-            for regime in args.regimes:
-                if regime == "cold" and cfg.get("fetch_factor", 0) not in (0, *args.cold_ff):
-                    continue  # cold rows only for some fetch factors: time
-                runs = []
-                for i in range(args.repeat):
-                    runs.append(
-                        _measure(
-                            _make(cfg, seed=i),
-                            files,
-                            labels,
-                            regime=regime,
-                            cells=args.cells,
-                            seconds=args.seconds,
-                        )
-                    )
-                row = {k: v for k, v in cfg.items() if k not in ("path", "subset")}
-                row.update(regime=regime, runs=runs, **median_of(runs))
-                rows.append(row)
-                print(
-                    f"{_label(row):38s} {regime:8s} bs={row.get('block_size', '-')!s:>5} "
-                    f"ff={row.get('fetch_factor', '-')!s:>3} {row.get('output', 'dense'):5s} "
-                    f"{row['cells_per_s']:>10,.0f} cells/s  diversity {row['diversity']:.3f}",
-                    flush=True,
-                )
-        random_by_regime = {r["regime"]: r["cells_per_s"] for r in rows if r["kind"] == "random"}
-        for r in rows:
-            base = random_by_regime.get(r["regime"])
-            r["vs_random"] = r["cells_per_s"] / base if base else None
-            r["meets_target"] = (
-                r["kind"] == "store"
-                and r.get("output") == "dense"
-                and r["diversity"] >= TARGET_DIVERSITY
-                and r["cells_per_s"] >= TARGET_CELLS_S
-                and (r["vs_random"] or 0) >= TARGET_VS_RANDOM
-            )
-        candidates = [
-            r
-            for r in rows
-            if r["kind"] == "store"
-            and r.get("output") == "dense"
-            and r["regime"] == "evicting"
-            and r["diversity"] >= TARGET_DIVERSITY
-        ] or [r for r in rows if r["kind"] != "random"]
-        best = max(candidates, key=lambda r: r["cells_per_s"])
-        headline = {
-            "label": f"{_label(best)}, block {best.get('block_size')}, "
-            f"fetch factor {best.get('fetch_factor')}",
-            "cells_per_s": best["cells_per_s"],
-            "vs_random": best["vs_random"] or float("nan"),
-            "diversity": best["diversity"],
-        }
+        rows = _measure_rows(args, src, stores, labels)
+        headline = _judge(rows)
         store_bytes = {o: tree_bytes(p)[0] for o, p in stores.items()}
         meta = {
             "command": command_line({str(args.peers): "HARNESS_DIR"} if args.peers else None),

@@ -213,30 +213,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parse(argv)
-    if not Path("/proc/self/task").is_dir():
-        print("needs Linux /proc", file=sys.stderr)
-        return 2
-    if not (args.store / "zarr.json").exists():
-        print(f"{args.store}: no layout store there (see --help to build it)", file=sys.stderr)
-        return 2
-    kinds = [("full", True)] + ([("no-scatter", False)] if args.output == "dense" else [])
-    passes: dict[str, list[dict]] = {name: [] for name, _ in kinds}
-    for i in range(args.runs):  # interleaved, so both passes see the same machine
-        for name, scatter in kinds:
-            r = one_run(
-                args.store,
-                block_size=args.block_size,
-                fetch_factor=args.fetch_factor,
-                seed=i,
-                scatter=scatter,
-                output=args.output,
-                cache=args.cache,
-                whole_array_bytes=args.whole_array_bytes,
-            )
-            passes[name].append(r)
-            print(f"{name:10s} run {i}: {r['cells'] / r['wall']:,.0f} cells/s", flush=True)
+def _per_role(passes: dict[str, list[dict]]) -> tuple[list[dict], dict[str, dict]]:
+    """Medians over the runs: the table's rows (per pass and role) and each pass's summary."""
     rows, summary = [], {}
 
     def us(v: float, r: dict) -> float:
@@ -266,13 +244,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "asleep": f"{med('asleep'):.2f}",
                 }
             )
-    env = environment()
+    return rows, summary
+
+
+def _markdown(args: argparse.Namespace, rows: list[dict], summary: dict, env: dict) -> str:
+    """The results page: the passes' figures, then the per-thread table."""
     head = "; ".join(
         f"{k}: {s['cells_per_s']:,.0f} cells/s ({s['wall_us_per_cell']:.2f} µs of wall time "
         f"per cell, consumer blocked on fetches {s['fetch_wait_us_per_cell']:.2f})"
         for k, s in summary.items()
     )
-    md = (
+    return (
         "### Where the loader's time goes, per thread\n\n"
         f"`{args.store.name}`, `BlockDataset` batch 64, block {args.block_size}, fetch factor "
         f"{args.fetch_factor}, {args.output}, one epoch "
@@ -302,6 +284,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         + f"\n\nCommand: `{command_line()}` — {env['date']}, git {env['git']}.\n"
     )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parse(argv)
+    if not Path("/proc/self/task").is_dir():
+        print("needs Linux /proc", file=sys.stderr)
+        return 2
+    if not (args.store / "zarr.json").exists():
+        print(f"{args.store}: no layout store there (see --help to build it)", file=sys.stderr)
+        return 2
+    kinds = [("full", True)] + ([("no-scatter", False)] if args.output == "dense" else [])
+    passes: dict[str, list[dict]] = {name: [] for name, _ in kinds}
+    for i in range(args.runs):  # interleaved, so both passes see the same machine
+        for name, scatter in kinds:
+            r = one_run(
+                args.store,
+                block_size=args.block_size,
+                fetch_factor=args.fetch_factor,
+                seed=i,
+                scatter=scatter,
+                output=args.output,
+                cache=args.cache,
+                whole_array_bytes=args.whole_array_bytes,
+            )
+            passes[name].append(r)
+            print(f"{name:10s} run {i}: {r['cells'] / r['wall']:,.0f} cells/s", flush=True)
+    rows, summary = _per_role(passes)
+    env = environment()
+    md = _markdown(args, rows, summary, env)
     payload = {"meta": {"command": command_line(), "environment": env}, "summary": summary}
     payload["runs"] = passes
     write_results(args.name, payload, md, results=args.results)

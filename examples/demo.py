@@ -204,7 +204,8 @@ def train(
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line; ``--smoke`` shrinks the data and the runs."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--h5ad", type=Path, help="your own .h5ad (counts in X)")
     p.add_argument("--label", help="obs column to keep diverse (required with --h5ad)")
@@ -225,6 +226,11 @@ def main(argv: list[str] | None = None) -> None:
         args.cells, args.steps = min(args.cells, 2_000), min(args.steps, 20)
         args.profile = args.profile or str(MEASURED_PROFILE)
         args.bench_seconds, args.bench_runs = min(args.bench_seconds, 0.5), 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -239,71 +245,9 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{data.name}: {len(codes):,} cells, {len(categories)} values of {label!r}")
 
     spec, store = out / "spec.json", out / "store.zarr"
-    step("2/8 calibrate: measure this disk and this CPU")
-    if args.profile:
-        profile = args.profile
-        print(f"using profile {profile}")
-    else:
-        profile = str(out / "profile.json")
-        sclayout(
-            "calibrate",
-            str(data),
-            "--quick",
-            "--name",
-            "demo-quick",
-            "--out",
-            profile,
-            "--overwrite",
-        )
-    step("3/8 recommend a layout for this disk and this label")
-    sclayout(
-        "recommend",
-        str(data),
-        "--batch-size",
-        str(args.batch_size),
-        "--label",
-        label,
-        "--min-diversity",
-        str(args.min_diversity),
-        "--profile",
-        profile,
-        "--top",
-        "5",
-        "--spec-out",
-        str(spec),
-        "--plot",
-        str(out / "recommend.png"),
-        "--overwrite",  # a re-run of the demo replaces its own outputs
-        *(SMOKE_SPACE if args.smoke else ()),
-    )
-    step("4/8 convert with the recommended spec")
-    sclayout("convert", str(data), str(store), "--spec", str(spec), "--overwrite")
-    step("5/8 verify: the store equals its source, value for value")
-    sclayout("verify", str(data), str(store))
-    step("6/8 inspect the store")
-    sclayout("inspect", str(store))
-
-    step("7/8 bench: the loader alone, in the regime the prediction is for")
-    picked = json.loads(spec.read_text())
-    ld = picked["loader"]
-    bench = sclayout_json(
-        "bench",
-        str(store),
-        "--batch-size",
-        str(ld["batch_size"]),
-        "--fetch-factor",
-        str(ld["fetch_factor"]),
-        "--workers",
-        str(ld["num_workers"]),
-        "--profile",
-        profile,
-        "--label",
-        label,
-        "--seconds",
-        str(args.bench_seconds),
-        "--runs",
-        str(args.bench_runs),
-    )
+    profile = _profile(args, data, out)
+    _layout(args, data, label, profile, spec, store)
+    bench = _bench(args, store, spec, label, profile)
     (out / "bench.json").write_text(json.dumps(bench, indent=1))
 
     step("8/8 train from the store with loader.BlockDataset")
@@ -324,7 +268,96 @@ def main(argv: list[str] | None = None) -> None:
     (out / "train.json").write_text(json.dumps({**result, "sequential_diversity": seq_div}))
 
     step("summary")
-    st = picked["store"]
+    _summary(json.loads(spec.read_text()), bench, result, label=label, b=b, seq_div=seq_div)
+    _list_outputs(out, data, store)
+    print(f"done in {time.perf_counter() - t_start:.0f} s")
+    if shutil.which("sclayout") is None:
+        print("(activate the venv to type the commands yourself: source .venv/bin/activate)")
+
+
+def _profile(args: argparse.Namespace, data: Path, out: Path) -> str:
+    """Step 2: the storage profile to predict with (``--profile``, or a quick calibration)."""
+    step("2/8 calibrate: measure this disk and this CPU")
+    if args.profile:
+        print(f"using profile {args.profile}")
+        return args.profile
+    profile = str(out / "profile.json")
+    sclayout(
+        "calibrate", str(data), "--quick", "--name", "demo-quick", "--out", profile, "--overwrite"
+    )
+    return profile
+
+
+def _layout(
+    args: argparse.Namespace, data: Path, label: str, profile: str, spec: Path, store: Path
+) -> None:
+    """Steps 3 to 6: recommend a layout, convert with it, verify and inspect the store."""
+    step("3/8 recommend a layout for this disk and this label")
+    sclayout(
+        "recommend",
+        str(data),
+        "--batch-size",
+        str(args.batch_size),
+        "--label",
+        label,
+        "--min-diversity",
+        str(args.min_diversity),
+        "--profile",
+        profile,
+        "--top",
+        "5",
+        "--spec-out",
+        str(spec),
+        "--plot",
+        str(spec.parent / "recommend.png"),
+        "--overwrite",  # a re-run of the demo replaces its own outputs
+        *(SMOKE_SPACE if args.smoke else ()),
+    )
+    step("4/8 convert with the recommended spec")
+    sclayout("convert", str(data), str(store), "--spec", str(spec), "--overwrite")
+    step("5/8 verify: the store equals its source, value for value")
+    sclayout("verify", str(data), str(store))
+    step("6/8 inspect the store")
+    sclayout("inspect", str(store))
+
+
+def _bench(
+    args: argparse.Namespace, store: Path, spec: Path, label: str, profile: str
+) -> dict[str, Any]:
+    """Step 7: ``sclayout bench`` of the loader settings the spec picked."""
+    step("7/8 bench: the loader alone, in the regime the prediction is for")
+    ld = json.loads(spec.read_text())["loader"]
+    return sclayout_json(
+        "bench",
+        str(store),
+        "--batch-size",
+        str(ld["batch_size"]),
+        "--fetch-factor",
+        str(ld["fetch_factor"]),
+        "--workers",
+        str(ld["num_workers"]),
+        "--profile",
+        profile,
+        "--label",
+        label,
+        "--seconds",
+        str(args.bench_seconds),
+        "--runs",
+        str(args.bench_runs),
+    )
+
+
+def _summary(
+    picked: dict[str, Any],
+    bench: dict[str, Any],
+    result: dict[str, Any],
+    *,
+    label: str,
+    b: int,
+    seq_div: float,
+) -> None:
+    """Print the pick, predicted beside measured throughput, and the training's figures."""
+    st, ld = picked["store"], picked["loader"]
     predicted = picked["predicted"]["cells_per_s"]
     measured = bench["measured_cells_per_s"]
     print(
@@ -348,6 +381,10 @@ def main(argv: list[str] | None = None) -> None:
         f"diversity of {label!r}: {result['diversity']:.2f} from the store "
         f"vs {seq_div:.2f} reading the source in its on-disk order (1.0 = true random)"
     )
+
+
+def _list_outputs(out: Path, data: Path, store: Path) -> None:
+    """Print what the demo wrote into ``out``, one file a line."""
     size = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
     print(f"\nwritten to {out}/:")
     for name, what in (
@@ -361,9 +398,6 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if name and (out / name).exists():
             print(f"  {name:28s} {what}")
-    print(f"done in {time.perf_counter() - t_start:.0f} s")
-    if shutil.which("sclayout") is None:
-        print("(activate the venv to type the commands yourself: source .venv/bin/activate)")
 
 
 if __name__ == "__main__":

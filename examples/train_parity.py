@@ -687,7 +687,8 @@ def plot(results: dict[str, Any], path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- main
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line; ``--smoke`` shrinks the data, the seeds and the steps."""
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -730,7 +731,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.steps = args.steps or 20
         if args.cache == DEFAULT_CACHE:
             args.cache = args.out / "cache"
+    return args
 
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = _args(argv)
     import torch
 
     torch.set_num_threads(args.threads)
@@ -751,68 +756,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     n_cells = {"pbmc": args.pbmc_cells, "tahoe": args.tahoe_cells}
     for name in args.datasets:
-        work = args.cache / f"{name}-{n_cells[name]}x{args.genes}"
-        prep = prepare(name, work, n_obs=n_cells[name], n_vars=args.genes)
-        steps = args.steps or len(prep.train_y) // args.batch_size
-        entry: dict[str, Any] = {
-            "name": name,
-            "label": prep.label,
-            "classes": list(prep.classes),
-            "n_train": len(prep.train_y),
-            "n_test": len(prep.test_y),
-            "n_vars": prep.n_vars,
-            "split": prep.split,
-            "steps": steps,
-            "schemes": {},
-        }
-        store = None
-        if "block_store" in args.schemes:
-            store = recommended_store(
-                prep,
-                work,
-                batch_size=args.batch_size,
-                min_diversity=args.min_diversity,
-                profile=args.profile,
-                space=SMOKE_SPACE if args.smoke else (),
-            )
-            entry["store"] = {
-                "settings_source": store["settings_source"],
-                "spec": {k: store["spec_json"][k] for k in ("store", "loader")},
-            }
-        for scheme in args.schemes:
-            runs = []
-            for seed in range(args.seeds):
-                epoch_fn, settings = SCHEMES[scheme][1](
-                    prep,
-                    seed=seed,
-                    batch_size=args.batch_size,
-                    store=store,
-                )
-                r = train_one(
-                    prep,
-                    epoch_fn,
-                    steps=steps,
-                    seed=seed,
-                    batch_size=args.batch_size,
-                    lr=args.lr,
-                    hidden=args.hidden,
-                    layernorm=args.layernorm,
-                    progress=not args.quiet,
-                    desc=f"{name} {scheme} s{seed}",
-                )
-                print(
-                    f"   {name:6s} {scheme:12s} seed {seed}: macro-F1 {r['macro_f1']:.3f}  "
-                    f"acc {r['accuracy']:.3f}  diversity {r['diversity']:.3f}  "
-                    f"{r['cells_per_s']:,.0f} cells/s  {r['wall_s']:.1f} s",
-                    flush=True,
-                )
-                runs.append(r)
-            entry["schemes"][scheme] = {
-                "settings": settings,
-                "runs": runs,
-                "summary": summarise(runs),
-            }
-        results["datasets"][name] = entry
+        results["datasets"][name] = _run_dataset(args, name, n_cells[name])
 
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "parity.json").write_text(json.dumps(results, indent=1) + "\n")
@@ -822,6 +766,86 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print("\n" + table)
     print(f"wrote {args.out / 'parity.md'}, parity.json, parity.png")
     return results
+
+
+def _run_dataset(args: argparse.Namespace, name: str, n_obs: int) -> dict[str, Any]:
+    """Prepare one dataset (and its recommended store) and train every scheme on it."""
+    work = args.cache / f"{name}-{n_obs}x{args.genes}"
+    prep = prepare(name, work, n_obs=n_obs, n_vars=args.genes)
+    steps = args.steps or len(prep.train_y) // args.batch_size
+    entry: dict[str, Any] = {
+        "name": name,
+        "label": prep.label,
+        "classes": list(prep.classes),
+        "n_train": len(prep.train_y),
+        "n_test": len(prep.test_y),
+        "n_vars": prep.n_vars,
+        "split": prep.split,
+        "steps": steps,
+        "schemes": {},
+    }
+    store = None
+    if "block_store" in args.schemes:
+        store = recommended_store(
+            prep,
+            work,
+            batch_size=args.batch_size,
+            min_diversity=args.min_diversity,
+            profile=args.profile,
+            space=SMOKE_SPACE if args.smoke else (),
+        )
+        entry["store"] = {
+            "settings_source": store["settings_source"],
+            "spec": {k: store["spec_json"][k] for k in ("store", "loader")},
+        }
+    for scheme in args.schemes:
+        runs, settings = [], None
+        for seed in range(args.seeds):
+            r, settings = _train_scheme(args, prep, name, scheme, seed, steps, store)
+            runs.append(r)
+        entry["schemes"][scheme] = {
+            "settings": settings,
+            "runs": runs,
+            "summary": summarise(runs),
+        }
+    return entry
+
+
+def _train_scheme(
+    args: argparse.Namespace,
+    prep: Any,
+    name: str,
+    scheme: str,
+    seed: int,
+    steps: int,
+    store: dict[str, Any] | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Train one seed of one scheme; return its figures and the scheme's settings."""
+    epoch_fn, settings = SCHEMES[scheme][1](
+        prep,
+        seed=seed,
+        batch_size=args.batch_size,
+        store=store,
+    )
+    r = train_one(
+        prep,
+        epoch_fn,
+        steps=steps,
+        seed=seed,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        hidden=args.hidden,
+        layernorm=args.layernorm,
+        progress=not args.quiet,
+        desc=f"{name} {scheme} s{seed}",
+    )
+    print(
+        f"   {name:6s} {scheme:12s} seed {seed}: macro-F1 {r['macro_f1']:.3f}  "
+        f"acc {r['accuracy']:.3f}  diversity {r['diversity']:.3f}  "
+        f"{r['cells_per_s']:,.0f} cells/s  {r['wall_s']:.1f} s",
+        flush=True,
+    )
+    return r, settings
 
 
 if __name__ == "__main__":

@@ -170,47 +170,62 @@ if torch is not None:
                 yield batch
 
         def _minibatches(self):
-            ds = self.dataset
             if self.num_workers == 0:  # the dataset counts in this process
-                if self.timeout:
-                    yield from super().__iter__()
-                    return
-                # what torch's single-process iterator does with the dataset's
-                # batches (already tensors: default_convert keeps them), without
-                # its per-batch profiler scope and conversion walk, which cost the
-                # consumer's thread more than the loop's own Python. Like torch, draw
-                # the epoch's base seed, so seeded runs draw the same random numbers.
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator)
-                yield from iter(ds)
+                yield from self._in_process()
                 return
-            n = self.num_workers
-            remaining = ds.begin_pass(n)
+            ds = self.dataset
+            remaining = ds.begin_pass(self.num_workers)
             if ds.transform is not None or ds.extra:
-                # a transform runs in the workers on finished minibatches, and extra
-                # elements do not fit a group's buffer: minibatches then travel one by
-                # one, in torch's round-robin order
-                got = 0
-                try:
-                    for batch in super().__iter__():
-                        ds.count_delivered()
-                        got += 1
-                        yield batch
-                except SclayoutError as e:  # torch put the worker's traceback in it
-                    _release_worker_frames(e)  # torch's iterator is freed here
-                    raise worker_error(e) from None
-                except Exception as e:  # e.g. a user's transform, re-raised by torch
-                    _release_worker_frames(e)
-                    raise
-                if got != sum(remaining):
-                    raise LayoutError(
-                        f"BlockDataLoader: the workers delivered {got} minibatches of the "
-                        f"{sum(remaining)} planned; the store or the dataset changed"
-                    )
-                ds.end_pass()
+                yield from self._one_by_one(remaining)
+            else:
+                yield from self._grouped(remaining)
+
+        def _in_process(self):
+            """Minibatches of a loader without workers."""
+            if self.timeout:
+                yield from super().__iter__()
                 return
-            # workers send groups of minibatches (dataset.WORKER_GROUP_BATCHES);
-            # they are dealt out here in the order a DataLoader gives single
-            # minibatches: round-robin over the workers that still have some
+            # what torch's single-process iterator does with the dataset's
+            # batches (already tensors: default_convert keeps them), without
+            # its per-batch profiler scope and conversion walk, which cost the
+            # consumer's thread more than the loop's own Python. Like torch, draw
+            # the epoch's base seed, so seeded runs draw the same random numbers.
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
+            yield from iter(self.dataset)
+
+        def _one_by_one(self, remaining: list[int]):
+            """Minibatches from the workers one by one, in torch's round-robin order.
+
+            A transform runs in the workers on finished minibatches, and extra elements
+            do not fit a group's buffer.
+            """
+            ds = self.dataset
+            got = 0
+            try:
+                for batch in super().__iter__():
+                    ds.count_delivered()
+                    got += 1
+                    yield batch
+            except SclayoutError as e:  # torch put the worker's traceback in it
+                _release_worker_frames(e)  # torch's iterator is freed here
+                raise worker_error(e) from None
+            except Exception as e:  # e.g. a user's transform, re-raised by torch
+                _release_worker_frames(e)
+                raise
+            if got != sum(remaining):
+                raise LayoutError(
+                    f"BlockDataLoader: the workers delivered {got} minibatches of the "
+                    f"{sum(remaining)} planned; the store or the dataset changed"
+                )
+            ds.end_pass()
+
+        def _grouped(self, remaining: list[int]):
+            """Minibatches from groups the workers send (dataset.WORKER_GROUP_BATCHES).
+
+            They are dealt out in the order a DataLoader gives single minibatches:
+            round-robin over the workers that still have some.
+            """
+            ds, n = self.dataset, self.num_workers
             ds.group_workers = True
             try:
                 items = super().__iter__()  # starts (and pickles to) the workers

@@ -11,6 +11,7 @@ names) are still checked by the entry point itself.
 from __future__ import annotations
 
 import collections.abc as abc
+import dataclasses
 import functools
 import inspect
 import numbers
@@ -24,7 +25,7 @@ import numpy as np
 
 from loader.errors import InputError
 
-__all__ = ["typechecked"]
+__all__ = ["check_fields", "typechecked"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -147,3 +148,28 @@ def typechecked(fn: F | None = None, *, own_checks: tuple[str, ...] = ()) -> Any
         return fn(*args, **kwargs)
 
     return typing.cast(F, wrapper)
+
+
+_FIELD_CHECKS: dict[type, dict[str, _Check]] = {}
+"""The checks of each class :func:`check_fields` has seen, resolved once."""
+
+
+def check_fields(obj: Any, *, own_checks: tuple[str, ...] = ()) -> None:
+    """Check the fields of the dataclass instance ``obj`` against their annotations.
+
+    The option objects of ``loader.options`` call it from ``__post_init__``, so that a
+    field of the wrong type is the same one-line :class:`InputError` (``seed='a': must
+    be an integer``) as the keyword of that name. ``own_checks`` as in :func:`typechecked`.
+    """
+    cls = type(obj)
+    checks = _FIELD_CHECKS.get(cls)
+    if checks is None:
+        hints = typing.get_type_hints(cls)
+        checks = {}
+        for name in (f.name for f in dataclasses.fields(cls)):
+            c = None if name in own_checks else _check_for(hints.get(name, Any))
+            if c is not None:
+                checks[name] = c
+        _FIELD_CHECKS[cls] = checks
+    for name, check in checks.items():
+        _apply(name, getattr(obj, name), check)

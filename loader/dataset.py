@@ -60,13 +60,14 @@ Resuming
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import sys
 import warnings
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -77,11 +78,28 @@ from loader.argtypes import typechecked
 from loader.assemble import CSRRows
 from loader.errors import InputError, SclayoutError, SpecError, too_many_files
 from loader.layout import parse_block_size
+from loader.options import (
+    DEFAULT_PREFETCH,
+    OUTPUTS,
+    TORCH_HINT,
+    Output,
+    Reading,
+    Sampling,
+    Selection,
+    gather,
+    torch_available,
+)
 
-__all__ = ["OUTPUTS", "STATE_FORMAT", "BlockDataset", "torch_available"]
+__all__ = [
+    "DEFAULT_PREFETCH",
+    "OUTPUTS",
+    "STATE_FORMAT",
+    "TORCH_HINT",
+    "BlockDataset",
+    "torch_available",
+]
 
 STATE_FORMAT = "sclayout-loader-state"
-OUTPUTS = ("dense", "csr")
 _STATE_KEYS = (
     "seed",
     "strategy",
@@ -111,27 +129,12 @@ its size (pickling, one shared-memory file and a socket handshake per tensor), s
 when the store is CSR, a fifth of the dense bytes), that cost is spread over 1,024
 cells (docs/design.md, "Workers")."""
 
-DEFAULT_PREFETCH = 2
-"""Fetches in flight ahead of the one consumed. Two keep the pipeline full: while the
-consumer cuts fetch ``n``, fetch ``n+1`` is assembled and ``n+2`` read and decoded;
-more only add memory (docs/design.md, "Read-ahead")."""
-
 MAX_GROUPED_WORKERS = 64
 """Workers whose group buffers :class:`BlockDataLoader` tracks (shared counters; more
 workers than this run without buffer reuse)."""
 
 # Slots of the shared-state vector (shared memory, so persistent workers see updates).
 _EPOCH, _START_EPOCH, _START, _START_WORKERS, _UNTRACKED = range(5)
-TORCH_HINT = "pip install sclayout[torch]"
-
-
-def torch_available() -> bool:
-    """Whether torch can be imported (without importing it if it was not yet)."""
-    if "torch" in sys.modules:
-        return True
-    import importlib.util
-
-    return importlib.util.find_spec("torch") is not None
 
 
 def _worker_info() -> tuple[int, int] | None:
@@ -160,6 +163,12 @@ def _is_reader(obj: Any) -> bool:
 class BlockDataset:
     """Minibatches of a layout store (or raw .h5ad) by block sampling.
 
+    ``BlockDataset(path, batch_size=64)`` reads with the defaults. The other settings
+    come in four option groups (:mod:`loader.options`), each given as one object or
+    field by field as keywords of their own: ``seed=3, output="csr"`` is
+    ``sampling=Sampling(seed=3), output=Output(format="csr")``. A field given both
+    ways is an :class:`~loader.errors.InputError`.
+
     Parameters
     ----------
     path
@@ -169,84 +178,35 @@ class BlockDataset:
         of input ``i`` are offset by the rows of the inputs before it).
     batch_size
         Rows per minibatch (default: the spec's, else 64).
-    fetch_factor
-        Minibatches per fetch (default: the spec's, else 16). Rows are shuffled within
-        a fetch of about ``fetch_factor × batch_size`` rows.
-    block_size
-        Rows per block; ``None``: the store's (a store reads any multiple of its own).
-    obs
-        obs columns delivered as int64 codes (categories in :attr:`categories`).
-    seed
-        Root seed; the order is a pure function of seed, epoch, rank and worker.
-    strategy
-        ``block_shuffle`` (default), ``streaming``, ``weighted``, ``class_balanced``
-        (see :func:`loader.sampler.strategies`).
+    sampling
+        :class:`~loader.options.Sampling`: ``strategy``, ``seed``, ``weights``,
+        ``class_column``, ``replacement``, ``num_samples``, ``store_weights``,
+        ``drop_last``.
+    selection
+        :class:`~loader.options.Selection`: ``obs``, ``rows``, ``var_names``,
+        ``extra``, ``matrix``.
     output
-        ``"dense"`` (float32) or ``"csr"`` (torch sparse CSR / scipy CSR, float32).
-    drop_last
-        Drop each rank's incomplete last minibatch, and the ``n % world_size`` rows
-        that do not divide across ranks; otherwise those are padded by repeating the
-        first rows of the epoch (like ``DistributedSampler``).
-    weights
-        ``weighted``: one weight per row, in *source* row order (as in the original
-        AnnData), or a mapping ``{category: weight}`` of ``class_column``.
-    class_column
-        obs column whose classes ``class_balanced`` balances (weights ``1/frequency``),
-        or whose categories a ``weights`` mapping names.
-    replacement
-        Weighted strategies: draw blocks (and rows within them) with replacement, so
-        that every row's expected frequency is proportional to its weight (default);
-        ``False``: each row at most once, blocks drawn in weighted random order, all
-        rows of a drawn block delivered (weights then act per block, approximately).
-    num_samples
-        Rows per epoch for weighted strategies (default: the number of rows).
-    backend
-        Reader backend (``"tensorstore"``, ``"zarr"``; ``.h5ad`` always uses h5py).
+        :class:`~loader.options.Output` (``format``, ``dtype``, ``transform``), or the
+        format alone: ``"dense"`` (float32, default) or ``"csr"``.
+    reading
+        :class:`~loader.options.Reading`: ``fetch_factor``, ``block_size``,
+        ``backend``, ``prefetch``, ``prefetch_next_epoch``, ``cache_dir``,
+        ``cache_limit``.
     spec
         A :class:`loader.spec.LayoutSpec` or the path of its JSON: its loader settings
-        (and block size) become the defaults of the arguments left unset.
+        (batch size, fetch factor, strategy, backend; and its block size) become the
+        defaults of those left unset.
     rank, world_size
         DDP position; default: from ``torch.distributed`` if initialised, else 0 / 1.
-    prefetch
-        Fetches kept in flight ahead of the one being consumed (0: no read-ahead;
-        default :data:`DEFAULT_PREFETCH`).
-    prefetch_next_epoch
-        Go on reading ahead past an epoch's end: the next epoch's first ``prefetch``
-        fetches are read while this epoch's last one is consumed, so that an epoch does
-        not begin by waiting for a read (in the process that iterates, without
-        DataLoader workers). After the last epoch those fetches stay read for nothing
-        until the dataset is dropped; ``False`` for a dataset read once.
-    matrix
-        ``"X"`` or a layer (``"layers/counts"``).
-    dtype
-        Values of ``X`` as ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``
-        (torch needed; numpy has no bfloat16).
-    var_names
-        A gene panel (a list, a pandas Index or a text file with one name per line):
-        ``X`` has these columns in this order, genes absent from the data are zeros.
-        Stores of a list may then have different var.
-    rows
-        Only these rows: a boolean mask or an index array over the source rows, or an
-        obs filter ``{column: value or [values]}``. Blocks keep their selected rows
-        (trimmed, not dropped); exactly-once, resume and DDP hold on the subset.
-    extra
-        More row-aligned elements delivered in each batch under their name, e.g.
-        ``("layers/counts", "obsm/X_pca")`` (same ``output`` as X, float32; with
-        workers, minibatches then travel one by one).
     label
         obs column whose predicted minibatch diversity is checked when the data lies
         in its original order (a raw .h5ad, an ``original`` store, an AnnData); default:
         the categorical column the rows are sorted by, if any. Below
         :data:`loader.diversity.WARN_BELOW` the dataset warns once
         (:class:`loader.diversity.LowDiversityWarning`) with the ``recommend`` command.
-    store_weights
-        With a list of inputs: one weight per input; an epoch then draws each input's
-        rows in proportion to its weight (strategy ``weighted``, by default).
-    transform
-        A callable applied to each batch dict (after ``dtype``), where the batch is made:
-        in the DataLoader worker when there are workers, so it must then be picklable
-        (a module-level function or a picklable object). With workers, a transform makes
-        each worker send its minibatches one by one instead of in groups.
+    **fields
+        Any field of the four groups by name (``fetch_factor=16``, ``obs=("plate",)``,
+        ``dtype="float16"``), as the dataset took them before the groups existed.
 
     Notes
     -----
@@ -257,105 +217,62 @@ class BlockDataset:
     block arrive together, so counts vary more than under row-by-row sampling.
     """
 
-    @typechecked(own_checks=("batch_size", "fetch_factor", "block_size"))
+    @typechecked(own_checks=("batch_size",))
     def __init__(
         self,
         path: Any,
         *,
         batch_size: int | None = None,
-        fetch_factor: int | None = None,
-        block_size: int | None = None,
-        obs: Sequence[str] = (),
-        seed: int = 0,
-        strategy: str | None = None,
-        output: str = "dense",
-        drop_last: bool = False,
-        weights: Any = None,
-        class_column: str | None = None,
-        replacement: bool = True,
-        num_samples: int | None = None,
-        backend: str | None = None,
+        sampling: Sampling | None = None,
+        selection: Selection | None = None,
+        output: str | Output = "dense",
+        reading: Reading | None = None,
         spec: Any = None,
         rank: int | None = None,
         world_size: int | None = None,
-        prefetch: int = DEFAULT_PREFETCH,
-        matrix: str = "X",
-        dtype: Any = "float32",
-        transform: Any = None,
-        var_names: Any = None,
-        rows: Any = None,
-        extra: Sequence[str] = (),
-        store_weights: Sequence[float] | None = None,
         label: str | None = None,
-        prefetch_next_epoch: bool = True,
+        **fields: Any,
     ) -> None:
+        given = {"sampling": sampling, "selection": selection, "output": output, "reading": reading}
+        groups = gather(fields, given, "BlockDataset.__init__", _NAMES)
+        sampling, selection, out, reading = (groups[k] for k in given)
         # what the caller chose (a reader passed as path must agree; "X" is the default)
-        asked = {"block_size": block_size, "backend": backend, "matrix": matrix}
-        asked["matrix"] = None if matrix == "X" else matrix
+        asked = {
+            "block_size": reading.block_size,
+            "backend": reading.backend,
+            "matrix": None if selection.matrix == "X" else selection.matrix,
+        }
         settings = _spec_settings(spec)
         self._spec_num_workers = int(settings.get("num_workers", 0))
-        batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
-        fetch_factor = settings.get("fetch_factor", 16) if fetch_factor is None else fetch_factor
-        if strategy is None and store_weights is not None:
-            strategy = "weighted"
-        strategy = settings.get("strategy", "block_shuffle") if strategy is None else strategy
-        backend = settings.get("backend", "tensorstore") if backend is None else backend
-        block_size = settings.get("block_size") if block_size is None else block_size
-        batch_size = parse_block_size(batch_size, name="batch_size")
-        fetch_factor = parse_block_size(fetch_factor, name="fetch_factor")
-        if block_size is not None:
-            block_size = parse_block_size(block_size)
-        S.get_strategy(strategy)
-        if output not in OUTPUTS:
-            raise InputError(f"output={output!r}: unknown; known: {', '.join(OUTPUTS)}")
-        if isinstance(obs, str):
-            obs = (obs,)
-        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-            raise InputError(f"prefetch={prefetch!r}: must be an integer >= 0")
-        dtype = _dtype_name(dtype)
-        if transform is not None and not callable(transform):
-            raise InputError(
-                f"transform={transform!r}: must be a callable taking and returning the batch dict"
-            )
-        if rank is None or world_size is None:
-            d_rank, d_world = _default_rank_world()
-            rank = d_rank if rank is None else rank
-            world_size = d_world if world_size is None else world_size
-        S.check_position(rank, world_size)
-        for name, flag in (
-            ("drop_last", drop_last),
-            ("replacement", replacement),
-            ("prefetch_next_epoch", prefetch_next_epoch),
-        ):
-            if not isinstance(flag, bool | np.bool_):
-                raise InputError(f"{name}={flag!r}: must be True or False")
-
-        if isinstance(extra, str):
-            extra = (extra,)
-        extra = tuple(extra)
+        batch_size, sampling, reading = _with_spec(settings, batch_size, sampling, reading)
+        self.rank, self.world_size = _rank_world(rank, world_size)
         opened: list[Any] = []  # the readers this dataset opens: close() closes them
-        path, extras, weights = _stacked_inputs(
-            path,
-            opened,
-            matrix=matrix,
-            block_size=block_size,
-            backend=backend,
-            var_names=var_names,
-            rows=rows,
-            extra=extra,
-            store_weights=store_weights,
-            weights=weights,
-        )
-        self.extra = extra
-        self._extras = extras
+        path, self._extras, weights = _stacked_inputs(path, opened, selection, reading, sampling)
         reader_args = {
-            "block_size": block_size,
-            "backend": backend,
-            "matrix": matrix,
+            "block_size": reading.block_size,
+            "backend": reading.backend,
+            "matrix": selection.matrix,
             # CSR minibatches widen their own values: fetches keep them as stored
-            "narrow_values": output == "csr",
+            "narrow_values": out.format == "csr",
+            **reading.cache,
         }
         reader, self._path = _reader_of(path, asked, reader_args, opened)
+        self._hold_reader(reader, reader_args, opened)
+        self.obs, self.extra = selection.obs, selection.extra
+        self.output, self.dtype, self.transform = out.format, out.dtype, out.transform
+        self.prefetch = reading.prefetch
+        self.prefetch_next_epoch = reading.prefetch_next_epoch
+        self.n_obs = int(reader.n_obs)
+        self.n_vars = int(reader.n_vars)
+        self.config = self._sampler_config(
+            reader, sampling, weights, batch_size, reading.fetch_factor
+        )
+        self._options = dict(zip(given, (sampling, selection, out, reading), strict=True))
+        self._check_diversity(reader, label)
+        self._reset_passes()
+
+    def _hold_reader(self, reader: Any, reader_args: dict[str, Any], opened: list[Any]) -> None:
+        """Keep the opened ``reader`` and what this process needs to reopen or close it."""
         self._opened = opened
         self._closed = False
         # this process's iterators, for close(): weak references without a callback (a
@@ -368,32 +285,41 @@ class BlockDataset:
         self._generation = getattr(reader, "generation", None) if self._path else None
         self._read_pid: int | None = None  # the process that has read data, if any
 
-        self.obs = tuple(obs)
-        self.output = output
-        self.dtype = dtype
-        self.transform = transform
-        self.prefetch = prefetch
-        self.rank, self.world_size = int(rank), int(world_size)
-        self.n_obs = int(reader.n_obs)
-        self.n_vars = int(reader.n_vars)
+    def _sampler_config(
+        self,
+        reader: Any,
+        sampling: Sampling,
+        weights: Any,
+        batch_size: int,
+        fetch_factor: int,
+    ) -> S.SamplerConfig:
+        """Return the sampler's settings; read the obs codes of :attr:`obs` and weights."""
+        class_column = sampling.class_column
         self.categories: dict[str, list] = {}
         codes = {}
         for col in dict.fromkeys((*self.obs, *([class_column] if class_column else []))):
-            codes[col], self.categories[col] = _obs_codes(reader, col)
+            if col != class_column and hasattr(reader, "obs_categories"):
+                self.categories[col] = reader.obs_categories(col)  # codes: per fetch if it can
+            else:
+                codes[col], self.categories[col] = _obs_codes(reader, col)
+        strategy = sampling.strategy
         row_weights = _row_weights(strategy, weights, class_column, codes, reader, self.categories)
-        self.config = S.SamplerConfig(
+        config = S.SamplerConfig(
             block_lengths=reader.block_lengths(),
             batch_size=batch_size,
             fetch_factor=fetch_factor,
-            seed=seed,
+            seed=sampling.seed,
             strategy=strategy,
-            drop_last=bool(drop_last),
+            drop_last=sampling.drop_last,
             row_weights=row_weights,
-            num_samples=num_samples,
-            replacement=bool(replacement),
+            num_samples=sampling.num_samples,
+            replacement=sampling.replacement,
         )
-        _ = self.config.epoch_rows  # validate num_samples against the weights now
-        self._check_diversity(reader, label)
+        _ = config.epoch_rows  # validate num_samples against the weights now
+        return config
+
+    def _reset_passes(self) -> None:
+        """Start with no epoch drawn, nothing delivered and nothing read ahead."""
         self._shared = _shared_state()
         self._released = _shared_state(MAX_GROUPED_WORKERS)  # BlockDataLoader's group buffers
         self._state_digests: dict[str, str | None] | None = None  # see _digests()
@@ -402,7 +328,6 @@ class BlockDataset:
         self._tracked_workers = 0  # set by BlockDataLoader in the main process
         self._advance = False  # the next pass starts the next epoch (see begin_pass)
         self.group_workers = False  # BlockDataLoader: workers send groups of minibatches
-        self.prefetch_next_epoch = bool(prefetch_next_epoch)
         self._carry: Carry | None = None  # the next pass's first fetches, in flight
 
     def _check_diversity(self, reader: Any, label: str | None) -> None:
@@ -447,6 +372,17 @@ class BlockDataset:
         )
 
     # -- settings -------------------------------------------------------------------
+    @property
+    def options(self) -> dict[str, Any]:
+        """The option groups of this dataset, with the spec's and the default values filled in.
+
+        ``{"sampling": Sampling, "selection": Selection, "output": Output, "reading":
+        Reading}``: ``BlockDataset(path, batch_size=ds.batch_size, **ds.options)`` (same
+        rank and world size) makes the same dataset. A pickled copy (a DataLoader
+        worker's) has none, ``{}``: weights and row masks are as long as the data.
+        """
+        return dict(self._options)
+
     @property
     def batch_size(self) -> int:
         """Rows per minibatch."""
@@ -511,6 +447,7 @@ class BlockDataset:
         state["_carry"] = None  # fetches in flight belong to this process
         state["_opened"] = []  # another process opens its own (see _get_reader)
         state["_iterators"] = []
+        state["_options"] = {}  # what made the dataset: the sampler config holds the rest
         if self._path is not None:
             state["_reader"] = None  # reopened lazily in the process that reads
         return state
@@ -935,18 +872,43 @@ class BlockDataset:
         )
 
 
+_NAMES = ("batch_size", "spec", "rank", "world_size", "label")
+"""``BlockDataset``'s keywords besides the option groups and their fields."""
+
+
+def _with_spec(
+    settings: dict[str, Any], batch_size: Any, sampling: Sampling, reading: Reading
+) -> tuple[int, Sampling, Reading]:
+    """Fill what the caller left unset from the spec's ``settings``, else the defaults."""
+    batch_size = settings.get("batch_size", 64) if batch_size is None else batch_size
+    strategy = sampling.strategy
+    if strategy is None:
+        weighted = sampling.store_weights is not None
+        strategy = "weighted" if weighted else settings.get("strategy", "block_shuffle")
+    unset = {
+        k: settings.get(k, default)
+        for k, default in (("fetch_factor", 16), ("backend", "tensorstore"), ("block_size", None))
+        if getattr(reading, k) is None
+    }
+    return (
+        parse_block_size(batch_size, name="batch_size"),
+        dataclasses.replace(sampling, strategy=strategy),
+        dataclasses.replace(reading, **unset),
+    )
+
+
+def _rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """Return the DDP position: the one given, else ``torch.distributed``'s, else 0 / 1."""
+    if rank is None or world_size is None:
+        d_rank, d_world = _default_rank_world()
+        rank = d_rank if rank is None else rank
+        world_size = d_world if world_size is None else world_size
+    S.check_position(rank, world_size)
+    return int(rank), int(world_size)
+
+
 def _stacked_inputs(
-    path: Any,
-    opened: list[Any],
-    *,
-    matrix: str,
-    block_size: int | None,
-    backend: str,
-    var_names: Any,
-    rows: Any,
-    extra: tuple[str, ...],
-    store_weights: Any,
-    weights: Any,
+    path: Any, opened: list[Any], selection: Selection, reading: Reading, sampling: Sampling
 ) -> tuple[Any, dict[str, Any], Any]:
     """Return ``(path or stacked reader, extras' readers, weights)``.
 
@@ -956,12 +918,10 @@ def _stacked_inputs(
     """
     from loader.sources import build_readers, is_anndata
 
-    if not (
-        isinstance(path, list | tuple)
-        or is_anndata(path)
-        or extra
-        or (var_names is not None or rows is not None or store_weights is not None)
-    ):
+    matrix, block_size, backend = selection.matrix, reading.block_size, reading.backend
+    weights, store_weights = sampling.weights, sampling.store_weights
+    several = isinstance(path, list | tuple) or store_weights is not None
+    if not (several or is_anndata(path) or selection.stacked):
         return path, {}, weights
     items = list(path) if isinstance(path, list | tuple) else [path]
     if not items:
@@ -976,7 +936,13 @@ def _stacked_inputs(
 
         element = matrix if element == "X" else element
         opened.append(
-            open_layout(_check_path(item), block_size=block_size, backend=backend, matrix=element)
+            open_layout(
+                _check_path(item),
+                block_size=block_size,
+                backend=backend,
+                matrix=element,
+                **reading.cache,
+            )
         )
         return opened[-1]
 
@@ -984,14 +950,12 @@ def _stacked_inputs(
         items,
         open_store=open_store,
         block_size=block_size,
-        var_names=var_names,
-        rows=rows,
-        extra=extra,
+        var_names=selection.var_names,
+        rows=selection.rows,
+        extra=selection.extra,
     )
     opened.extend(_wrappers([stacked, *extras.values()]))  # their threads: ours too
-    if store_weights is not None:
-        if weights is not None:
-            raise InputError("store_weights= and weights= together: give one of them")
+    if store_weights is not None:  # Sampling refuses them with weights=
         weights = _store_row_weights(store_weights, stacked, len(items))
     return stacked, extras, weights
 
@@ -1088,24 +1052,6 @@ def _check_path(path: Any) -> str:
             f"path={path!r}: expected a store path, URL or .h5ad file (or an open reader)"
         )
     return os.fspath(path)  # existence and kind are checked by open_layout
-
-
-DTYPES = ("float32", "float16", "bfloat16")
-
-
-def _dtype_name(dtype: Any) -> str:
-    """``"float32"``, ``"float16"`` or ``"bfloat16"`` from a name, a numpy or a torch dtype."""
-    name = str(dtype).removeprefix("torch.")
-    if not isinstance(dtype, str):
-        try:
-            name = np.dtype(dtype).name
-        except TypeError:
-            pass
-    if name not in DTYPES:
-        raise InputError(f"dtype={dtype!r}: unknown; known: {', '.join(DTYPES)}")
-    if name == "bfloat16" and not torch_available():
-        raise InputError(f"dtype='bfloat16' needs torch (numpy has none): {TORCH_HINT}")
-    return name
 
 
 def _store_row_weights(store_weights: Any, reader: Any, n_inputs: int) -> np.ndarray:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import loader
+import loader.advanced
 import sclayout.convert
 import sclayout.cost
 from loader.errors import InputError
@@ -94,20 +95,20 @@ CALLS = {
     ),
     "open_layout": (lambda: loader.open_layout, lambda t: [str(_store(t)[1])], _no_kwargs, {}),
     "plan_fetch": (
-        lambda: loader.plan_fetch,
+        lambda: loader.advanced.plan_fetch,
         lambda t: [np.array([0])],
         lambda t: dict(zip(("manifest", "block_pointer"), _manifest(t), strict=True)),
         {},
     ),
-    "get_backend": (lambda: loader.get_backend, lambda t: ["tensorstore"], _no_kwargs, {}),
+    "get_backend": (lambda: loader.advanced.get_backend, lambda t: ["tensorstore"], _no_kwargs, {}),
     "register_backend": (
-        lambda: loader.register_backend,
+        lambda: loader.advanced.register_backend,
         lambda t: ["x-test", lambda location, **kw: None],
         _no_kwargs,
         {},
     ),
     "register_strategy": (
-        lambda: loader.register_strategy,
+        lambda: loader.advanced.register_strategy,
         lambda t: [loader.sampler.get_strategy("streaming")],
         _no_kwargs,
         {},
@@ -127,13 +128,13 @@ CALLS = {
         {},
     ),
     "verify": (
-        lambda: import_module("sclayout.convert.verify").verify,
+        lambda: import_module("sclayout.checks.verify").verify,
         lambda t: [str(p) for p in _store(t)],
         _no_kwargs,
         {},
     ),
     "inspect_store": (
-        lambda: import_module("sclayout.convert.inspect").inspect_store,
+        lambda: import_module("sclayout.checks.inspect").inspect_store,
         lambda t: [str(_store(t)[1])],
         _no_kwargs,
         {},
@@ -231,7 +232,7 @@ def _made_by_the_library(obj: object) -> bool:
 
 def _public() -> dict[str, object]:
     out = {}
-    for mod in (loader, sclayout.convert, sclayout.cost):
+    for mod in (loader, loader.advanced, sclayout.convert, sclayout.cost):
         for name in mod.__all__:
             obj = getattr(mod, name)
             if callable(obj) and not name.isupper() and not _made_by_the_library(obj):

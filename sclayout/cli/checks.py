@@ -141,7 +141,7 @@ def _verify(
     from loader.errors import InputError
 
     if len(paths) == 1:
-        from sclayout.convert.verify_store import check_store
+        from sclayout.checks.verify_store import check_store
 
         store = check_store(paths[0], quick=quick, progress=progress)
         result = {**asdict(store), "summary": store.summary()}
@@ -149,8 +149,8 @@ def _verify(
         _finish(store.findings, notes, store.summary(), store.sound, result if as_json else None)
     if quick:
         raise InputError("--quick checks DST alone: drop SRC, or drop --quick")
-    from sclayout.convert.verify import verify
-    from sclayout.convert.verify_sources import needs_sources_verify, verify_sources
+    from sclayout.checks.verify import verify
+    from sclayout.checks.verify_sources import needs_sources_verify, verify_sources
 
     srcs, dst = list(paths[:-1]), paths[-1]
     if len(srcs) > 1 or needs_sources_verify(srcs[0], dst):
@@ -196,7 +196,7 @@ def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     It reads metadata only, so it shows no progress bar. Warns when chunks are missing
     (exit 1) or the store carries no chunk checksums.
     """
-    from sclayout.convert.inspect import inspect_store, render_inspect
+    from sclayout.checks.inspect import inspect_store, render_inspect
 
     tidy_stale(store)
     with _readable(store) as local:

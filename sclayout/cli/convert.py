@@ -9,6 +9,7 @@ import json
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -178,36 +179,11 @@ def convert_command(
     DST appears only when the conversion is complete: it is written into a temporary
     sibling and renamed at the end.
     """
-    from loader.errors import InputError
-    from loader.layout import RowOrder, parse_block_size
-    from loader.spec import LayoutSpec
     from sclayout.convert import convert
 
     srcs, dst = split_paths(paths, sources_from)
     tidy_stale(dst)  # convert() tidies too, silently: here the user is told
-
-    size = parse_block_size(block_size, name="--block-size") if block_size is not None else None
-    kwargs = {"block_size": size, "order": order, "by": by, "seed": seed, "codec": codec}
-    layout_spec = None
-    if spec is not None:  # explicit options override the spec: fold them into it
-        layout_spec = LayoutSpec.load(spec)
-        st = layout_spec.store
-        kind = order or st.order.kind
-        if by and kind not in ("stratified", "grouped"):
-            raise InputError(
-                f"--by {by[0]!r}: columns are only used with --order stratified or grouped "
-                f"(order is {kind!r}); drop --by or pass --order stratified"
-            )
-        merged_order = RowOrder(
-            kind=kind,
-            seed=seed if seed is not None else st.order.seed,
-            columns=by or (st.order.columns if kind in ("stratified", "grouped") else ()),
-        )
-        layout_spec = layout_spec.with_store(
-            block_size=size or st.block_size, order=merged_order, codec=codec or st.codec
-        )
-        kwargs = {}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None and v != ()}
+    layout_spec, kwargs = _layout_options(spec, block_size, order, by, seed, codec)
     if scheduler is not None:
         require("distributed", "distributed", "--scheduler")
     t0 = time.perf_counter()
@@ -228,14 +204,57 @@ def convert_command(
         **kwargs,
     )
     seconds = time.perf_counter() - t0
-    if quiet and not as_json:
-        return
+    if not quiet or as_json:
+        _report(manifest, srcs, dst, seconds, as_json=as_json)
+
+
+def _layout_options(
+    spec: Path | None,
+    block_size: str | None,
+    order: str | None,
+    by: tuple[str, ...],
+    seed: int | None,
+    codec: str | None,
+) -> tuple[Any, dict[str, Any]]:
+    """Return the layout to write as ``(spec, keyword arguments of convert)``.
+
+    Without ``--spec`` the options given become keywords; with it they override the
+    spec's values and are folded into it.
+    """
+    from loader.errors import InputError
+    from loader.layout import RowOrder, parse_block_size
+    from loader.spec import LayoutSpec
+
+    size = parse_block_size(block_size, name="--block-size") if block_size is not None else None
+    if spec is None:
+        kwargs = {"block_size": size, "order": order, "by": by, "seed": seed, "codec": codec}
+        return None, {k: v for k, v in kwargs.items() if v is not None and v != ()}
+    layout_spec = LayoutSpec.load(spec)
+    st = layout_spec.store
+    kind = order or st.order.kind
+    if by and kind not in ("stratified", "grouped"):
+        raise InputError(
+            f"--by {by[0]!r}: columns are only used with --order stratified or grouped "
+            f"(order is {kind!r}); drop --by or pass --order stratified"
+        )
+    merged_order = RowOrder(
+        kind=kind,
+        seed=seed if seed is not None else st.order.seed,
+        columns=by or (st.order.columns if kind in ("stratified", "grouped") else ()),
+    )
+    layout_spec = layout_spec.with_store(
+        block_size=size or st.block_size, order=merged_order, codec=codec or st.codec
+    )
+    return layout_spec, {}
+
+
+def _report(
+    manifest: Any, srcs: list[Path], dst: Path | str, seconds: float, *, as_json: bool
+) -> None:
+    """Print what was written: one JSON document, or notes and a one-line summary."""
     remote = isinstance(dst, str)  # s3:// or gs://: sizes are not listed back
     written, files = (0, 0) if remote else _dir_bytes(dst)
-    sources = manifest.sources or ({"fingerprint": manifest.source},)
-    src_bytes = sum(e["fingerprint"].get("size", 0) for e in sources)
     arrays = sum(len(m.arrays) for m in manifest.matrices.values())
-    what = srcs[0] if len(srcs) == 1 else f"{len(srcs)} sources"
     if as_json:
         summary = {
             "sources": [str(x) for x in srcs],
@@ -253,6 +272,9 @@ def convert_command(
         }
         click.echo(json.dumps(summary, indent=1))
         return
+    sources = manifest.sources or ({"fingerprint": manifest.source},)
+    src_bytes = sum(e["fingerprint"].get("size", 0) for e in sources)
+    what = srcs[0] if len(srcs) == 1 else f"{len(srcs)} sources"
     for note in manifest.notes:
         click.echo(f"note: {note}")
     if len(srcs) > 1 or manifest.genes.get("join") not in (None, "same"):

@@ -29,11 +29,6 @@ from sclayout.cli._common import (
 
 __all__ = ["bench_command", "calibrate_command", "recommend_command"]
 
-REWRITE_GAIN = 1.10
-"""Predicted speed-up a re-conversion must promise before ``recommend`` on a store
-advises it: two predictions on one profile compare better than either predicts
-absolutely (see docs/cost-model.md), and rewriting a whole dataset is not free."""
-
 
 def _input_error(message: str) -> Exception:
     from loader.errors import InputError  # here: importing loader loads numpy
@@ -365,11 +360,14 @@ def _plot(result: Any, path: Path, title: str) -> None:
     help="Diversity target in (0, 1] (1.0 = true random).",
 )
 @click.option(
-    "--memory-budget",
+    "--loader-memory",
     default="4GB",
     show_default=True,
     metavar="SIZE",
-    help="Loader memory budget (all workers).",
+    help="Memory the loader may use (all workers).",
+)
+@click.option(
+    "--memory-budget", hidden=True, default=None, help="Deprecated name of --loader-memory."
 )
 @click.option(
     "--profile",
@@ -433,7 +431,8 @@ def recommend_command(
     batch_size: int,
     label: str | None,
     min_diversity: float,
-    memory_budget: str,
+    loader_memory: str,
+    memory_budget: str | None,
     profile: str | None,
     top: int,
     as_json: bool,
@@ -459,141 +458,131 @@ def recommend_command(
     atlas) are counted together, as `convert` would combine them; --label source then
     means the file each row comes from.
     """
-    from dataclasses import replace
-
-    from loader.errors import InputError
-    from sclayout.convert.plan import parse_memory_budget
-    from sclayout.cost.search import check_targets, measured_codecs, search, search_loader
     from sclayout.cost.stats import read_dataset_stats, read_sources_stats
+    from sclayout.cost.verdict import recommend
 
     tidy_stale(*sources)
-    source = sources[0]
-
     if workers is not None:
         click.echo("note: recommend --workers is deprecated; use --worker-counts", err=True)
         worker_counts = worker_counts or workers
+    if memory_budget is not None:
+        click.echo("note: recommend --memory-budget is deprecated; use --loader-memory", err=True)
+        loader_memory = memory_budget
     space = _space(block_sizes, fetch_factors, orders, codecs, worker_counts)
     if "stratified" in (orders or "") and label is None:
         raise _input_error("--orders stratified: needs --label COLUMN (the column to stratify by)")
-    try:
-        budget = parse_memory_budget(memory_budget)
-    except InputError as e:
-        why = str(e).split(": ", 1)[-1]
-        raise _input_error(f"--memory-budget {memory_budget!r}: {why}") from None
-    check_targets(min_diversity, budget)
+    budget = _loader_memory(loader_memory, min_diversity)
     _check_output(spec_out, "--spec-out", overwrite=overwrite, inputs=sources)
     _check_output(plot, "--plot", overwrite=overwrite, inputs=sources, suffixes=PLOT_SUFFIXES)
     if plot is not None:
         require("matplotlib", "plot", "--plot")
     if len(sources) > 1:
         stats = read_sources_stats(list(sources), label=label)
-    else:
-        stats = read_dataset_stats(source, label=label)  # metadata: fails fast on a bad --label
-    prof, prof_note = _resolve_profile(profile, source, quiet=quiet or as_json, codecs=codecs)
-    if cores is not None:
-        prof = prof.at_cores(cores)
-        prof_note += f"; predicted for {cores} cores"
-    space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
-    if unknown:
-        prof_note += (
-            f"; codecs not in profile {prof.name!r}, not searched: {', '.join(unknown)} "
-            "(recalibrate with `sclayout calibrate` to include them)"
-        )
-    kw = dict(
+    else:  # metadata: fails fast on a bad --label
+        stats = read_dataset_stats(sources[0], label=label)
+    prof, prof_note, space = _recommend_profile(
+        profile, sources[0], space, cores=cores, codecs=codecs, quiet=quiet or as_json
+    )
+    rec = recommend(
+        stats,
+        space=space,
         profile=prof,
         batch_size=batch_size,
         min_diversity=min_diversity,
-        memory_budget=budget,
+        loader_memory=budget,
+        label=label,
         seed=seed,
     )
-    out: dict[str, Any] = {"source": source, "profile": prof.name, "profile_note": prof_note}
-    if len(sources) > 1:
-        out["sources"] = list(sources)
-    if stats.manifest is not None:
-        # the best this store allows, even below the target (then the conversion that
-        # reaches it is the answer): never an error with nothing printed
-        result = search_loader(
-            stats,
-            fetch_factors=space.fetch_factors,
-            workers=space.workers,
-            best_effort=True,
-            **kw,
-        )
-        reconvert = search(stats, space=space, **kw)
-        gain = reconvert.pick.cells_per_s / result.pick.cells_per_s
-        re = reconvert.pick.spec.store
-        layout = f"block {re.block_size}, order {re.order.kind}, codec {re.codec}"
-        if result.extra.get("meets_target", True) is False:
-            verdict = (
-                f"this store cannot reach diversity {min_diversity} (best "
-                f"{result.pick.diversity:.3f}); re-converting with {layout} reaches "
-                f"{reconvert.pick.diversity:.3f} at {reconvert.pick.cells_per_s:,.0f} cells/s "
-                f"predicted: sclayout recommend SRC --spec-out spec.json, then "
-                f"sclayout convert SRC DST --spec spec.json"
-            )
-        elif gain >= REWRITE_GAIN:
-            verdict = (
-                f"re-converting would pay: {gain:.2f}x faster predicted "
-                f"({reconvert.pick.cells_per_s:,.0f} vs {result.pick.cells_per_s:,.0f} "
-                f"cells/s) with {layout}"
-            )
-        else:
-            verdict = (
-                f"re-converting would not pay ({gain:.2f}x predicted, under the "
-                f"{REWRITE_GAIN:.2f}x asked of a rewrite)"
-            )
-        out["reconvert"] = {
-            "gain": gain,
-            "pick": reconvert.pick.row(),
-            "verdict": verdict,
-            "meets_target": result.extra.get("meets_target", True),
-        }
-        what = "loader settings for this layout store"
-    else:
-        result = search(stats, space=space, **kw)
-        what = "layouts"
-    pick = result.pick
-    spec = replace(
-        pick.spec,
-        predicted={
-            "cells_per_s": round(pick.cells_per_s, 1),
-            "diversity": round(pick.diversity, 4),
-            "diversity_label": label,
-            "peak_memory_bytes": pick.prediction.peak_memory,
-            "disk_bytes": int(pick.disk_bytes),
-            "profile": prof.name,
-        },
-    )
-    out.update(
-        {
-            "pick": pick.row(),
-            "reason": result.reason,
-            "spec": spec.to_dict(),
-            "ranked": _rows(result, top),
-            "n_candidates": len(result.candidates),
-        }
-    )
+    out = _recommend_report(rec, sources, prof.name, prof_note, top)
     if plot is not None:
-        title = f"{Path(source).name}: batch {batch_size}, label {label}, {prof.name}"
-        _write_atomic(plot, "--plot", lambda tmp: _plot(result, tmp, title))
+        title = f"{Path(sources[0]).name}: batch {batch_size}, label {label}, {prof.name}"
+        _write_atomic(plot, "--plot", lambda tmp: _plot(rec.result, tmp, title))
     if spec_out is not None:
-        _write_atomic(spec_out, "--spec-out", spec.save)
+        _write_atomic(spec_out, "--spec-out", rec.spec.save)
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str))
-        return
-    click.echo(prof_note)
+    else:
+        _print_recommendation(out, rec, stats, spec_out=spec_out, plot=plot)
+
+
+def _print_recommendation(
+    out: dict[str, Any], rec: Any, stats: Any, *, spec_out: Path | None, plot: Path | None
+) -> None:
+    """Print ``recommend``'s text report: profile, dataset, ranked table, pick, verdict."""
+    click.echo(out["profile_note"])
     click.echo(
         f"{stats.n_obs:,} cells x {stats.n_vars:,} genes, {stats.nnz / stats.n_obs:,.0f} "
-        f"nnz/cell; {len(result.candidates)} {what} evaluated"
+        f"nnz/cell; {len(rec.result.candidates)} {rec.what} evaluated"
     )
     click.echo(_table(out["ranked"]))
-    click.echo(f"pick: #1 — {result.reason}")
-    if "reconvert" in out:
-        click.echo(out["reconvert"]["verdict"])
+    click.echo(f"pick: #1 — {rec.result.reason}")
+    if rec.reconvert is not None:
+        click.echo(rec.reconvert["verdict"])
     if spec_out is not None:
         click.echo(f"wrote {spec_out} (use: sclayout convert SRC DST --spec {spec_out})")
     if plot is not None:
         click.echo(f"wrote {plot}")
+
+
+def _loader_memory(value: str, min_diversity: float) -> int:
+    """Return ``--loader-memory`` in bytes, checked with ``--min-diversity`` before any work."""
+    from loader.errors import InputError
+    from sclayout.convert.plan import parse_memory_budget
+    from sclayout.cost.search import check_targets
+
+    try:
+        budget = parse_memory_budget(value)
+    except InputError as e:
+        why = str(e).split(": ", 1)[-1]
+        raise _input_error(f"--loader-memory {value!r}: {why}") from None
+    check_targets(min_diversity, budget)
+    return budget
+
+
+def _recommend_profile(
+    profile: str | None,
+    source: str,
+    space: Any,
+    *,
+    cores: int | None,
+    codecs: tuple[str, ...] | None,
+    quiet: bool,
+) -> tuple[Any, str, Any]:
+    """Return the profile (at ``cores``), its note, and ``space`` cut to its codecs."""
+    from sclayout.cost.search import measured_codecs
+
+    prof, note = _resolve_profile(profile, source, quiet=quiet, codecs=codecs)
+    if cores is not None:
+        prof = prof.at_cores(cores)
+        note += f"; predicted for {cores} cores"
+    space, unknown = measured_codecs(space, prof)  # the default list: what prof measured
+    if unknown:
+        note += (
+            f"; codecs not in profile {prof.name!r}, not searched: {', '.join(unknown)} "
+            "(recalibrate with `sclayout calibrate` to include them)"
+        )
+    return prof, note, space
+
+
+def _recommend_report(
+    rec: Any, sources: tuple[str, ...], profile: str, note: str, top: int
+) -> dict[str, Any]:
+    """Return ``recommend --json``'s document (the text report prints from it too)."""
+    out: dict[str, Any] = {"source": sources[0], "profile": profile, "profile_note": note}
+    if len(sources) > 1:
+        out["sources"] = list(sources)
+    if rec.reconvert is not None:
+        out["reconvert"] = rec.reconvert
+    out.update(
+        {
+            "pick": rec.result.pick.row(),
+            "reason": rec.result.reason,
+            "spec": rec.spec.to_dict(),
+            "ranked": _rows(rec.result, top),
+            "n_candidates": len(rec.result.candidates),
+        }
+    )
+    return out
 
 
 def _space(
@@ -703,38 +692,17 @@ def bench_command(
     Local data is read with a cold cache, evicted continuously (the regime of data much
     larger than memory); each run is timed after warm-up minibatches.
     """
-    from loader.backends import is_url
-    from loader.spec import LoaderSettings
     from loader.store import open_layout
     from sclayout.cost.bench import measure_runs
-    from sclayout.cost.diversity import simulate_diversity
-    from sclayout.cost.model import predict
 
     if workers > 0:
         require("torch", "torch", f"--workers {workers}")
     tidy_stale(source)
     reader = open_layout(source, block_size=block_size)
     prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
-    settings = LoaderSettings(
-        batch_size=batch_size,
-        fetch_factor=fetch_factor,
-        num_workers=workers,
-        backend=reader.backend,
+    settings, pred, pred_div = _bench_prediction(
+        reader, prof, batch_size=batch_size, fetch_factor=fetch_factor, workers=workers, label=label
     )
-    pred = predict(reader.manifest, reader.block_pointer, settings=settings, profile=prof)
-    pred_div = None
-    if label:
-        if label not in reader.obs_columns():
-            raise _input_error(
-                f"--label {label!r}: no such obs column; available: "
-                f"{', '.join(reader.obs_columns())}"
-            )
-        pred_div = simulate_diversity(
-            reader.obs_codes(label)[0],
-            batch_size=batch_size,
-            fetch_factor=fetch_factor,
-            block_size=reader.block_size,
-        )
     ms, cps, div = measure_runs(
         source,
         runs=runs,
@@ -760,19 +728,57 @@ def bench_command(
     }
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str, allow_nan=False))
-        return
-    click.echo(note)
+    else:
+        click.echo(note)
+        heading = f"batch {batch_size}, fetch factor {fetch_factor}, block {reader.block_size}"
+        _print_bench(out, pred, f"{heading}, workers {workers}", warm=warm, runs=runs, label=label)
+
+
+def _bench_prediction(
+    reader: Any, prof: Any, *, batch_size: int, fetch_factor: int, workers: int, label: str | None
+) -> tuple[Any, Any, float | None]:
+    """Return the settings ``bench`` measures, their prediction, and the label's diversity."""
+    from loader.spec import LoaderSettings
+    from sclayout.cost.diversity import simulate_diversity
+    from sclayout.cost.model import predict
+
+    settings = LoaderSettings(
+        batch_size=batch_size,
+        fetch_factor=fetch_factor,
+        num_workers=workers,
+        backend=reader.backend,
+    )
+    pred = predict(reader.manifest, reader.block_pointer, settings=settings, profile=prof)
+    if not label:
+        return settings, pred, None
+    if label not in reader.obs_columns():
+        raise _input_error(
+            f"--label {label!r}: no such obs column; available: {', '.join(reader.obs_columns())}"
+        )
+    pred_div = simulate_diversity(
+        reader.obs_codes(label)[0],
+        batch_size=batch_size,
+        fetch_factor=fetch_factor,
+        block_size=reader.block_size,
+    )
+    return settings, pred, pred_div
+
+
+def _print_bench(
+    out: dict[str, Any], pred: Any, heading: str, *, warm: bool, runs: int, label: str | None
+) -> None:
+    """Print ``bench``'s text report: measured beside predicted cells/s and diversity."""
+    from loader.backends import is_url
+
+    source = out["source"]
     regime = "warm" if warm or is_url(source) else "cold, evicted every 0.5 s"
+    click.echo(f"{source}: {heading} ({regime}, median of {runs})")
     click.echo(
-        f"{source}: batch {batch_size}, fetch factor {fetch_factor}, block "
-        f"{reader.block_size}, workers {workers} ({regime}, median of {runs})"
+        f"  cells/s   measured {out['measured_cells_per_s']:10,.0f}   predicted "
+        f"{pred.cells_per_s:10,.0f}   ({out['relative_error']:+.0%}, {pred.bound}-bound)"
     )
-    click.echo(
-        f"  cells/s   measured {cps:10,.0f}   predicted {pred.cells_per_s:10,.0f}   "
-        f"({out['relative_error']:+.0%}, {pred.bound}-bound)"
-    )
-    if div is not None:
+    if out["measured_diversity"] is not None:
         click.echo(
             f"  diversity measured {out['measured_diversity']:10.3f}   predicted "
-            f"{pred_div:10.3f}   ({label})"
+            f"{out['predicted_diversity']:10.3f}   ({label})"
         )

@@ -109,7 +109,7 @@ def sources_input(
     n_vars = len(genes.var_names)
     sizes = [i.n_obs for i in infos]
     row0 = np.r_[0, np.cumsum(sizes)].astype(np.int64)
-    matrices: list[tuple[MatrixInfo, list[Part]]] = []
+    matrices: list[tuple[MatrixInfo, list[MatrixInfo]]] = []
     entries = []
     xs = [m["X"] for m in comb.matrices]
     nnzs = [x.nnz if x.encoding != "dense" else x.shape[0] * x.shape[1] for x in xs]
@@ -133,36 +133,9 @@ def sources_input(
             if k == 0:
                 matrices.append((info, []))
             matrices[j][1].append(info)
-    out: list[tuple[MatrixInfo, list[Part]]] = []
-    raw_entry = []
+    out = _merged(matrices, srcs, row0, genes, n_vars)
     if comb.raw_x is not None:  # one source: raw kept as it is, with its own genes
-        with open_group(srcs[0]) as root:
-            raw = Source(root, srcs[0]).matrix_info(comb.raw_x)
-        raw_idt = raw.index_dtype or index_dtype_for(raw.shape[1])
-        enc = "dense" if raw.encoding == "dense" else "csr"
-        target = MatrixInfo("raw/X", enc, raw.shape, raw.dtype, raw_idt, 0)
-        part = Part(str(Path(srcs[0]).resolve()), raw, 0, raw.shape[1], raw.dtype, raw_idt)
-        raw_entry.append((target, [part]))
-    idt = index_dtype_for(n_vars)
-    for first, per_source in matrices:
-        dtype = np.result_type(*[i.dtype for i in per_source])
-        enc = "dense" if all(i.encoding == "dense" for i in per_source) else "csr"
-        target = MatrixInfo(first.path, enc, (int(row0[-1]), n_vars), dtype, idt, 0)
-        parts = [
-            Part(
-                str(Path(s).resolve()),
-                info,
-                int(row0[k]),
-                n_vars,
-                dtype,
-                idt,
-                genes.colmaps[k],
-                genes.monotonic[k],
-            )
-            for k, (s, info) in enumerate(zip(srcs, per_source, strict=True))
-        ]
-        out.append((target, parts))
-    out += raw_entry  # after X and the layers, as with one modern source
+        out.append(_kept_raw(srcs[0], comb.raw_x))
     if len({i.encoding for i in matrices[0][1]}) > 1 and out[0][0].encoding == "csr":
         comb.notes.append("dense and sparse X mixed: stored as CSR")
     return Input(
@@ -183,6 +156,50 @@ def sources_input(
         else None,
         source_key=key,
     )
+
+
+def _merged(
+    matrices: list[tuple[MatrixInfo, list[MatrixInfo]]],
+    srcs: list,
+    row0: np.ndarray,
+    genes: Any,
+    n_vars: int,
+) -> list[tuple[MatrixInfo, list[Part]]]:
+    """Return each output matrix (X, then the layers) with one part per source.
+
+    The stored dtype holds every source's; the matrix is dense only if every source's is.
+    """
+    idt = index_dtype_for(n_vars)
+    out = []
+    for first, per_source in matrices:
+        dtype = np.result_type(*[i.dtype for i in per_source])
+        enc = "dense" if all(i.encoding == "dense" for i in per_source) else "csr"
+        target = MatrixInfo(first.path, enc, (int(row0[-1]), n_vars), dtype, idt, 0)
+        parts = [
+            Part(
+                str(Path(s).resolve()),
+                info,
+                int(row0[k]),
+                n_vars,
+                dtype,
+                idt,
+                genes.colmaps[k],
+                genes.monotonic[k],
+            )
+            for k, (s, info) in enumerate(zip(srcs, per_source, strict=True))
+        ]
+        out.append((target, parts))
+    return out
+
+
+def _kept_raw(src: Any, raw_x: str) -> tuple[MatrixInfo, list[Part]]:
+    """Return the output raw/X of a single source: as it is, with its own genes."""
+    with open_group(src) as root:
+        raw = Source(root, src).matrix_info(raw_x)
+    raw_idt = raw.index_dtype or index_dtype_for(raw.shape[1])
+    enc = "dense" if raw.encoding == "dense" else "csr"
+    target = MatrixInfo("raw/X", enc, raw.shape, raw.dtype, raw_idt, 0)
+    return target, [Part(str(Path(src).resolve()), raw, 0, raw.shape[1], raw.dtype, raw_idt)]
 
 
 def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray, kw: dict[str, Any]) -> None:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -83,7 +83,6 @@ def measure_loader(
     from loader import BlockDataset
     from loader.errors import InputError
     from loader.location import is_url
-    from sclayout.cost.diversity import diversity_ratio
     from sclayout.pagecache import Evictor
 
     if not (isinstance(seconds, int | float) and 0 < seconds < float("inf")):
@@ -105,60 +104,95 @@ def measure_loader(
         it_src: Any = ds.dataloader(num_workers=workers, persistent_workers=True)
     else:
         it_src = ds
-    labels: list[np.ndarray] = []
-    evictor = Evictor([location]) if (cold and is_local) else contextlib.nullcontext()
-    n = cells = 0
-    t0 = t_first = None
-    i = epoch = 0
-    done = False
-    with evictor:
-        # epoch after epoch until ``seconds`` have passed: one epoch of a benchmark-sized
-        # set can last only seconds, too short for a steady figure
-        while not done:
-            ds.set_epoch(epoch)
-            it = iter(it_src)
-            try:
-                for batch in it:
-                    i += 1
-                    if t_first is None:
-                        t_first = time.perf_counter()
-                    if t0 is None and i >= WARMUP_BATCHES:
-                        if time.perf_counter() - t_first >= warmup_seconds:
-                            t0 = time.perf_counter()
-                        continue
-                    if t0 is None:
-                        continue
-                    x = batch["X"]
-                    cells += int(x.shape[0])
-                    n += 1
-                    if label:
-                        labels.append(np.asarray(batch["obs"][label]))
-                    if time.perf_counter() - t0 >= seconds or (max_batches and n >= max_batches):
-                        done = True
-                        break
-                else:
-                    done = i == 0  # no minibatch at all (short epochs: time over several)
-            finally:
-                shutdown = getattr(it, "_shutdown_workers", None)
-                if shutdown is not None and done:
-                    shutdown()
-            epoch += 1
-    if t0 is None or n == 0:
+    clock = _Clock(seconds, max_batches, warmup_seconds, label)
+    with Evictor([location]) if (cold and is_local) else contextlib.nullcontext():
+        _iterate_epochs(ds, it_src, clock)
+    if clock.t0 is None or clock.n == 0:
         raise InputError(f"{location}: the loader delivered no minibatch to time")
-    dt = time.perf_counter() - t0
-    div = None
-    if label and labels:
-        from loader.store import open_layout
+    dt = time.perf_counter() - clock.t0
+    div = _diversity(location, label, clock.labels, batch_size) if label else None
+    return Measurement(clock.cells / dt, clock.n, clock.cells, dt, div)
 
-        all_codes = open_layout(location).obs_codes(label)[0]
-        div = diversity_ratio(labels, all_codes, batch_size=batch_size)
-    return Measurement(
-        cells_per_s=cells / dt,
-        batches=n,
-        cells=cells,
-        seconds=dt,
-        diversity=div,
-    )
+
+def _diversity(
+    location: str, label: str, labels: list[np.ndarray], batch_size: int
+) -> float | None:
+    """Return the diversity of ``label`` over the minibatches' labels (None without any)."""
+    from loader.store import open_layout
+    from sclayout.cost.diversity import diversity_ratio
+
+    if not labels:
+        return None
+    all_codes = open_layout(location).obs_codes(label)[0]
+    return diversity_ratio(labels, all_codes, batch_size=batch_size)
+
+
+@dataclass
+class _Clock:
+    """The timed window of :func:`measure_loader`, fed one minibatch at a time.
+
+    The clock starts after :data:`WARMUP_BATCHES` minibatches and ``warmup_seconds``;
+    then it counts minibatches and cells (and keeps the label of each row) until
+    ``seconds`` have passed or ``max_batches`` were timed.
+    """
+
+    seconds: float
+    max_batches: int | None
+    warmup_seconds: float
+    label: str | None
+    seen: int = 0
+    """Minibatches delivered, warm-up included."""
+    n: int = 0
+    """Minibatches timed."""
+    cells: int = 0
+    t0: float | None = None
+    t_first: float | None = None
+    labels: list[np.ndarray] = field(default_factory=list)
+
+    def tick(self, batch: Any) -> bool:
+        """Count ``batch``; return True when the timed window is over."""
+        self.seen += 1
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        if self.t0 is None:
+            if (
+                self.seen >= WARMUP_BATCHES
+                and time.perf_counter() - self.t_first >= self.warmup_seconds
+            ):
+                self.t0 = time.perf_counter()
+            return False
+        self.cells += int(batch["X"].shape[0])
+        self.n += 1
+        if self.label:
+            self.labels.append(np.asarray(batch["obs"][self.label]))
+        return time.perf_counter() - self.t0 >= self.seconds or bool(
+            self.max_batches and self.n >= self.max_batches
+        )
+
+
+def _iterate_epochs(ds: Any, source: Any, clock: _Clock) -> None:
+    """Feed ``clock`` epoch after epoch until its window is over.
+
+    One epoch of a benchmark-sized set can last only seconds, too short for a steady
+    figure. An epoch that delivers nothing at all ends the run.
+    """
+    epoch = 0
+    done = False
+    while not done:
+        ds.set_epoch(epoch)
+        it = iter(source)
+        try:
+            for batch in it:
+                if clock.tick(batch):
+                    done = True
+                    break
+            else:
+                done = clock.seen == 0  # no minibatch at all (short epochs: time over several)
+        finally:
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None and done:
+                shutdown()
+        epoch += 1
 
 
 def measure_runs(

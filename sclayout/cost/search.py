@@ -186,7 +186,7 @@ def check_targets(min_diversity: float, memory_budget: int) -> None:
             "true random sampling), e.g. 0.95"
         )
     if memory_budget <= 0:
-        raise InputError(f"--memory-budget={memory_budget!r}: must be positive, e.g. 4GB")
+        raise InputError(f"--loader-memory={memory_budget!r}: must be positive, e.g. 4GB")
 
 
 def _diversity(
@@ -260,9 +260,40 @@ def search(
     space, _ = measured_codecs(space or SearchSpace(), profile)
     options = options or ModelOptions(seed=seed, sample_fetches=SEARCH_FETCHES)
     orders = [o for o in space.orders if o != "stratified" or stats.labels is not None]
-    mean_nnz = stats.nnz / max(stats.n_obs, 1)
-    div_cache: dict = {}
+    perms, stored = _orders(stats, orders, seed)
+    grid = _Grid(stats, profile, options, batch_size, backend, seed)
     candidates: list[Candidate] = []
+    for b, order, cb in itertools.product(space.block_sizes, orders, space.chunk_blocks):
+        if b > stats.n_obs:
+            continue
+        base = _layout(stats, b, order, cb, seed, space.codecs[0])
+        manifest, bp = virtual_layout(
+            stats.row_nnz,
+            n_vars=stats.n_vars,
+            spec=base,
+            perm=perms[order],
+            data_dtype=stats.data_dtype,
+        )
+        # Disk bytes depend on the layout and codec only: once per layout, not per fetch
+        # factor and worker count.
+        disk = {codec: _bytes_with_codec(manifest, codec, profile) for codec in space.codecs}
+        for f in space.fetch_factors:
+            candidates += grid.candidates(
+                manifest, bp, base, f, stored[order], space.codecs, space.workers, disk
+            )
+    return _rank(
+        candidates,
+        min_diversity=min_diversity,
+        memory_budget=memory_budget,
+        profile=profile,
+        what="configuration",
+    )
+
+
+def _orders(
+    stats: DatasetStats, orders: list[str], seed: int
+) -> tuple[dict[str, np.ndarray | None], dict[str, np.ndarray | None]]:
+    """Return each row order's permutation, and the label in that stored order."""
     perms = {
         o: None
         if o == "original"
@@ -275,78 +306,84 @@ def search(
         else (stats.labels if perms[o] is None else stats.labels[perms[o]])
         for o in orders
     }
-    for b, order, cb in itertools.product(space.block_sizes, orders, space.chunk_blocks):
-        if b > stats.n_obs:
-            continue
-        chunk = max(1, round(cb * mean_nnz * b))
-        base = StoreSpec(
-            block_size=b,
-            order=RowOrder(
-                order,
-                None if order == "original" else seed,
-                (stats.label,) if order == "stratified" and stats.label else (),
-            ),
-            codec=space.codecs[0],
-            csr_chunk_nnz=chunk if cb != 1.0 else None,
-        )
-        manifest, bp = virtual_layout(
-            stats.row_nnz,
-            n_vars=stats.n_vars,
-            spec=base,
-            perm=perms[order],
-            data_dtype=stats.data_dtype,
-        )
-        # Disk bytes depend on the layout and codec only: once per layout, not per fetch
-        # factor and worker count.
-        disk = {
-            codec: store_bytes(
-                replace(
-                    manifest,
-                    matrices={
-                        "X": replace(
-                            manifest.X,
-                            arrays={
-                                k: replace(a, codec=codec) for k, a in manifest.X.arrays.items()
-                            },
-                        )
-                    },
-                ),
-                profile,
-            )
-            for codec in space.codecs
-        }
-        for f in space.fetch_factors:
-            if not _feasible_fetch(stats, batch_size, f, b):
-                continue
-            fs = sample_fetch_stats(
-                manifest,
-                bp,
-                settings=LoaderSettings(batch_size=batch_size, fetch_factor=f),
-                options=options,
-            )
-            div, method = _diversity(
-                stats,
-                batch_size=batch_size,
-                fetch_factor=f,
-                block_size=b,
-                order=order,
-                seed=seed,
-                cache=div_cache,
-                stored_labels=stored[order],
-            )
-            for codec, w in itertools.product(space.codecs, space.workers):
-                settings, pred = _predict(
-                    fs, stats, codec, batch_size, f, w, backend, profile, options
-                )
-                spec = LayoutSpec(store=replace(base, codec=codec), loader=settings)
-                candidates.append(Candidate(spec, pred, div, method, disk[codec]))
-    return _rank(
-        candidates,
-        min_diversity=min_diversity,
-        memory_budget=memory_budget,
-        profile=profile,
-        what="configuration",
+    return perms, stored
+
+
+def _layout(stats: DatasetStats, b: int, order: str, cb: float, seed: int, codec: str) -> StoreSpec:
+    """Return the store spec of one grid point (block size, order, CSR chunk size)."""
+    mean_nnz = stats.nnz / max(stats.n_obs, 1)
+    chunk = max(1, round(cb * mean_nnz * b))
+    return StoreSpec(
+        block_size=b,
+        order=RowOrder(
+            order,
+            None if order == "original" else seed,
+            (stats.label,) if order == "stratified" and stats.label else (),
+        ),
+        codec=codec,
+        csr_chunk_nnz=chunk if cb != 1.0 else None,
     )
+
+
+def _bytes_with_codec(manifest: Any, codec: str, profile: Profile) -> float:
+    """Return the bytes a virtual layout would store with every X array in ``codec``."""
+    arrays = {k: replace(a, codec=codec) for k, a in manifest.X.arrays.items()}
+    return store_bytes(
+        replace(manifest, matrices={"X": replace(manifest.X, arrays=arrays)}), profile
+    )
+
+
+@dataclass
+class _Grid:
+    """What stays fixed while a search walks its grid, and the diversities it computed."""
+
+    stats: DatasetStats
+    profile: Profile
+    options: ModelOptions
+    batch_size: int
+    backend: str
+    seed: int
+    div_cache: dict = field(default_factory=dict)
+
+    def candidates(
+        self,
+        manifest: Any,
+        bp: np.ndarray,
+        store: StoreSpec,
+        fetch_factor: int,
+        stored_labels: np.ndarray | None,
+        codecs: Sequence[str],
+        workers: Sequence[int],
+        disk: dict[str, Any],
+    ) -> list[Candidate]:
+        """Return the candidates of one layout and fetch factor, per codec and worker count.
+
+        Empty when the fetch does not fit the dataset. The fetch statistics and the
+        diversity are computed once for all of them.
+        """
+        stats, f, batch = self.stats, fetch_factor, self.batch_size
+        if not _feasible_fetch(stats, batch, f, store.block_size):
+            return []
+        settings = LoaderSettings(batch_size=batch, fetch_factor=f)
+        fs = sample_fetch_stats(manifest, bp, settings=settings, options=self.options)
+        div, method = _diversity(
+            stats,
+            batch_size=batch,
+            fetch_factor=f,
+            block_size=store.block_size,
+            order=store.order.kind,
+            seed=self.seed,
+            cache=self.div_cache,
+            stored_labels=stored_labels,
+        )
+        out = []
+        for codec, w in itertools.product(codecs, workers):
+            settings, pred = _predict(
+                fs, stats, codec, batch, f, w, self.backend, self.profile, self.options
+            )
+            spec = LayoutSpec(store=replace(store, codec=codec), loader=settings)
+            out.append(Candidate(spec, pred, div, method, disk[codec]))
+        return out
 
 
 @typechecked
@@ -376,53 +413,21 @@ def search_loader(
     if stats.manifest is None:
         raise InputError(f"{stats.location} is not a layout store; use search()")
     check_targets(min_diversity, memory_budget)
-    options = options or ModelOptions(seed=seed)
+    grid = _Grid(stats, profile, options or ModelOptions(seed=seed), batch_size, backend, seed)
     stored_labels = stats.store_labels()
     man0, bp0 = stats.manifest, stats.block_pointer
     codec = man0.X.arrays["data"].codec
-    div_cache: dict = {}
+    disk = {codec: store_bytes(man0, profile)}
     candidates = []
-    disk = store_bytes(man0, profile)
     for mult in block_multiples:
         b = man0.block_size * mult
         if b > stats.n_obs:
             continue
         man = replace(man0, block_size=b)
-        n_blocks0 = man0.n_blocks
-        bp = bp0[np.r_[np.arange(0, n_blocks0, mult), n_blocks0]]
+        bp = bp0[np.r_[np.arange(0, man0.n_blocks, mult), man0.n_blocks]]
+        store = StoreSpec(block_size=b, order=man0.order, codec=codec)
         for f in fetch_factors:
-            if not _feasible_fetch(stats, batch_size, f, b):
-                continue
-            fs = sample_fetch_stats(
-                man,
-                bp,
-                settings=LoaderSettings(batch_size=batch_size, fetch_factor=f),
-                options=options,
-            )
-            if stored_labels is not None:
-                div, method = _diversity(
-                    stats,
-                    batch_size=batch_size,
-                    fetch_factor=f,
-                    block_size=b,
-                    order=man0.order.kind,
-                    seed=seed,
-                    cache=div_cache,
-                    stored_labels=stored_labels,
-                )
-            else:
-                est = predict_diversity(
-                    batch_size=batch_size, fetch_factor=f, block_size=b, order=man0.order.kind
-                )
-                div, method = est.ratio, est.method
-            for w in workers:
-                settings, pred = _predict(
-                    fs, stats, codec, batch_size, f, w, backend, profile, options
-                )
-                store = StoreSpec(block_size=b, order=man0.order, codec=codec)
-                candidates.append(
-                    Candidate(LayoutSpec(store=store, loader=settings), pred, div, method, disk)
-                )
+            candidates += grid.candidates(man, bp, store, f, stored_labels, (codec,), workers, disk)
     return _rank(
         candidates,
         min_diversity=min_diversity,
@@ -448,8 +453,8 @@ def _rank(
     if not fits:
         smallest = min(c.prediction.peak_memory for c in candidates)
         raise InputError(
-            f"--memory-budget={format_bytes(memory_budget)}: too small for any {what}; the "
-            f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --memory-budget)"
+            f"--loader-memory={format_bytes(memory_budget)}: too small for any {what}; the "
+            f"smallest feasible budget is {math.ceil(smallest / 1e6)}MB (raise --loader-memory)"
         )
     ok = [c for c in fits if c.diversity >= min_diversity]
     if not ok and best_effort:
@@ -466,7 +471,7 @@ def _rank(
         over = [c for c in candidates if c.diversity >= min_diversity]
         if over:
             need = math.ceil(min(c.prediction.peak_memory for c in over) / 1e6)
-            fix = f"lower --min-diversity or raise --memory-budget to {need}MB"
+            fix = f"lower --min-diversity or raise --loader-memory to {need}MB"
         else:
             fix = "lower --min-diversity, or widen the search (--block-sizes, --fetch-factors)"
         raise InputError(

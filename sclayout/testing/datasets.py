@@ -23,6 +23,7 @@ import itertools
 import os
 import statistics
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -327,6 +328,21 @@ def make_tahoe_like(
     other), so a reader of the same row range in both arrays reads one region of it.
     """
     path = Path(path)
+    _check_tahoe_args(n_obs, n_vars, nnz_per_cell, n_plates, n_cell_lines, sampler)
+    structure_ss, rows_ss = np.random.SeedSequence(seed).spawn(2)
+    rng = np.random.default_rng(structure_ss)
+    genes = _TahoeGenes.draw(rng, n_vars, n_cell_lines, n_plates, nnz_per_cell)
+    cells = _TahoeCells.draw(rng, n_obs, n_plates, n_cell_lines)
+    var = pd.DataFrame(index=pd.Index([f"ENSG{j:011d}" for j in range(n_vars)]))
+    _write_skeleton(path, cells.obs(n_plates, n_cell_lines), var)
+    _write_tahoe_x(path, genes, cells, rows_ss, nnz_per_cell, sampler, progress=progress)
+    return path
+
+
+def _check_tahoe_args(
+    n_obs: int, n_vars: int, nnz_per_cell: int, n_plates: int, n_cell_lines: int, sampler: str
+) -> None:
+    """Refuse a shape, a group count or a sampler :func:`make_tahoe_like` cannot generate."""
     for name, value in (("n_obs", n_obs), ("n_vars", n_vars), ("nnz_per_cell", nnz_per_cell)):
         if int(value) != value or value <= 0:
             raise InputError(f"{name}={value!r}: must be a positive integer")
@@ -338,63 +354,110 @@ def make_tahoe_like(
         )
     if sampler not in ("dense", "sparse"):
         raise InputError(f"sampler={sampler!r}: use 'dense' or 'sparse'")
-    structure_ss, rows_ss = np.random.SeedSequence(seed).spawn(2)
-    rng = np.random.default_rng(structure_ss)
 
-    # Genes: lognormal means, line programs, plate effects (all float64 then float32).
-    mu = rng.lognormal(0.0, GENE_MEAN_SIGMA, n_vars)
-    mu /= mu.sum()
-    program = np.ones((n_cell_lines, n_vars))
-    hit = rng.random((n_cell_lines, n_vars)) < LINE_PROGRAM_FRACTION
-    program[hit] = rng.lognormal(0.0, LINE_PROGRAM_SIGMA, int(hit.sum()))
-    weights = mu * program
-    weights /= weights.sum(axis=1, keepdims=True)
-    quantiles = statistics.NormalDist().inv_cdf
-    sizes = np.exp(SIZE_FACTOR_SIGMA * np.array([quantiles((k + 0.5) / 8) for k in range(8)]))
-    depth = _solve_depth(weights, float(nnz_per_cell), sizes)
-    line_rates = (weights * depth[:, None]).astype(np.float32)
-    plate_effect = np.ones((n_plates, n_vars), dtype=np.float32)
-    hit = rng.random((n_plates, n_vars)) < PLATE_EFFECT_FRACTION
-    plate_effect[hit] = rng.lognormal(0.0, PLATE_EFFECT_SIGMA, int(hit.sum()))
 
-    # Cells: group sizes per (plate, line), sorted by plate then line.
-    plate_p = rng.dirichlet(np.full(n_plates, 20.0))
-    line_p = rng.dirichlet(np.full(n_cell_lines, 5.0), size=n_plates)
-    sizes = rng.multinomial(n_obs, (plate_p[:, None] * line_p).ravel())
-    group = np.repeat(np.arange(n_plates * n_cell_lines), sizes)
-    plate_code, line_code = np.divmod(group, n_cell_lines)
-    size_factor = rng.lognormal(0.0, SIZE_FACTOR_SIGMA, n_obs).astype(np.float32)
+@dataclass(frozen=True)
+class _TahoeGenes:
+    """The genes of :func:`make_tahoe_like`: each cell line's rates and each plate's effect."""
 
-    plates = [f"plate{p + 1:02d}" for p in range(n_plates)]
-    lines = [f"CVCL_{c:04d}" for c in range(n_cell_lines)]
-    obs = pd.DataFrame(
-        {
-            "plate": pd.Categorical.from_codes(plate_code, categories=plates),
-            "cell_line": pd.Categorical.from_codes(line_code, categories=lines),
-        },
-        index=pd.Index([f"cell{i:08d}" for i in range(n_obs)]),
-    )
-    var = pd.DataFrame(index=pd.Index([f"ENSG{j:011d}" for j in range(n_vars)]))
-    _write_skeleton(path, obs, var)
-    del obs
+    weights: np.ndarray
+    """Per cell line, the share of each gene in its expression (rows sum to 1)."""
+    line_rates: np.ndarray
+    """Per cell line, each gene's Poisson rate at the line's solved depth."""
+    plate_effect: np.ndarray
 
+    @classmethod
+    def draw(
+        cls,
+        rng: np.random.Generator,
+        n_vars: int,
+        n_cell_lines: int,
+        n_plates: int,
+        nnz_per_cell: int,
+    ) -> _TahoeGenes:
+        """Draw lognormal means, line programs and plate effects (float64, then float32)."""
+        mu = rng.lognormal(0.0, GENE_MEAN_SIGMA, n_vars)
+        mu /= mu.sum()
+        program = np.ones((n_cell_lines, n_vars))
+        hit = rng.random((n_cell_lines, n_vars)) < LINE_PROGRAM_FRACTION
+        program[hit] = rng.lognormal(0.0, LINE_PROGRAM_SIGMA, int(hit.sum()))
+        weights = mu * program
+        weights /= weights.sum(axis=1, keepdims=True)
+        quantiles = statistics.NormalDist().inv_cdf
+        sizes = np.exp(SIZE_FACTOR_SIGMA * np.array([quantiles((k + 0.5) / 8) for k in range(8)]))
+        depth = _solve_depth(weights, float(nnz_per_cell), sizes)
+        line_rates = (weights * depth[:, None]).astype(np.float32)
+        plate_effect = np.ones((n_plates, n_vars), dtype=np.float32)
+        hit = rng.random((n_plates, n_vars)) < PLATE_EFFECT_FRACTION
+        plate_effect[hit] = rng.lognormal(0.0, PLATE_EFFECT_SIGMA, int(hit.sum()))
+        return cls(weights, line_rates, plate_effect)
+
+
+@dataclass(frozen=True)
+class _TahoeCells:
+    """The cells of :func:`make_tahoe_like`: plate, cell line and size factor of each row."""
+
+    plate_code: np.ndarray
+    line_code: np.ndarray
+    size_factor: np.ndarray
+
+    @classmethod
+    def draw(
+        cls, rng: np.random.Generator, n_obs: int, n_plates: int, n_cell_lines: int
+    ) -> _TahoeCells:
+        """Draw the size of each (plate, line) group; rows sorted by plate, then line."""
+        plate_p = rng.dirichlet(np.full(n_plates, 20.0))
+        line_p = rng.dirichlet(np.full(n_cell_lines, 5.0), size=n_plates)
+        sizes = rng.multinomial(n_obs, (plate_p[:, None] * line_p).ravel())
+        group = np.repeat(np.arange(n_plates * n_cell_lines), sizes)
+        plate_code, line_code = np.divmod(group, n_cell_lines)
+        size_factor = rng.lognormal(0.0, SIZE_FACTOR_SIGMA, n_obs).astype(np.float32)
+        return cls(plate_code, line_code, size_factor)
+
+    def obs(self, n_plates: int, n_cell_lines: int) -> pd.DataFrame:
+        """Return the obs table: ``plate`` and ``cell_line`` categoricals, cell names."""
+        plates = [f"plate{p + 1:02d}" for p in range(n_plates)]
+        lines = [f"CVCL_{c:04d}" for c in range(n_cell_lines)]
+        return pd.DataFrame(
+            {
+                "plate": pd.Categorical.from_codes(self.plate_code, categories=plates),
+                "cell_line": pd.Categorical.from_codes(self.line_code, categories=lines),
+            },
+            index=pd.Index([f"cell{i:08d}" for i in range(len(self.plate_code))]),
+        )
+
+
+def _write_tahoe_x(
+    path: Path,
+    genes: _TahoeGenes,
+    cells: _TahoeCells,
+    rows_ss: np.random.SeedSequence,
+    nnz_per_cell: int,
+    sampler: str,
+    *,
+    progress: bool,
+) -> None:
+    """Generate X chunk by chunk of rows (one seed each) and append it to ``path``."""
+    n_obs, n_vars = len(cells.plate_code), genes.line_rates.shape[1]
     if sampler == "sparse":
-        draws = _solve_draws(weights, float(nnz_per_cell))
+        draws = _solve_draws(genes.weights, float(nnz_per_cell))
         rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // (4 * nnz_per_cell))
     else:
         rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // n_vars)
     starts = range(0, n_obs, rows_per_chunk)
     chunk_seeds = rows_ss.spawn(len(starts))
+    line_code, plate_code, size_factor = cells.line_code, cells.plate_code, cells.size_factor
     writer = _CSRWriter(path, n_obs=n_obs, n_vars=n_vars, expected_nnz=n_obs * nnz_per_cell)
     try:
         with _progress(n_obs, progress, "generating") as bar:
             for start, ss in zip(starts, chunk_seeds, strict=True):
                 stop = min(start + rows_per_chunk, n_obs)
+                rng = np.random.default_rng(ss)
                 if sampler == "sparse":
                     data, indices, row_nnz = _tahoe_rows_sparse(
-                        np.random.default_rng(ss),
-                        line_rates,
-                        plate_effect,
+                        rng,
+                        genes.line_rates,
+                        genes.plate_effect,
                         draws,
                         line_code[start:stop],
                         plate_code[start:stop],
@@ -402,9 +465,9 @@ def make_tahoe_like(
                     )
                 else:
                     data, indices, row_nnz = _tahoe_rows(
-                        np.random.default_rng(ss),
-                        line_rates[line_code[start:stop]],
-                        plate_effect[plate_code[start:stop]],
+                        rng,
+                        genes.line_rates[line_code[start:stop]],
+                        genes.plate_effect[plate_code[start:stop]],
                         size_factor[start:stop],
                     )
                 writer.append(data, indices, row_nnz)
@@ -412,7 +475,6 @@ def make_tahoe_like(
                     bar.update(stop - start)
     finally:
         writer.close()
-    return path
 
 
 def _tahoe_rows(
@@ -578,6 +640,25 @@ def tile_real(
         raise InputError(f"test_fraction={test_fraction}: must be in [0, 1)")
     if int(n_obs) != n_obs or n_obs <= 0:
         raise InputError(f"n_obs={n_obs!r}: must be a positive integer")
+    x_all, cell, genes = _pooled_sources(sources, label)
+    ss_split, ss_pick, ss_thin = np.random.SeedSequence(seed).spawn(3)
+    is_test = _held_out(len(cell), test_fraction, ss_split)
+    src_row, copy_no = _tiled_rows(cell[label], n_obs, ss_pick)
+    obs = _tiled_obs(cell, label, src_row, copy_no, is_test)
+    _write_skeleton(path, obs, pd.DataFrame(index=genes.astype(str)))
+    del obs
+    _write_thinned(path, x_all, src_row, ss_thin, thinning, progress=progress)
+    return path
+
+
+def _pooled_sources(
+    sources: Sequence[str | os.PathLike] | Mapping[str | os.PathLike, str], label: str
+) -> tuple[sp.csr_matrix, pd.DataFrame, pd.Index]:
+    """Read the sources and stack them on their common genes.
+
+    Returns X (CSR, sorted indices), a table of the source cells (``label``, ``source``,
+    ``source_cell``) and the genes (the first source's order).
+    """
     columns = (
         {Path(s): c for s, c in sources.items()}
         if isinstance(sources, Mapping)
@@ -591,7 +672,6 @@ def tile_real(
         genes = genes[genes.isin(names)]
     if len(genes) == 0:
         raise InputError("sources: their var_names have no gene in common; tile one file")
-
     xs, cells = [], []
     for p, x, obs, names, col in loaded:
         xs.append(x[:, names.get_indexer(genes)])
@@ -606,24 +686,41 @@ def tile_real(
         )
     x_all = sp.vstack(xs, format="csr")
     x_all.sort_indices()
-    cell = pd.concat(cells, ignore_index=True)
-    n_src = len(cell)
+    return x_all, pd.concat(cells, ignore_index=True), genes
 
-    ss_split, ss_pick, ss_thin = np.random.SeedSequence(seed).spawn(3)
+
+def _held_out(n_src: int, test_fraction: float, ss: np.random.SeedSequence) -> np.ndarray:
+    """Return which source cells are held out (all their copies go to the test split)."""
     is_test = np.zeros(n_src, dtype=bool)
     n_test = round(test_fraction * n_src)
-    is_test[np.random.default_rng(ss_split).choice(n_src, n_test, replace=False)] = True
-    # Copies: every source cell `full` times, plus a random subset once more.
+    is_test[np.random.default_rng(ss).choice(n_src, n_test, replace=False)] = True
+    return is_test
+
+
+def _tiled_rows(
+    labels: pd.Series, n_obs: int, ss: np.random.SeedSequence
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return each output row's source cell and copy number, rows sorted by label (stable).
+
+    Every source cell is copied ``n_obs // n_src`` times, and a random subset once more.
+    """
+    n_src = len(labels)
     full, extra = divmod(n_obs, n_src)
     copies = np.full(n_src, full, dtype=np.int64)
-    copies[np.random.default_rng(ss_pick).choice(n_src, extra, replace=False)] += 1
+    copies[np.random.default_rng(ss).choice(n_src, extra, replace=False)] += 1
     src_row = np.repeat(np.arange(n_src), copies)
     copy_no = np.arange(n_obs) - np.repeat(np.cumsum(copies) - copies, copies)
-    categories = sorted(cell[label].unique())
-    order = np.argsort(pd.Categorical(cell[label], categories).codes[src_row], kind="stable")
-    src_row, copy_no = src_row[order], copy_no[order]
+    categories = sorted(labels.unique())
+    order = np.argsort(pd.Categorical(labels, categories).codes[src_row], kind="stable")
+    return src_row[order], copy_no[order]
 
-    obs = pd.DataFrame(
+
+def _tiled_obs(
+    cell: pd.DataFrame, label: str, src_row: np.ndarray, copy_no: np.ndarray, is_test: np.ndarray
+) -> pd.DataFrame:
+    """Return the obs table of the tiled rows (see :func:`tile_real`'s Returns)."""
+    categories = sorted(cell[label].unique())
+    return pd.DataFrame(
         {
             label: pd.Categorical(cell[label].to_numpy()[src_row], categories=categories),
             "source": pd.Categorical(cell["source"].to_numpy()[src_row]),
@@ -637,22 +734,32 @@ def tile_real(
             [f"{s}-{c}" for s, c in zip(_row_names(cell, src_row), copy_no, strict=True)]
         ),
     )
-    _write_skeleton(path, obs, pd.DataFrame(index=genes.astype(str)))
-    del obs
 
-    rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // max(1, len(genes)))
+
+def _write_thinned(
+    path: Path,
+    x_all: sp.csr_matrix,
+    src_row: np.ndarray,
+    ss: np.random.SeedSequence,
+    thinning: float,
+    *,
+    progress: bool,
+) -> None:
+    """Append X: each row a copy of its source row, every count binomially thinned."""
+    n_obs, n_genes, n_src = len(src_row), x_all.shape[1], x_all.shape[0]
+    rows_per_chunk = max(1, DENSE_CHUNK_ENTRIES // max(1, n_genes))
     starts = range(0, n_obs, rows_per_chunk)
-    chunk_seeds = ss_thin.spawn(len(starts))
+    chunk_seeds = ss.spawn(len(starts))
     expected_nnz = n_obs * x_all.nnz * thinning / max(1, n_src)
-    writer = _CSRWriter(path, n_obs=n_obs, n_vars=len(genes), expected_nnz=int(expected_nnz))
+    writer = _CSRWriter(path, n_obs=n_obs, n_vars=n_genes, expected_nnz=int(expected_nnz))
     try:
         with _progress(n_obs, progress, "tiling") as bar:
-            for start, ss in zip(starts, chunk_seeds, strict=True):
+            for start, chunk_ss in zip(starts, chunk_seeds, strict=True):
                 stop = min(start + rows_per_chunk, n_obs)
                 block = x_all[src_row[start:stop]]
                 data = block.data
                 if thinning < 1.0:
-                    kept = np.random.default_rng(ss).binomial(
+                    kept = np.random.default_rng(chunk_ss).binomial(
                         np.rint(data).astype(np.int64), thinning
                     )
                     block = sp.csr_matrix(
@@ -664,7 +771,6 @@ def tile_real(
                     bar.update(stop - start)
     finally:
         writer.close()
-    return path
 
 
 def _row_names(cell: pd.DataFrame, src_row: np.ndarray) -> Iterator[str]:

@@ -148,7 +148,7 @@ def test_interrupted_convert_exits_130_and_writes_nothing(synth_h5ad, tmp_path, 
 
 
 def test_interrupted_inspect_exits_130(synth_store, monkeypatch):
-    import sclayout.convert.inspect as inspect_mod
+    import sclayout.checks.inspect as inspect_mod
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt

@@ -106,8 +106,8 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         (("--min-diversity", "0"), ("--min-diversity=0.0: must be in (0, 1]",)),
         (("--min-diversity", "1.5"), ("--min-diversity=1.5: must be in (0, 1]",)),
         (
-            ("--memory-budget", "1KB"),
-            (f"--memory-budget={format_bytes(1000)}: too small", "smallest feasible budget is"),
+            ("--loader-memory", "1KB"),
+            (f"--loader-memory={format_bytes(1000)}: too small", "smallest feasible budget is"),
         ),
         (
             ("--profile", "floppy"),
@@ -115,7 +115,7 @@ def test_recommend_on_a_store_recommends_loader_settings_and_judges_reconverting
         ),
         (("--label", "nope"), ("--label 'nope': no such obs column", "plate")),
         (("--block-sizes", "0,8"), ("--block-sizes='0,8'",)),
-        (("--memory-budget", "10XB"), ("--memory-budget '10XB': not a size",)),
+        (("--loader-memory", "10XB"), ("--loader-memory '10XB': not a size",)),
         (("--plot", "front.xyz"), ("--plot front.xyz: unknown image type '.xyz'",)),
         (("--spec-out", "no/such/dir/s.json"), ("--spec-out no/such/dir/s.json: folder",)),
         (
@@ -133,6 +133,7 @@ def test_recommend_bad_input(data, args, parts, assert_one_line_error, run_cli):
 
 
 def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data, run_cli):
+    """...and the old name of --loader-memory still works, with a note saying the new one."""
     import re
 
     src, _ = data
@@ -145,9 +146,13 @@ def test_the_smallest_feasible_budget_named_in_the_error_is_feasible(data, run_c
         "--min-diversity",
         "0.5",
     )
-    err = run_cli(*args, "--memory-budget", "1KB").stderr
+    err = run_cli(*args, "--loader-memory", "1KB").stderr
     budget = re.search(r"smallest feasible budget is (\d+MB)", err).group(1)
-    assert run_cli(*args, "--memory-budget", budget).exit_code == 0
+    r = run_cli(*args, "--memory-budget", budget)
+    assert r.exit_code == 0
+    assert r.stderr.splitlines() == [
+        "note: recommend --memory-budget is deprecated; use --loader-memory"
+    ]
 
 
 def test_recommend_never_replaces_a_file_unasked(data, tmp_path, assert_one_line_error, run_cli):

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loader.layout import source_rows
+from sclayout.checks.verify_sources import verify_sources
 from sclayout.cli import main
 from sclayout.convert import convert
-from sclayout.convert.verify_sources import verify_sources
 
 REAL_FILES = (
     "getNC_pbmc3k_first1000_counts.h5ad",

@@ -9,7 +9,7 @@ import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sclayout.convert._compare import (
+from sclayout.checks._compare import (
     compare_any,
     compare_frames,
     equal_mask,

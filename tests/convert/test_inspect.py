@@ -13,9 +13,9 @@ import zarr
 from click.testing import CliRunner
 
 from loader.errors import NotALayoutStoreError
+from sclayout.checks.inspect import inspect_store, render_inspect
 from sclayout.cli import main
 from sclayout.convert import convert
-from sclayout.convert.inspect import inspect_store, render_inspect
 
 
 @pytest.fixture(scope="module")

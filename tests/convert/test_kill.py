@@ -25,11 +25,11 @@ import scipy.sparse as sp
 from click.testing import CliRunner
 
 from loader.errors import InputError, NotALayoutStoreError
+from sclayout.checks.inspect import inspect_store
+from sclayout.checks.verify import verify
 from sclayout.cli import main
 from sclayout.convert import convert
-from sclayout.convert.inspect import inspect_store
 from sclayout.convert.stale import clean_stale
-from sclayout.convert.verify import verify
 
 CHILD = Path(__file__).with_name("_kill_child.py")
 N_OBS, N_VARS = 12_000, 1_000

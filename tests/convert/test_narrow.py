@@ -17,12 +17,12 @@ from click.testing import CliRunner
 
 from loader.errors import SclayoutError
 from loader.store import open_layout
+from sclayout.checks.verify import verify
+from sclayout.checks.verify_store import check_store
 from sclayout.cli import main
 from sclayout.convert import convert
 from sclayout.convert.narrow import ValueStats, stored_dtypes, value_stats
 from sclayout.convert.source import MatrixInfo
-from sclayout.convert.verify import verify
-from sclayout.convert.verify_store import check_store
 from sclayout.testing.httpserver import serve_directory
 
 N_OBS = 40

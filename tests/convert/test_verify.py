@@ -14,10 +14,10 @@ from click.testing import CliRunner
 
 from loader.errors import InputError, NotALayoutStoreError
 from loader.layout import MANIFEST_KEY
+from sclayout.checks import verify as verify_module
+from sclayout.checks.verify import VerifyReport, verify
 from sclayout.cli import main
 from sclayout.convert import convert
-from sclayout.convert import verify as verify_module
-from sclayout.convert.verify import VerifyReport, verify
 
 ORDERS = {
     "original": {"order": "original"},

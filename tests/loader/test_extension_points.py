@@ -1,6 +1,7 @@
 """The two documented extension points of ``loader``: a custom sampling strategy
-(:func:`loader.register_strategy`) and a custom read backend (:func:`loader.register_backend`),
-each registered here from outside the package and used through the public API."""
+(:func:`loader.advanced.register_strategy`) and a custom read backend
+(:func:`loader.advanced.register_backend`), each registered here from outside the
+package and used through the public API."""
 
 from __future__ import annotations
 
@@ -12,11 +13,11 @@ import pytest
 import zarr
 
 import loader
-from loader import backends
+from loader import advanced, backends
 from loader.errors import InputError
 from loader.strategies import Segments, Strategy
 
-# the module (``loader.strategies`` is also the package's function listing the names)
+# the module (``loader.advanced.strategies`` is the function listing the names)
 strategies = importlib.import_module("loader.strategies")
 
 
@@ -34,10 +35,10 @@ def _reverse_blocks(cfg, rng) -> Segments:
 
 
 def test_a_custom_strategy_samples_through_block_dataset(clean_registries, synth_store):
-    loader.register_strategy(
+    advanced.register_strategy(
         Strategy("reverse", _reverse_blocks, lambda cfg: cfg.n_obs, shuffle_rows=False)
     )
-    assert "reverse" in loader.strategies()
+    assert "reverse" in advanced.strategies()
     ds = loader.BlockDataset(synth_store, batch_size=16, fetch_factor=1, strategy="reverse")
     rows = np.concatenate([np.asarray(b["index"]) for b in ds])
     reader = loader.open_layout(synth_store)
@@ -49,7 +50,7 @@ def test_a_custom_strategy_samples_through_block_dataset(clean_registries, synth
 
 
 def test_an_unknown_strategy_names_the_registered_ones(clean_registries):
-    loader.register_strategy(Strategy("mine", _reverse_blocks, lambda cfg: cfg.n_obs))
+    advanced.register_strategy(Strategy("mine", _reverse_blocks, lambda cfg: cfg.n_obs))
     with pytest.raises(InputError, match=r"strategy='nope': unknown; known: .*\bmine\b"):
         strategies.get_strategy("nope")
 
@@ -87,8 +88,8 @@ class PlainZarrBackend:
 
 
 def test_a_custom_backend_reads_a_store(clean_registries, synth_store, synth_adata):
-    loader.register_backend("plain-zarr", PlainZarrBackend)
-    assert loader.get_backend("plain-zarr") is PlainZarrBackend
+    advanced.register_backend("plain-zarr", PlainZarrBackend)
+    assert advanced.get_backend("plain-zarr") is PlainZarrBackend
     PlainZarrBackend.requests = []
     reader = loader.open_layout(synth_store, backend="plain-zarr")
     fetched = reader.submit(np.arange(reader.n_blocks)).result()
@@ -104,6 +105,6 @@ def test_a_backend_that_cannot_read_the_kind_is_refused(clean_registries, synth_
     class H5Only(PlainZarrBackend):
         kinds = ("h5ad",)
 
-    loader.register_backend("h5-only", H5Only)
+    advanced.register_backend("h5-only", H5Only)
     with pytest.raises(InputError, match=r"backend='h5-only' cannot read store sources"):
         loader.open_layout(synth_store, backend="h5-only")

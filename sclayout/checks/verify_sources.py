@@ -12,6 +12,7 @@ obs_names. The per-row ``source_number``/``source_row`` arrays must agree with
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +22,13 @@ import scipy.sparse as sp
 import zarr
 
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert._compare import as_canonical_csr, compare_frames, sparse_row_mismatch
+from sclayout.checks._compare import as_canonical_csr, compare_frames, sparse_row_mismatch
+from sclayout.checks.verify import VerifyReport
+from sclayout.checks.verify_store import open_store_root
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import parse_memory_budget
 from sclayout.convert.source import Source, close_handles, open_group, source_tables
 from sclayout.convert.sources import check_sources, source_names
-from sclayout.convert.verify import VerifyReport
-from sclayout.convert.verify_store import open_store_root
 
 __all__ = ["needs_sources_verify", "verify_sources"]
 
@@ -147,6 +148,21 @@ def needs_sources_verify(src: str | os.PathLike[str], dst: str | os.PathLike[str
     return genes.get("join", "same") != "same"
 
 
+@dataclass
+class _Dst:
+    """What every source's comparison needs of DST: its root, manifest and row maps."""
+
+    root: Any
+    manifest: Manifest
+    inv: np.ndarray
+    """DST row of each row of the concatenated sources."""
+    row0: np.ndarray
+    """First row of each source in the concatenation."""
+    obs: Any
+    var: Any
+    budget: int
+
+
 def verify_sources(
     srcs: list[str | os.PathLike[str]],
     dst: str | os.PathLike[str],
@@ -159,90 +175,32 @@ def verify_sources(
     infos = check_sources(srcs)
     root = open_store_root(Path(dst), hint="reconvert with `sclayout convert --overwrite`")
     manifest = Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
-    lines: list[str] = []
     if len(manifest.sources) != len(srcs):
-        lines.append(
+        line = (
             f"manifest: DST was built from {len(manifest.sources) or 1} sources, "
             f"{len(srcs)} given: pass the sources it was converted from, in order"
         )
-        return VerifyReport(equal=False, differences=lines, n_differences=1)
+        return VerifyReport(equal=False, differences=[line], n_differences=1)
     si = np.asarray(root[manifest.source_index][...], dtype=np.int64)
     inv = np.empty_like(si)
     inv[si] = np.arange(si.size)
     row0 = np.array([int(e["row0"]) for e in manifest.sources], dtype=np.int64)
-    if manifest.provenance:
-        number = np.asarray(root[manifest.provenance["source_number"]][...], dtype=np.int64)
-        row = np.asarray(root[manifest.provenance["source_row"]][...], dtype=np.int64)
-        expect = np.searchsorted(row0, si, side="right") - 1
-        if not (np.array_equal(number, expect) and np.array_equal(row, si - row0[expect])):
-            lines.append("provenance: source_number/source_row disagree with source_index")
+    lines = _provenance_lines(root, manifest, si, row0)
     with ad.settings.override(remove_unused_categories=False):
         d_obs = ad.io.read_elem(root["obs"])
-    d_var = ad.io.read_elem(root["var"])
+    store = _Dst(root, manifest, inv, row0, d_obs, ad.io.read_elem(root["var"]), budget)
     names = source_names(srcs)
-    key = manifest.provenance.get("obs_key") or None
     values, checked = 0, 0
-    matrices = list(manifest.matrices)
     try:
         for k, (s, info) in enumerate(zip(srcs, infos, strict=True)):
             entry = manifest.sources[k]
             if int(entry["n_obs"]) != info.n_obs:
                 lines.append(f"{names[k]}: has {info.n_obs} rows, DST recorded {entry['n_obs']}")
                 continue
-            with open_group(s) as sroot:
-                tables = source_tables(sroot, s)
-                src = Source(sroot, s)
-                keys = {m: m for m in matrices if m == "X" or m in sroot}
-                if "raw/X" in matrices and tables["raw_x"] is not None:
-                    keys["raw/X"] = tables["raw_x"]  # legacy files: raw.X
-                mats = {m: src.matrix_info(k) for m, k in keys.items()}
-            colmap = d_var.index.get_indexer(tables["var"].index).astype(np.int64)
-            present = int((colmap >= 0).sum())
-            if present != int(entry.get("genes_present", present)):
-                lines.append(
-                    f"{names[k]}: {present} of DST's genes, manifest says {entry['genes_present']}"
-                )
-            stored = inv[row0[k] : row0[k] + info.n_obs]
-            s_obs = tables["obs"]
-            sub = d_obs.iloc[stored]
-            cols = [c for c in s_obs.columns if c in sub.columns]
-            got = sub[cols].copy()
-            want = s_obs[cols].copy()
-            for c in cols:  # categories are unified across sources: compare values
-                got[c] = got[c].astype(object)
-                want[c] = want[c].astype(object)
-            got.index = want.index
-            lines += compare_frames(f"obs ({names[k]})", got, want)
-            checked += 1
-            dn = np.asarray(sub.index, dtype=object)
-            sn = np.asarray(s_obs.index.astype(str), dtype=object)
-            if not (np.array_equal(dn, sn) or np.array_equal(dn, sn + f"-{names[k]}")):
-                lines.append(f"obs_names ({names[k]}): DST names are not the source's")
-            if key is not None and not (sub[key].astype(str) == names[k]).all():
-                lines.append(f"obs {key!r}: rows of {names[k]} are not labelled {names[k]!r}")
-            for m, sinfo in mats.items():
-                dinfo = manifest.matrices[m]
-                part = Part(
-                    str(Path(s).resolve()),
-                    sinfo,
-                    int(row0[k]),
-                    dinfo.shape[1],
-                    np.dtype(dinfo.dtype),
-                    np.dtype(np.int64),
-                    None if m == "raw/X" else colmap,  # raw keeps its own genes
-                    True,
-                )
-                got_lines, n = _compare_matrix(
-                    m,
-                    part,
-                    _DstRows(root[m], span=budget // (WINDOW_SHARE * 12)),
-                    inv,
-                    budget,
-                    names[k],
-                )
-                lines += got_lines
-                values += n
-                checked += 1
+            found, n_values, n_checked = _compare_source(store, k, s, info.n_obs, names[k])
+            lines += found
+            values += n_values
+            checked += n_checked
     finally:
         close_handles()
     return VerifyReport(
@@ -252,3 +210,78 @@ def verify_sources(
         n_values=values,
         n_differences=len(lines),
     )
+
+
+def _provenance_lines(root: Any, manifest: Manifest, si: np.ndarray, row0: np.ndarray) -> list[str]:
+    """Return a finding if the per-row source arrays disagree with ``source_index``."""
+    if not manifest.provenance:
+        return []
+    number = np.asarray(root[manifest.provenance["source_number"]][...], dtype=np.int64)
+    row = np.asarray(root[manifest.provenance["source_row"]][...], dtype=np.int64)
+    expect = np.searchsorted(row0, si, side="right") - 1
+    if np.array_equal(number, expect) and np.array_equal(row, si - row0[expect]):
+        return []
+    return ["provenance: source_number/source_row disagree with source_index"]
+
+
+def _compare_source(
+    store: _Dst, k: int, s: str | os.PathLike[str], n_obs: int, name: str
+) -> tuple[list[str], int, int]:
+    """Compare source number ``k`` with its rows in DST: its genes, obs and matrices.
+
+    Returns the findings, the values compared and the elements checked.
+    """
+    manifest, entry = store.manifest, store.manifest.sources[k]
+    with open_group(s) as sroot:
+        tables = source_tables(sroot, s)
+        src = Source(sroot, s)
+        keys = {m: m for m in manifest.matrices if m == "X" or m in sroot}
+        if "raw/X" in manifest.matrices and tables["raw_x"] is not None:
+            keys["raw/X"] = tables["raw_x"]  # legacy files: raw.X
+        mats = {m: src.matrix_info(key) for m, key in keys.items()}
+    lines: list[str] = []
+    colmap = store.var.index.get_indexer(tables["var"].index).astype(np.int64)
+    present = int((colmap >= 0).sum())
+    if present != int(entry.get("genes_present", present)):
+        lines.append(f"{name}: {present} of DST's genes, manifest says {entry['genes_present']}")
+    stored = store.inv[store.row0[k] : store.row0[k] + n_obs]
+    key = manifest.provenance.get("obs_key") or None
+    lines += _compare_source_obs(store.obs.iloc[stored], tables["obs"], name, key)
+    values, checked = 0, 1
+    for m, sinfo in mats.items():
+        dinfo = manifest.matrices[m]
+        part = Part(
+            str(Path(s).resolve()),
+            sinfo,
+            int(store.row0[k]),
+            dinfo.shape[1],
+            np.dtype(dinfo.dtype),
+            np.dtype(np.int64),
+            None if m == "raw/X" else colmap,  # raw keeps its own genes
+            True,
+        )
+        dst_rows = _DstRows(store.root[m], span=store.budget // (WINDOW_SHARE * 12))
+        got_lines, n = _compare_matrix(m, part, dst_rows, store.inv, store.budget, name)
+        lines += got_lines
+        values += n
+        checked += 1
+    return lines, values, checked
+
+
+def _compare_source_obs(sub: Any, s_obs: Any, name: str, key: str | None) -> list[str]:
+    """Compare a source's obs with its rows of DST's obs (``sub``): values, names, label."""
+    cols = [c for c in s_obs.columns if c in sub.columns]
+    got = sub[cols].copy()
+    want = s_obs[cols].copy()
+    for c in cols:  # categories are unified across sources: compare values
+        got[c] = got[c].astype(object)
+        want[c] = want[c].astype(object)
+    got.index = want.index
+    lines = compare_frames(f"obs ({name})", got, want)
+    dn = np.asarray(sub.index, dtype=object)
+    sn = np.asarray(s_obs.index.astype(str), dtype=object)
+    if not (np.array_equal(dn, sn) or np.array_equal(dn, sn + f"-{name}")):
+        lines.append(f"obs_names ({name}): DST names are not the source's")
+    if key is not None and not (sub[key].astype(str) == name).all():
+        lines.append(f"obs {key!r}: rows of {name} are not labelled {name!r}")
+    return lines

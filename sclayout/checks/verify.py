@@ -24,7 +24,7 @@ an eighth of the memory budget per side (:data:`WINDOW_SHARE`):
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +37,7 @@ from loader.argtypes import typechecked
 from loader.backends import damage_cause
 from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError, SpecError
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert._compare import (
+from sclayout.checks._compare import (
     MAX_ROWS_SPELT_OUT,
     as_canonical_csr,
     compare_any,
@@ -47,9 +47,9 @@ from sclayout.convert._compare import (
     fmt,
     sparse_row_mismatch,
 )
+from sclayout.checks.verify_store import check_store, open_store_root
 from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
 from sclayout.convert.plan import parse_memory_budget
-from sclayout.convert.verify_store import check_store, open_store_root
 
 __all__ = ["VerifyReport", "codec_name", "verify"]
 
@@ -645,7 +645,6 @@ def _verify_contents(
     try:
         src_obs = read(src_root["obs"], "obs")
         src_var = read(src_root["var"], "var")
-        var_names = np.asarray(src_var.index, dtype=object)
         kw = {
             "si": si,
             "inv": inv,
@@ -654,56 +653,14 @@ def _verify_contents(
             "progress": progress,
             "dtypes": dtypes,
         }
-        # obs, var
+        pair = _Pair(src_root, dst_root, read, si, out, kw)
         out.n_checked += 2
         out.add(compare_frames("obs", read(dst_root["obs"], "obs"), src_obs.iloc[si], si=si))
         out.add(compare_frames("var", read(dst_root["var"], "var"), src_var))
-        # X and layers
-        _compare_rowwise("X", dst_root["X"], src_root["X"], names=var_names, out=out, **kw)
-        s_layers, d_layers = _children(src_root, "layers"), _children(dst_root, "layers")
-        out.add(_key_diffs("layers", set(d_layers), set(s_layers)))
-        for k in sorted(set(s_layers) & set(d_layers)):
-            _compare_rowwise(
-                f"layers/{k}", d_layers[k], s_layers[k], names=var_names, out=out, **kw
-            )
-        # obsm: matrices streamed, data frames whole
-        s_obsm, d_obsm = _children(src_root, "obsm"), _children(dst_root, "obsm")
-        out.add(_key_diffs("obsm", set(d_obsm), set(s_obsm)))
-        for k in sorted(set(s_obsm) & set(d_obsm)):
-            enc = _encoding(s_obsm[k])
-            if enc in ("csr_matrix", "csc_matrix", "array"):
-                _compare_rowwise(f"obsm/{k}", d_obsm[k], s_obsm[k], names=None, out=out, **kw)
-            elif enc == "dataframe":
-                out.n_checked += 1
-                s_df = read(s_obsm[k], f"obsm/{k}")
-                out.add(compare_frames(f"obsm/{k}", read(d_obsm[k], k), s_df.iloc[si], si=si))
-            else:
-                out.skipped.append(f"obsm/{k}: encoding {enc!r} is not compared")
-        # obsp: permuted on both axes
-        s_obsp, d_obsp = _children(src_root, "obsp"), _children(dst_root, "obsp")
-        out.add(_key_diffs("obsp", set(d_obsp), set(s_obsp)))
-        for k in sorted(set(s_obsp) & set(d_obsp)):
-            out.n_checked += 1
-            s_val = read(s_obsp[k], f"obsp/{k}")
-            s_perm = sp.csr_matrix(s_val)[si][:, si] if sp.issparse(s_val) else s_val[si][:, si]
-            if sp.issparse(s_val):
-                s_perm = type(s_val)(s_perm)
-            out.add(compare_any(f"obsp/{k}", read(dst_root["obsp"][k], k), s_perm))
-        # var-aligned and unaligned elements, compared whole
-        for key in ("varm", "varp"):
-            s_el, d_el = _children(src_root, key), _children(dst_root, key)
-            out.add(_key_diffs(key, set(d_el), set(s_el)))
-            for k in sorted(set(s_el) & set(d_el)):
-                out.n_checked += 1
-                out.add(compare_any(f"{key}/{k}", read(d_el[k], k), read(s_el[k], f"{key}/{k}")))
-        # uns/sclayout is the store's own bookkeeping; a layout store used as SRC has
-        # one too, which the converter rebuilds rather than copies
-        s_uns = {k: v for k, v in _children(src_root, "uns").items() if k != "sclayout"}
-        d_uns = {k: v for k, v in _children(dst_root, "uns").items() if k != "sclayout"}
-        out.add(_key_diffs("uns", set(d_uns), set(s_uns)))
-        for k in sorted(set(s_uns) & set(d_uns)):
-            out.n_checked += 1
-            out.add(compare_any(f"uns/{k}", read(d_uns[k], k), read(s_uns[k], f"uns/{k}")))
+        _compare_x_and_layers(pair, np.asarray(src_var.index, dtype=object))
+        _compare_obsm(pair)
+        _compare_obsp(pair)
+        _compare_whole(pair)
         _compare_raw(src_root, dst_root, read=read, out=out, kw=kw)
         top_s = set(src_root.keys()) - {"X", "obs", "var"}
         top_d = set(dst_root.keys()) - {"X", "obs", "var"}
@@ -726,6 +683,86 @@ def _verify_contents(
         n_differences=out.count,
         skipped=out.skipped,
     )
+
+
+@dataclass
+class _Pair:
+    """SRC and DST opened side by side, for the steps of :func:`_verify_contents`.
+
+    ``read(node, what)`` reads an element, blaming SRC or DST for a failure; ``kw`` are
+    the keywords of :func:`_compare_rowwise` (permutation, budget, dtypes...).
+    """
+
+    src_root: Any
+    dst_root: Any
+    read: Callable[[Any, str], Any]
+    si: np.ndarray
+    out: _Collector
+    kw: dict[str, Any]
+
+    def children(self, key: str) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Return the elements under ``key`` in SRC and in DST, noting keys only one has."""
+        s_el, d_el = _children(self.src_root, key), _children(self.dst_root, key)
+        self.out.add(_key_diffs(key, set(d_el), set(s_el)))
+        return s_el, d_el
+
+
+def _compare_x_and_layers(pair: _Pair, var_names: np.ndarray) -> None:
+    """Stream X and every layer, row range by row range."""
+    out, kw = pair.out, pair.kw
+    _compare_rowwise("X", pair.dst_root["X"], pair.src_root["X"], names=var_names, out=out, **kw)
+    s_layers, d_layers = pair.children("layers")
+    for k in sorted(set(s_layers) & set(d_layers)):
+        _compare_rowwise(f"layers/{k}", d_layers[k], s_layers[k], names=var_names, out=out, **kw)
+
+
+def _compare_obsm(pair: _Pair) -> None:
+    """Compare obsm: matrices streamed like X, data frames whole, under the permutation."""
+    out, read, si = pair.out, pair.read, pair.si
+    s_obsm, d_obsm = pair.children("obsm")
+    for k in sorted(set(s_obsm) & set(d_obsm)):
+        enc = _encoding(s_obsm[k])
+        if enc in ("csr_matrix", "csc_matrix", "array"):
+            _compare_rowwise(f"obsm/{k}", d_obsm[k], s_obsm[k], names=None, out=out, **pair.kw)
+        elif enc == "dataframe":
+            out.n_checked += 1
+            s_df = read(s_obsm[k], f"obsm/{k}")
+            out.add(compare_frames(f"obsm/{k}", read(d_obsm[k], k), s_df.iloc[si], si=si))
+        else:
+            out.skipped.append(f"obsm/{k}: encoding {enc!r} is not compared")
+
+
+def _compare_obsp(pair: _Pair) -> None:
+    """Compare obsp whole, the source permuted on both axes."""
+    out, read, si = pair.out, pair.read, pair.si
+    s_obsp, d_obsp = pair.children("obsp")
+    for k in sorted(set(s_obsp) & set(d_obsp)):
+        out.n_checked += 1
+        s_val = read(s_obsp[k], f"obsp/{k}")
+        s_perm = sp.csr_matrix(s_val)[si][:, si] if sp.issparse(s_val) else s_val[si][:, si]
+        if sp.issparse(s_val):
+            s_perm = type(s_val)(s_perm)
+        out.add(compare_any(f"obsp/{k}", read(pair.dst_root["obsp"][k], k), s_perm))
+
+
+def _compare_whole(pair: _Pair) -> None:
+    """Compare the elements not aligned to rows (varm, varp, uns) whole.
+
+    uns/sclayout is the store's own bookkeeping; a layout store used as SRC has one
+    too, which the converter rebuilds rather than copies.
+    """
+    out, read = pair.out, pair.read
+    for key in ("varm", "varp"):
+        s_el, d_el = pair.children(key)
+        for k in sorted(set(s_el) & set(d_el)):
+            out.n_checked += 1
+            out.add(compare_any(f"{key}/{k}", read(d_el[k], k), read(s_el[k], f"{key}/{k}")))
+    s_uns = {k: v for k, v in _children(pair.src_root, "uns").items() if k != "sclayout"}
+    d_uns = {k: v for k, v in _children(pair.dst_root, "uns").items() if k != "sclayout"}
+    out.add(_key_diffs("uns", set(d_uns), set(s_uns)))
+    for k in sorted(set(s_uns) & set(d_uns)):
+        out.n_checked += 1
+        out.add(compare_any(f"uns/{k}", read(d_uns[k], k), read(s_uns[k], f"uns/{k}")))
 
 
 def _compare_raw(src_root: Any, dst_root: Any, *, read: Any, out: _Collector, kw: dict) -> None:

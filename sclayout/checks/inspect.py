@@ -16,8 +16,8 @@ import numpy as np
 from loader.argtypes import typechecked
 from loader.engine.shards import missing_chunk
 from loader.layout import MANIFEST_KEY, Manifest
-from sclayout.convert.verify import codec_name
-from sclayout.convert.verify_store import open_store_root
+from sclayout.checks.verify import codec_name
+from sclayout.checks.verify_store import open_store_root
 
 __all__ = ["inspect_store", "render_inspect"]
 
@@ -64,55 +64,8 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(dst)
     root, manifest = _open(path)
-    matrices: dict[str, Any] = {}
-    for name, m in manifest.matrices.items():
-        arrays = {}
-        for part, a in m.arrays.items():
-            entry: dict[str, Any] = {
-                "path": a.path,
-                "shape": list(a.shape),
-                "dtype": a.dtype,
-                "chunks": list(a.chunks),
-                "shards": None if a.shards is None else list(a.shards),
-                "codec": a.codec,
-            }
-            if a.path in root:
-                arr = root[a.path]
-                entry["codec"] = codec_name(arr)
-                files, stored = _tree_bytes(path / a.path)
-                raw = int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
-                entry.update(
-                    files=files,
-                    stored_bytes=stored,
-                    uncompressed_bytes=raw,
-                    ratio=round(raw / stored, 3) if stored else None,
-                )
-            arrays[part] = entry
-        stored = sum(e.get("stored_bytes", 0) for e in arrays.values())
-        raw = sum(e.get("uncompressed_bytes", 0) for e in arrays.values())
-        matrices[name] = {
-            "encoding": m.encoding,
-            "shape": list(m.shape),
-            "dtype": m.dtype,
-            "nnz": int(m.nnz),
-            "block_pointer": m.block_pointer,
-            "stored_bytes": stored,
-            "uncompressed_bytes": raw,
-            "ratio": round(raw / stored, 3) if stored else None,
-            "arrays": arrays,
-        }
-    missing = []
-    named = [a.path for m in manifest.matrices.values() for a in m.arrays.values()]
-    named += [m.block_pointer for m in manifest.matrices.values() if m.block_pointer]
-    for array_path in [*named, manifest.source_index]:
-        if not (path / array_path).is_dir():
-            gone: str | None = "the array"
-        elif manifest.all_chunks_stored:
-            gone = missing_chunk(str(path), array_path)
-        else:
-            gone = None
-        if gone is not None:
-            missing.append(f"{array_path}: {gone} is missing")
+    matrices = {name: _describe_matrix(root, path, m) for name, m in manifest.matrices.items()}
+    missing = _missing_chunks(path, manifest)
     warnings = [f"damaged: {line}; restore the store or reconvert it" for line in missing]
     if manifest.chunk_checksum is None:
         warnings.append(
@@ -154,6 +107,62 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "genes": dict(manifest.genes),
         "notes": list(manifest.notes),
     }
+
+
+def _describe_matrix(root: Any, path: Path, m: Any) -> dict[str, Any]:
+    """Return one matrix's entry of the report: its manifest entry and, per array, its files."""
+    arrays = {}
+    for part, a in m.arrays.items():
+        entry: dict[str, Any] = {
+            "path": a.path,
+            "shape": list(a.shape),
+            "dtype": a.dtype,
+            "chunks": list(a.chunks),
+            "shards": None if a.shards is None else list(a.shards),
+            "codec": a.codec,
+        }
+        if a.path in root:
+            arr = root[a.path]
+            entry["codec"] = codec_name(arr)
+            files, stored = _tree_bytes(path / a.path)
+            raw = int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
+            entry.update(
+                files=files,
+                stored_bytes=stored,
+                uncompressed_bytes=raw,
+                ratio=round(raw / stored, 3) if stored else None,
+            )
+        arrays[part] = entry
+    stored = sum(e.get("stored_bytes", 0) for e in arrays.values())
+    raw = sum(e.get("uncompressed_bytes", 0) for e in arrays.values())
+    return {
+        "encoding": m.encoding,
+        "shape": list(m.shape),
+        "dtype": m.dtype,
+        "nnz": int(m.nnz),
+        "block_pointer": m.block_pointer,
+        "stored_bytes": stored,
+        "uncompressed_bytes": raw,
+        "ratio": round(raw / stored, 3) if stored else None,
+        "arrays": arrays,
+    }
+
+
+def _missing_chunks(path: Path, manifest: Manifest) -> list[str]:
+    """Return one line per array the manifest names that is absent or lacks a chunk."""
+    missing = []
+    named = [a.path for m in manifest.matrices.values() for a in m.arrays.values()]
+    named += [m.block_pointer for m in manifest.matrices.values() if m.block_pointer]
+    for array_path in [*named, manifest.source_index]:
+        if not (path / array_path).is_dir():
+            gone: str | None = "the array"
+        elif manifest.all_chunks_stored:
+            gone = missing_chunk(str(path), array_path)
+        else:
+            gone = None
+        if gone is not None:
+            missing.append(f"{array_path}: {gone} is missing")
+    return missing
 
 
 def _size(n: float | None) -> str:
