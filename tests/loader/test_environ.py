@@ -31,7 +31,7 @@ from loader.engine.engine import running
 from loader.errors import ReadError
 
 buffers.MIN_BYTES = 0  # every fetch array shared: decode processes decode them all
-TensorstoreSettings.HTTP_STALL_SECONDS = 5  # the watchdog the first transport gets
+TensorstoreSettings.HTTP_STALL_SECONDS = 2  # the watchdog the first transport gets
 report = {}
 
 def epoch(where, **options):
