@@ -5,7 +5,7 @@ stores with and without chunk checksums; on a shared machine its run-to-run spre
 larger than the few percent at stake. This script measures the two pieces of work
 the checksum adds to or shares with the direct reader, on the same bytes, in one
 thread, alternating: ``google_crc32c`` over the encoded inner chunks of ``X/data`` and
-``X/indices`` (what :mod:`loader._shards` verifies), and blosc decoding them (what it
+``X/indices`` (what :mod:`loader.engine.shards` verifies), and blosc decoding them (what it
 does anyway). The ratio is the checksum's share of the decode work; medians of
 ``--rounds`` alternating rounds.
 
@@ -29,7 +29,7 @@ from numcodecs import blosc
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE] + [str(_HERE)]
 
-from loader._shards import open_index  # noqa: E402
+from loader.engine.shards import open_index  # noqa: E402
 
 
 def encoded_chunks(store: Path, path: str, max_bytes: int) -> tuple[list[np.ndarray], int]:

@@ -4,10 +4,10 @@ On one layout store, in one run, every engine reads the same fetches (the same r
 blocks of rows: each fetch's ``X/data`` and ``X/indices`` element ranges, CSR, column ids
 widened to int32 as the loader's CSR fetches hold them), ``--depth`` fetches in flight:
 
-- ``direct-threads``: the direct shard reader (``loader._shards``) decoding in threads
+- ``direct-threads``: the direct shard reader (``loader.engine.shards``) decoding in threads
   (``SCLAYOUT_DECODE=threads``);
 - ``direct-processes``: the same reader with its hand-written decode processes
-  (``loader._decoders``: a ``-c`` child, pickles and descriptors over a socket pair;
+  (``loader.engine.decoders``: a ``-c`` child, pickles and descriptors over a socket pair;
   the loader's default without DataLoader workers on two or more cores);
 - ``direct-mp``: the same reader and the same design (the parent plans each fetch's
   runs, children read and decode them straight into shared buffers, reused) built on
@@ -61,9 +61,9 @@ ARRAYS = ("X/data", "X/indices")
 
 def _engine_modules() -> tuple[Any, Any]:
     """The direct shard reader's module and the fetch buffers' (the one place naming them)."""
-    from loader import _buffers, _shards
+    from loader.engine import buffers, shards
 
-    return _shards, _buffers
+    return shards, buffers
 
 
 # ---------------------------------------------------------------- the fetches
@@ -118,18 +118,22 @@ class Direct:
         self.shards = shards
         self.arrays = [shards.open_direct(str(store), a) for a in ARRAYS]
         self.widen = [None, np.dtype("int32")]
+        from loader.engine import Engine
+
+        self.engine = Engine()  # its decoders as the environment says, as a reader's
         self._loop = self.buffers.reusing()
         self._loop.__enter__()
 
     def start(self, ranges: np.ndarray) -> Any:
         items = [(a, ranges, w) for a, w in zip(self.arrays, self.widen, strict=True)]
-        got = self.shards.submit_reads(items)
+        got = self.shards.submit_reads(items, self.engine)
         return _All(got)
 
     def close(self) -> None:
         self._loop.__exit__(None, None, None)
         for a in self.arrays:
             a.close()
+        self.engine.close()
 
 
 class _All:
@@ -263,7 +267,7 @@ def _mp_serve(conn: Any) -> None:
 class MPDecoders:
     """The direct reader's decode processes rebuilt on ``multiprocessing`` (spawn).
 
-    The same design as ``loader._decoders``: the parent plans each array's runs (the
+    The same design as ``loader.engine.decoders``: the parent plans each array's runs (the
     reader's own task lists), sends each child its share (fewest bytes so far first, the
     first child also announcing every run to the kernel), and the children read and
     decode into the fetch's arrays, which lie in shared memory segments reused fetch

@@ -5,7 +5,7 @@ one epoch of a store, evicted from the page cache every 0.5 s (or, with ``--cach
 warm``, read into it first), ``--runs`` times, and reads each thread's
 ``/proc/PID/task/*/schedstat`` (time on a CPU, time runnable but waiting for one) and
 ``stat`` (user and system CPU) around the timed part, for this process and its decode
-processes (:mod:`loader._decoders`, on two or more cores); the rest of the wall
+processes (:mod:`loader.engine.decoders`, on two or more cores); the rest of the wall
 time the thread slept (on the GIL, a lock, I/O or a queue). The consumer's time
 blocked on a fetch (``PendingFetch.result``) is measured apart. A second pass
 (``no-scatter``, dense output only) replaces the scatter into the dense output (scipy's
@@ -58,13 +58,13 @@ def _threads() -> dict[int, dict[str, float | str]]:
     system seconds."""
     import threading
 
-    from loader._shards import decode_processes
+    from loader.engine.engine import running
 
     # Python 3.11 leaves the OS thread names alone: take them from threading
     names = {t.native_id: t.name for t in threading.enumerate()}
-    procs = decode_processes()
+    pids = [pid for decoders in running() for pid in decoders.pids()]
     where = {int(t): os.getpid() for t in os.listdir("/proc/self/task")}
-    for pid in procs.pids() if procs is not None else []:
+    for pid in pids:
         for t in os.listdir(f"/proc/{pid}/task"):
             where[int(t)] = pid
             names[int(t)] = "decode process"

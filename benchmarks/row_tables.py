@@ -1,7 +1,7 @@
 """The loader's cost per cell with its per-row tables in memory or read with each fetch.
 
 A CSR store has two tables of 8 bytes a row, ``indptr`` and the source index. The
-loader keeps each whole in memory up to :data:`loader._shards.ROW_TABLE_BYTES`; a larger
+loader keeps each whole in memory up to :data:`loader.engine.shards.ROW_TABLE_BYTES`; a larger
 one is read with every fetch, one more small read and decode per block. This script
 reads each given store both ways, alternating, in one process (BlockDataset's read
 loop, batch 64, fetch factor 16, dense, the store evicted every 0.5 s: the ≫RAM regime

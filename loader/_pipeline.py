@@ -6,7 +6,7 @@ its last rows from the next fetch holds both, and then one fewer is in flight). 
 :class:`Carry`, the read-ahead goes on past the plan's end into the next pass's plan,
 so that the next epoch does not start with a read nobody overlapped.
 While the loop runs, large arrays (a fetch's, a dense minibatch) reuse the memory of
-dropped ones (:mod:`loader._buffers`).
+dropped ones (:mod:`loader.engine.buffers`).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from loader import _buffers as buffers
 from loader.assemble import CSRRows
+from loader.engine import buffers
 from loader.errors import LayoutError
 from loader.sampler import Fetch, WorkerPlan
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import scipy.sparse as sp
 
-from loader import _buffers as buffers
+from loader.engine import buffers
 from loader.errors import InputError, LayoutError
 
 try:  # scipy's C++ kernels behind csr[rows] and toarray(); private but stable for years

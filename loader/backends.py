@@ -11,10 +11,11 @@ Registered backends (:func:`register_backend`, :func:`get_backend`):
 
 ``tensorstore`` (default)
     Local arrays sharded with ``bytes`` (+ ``blosc``) inner chunks (what ``sclayout
-    convert`` writes with the blosc codecs or none) are read by :mod:`loader._shards`:
+    convert`` writes with the blosc codecs or none) are read by :mod:`loader.engine.shards`:
     one ``preadv`` per run of adjacent inner chunks (≤ 1 MiB), announced to the
     kernel at submit, decoded by blosc in the process's decode threads (one per
-    usable core, shared among DataLoader workers: :mod:`loader.cores`) straight into
+    usable core, shared among DataLoader workers: the backend's
+    :class:`~loader.engine.engine.Engine`, option ``engine=EngineConfig(...)``) straight into
     the output array (``direct=False`` turns this off). Everything else (HTTP, other
     codecs) goes through tensorstore's ``zarr3`` driver: each key is one read of a
     ``ts.concat`` of the ranges, so tensorstore fetches every inner chunk
@@ -47,6 +48,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from loader.argtypes import typechecked
+from loader.engine.config import EngineConfig
+from loader.engine.engine import Engine
 from loader.errors import InputError, LayoutError, ReadError
 from loader.location import (
     http_range_error,
@@ -75,6 +78,7 @@ __all__ = [
     "read_error",
     "register_backend",
     "remote_concurrency_spec",
+    "start_http_transport",
     "timed_out",
     "ts_kvstore",
 ]
@@ -166,12 +170,13 @@ class TensorstoreSettings:
     HTTP_STALL_SECONDS = 30
     """A request that receives no byte for this long is abandoned (and retried):
     without it, a server that accepts connections but never answers hangs a read
-    forever. tensorstore takes it from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
-    (with ``..._LIMIT_BYTES=1``) when its HTTP transport starts, once per process;
-    the backend sets both unless the environment already does."""
+    forever. tensorstore reads it only from ``TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS``
+    (with ``..._LIMIT_BYTES=1``), once per process, when its HTTP transport starts:
+    :func:`start_http_transport` starts it with both set and then removes them again,
+    unless the environment sets them already (the user's values win)."""
     DATA_COPY_CONCURRENCY = None
     """Decode/copy threads; ``None``: the process's decode threads
-    (:func:`loader._shards.process_decode_threads`: its share of the usable cores, the
+    (:meth:`loader.engine.engine.Engine.decode_threads`: its share of the usable cores, the
     same count as the direct reader's; docs/scaling.md)."""
     CACHE_BYTES = 64 * 2**20
     """Chunk cache for fetches of small blocks (a block spans few inner chunks): it
@@ -189,18 +194,15 @@ def http_context_spec(
 ) -> dict[str, Any]:
     """Return the tensorstore context members for HTTP reads.
 
-    ``retries`` retries from ``retry_delay`` seconds doubling up to 8 s. Also sets the
-    stall watchdog of tensorstore's HTTP transport
-    (:attr:`TensorstoreSettings.HTTP_STALL_SECONDS`) unless the environment already
-    does.
+    ``retries`` retries from ``retry_delay`` seconds doubling up to 8 s. Also starts
+    tensorstore's HTTP transport with its stall watchdog
+    (:func:`start_http_transport`).
     """
     if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
         raise InputError(f"http_retries={retries!r}: pass a whole number of retries >= 0")
     if not isinstance(retry_delay, int | float) or not retry_delay > 0:
         raise InputError(f"http_retry_delay={retry_delay!r}: pass a number of seconds > 0")
-    stall = str(TensorstoreSettings.HTTP_STALL_SECONDS)
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS", stall)
-    os.environ.setdefault("TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES", "1")
+    start_http_transport()
     delay = float(retry_delay)
     backoff = {"initial_delay": f"{delay}s", "max_delay": f"{max(delay, 8.0)}s"}
     # the object-store drivers count attempts (at least 1), the http driver retries
@@ -209,6 +211,43 @@ def http_context_spec(
         "s3_request_retries": {"max_retries": max(1, retries), **backoff},
         "gcs_request_retries": {"max_retries": max(1, retries), **backoff},
     }
+
+
+_STALL_VARIABLES = (
+    "TENSORSTORE_CURL_LOW_SPEED_TIME_SECONDS",
+    "TENSORSTORE_CURL_LOW_SPEED_LIMIT_BYTES",
+)
+_transport_lock = threading.Lock()
+_transport_started: list[bool] = []  # once per interpreter
+
+
+def start_http_transport() -> None:
+    """Start tensorstore's HTTP transport with the stall watchdog, once per process.
+
+    tensorstore has no context member for the watchdog: it reads
+    ``TENSORSTORE_CURL_LOW_SPEED_*`` from the environment when it makes its HTTP
+    transport (shared by the ``http``, ``s3`` and ``gcs`` drivers), then never again.
+    So the variables the environment lacks are set for that moment only (opening an
+    ``http`` kvstore makes the transport; no request is sent) and removed at once:
+    ``os.environ`` is the same afterwards. A transport that tensorstore made earlier
+    in the process keeps the settings it was made with.
+    """
+    with _transport_lock:
+        if _transport_started:
+            return
+        import tensorstore as ts
+
+        values = (str(TensorstoreSettings.HTTP_STALL_SECONDS), "1")
+        added = [k for k in _STALL_VARIABLES if k not in os.environ]
+        try:
+            for key, value in zip(_STALL_VARIABLES, values, strict=True):
+                if key in added:
+                    os.environ[key] = value
+            ts.KvStore.open({"driver": "http", "base_url": "http://127.0.0.1:9/"}).result()
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
+        _transport_started.append(True)
 
 
 def remote_concurrency_spec(limit: int) -> dict[str, Any]:
@@ -364,10 +403,13 @@ class TensorstoreBackend:
         cache_dir: str | os.PathLike[str] | None = None,
         cache_limit: int | str | None = None,
         generation: str | None = None,
+        engine: EngineConfig | None = None,
         **_: Any,
     ) -> None:
         self.location = location
         self.require_chunks = bool(require_chunks)
+        # the decoders of direct reads (and the size of tensorstore's copy threads)
+        self.engine = Engine(engine)
         # retries apply to URLs only (the stall watchdog is process-wide: not set for files)
         self._http = http_context_spec(http_retries, http_retry_delay) if is_url(location) else {}
         self._timeout = check_timeout(http_timeout) if is_url(location) else None
@@ -400,10 +442,8 @@ class TensorstoreBackend:
         if self._pid != os.getpid():
             import tensorstore as ts
 
-            from loader._shards import process_decode_threads
-
             o = self.options
-            copy_threads = o["data_copy_concurrency"] or process_decode_threads()
+            copy_threads = o["data_copy_concurrency"] or self.engine.decode_threads()
             self._context = ts.Context(
                 {
                     "cache_pool": {"total_bytes_limit": int(o["cache_bytes"])},
@@ -447,14 +487,14 @@ class TensorstoreBackend:
         return arr
 
     def _direct_array(self, path: str) -> Any:
-        """Return the :mod:`loader._shards` reader of ``path``, or ``None``.
+        """Return the :mod:`loader.engine.shards` reader of ``path``, or ``None``.
 
         ``None`` means tensorstore reads it.
         """
         if not self.direct:
             return None
         if path not in self._direct:
-            from loader._shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
+            from loader.engine.shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
             whole = self.whole_array_bytes
             if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
@@ -505,11 +545,17 @@ class TensorstoreBackend:
         return again
 
     def close(self) -> None:
-        """Close the direct arrays' shard files and drop tensorstore's handles."""
+        """Close the direct arrays' shard files and drop tensorstore's handles.
+
+        The decode processes drop their copies of the arrays, and the engine gives its
+        decoders back.
+        """
         direct, self._direct = self._direct, {}
         for array in direct.values():
             if array is not None:
                 array.close()
+                self.engine.forget(array)
+        self.engine.close()
         self._arrays, self._context, self._pid = {}, None, -1
         if self.cache is not None:
             self.cache.close()
@@ -540,10 +586,11 @@ class TensorstoreBackend:
             cached = _CachedReads(self, [(key, request[key][0], r) for key, _, r in direct_items])
             futures.update({key: cached.handle(key) for key, _, _ in direct_items})
         elif direct_items:
-            from loader._shards import submit_reads
+            from loader.engine.shards import submit_reads
 
             got = submit_reads(
-                [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items]
+                [(d, r, self.widen.get(request[key][0])) for key, d, r in direct_items],
+                self.engine,
             )
             for (key, _, _), g in zip(direct_items, got, strict=True):
                 if isinstance(g, np.ndarray):
@@ -689,10 +736,11 @@ class _CachedReads:
         self._out: dict[str, np.ndarray] | None = None
 
     def _start(self) -> list[Any]:
-        from loader._shards import submit_reads
+        from loader.engine.shards import submit_reads
 
         b = self._backend
-        return submit_reads([(b._direct[p], r, b.widen.get(p)) for _, p, r in self._items])
+        items = [(b._direct[p], r, b.widen.get(p)) for _, p, r in self._items]
+        return submit_reads(items, b.engine)
 
     def _wait(self, deadline: float | None) -> dict[str, np.ndarray]:
         try:
@@ -792,7 +840,7 @@ class ZarrBackend:
         if not self.require_chunks:
             return
         if path not in self._indexes:
-            from loader._shards import missing_chunk, open_index
+            from loader.engine.shards import missing_chunk, open_index
 
             index = open_index(self.location, path)
             if index is None:  # not sharded (anndata's arrays): every chunk file, once

@@ -1,6 +1,6 @@
 """Whole reads of a layout store's small arrays, every chunk checked.
 
-The matrix's chunks are read by the backends, which check them (:mod:`loader._shards`,
+The matrix's chunks are read by the backends, which check them (:mod:`loader.engine.shards`,
 :mod:`loader.backends`). The arrays a reader reads whole with zarr-python (obs columns,
 ``var``, ``obsm``, the source index, the block pointer) go through here: in a store
 whose manifest says every chunk is stored (format version 2), an absent chunk is
@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from loader._shards import missing_chunk
 from loader.backends import damage_cause
+from loader.engine.shards import missing_chunk
 from loader.errors import LayoutError
 
 __all__ = ["DECODE_ERRORS", "check_stored", "read_element", "read_whole"]

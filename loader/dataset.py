@@ -44,7 +44,7 @@ Workers and the main process
     the main process cuts them into minibatches, densifies them and yields them in
     the same round-robin order a DataLoader gives single minibatches. Each worker
     decodes with its share of the cores the process may use, one left to the main
-    process (:func:`loader.cores.decode_threads`). A plain ``DataLoader`` still gets
+    process (:func:`loader.engine.config.decode_threads`). A plain ``DataLoader`` still gets
     one finished minibatch per item.
 
 Resuming
@@ -459,8 +459,9 @@ class BlockDataset:
         The iterators of this dataset stop (their fetches in flight are cancelled), and
         the readers it opened close; a reader you passed as ``path`` stays yours to
         close. Iterating afterwards is an :class:`~loader.errors.InputError`.
-        ``with BlockDataset(...) as ds:`` closes at the block's end. Decode threads and
-        processes are shared by the process's readers and stay.
+        ``with BlockDataset(...) as ds:`` closes at the block's end. The decode threads
+        and processes of the readers it opened stop shortly after, unless an open reader
+        shares them.
         """
         if self._closed:
             return
@@ -479,7 +480,7 @@ class BlockDataset:
             carry.cancel()
         for reader in self._opened:
             reader.close()
-        from loader import _buffers
+        from loader.engine import buffers as _buffers
 
         _buffers.release_spares()
 
@@ -772,10 +773,6 @@ class BlockDataset:
         if self.prefetch_next_epoch and info is None:
             epoch = plan.key[0]
             ahead = Carry(lambda: S.worker_plan(self.config, epoch + 1, **place), reader)
-        if info is not None:
-            from loader._shards import share_decode_threads
-
-            share_decode_threads(info[1])  # the workers share the process's cores
         grouped = self.group_workers and info is not None
         if grouped:
             from loader.store import LayoutReader

@@ -15,7 +15,7 @@ copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
 :class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
 ``indptr`` and ``source_index`` arrays (8 bytes a row each) when they are at most
-64 MiB each (:data:`loader._shards.ROW_TABLE_BYTES`, up to 8,388,608 rows: 1.6 MB each
+64 MiB each (:data:`loader.engine.shards.ROW_TABLE_BYTES`, up to 8,388,608 rows: 1.6 MB each
 for 200,000 rows, 40 MB each for 5,000,000).
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
@@ -47,7 +47,6 @@ from typing import Any
 
 import numpy as np
 
-from loader._shards import ROW_TABLE_BYTES
 from loader.argtypes import typechecked
 from loader.assemble import (
     CSRRows,
@@ -70,6 +69,7 @@ from loader.backends import (
     ts_kvstore,
 )
 from loader.checked import read_whole
+from loader.engine.shards import ROW_TABLE_BYTES
 from loader.errors import (
     InputError,
     LayoutError,
@@ -121,7 +121,7 @@ _malloc_tuned = False
 
 INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
 """A store's source index (8 bytes per row) up to this size (8M rows, as for
-``indptr``: :data:`loader._shards.ROW_TABLE_BYTES`) is read whole once and each fetch's
+``indptr``: :data:`loader.engine.shards.ROW_TABLE_BYTES`) is read whole once and each fetch's
 ids are taken from memory; larger ones are read with each fetch, through tensorstore
 (zstd chunks of tens of thousands of rows), at a cost per fetch that the cells do not
 pay back."""

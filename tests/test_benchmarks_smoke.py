@@ -122,7 +122,7 @@ def test_loader_threads_benchmark_on_a_small_store(tmp_path, run_benchmark, tiny
     src = tiny_tahoe_like(tmp_path / "s.h5ad", n_obs=2000, n_vars=300, nnz_per_cell=30)
     store = tmp_path / "s.zarr"
     convert(src, store, block_size=16, order="shuffled", seed=0)
-    from loader.cores import decode_threads
+    from loader.engine.config import decode_threads
 
     run_benchmark(
         BENCH / "loader_threads.py", "--store", store, "--block-size", 16,

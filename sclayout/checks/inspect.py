@@ -13,8 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from loader._shards import missing_chunk
 from loader.argtypes import typechecked
+from loader.engine.shards import missing_chunk
 from loader.layout import MANIFEST_KEY, Manifest
 from sclayout.checks.verify import codec_name
 from sclayout.checks.verify_store import open_store_root

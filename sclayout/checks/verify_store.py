@@ -28,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from loader._shards import missing_chunk, open_index
 from loader.backends import damage_cause
+from loader.engine.shards import missing_chunk, open_index
 from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError
 from loader.layout import MANIFEST_KEY, Manifest
 

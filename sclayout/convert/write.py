@@ -153,7 +153,7 @@ def checksum_codecs(enabled: bool) -> tuple[Any, ...]:
     """Return the codecs appended after an array's compressors.
 
     zarr v3's ``crc32c`` (every inner chunk then ends with its checksum, which
-    zarr-python, tensorstore and :mod:`loader._shards` verify on read), or none.
+    zarr-python, tensorstore and :mod:`loader.engine.shards` verify on read), or none.
     """
     return (Crc32cCodec(),) if enabled else ()
 

@@ -410,7 +410,7 @@ def _as_the_loader_runs() -> Iterator[None]:
     loader's loop hands out the memory of dropped fetches instead, and on two or more
     cores decodes in processes only into such shared buffers.
     """
-    from loader._buffers import reusing  # the engine's buffer pool (named here only)
+    from loader.engine.buffers import reusing  # the engine's buffer pool (named here only)
 
     with reusing():
         yield

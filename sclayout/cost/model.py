@@ -650,7 +650,7 @@ def _reads_in_flight(backend: str, codec: str, profile: Profile, dec_threads: in
     """Return how many reads one process keeps in flight for a fetch.
 
     The tensorstore backend reads local blosc and uncompressed stores with its direct
-    shard reader (``loader._shards``): each decode thread reads its run of chunks with a
+    shard reader (``loader.engine.shards``): each decode thread reads its run of chunks with a
     blocking ``preadv`` and then decodes it, so about as many reads are in flight as
     there are decode threads. The kernel's readahead on the fetch's ``WILLNEED`` hints
     lets decoding overlap the reads (:func:`predict_from_stats`) but is not counted as

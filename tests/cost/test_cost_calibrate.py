@@ -76,7 +76,7 @@ def test_measure_assembly_takes_the_median_round(monkeypatch):
 def test_codec_and_assembly_timings_use_the_loaders_shared_reused_buffers():
     """Inside its timings, a fetch-sized array lies in a pooled memory file that decode
     processes can map (as in the loader's read loop); outside, in private memory."""
-    from loader import _buffers as buffers
+    from loader.engine import buffers
 
     if not hasattr(os, "memfd_create"):
         pytest.skip("memory files are Linux-only")
@@ -104,11 +104,13 @@ def test_measure_codecs_reads_through_the_loader_backend():
 def test_measure_codecs_times_the_direct_reader_only_when_asked(monkeypatch, direct):
     """A remote store's responses are decoded by tensorstore, never by the direct
     shard reader: ``direct=False`` must time that path."""
-    import loader._shards as shards
+    import loader.engine.shards as shards
 
     calls = []
     real = shards.submit_reads
-    monkeypatch.setattr(shards, "submit_reads", lambda items: calls.append(1) or real(items))
+    monkeypatch.setattr(
+        shards, "submit_reads", lambda items, engine: calls.append(1) or real(items, engine)
+    )
     data, indices, indptr, n_vars = _counts()
     speeds = measure_codecs(
         data, indices, indptr, n_vars=n_vars, codecs=("blosc-lz4",), seconds=0.05, direct=direct

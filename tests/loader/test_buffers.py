@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from loader import BlockDataset
-from loader import _buffers as buffers
+from loader.engine import buffers
 
 N = buffers.MIN_BYTES // 4  # float32 values of the smallest pooled array
 
@@ -101,14 +101,14 @@ def test_values_exact_when_every_buffer_is_pooled(
     (An .h5ad read as CSR lends nothing: its fetches are h5py's arrays.)"""
     monkeypatch.setattr(buffers, "MIN_BYTES", 0)
     reused = []
-    take = buffers._Pool.take
+    take = buffers.BufferPool.take
 
     def spy(self, nbytes):
         buf, fresh = take(self, nbytes)
         reused.append(not fresh)
         return buf, fresh
 
-    monkeypatch.setattr(buffers._Pool, "take", spy)
+    monkeypatch.setattr(buffers.BufferPool, "take", spy)
     truth = stores["truth"][source]["X"]
     ds = BlockDataset(stores[source], batch_size=24, fetch_factor=2, output=output, seed=3)
     for epoch in range(2):
@@ -131,9 +131,9 @@ def test_an_unmapped_buffer_closes_its_file_without_a_finalizer():
     import weakref
 
     registered = len(weakref.finalize._registry)
-    buf = buffers._new_buffer(4 << 20)
+    buf = buffers.pool().new_buffer(4 << 20)
     assert len(weakref.finalize._registry) == registered
-    fd = buffers._files[id(buf)][1]
+    fd = buffers.pool().files[id(buf)][1]
     inode = os.fstat(fd).st_ino
     del buf
     buffers.dropped_buffers()  # the pool's calls close the files of unmapped buffers

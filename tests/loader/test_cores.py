@@ -9,7 +9,8 @@ import os
 
 import pytest
 
-from loader.cores import cgroup_cpu_limit, decode_threads, usable_cores
+from loader.engine.config import decode_threads, usable_cores
+from loader.engine.cores import cgroup_cpu_limit
 from loader.errors import InputError
 
 V2_SELF = "0::/job/step\n"
@@ -103,29 +104,33 @@ def test_decode_threads_override(monkeypatch):
 
 @pytest.mark.parametrize("given", [None, 5], ids=["decode-threads", "given"])
 def test_tensorstore_copy_threads_follow_the_decode_threads(tmp_path, given):
-    from loader._shards import process_decode_threads
     from loader.backends import TensorstoreBackend
+    from loader.engine.config import EngineConfig
 
-    backend = TensorstoreBackend(str(tmp_path), data_copy_concurrency=given)
+    backend = TensorstoreBackend(
+        str(tmp_path), data_copy_concurrency=given, engine=EngineConfig(threads=3)
+    )
     backend._ensure()  # the context of this process
     spec = backend._context.spec.to_json()
-    assert spec["data_copy_concurrency"] == {"limit": given or process_decode_threads()}
+    assert spec["data_copy_concurrency"] == {"limit": given or 3}
+    assert backend.engine.decode_threads() == 3
+    backend.close()
 
 
 CHILD = """
 import json, os, sys, threading
 import numpy as np
 import torch
-from loader import BlockDataset, _buffers, open_layout
-from loader._shards import decode_processes, process_decode_threads
+from loader import BlockDataset, open_layout
+from loader.engine import buffers as _buffers
+from loader.engine.engine import running
 
 _buffers.MIN_BYTES = 0  # every fetch array shared: decode processes, where used, decode all
 
 def count(batch):
     names = [t.name for t in threading.enumerate()]
     batch["threads"] = np.array(sum(n.startswith("sclayout-decode") for n in names))
-    procs = decode_processes()
-    mine = [p for p in (procs.pids() if procs else [])
+    mine = [p for d in running() for p in d.pids()
             if int(open(f"/proc/{p}/stat").read().split()[3]) == os.getpid()]
     batch["procs"] = np.array(len(mine))
     batch["pid"] = np.array(os.getpid())
@@ -142,7 +147,7 @@ def case(cpus, workers):
         pid = int(b["pid"])
         old = seen.get(pid, (0, 0))
         seen[pid] = (max(old[0], int(b["threads"])), max(old[1], int(b["procs"])))
-    return {"seen": list(seen.values()), "main_pool": process_decode_threads()}
+    return {"seen": list(seen.values()), "main_pool": sum(d.threads for d in running())}
 
 out = {}
 for name in sys.argv[2:]:  # each case in a fresh fork: its own pool, its own affinity

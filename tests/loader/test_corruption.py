@@ -16,7 +16,7 @@ import zarr
 from click.testing import CliRunner
 
 from loader import open_layout
-from loader._shards import missing_chunk
+from loader.engine.shards import missing_chunk
 from loader.errors import LayoutError, SclayoutError
 from loader.spec import LayoutSpec, StoreSpec
 from sclayout.cli import main

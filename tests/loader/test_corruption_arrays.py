@@ -168,8 +168,8 @@ references = {read: m.epoch(store, read) for read in m.MATRIX}
 found = {}
 for array, kind, read in m.each_case(store, m.MATRIX):
     found[f"{array} {kind}"] = m.outcome(array, references[read], store, read)
-from loader._shards import decode_processes
-print(json.dumps({"found": found, "processes": decode_processes() is not None}))
+from loader.engine.engine import running
+print(json.dumps({"found": found, "processes": any(d.processes for d in running())}))
 """
 
 

@@ -1,4 +1,4 @@
-"""Decode processes (:mod:`loader._decoders`): a dataset decoding in child processes
+"""Decode processes (:mod:`loader.engine.decoders`): a dataset decoding in child processes
 delivers what one decoding in threads does, every row once and equal to the source;
 a damaged chunk, a failing decoder and a decode process that dies are errors that
 name the problem, and the next read starts a new process; the choice between threads
@@ -15,9 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, Job, supported
-from loader.cores import decode_in_processes
+from loader.engine import buffers
+from loader.engine.config import decode_in_processes
+from loader.engine.decoders import DecodeProcesses, Job, supported
 from loader.errors import InputError, LayoutError, ReadError
 
 pytestmark = pytest.mark.skipif(not supported(), reason="decode processes need Linux")
@@ -133,7 +133,7 @@ def test_every_process_unmaps_a_buffer_the_reader_dropped(decoders):
     del a, futures  # no read loop runs: its memory is unmapped, not kept
     gc.collect()
     deadline = time.monotonic() + 30  # the pool's janitor takes the lease back
-    while buffers._POOL.leases and time.monotonic() < deadline:
+    while buffers.pool().leases and time.monotonic() < deadline:
         time.sleep(0.01)
     with buffers.reusing():
         b = buffers.empty(buffers.MIN_BYTES // 8, np.float64)
@@ -195,7 +195,9 @@ DATASET = """
 import json, os, sys
 import numpy as np
 import torch
-from loader import _buffers, _shards, open_layout, BlockDataset
+from loader import open_layout, BlockDataset
+from loader.engine import buffers as _buffers
+from loader.engine.engine import running
 from loader.errors import LayoutError
 
 _buffers.MIN_BYTES = 0  # every fetch array in a shared buffer
@@ -210,10 +212,9 @@ for output in ("csr", "dense"):
         rows.append(X.numpy()); index.append(b["index"].numpy())
     np.savez(os.path.join(out_dir, output + ".npz"), index=np.concatenate(index),
              X=np.concatenate(rows))
-procs = _shards.decode_processes()
-if procs is not None:
+if any(d.processes is not None for d in running()):
     report["processes"] = [int(open(f"/proc/{p}/stat").read().split()[3]) == os.getpid()
-                           for p in procs.pids()]
+                           for d in running() for p in d.pids()]
 try:
     for b in BlockDataset(open_layout(damaged, whole_array_bytes=0), batch_size=16, seed=3):
         pass

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from loader._decoders import supported
+from loader.engine.decoders import supported
 
 ROOT = Path(__file__).resolve().parents[2]
 EXIT_TIMEOUT = 150
@@ -37,7 +37,8 @@ pytestmark = pytest.mark.skipif(
 
 RUNNER = """
 import faulthandler, json, os, signal, sys, tempfile, time
-from loader import BlockDataLoader, BlockDataset, _buffers, _shards
+from loader import BlockDataLoader, BlockDataset
+from loader.engine import buffers as _buffers, shards as _shards
 import loader._torch  # torch too, before the children fork
 
 _buffers.MIN_BYTES = 0  # every fetch array from the buffer pool, as a large store's are
@@ -95,8 +96,8 @@ else:
 # ------------------------------------------------------------------- the scenarios
 
 PIDS = """
-from loader._shards import decode_processes
-print("decoders", decode_processes().pids() if decode_processes() else [])
+from loader.engine.engine import running
+print("decoders", [p for d in running() for p in d.pids()])
 print("spares", _buffers.spare_bytes())
 print("exiting", flush=True)
 """
@@ -147,7 +148,7 @@ EXITS = {
 COUNTS = """
 import gc, threading
 from loader.errors import InputError
-from loader._shards import process_decode_threads
+from loader.engine.engine import running
 gc.freeze()  # the modules' objects: each collection then walks only what came after
 
 def children():
@@ -167,21 +168,24 @@ def counts():
     with open("/proc/self/maps") as f:
         maps = f.read().splitlines()
     kids = children()
-    # the process-wide decode threads start on demand up to their number: counted apart
+    # decode threads start on demand up to their number: counted apart
     decode = sum(t.name.startswith("sclayout-decode") for t in threading.enumerate())
+    # the timer that stops idle decoders: one after a close, gone when the next takes them
+    linger = sum(t.name == "sclayout-linger" for t in threading.enumerate())
     return {{
         "fds": len(os.listdir("/proc/self/fd")),
         "fetch_maps": sum("sclayout-fetch" in m for m in maps),
         "maps": len(maps),
-        "threads": threading.active_count() - decode,
-        "os_threads": len(os.listdir("/proc/self/task")) - decode,
+        "threads": threading.active_count() - decode - linger,
+        "os_threads": len(os.listdir("/proc/self/task")) - decode - linger,
         "decode_threads": decode,
-        "decode_limit": process_decode_threads(),
+        "decode_limit": sum(d.threads for d in running()),
         "children": len(kids),
         "children_fds": sum(len(os.listdir(f"/proc/{{p}}/fd")) for p in kids),
     }}
 
-UNEQUAL = ("maps", "decode_threads")  # the allocators' own mappings; decode threads grow
+UNEQUAL = ("maps", "decode_threads", "reading_children")  # mappings: the allocators'; decode
+# threads grow on demand; reading_children: counted during a cycle, not by counts()
 
 def settled(want):
     # threads end and decode processes drop their files a moment after the call
@@ -209,6 +213,7 @@ def cycle(close):
     it = iter(ds)
     sizes = [next(it)["index"].shape[0] for _ in range(3)]
     assert sizes == [16, 16, 16], sizes
+    reading = len(children())  # the dataset's decode processes, while it reads
     if close:
         ds.close()
         try:
@@ -222,14 +227,23 @@ def cycle(close):
     if not close:
         gc.collect()  # the pass's clean-up runs: its fetches go back to the pool
         _buffers.release_spares()  # the pool's bounded cache, not a leak
+    return reading
 
 seen = {{}}
 for close in (True, False):
     counted = []
     for i in range(30):
-        cycle(close)
+        reading = cycle(close)
         counted.append(steady() if i < 2 else settled(counted[1]))
+        counted[-1]["reading_children"] = reading
     seen["closed" if close else "dropped"] = counted
+deadline = time.monotonic() + 30  # the idle decoders stop LINGER_S after the last close
+idle = counts()
+while (running() or idle["decode_threads"] or idle["children"]) and time.monotonic() < deadline:
+    time.sleep(0.05)
+    idle = counts()
+seen["idle"] = {{"children": idle["children"], "decode_threads": idle["decode_threads"],
+                "decoders": [d.threads for d in running()]}}
 print(json.dumps(seen))
 """
 
@@ -264,8 +278,8 @@ while True:
     for batch in batches:
         n += 1
         if n == 5:
-            from loader._shards import decode_processes
-            print("decoders", decode_processes().pids() if decode_processes() else [])
+            from loader.engine.engine import running
+            print("decoders", [p for d in running() for p in d.pids()])
             print("reading", flush=True)
 """
 
@@ -345,16 +359,25 @@ leak of one mapping per dataset would be 28 over the counted cycles."""
 def test_descriptors_mappings_threads_and_children_stay_flat(runs, mode, how):
     """Over 30 ``open, iterate, close`` cycles and 30 datasets dropped without close
     (dense output decoding in threads, CSR in decode processes): after a first two
-    cycles (process-wide decode threads and processes, the pool's janitor), every
-    cycle leaves the same descriptors, fetch buffers, threads, child processes and
-    children's descriptors as the one before, so a closed or collected dataset leaves
-    nothing behind, in this process or in its decode processes."""
+    cycles (the buffer pool's janitor, the decoders the next dataset takes over),
+    every cycle leaves the same descriptors, fetch buffers, threads, child processes
+    and children's descriptors as the one before, so a closed or collected dataset
+    leaves nothing behind, in this process or in its decode processes; once no dataset
+    is open, the decode threads and processes stop."""
     run = runs[f"counts {mode}"]
     assert run["code"] == 0, run["err"][-3000:]
     seen = json.loads(run["out"].splitlines()[-1])[how]
     base = seen[1]
     if mode == "processes":
-        assert base["children"] >= 1  # decode processes did the reads
+        assert base["reading_children"] >= 1  # decode processes did the reads
+    else:
+        assert base["reading_children"] == 0
+    # held by no reader, the decode threads and processes stop a moment later
+    assert json.loads(run["out"].splitlines()[-1])["idle"] == {
+        "children": 0,
+        "decode_threads": 0,
+        "decoders": [],
+    }
     assert base["fetch_maps"] == 0  # closed or collected: no fetch buffer left mapped
     for i, got in enumerate(seen[2:], start=3):
         for key in base:

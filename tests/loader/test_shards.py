@@ -1,4 +1,4 @@
-"""The direct shard reader (:mod:`loader._shards`): equal to zarr-python on every
+"""The direct shard reader (:mod:`loader.engine.shards`): equal to zarr-python on every
 range (across inner-chunk and shard borders, the partial last chunk, absent chunks
 and shards), blosc and uncompressed inner chunks, 1-d and 2-d, as stored or cast to a
 wider dtype while decoding; arrays it cannot read
@@ -17,7 +17,9 @@ import zarr
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loader import _shards
+from loader.engine import shards as _shards
+from loader.engine.config import EngineConfig
+from loader.engine.engine import Engine
 from loader.errors import LayoutError
 
 BLOSC = zarr.codecs.BloscCodec(cname="lz4", clevel=5, shuffle="shuffle")
@@ -54,6 +56,16 @@ def arrays(tmp_path_factory):
     return {k: (Path(a.store.root), v) for k, (a, v) in out.items()}
 
 
+ENGINE = Engine(EngineConfig(mode="threads"))
+"""The decoders of this module's reads (closed after its last test)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_engine():
+    yield
+    ENGINE.close()
+
+
 def _direct(folder: Path) -> _shards.DirectArray:
     got = _shards.open_direct(str(folder.parent), folder.name, whole_array_bytes=0)
     assert got is not None
@@ -61,7 +73,7 @@ def _direct(folder: Path) -> _shards.DirectArray:
 
 
 def _read(direct: _shards.DirectArray, ranges: np.ndarray, dtype=None) -> np.ndarray:
-    got = direct.submit(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), dtype)
+    got = direct.submit(np.asarray(ranges, dtype=np.int64).reshape(-1, 2), dtype, engine=ENGINE)
     return got if isinstance(got, np.ndarray) else got.result()
 
 
@@ -188,7 +200,7 @@ def test_reads_are_announced_on_a_decode_thread_for_every_array(arrays, monkeypa
     monkeypatch.setattr(os, "posix_fadvise", spy)
     a, b = _direct(arrays["blosc-1d"][0]), _direct(arrays["blosc-2d"][0])
     ra, rb = np.array([[0, 1003]]), np.array([[5, 180]])
-    got = _shards.submit_reads([(a, ra, None), (b, rb, None)])
+    got = _shards.submit_reads([(a, ra, None), (b, rb, None)], ENGINE)
     assert np.array_equal(got[0].result(), arrays["blosc-1d"][1])
     assert np.array_equal(got[1].result(), arrays["blosc-2d"][1][5:180])
     # the announcing task is queued ahead of the reads but may still be running when they

@@ -320,7 +320,7 @@ def test_indptr_is_kept_whole_up_to_the_row_table_size(built, adata, monkeypatch
     import os
     import shutil
 
-    import loader._shards as shards
+    import loader.engine.shards as shards
 
     src = _path(built, "conv-shuffled-csr")
     path = src.parent / f"copy-{whole}"

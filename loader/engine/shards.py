@@ -1,5 +1,7 @@
-"""Direct reads of sharded zarr v3 arrays: byte ranges of whole inner chunks, decoded
-by blosc in the reader's own decode threads.
+"""Direct reads of sharded zarr v3 arrays: byte ranges of whole inner chunks.
+
+They are decoded by blosc on the decoders of the reader's engine
+(:mod:`loader.engine.engine`).
 
 tensorstore decodes every inner chunk on its own path (a read, a decode into a chunk
 buffer, a copy into the output), which costs noticeably more CPU per cell than blosc's
@@ -10,14 +12,14 @@ this module
 1. reads each shard's index once (then keeps it: 16 bytes per inner chunk);
 2. turns a fetch's element ranges into runs of inner chunks that sit back to back in
    one shard file (one ``preadv`` per run, at most :data:`RUN_BYTES` bytes);
-3. runs every run as one task on the process's decode threads (one per usable core,
-   :mod:`loader.cores`, shared among DataLoader workers): the
+3. runs every run as one task on the engine's decode threads (one per usable core,
+   :mod:`loader.engine.config`, shared among DataLoader workers): the
    ``preadv`` and ``numcodecs.blosc.decompress`` (single-threaded blosc context) both
    release the GIL; a chunk wholly inside the fetch is decoded straight into the
    output array, the one or two chunks a range cuts are decoded into a per-thread
    scratch buffer and their part copied. A process that loads on two or more cores
    without DataLoader workers runs the same tasks in decode *processes* instead
-   (:mod:`loader._decoders`), when the output lies in a shared buffer: their Python
+   (:mod:`loader.engine.decoders`), when the output lies in a shared buffer: their Python
    never waits for the GIL of the training loop's process;
 4. tells the kernel about every run of the fetch's arrays (``posix_fadvise(WILLNEED)``)
    in one task queued on the decode threads just ahead of the fetch's reads: the
@@ -40,7 +42,7 @@ is stored), an absent chunk or shard is a :class:`LayoutError`, not the fill val
 
 Numbers for the cost model: reads in flight per fetch = the fetch's runs (each
 ≤ :data:`RUN_BYTES`), announced to the kernel just ahead of the fetch's reads; decode threads =
-:func:`loader.cores.decode_threads` per process.
+:func:`loader.engine.config.decode_threads` per process.
 """
 
 from __future__ import annotations
@@ -53,29 +55,29 @@ import os
 import threading
 import weakref
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loader import _buffers as buffers
-from loader._decoders import DecodeProcesses, Job, supported
-from loader.cores import decode_in_processes, decode_threads
+from loader.engine import buffers
+from loader.engine.decoders import Job
 from loader.errors import InputError, LayoutError, too_many_files
 from loader.location import is_url
+
+if TYPE_CHECKING:
+    from loader.engine.engine import Engine
 
 __all__ = [
     "ROW_TABLE_BYTES",
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
-    "decode_processes",
     "missing_chunk",
     "open_direct",
     "open_index",
-    "process_decode_threads",
-    "share_decode_threads",
+    "submit_reads",
 ]
 
 RUN_BYTES = 1 << 20
@@ -140,8 +142,10 @@ _DECODABLE = (["bytes"], ["bytes", "blosc"])
 
 
 def _parse(meta: dict) -> _Meta | None:
-    """The parts of a zarr v3 array's metadata the direct path needs, or ``None``
-    (not sharded by rows, or a shard index this module cannot read)."""
+    """Return the parts of a zarr v3 array's metadata the direct path needs.
+
+    ``None``: not sharded by rows, or a shard index this module cannot read.
+    """
     try:
         if meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
             return None
@@ -228,8 +232,9 @@ def open_direct(
     whole_array_bytes: int = SMALL_ARRAY_BYTES,
     require_chunks: bool = False,
 ) -> DirectArray | None:
-    """A :class:`DirectArray` for array ``path`` of the local store at ``location``,
-    or ``None`` when the direct path does not apply (the caller uses tensorstore).
+    """Return a :class:`DirectArray` for array ``path`` of the local store at ``location``.
+
+    ``None`` when the direct path does not apply (the caller uses tensorstore).
 
     Arrays of at most ``whole_array_bytes`` decoded bytes are read whole on first use.
     ``require_chunks``: an absent chunk or shard raises :class:`LayoutError` (a store
@@ -248,8 +253,9 @@ def open_direct(
 
 
 def missing_chunk(location: str, path: str) -> str | None:
-    """The first chunk of the local zarr v3 array ``path`` that is not stored (``"chunk
-    N"``, ``"chunk (i, j)"``), or ``None`` when every chunk of the grid exists.
+    """Return the first chunk of the local zarr v3 array ``path`` that is not stored.
+
+    As ``"chunk N"`` or ``"chunk (i, j)"``; ``None`` when every chunk of the grid exists.
 
     Sharded by rows: reads shard indexes; otherwise (arrays anndata writes) checks that
     every chunk file of the regular grid exists.
@@ -285,97 +291,19 @@ def missing_chunk(location: str, path: str) -> str | None:
 
 
 def open_index(location: str, path: str) -> DirectArray | None:
-    """A :class:`DirectArray` of a local sharded array used only for
-    :meth:`DirectArray.check_present` (any inner codecs), or ``None``."""
+    """Return a :class:`DirectArray` of a local sharded array, or ``None``.
+
+    Used only for :meth:`DirectArray.check_present` (any inner codecs).
+    """
     meta = _open_meta(location, path)
     return None if meta is None else DirectArray(location, path, meta, require_chunks=True)
-
-
-class _Pool:
-    """This process's decode threads (created lazily, again after a fork), as many as
-    :func:`loader.cores.decode_threads` gives for the process's share of the cores."""
-
-    def __init__(self) -> None:
-        self._pool: ThreadPoolExecutor | None = None
-        self._processes: DecodeProcesses | None = None
-        self._size = 0
-        self._pid = -1
-        self._lock = threading.Lock()
-        self.workers = 0  # DataLoader workers sharing the cores (set in each worker)
-
-    def size(self) -> int:
-        """Threads the pool has (or will have when first used) in this process."""
-        return self._size if self._pid == os.getpid() else decode_threads(self.workers)
-
-    def get(self) -> ThreadPoolExecutor:
-        if self._pid != os.getpid():
-            with self._lock:
-                if self._pid != os.getpid():
-                    self._size = decode_threads(self.workers)
-                    self._processes = None
-                    if supported() and decode_in_processes(self.workers):
-                        self._processes = DecodeProcesses(self._size)
-                    # with decode processes too: they take the arrays in shared buffers,
-                    # the threads those too small to share (a small fetch's)
-                    self._pool = ThreadPoolExecutor(
-                        self._size, thread_name_prefix="sclayout-decode"
-                    )
-                    self._lock = threading.Lock()
-                    self._pid = os.getpid()
-        assert self._pool is not None
-        return self._pool
-
-    def processes(self) -> DecodeProcesses | None:
-        """This process's decode processes, or ``None`` (it decodes in threads)."""
-        self.get()
-        return self._processes
-
-    def started_processes(self) -> DecodeProcesses | None:
-        """This process's decode processes if it made them already (never makes them)."""
-        return self._processes if self._pid == os.getpid() else None
-
-    def share(self, num_workers: int) -> None:
-        self.workers = max(0, int(num_workers))
-        if self._pid == os.getpid() and self._size != decode_threads(self.workers):
-            # started before the share was known: let its threads finish, start anew
-            assert self._pool is not None
-            self._pool.shutdown(wait=False)
-            if self._processes is not None:
-                self._processes.close()
-            self._pid = -1
-
-
-_POOL = _Pool()
-
-
-def share_decode_threads(num_workers: int) -> None:
-    """Make this process one of ``num_workers`` DataLoader workers sharing the cores.
-
-    Called in each worker before its first read: the decode threads it then starts
-    are its share (:func:`loader.cores.decode_threads`), so that the workers together
-    use the cores the process may use. The tensorstore backend sizes its copy
-    threads from :func:`process_decode_threads` likewise.
-    """
-    _POOL.share(num_workers)
-
-
-def process_decode_threads() -> int:
-    """Decode threads of this process (its share of the cores, see
-    :func:`share_decode_threads`)."""
-    return _POOL.size()
-
-
-def decode_processes() -> DecodeProcesses | None:
-    """This process's decode processes (started on their first task), or ``None`` when
-    it decodes in threads (:func:`loader.cores.decode_in_processes`)."""
-    return _POOL.processes()
 
 
 _local = threading.local()
 
 
 def _scratch(name: str, nbytes: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least ``nbytes``."""
+    """Return a per-thread reusable byte buffer of at least ``nbytes``."""
     buf = getattr(_local, name, None)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)
@@ -443,16 +371,17 @@ class DirectArray:
         return what
 
     def close(self) -> None:
-        """Close the shard files (at once, or as the reads using them end) and let the
-        decode processes drop their copy; reading afterwards is an :class:`InputError`.
-        Idempotent."""
+        """Close the shard files, at once or as the reads using them end.
+
+        Reading afterwards is an :class:`InputError`. Idempotent. Decode processes that
+        hold a copy drop it through :meth:`loader.engine.engine.Engine.forget`.
+        """
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             if not self._users:
                 _close_fds(self._fds)
-        _forget_in_processes(self)
 
     @property
     def closed(self) -> bool:
@@ -469,15 +398,19 @@ class DirectArray:
         )
 
     def check_present(self, ranges: np.ndarray) -> None:
-        """Raise :class:`LayoutError` naming the first absent inner chunk (or shard)
-        that rows ``ranges`` (``(n, 2)``) touch; reads only shard indexes."""
+        """Raise :class:`LayoutError` naming the first absent chunk rows ``ranges`` touch.
+
+        ``ranges``: ``(n, 2)``; reads only shard indexes; names the shard if it is absent.
+        """
         chunk = self.first_missing(ranges)
         if chunk is not None:
             raise self._missing(chunk, chunk // self.meta.chunks_per_shard)
 
     def shard_entries(self) -> Iterator[tuple[int, int, np.ndarray]]:
-        """``(shard, file size, (n, 2) offset/nbytes of its stored chunks)`` of every
-        shard file that exists (for checks of the whole array)."""
+        """Yield every shard file that exists, for checks of the whole array.
+
+        As ``(shard, file size, (n, 2) offset/nbytes of its stored chunks)``.
+        """
         self._check_pid()
         n_shards = -(-self.shape[0] // self.meta.shard_rows)
         for shard in range(n_shards):
@@ -489,7 +422,7 @@ class DirectArray:
             yield shard, size, index[index[:, 0] != _MISSING]
 
     def first_missing(self, ranges: np.ndarray) -> int | None:
-        """The first inner chunk that rows ``ranges`` touch and that is not stored."""
+        """Return the first inner chunk that rows ``ranges`` touch and is not stored."""
         self._check_pid()
         C = self.meta.chunk_rows
         ranges = np.asarray(ranges, dtype=np.int64).reshape(-1, 2)
@@ -523,8 +456,10 @@ class DirectArray:
             self._pid = os.getpid()
 
     def _fd(self, shard: int) -> int | None:
-        """The descriptor of ``shard`` (opened on first use), ``None`` if the shard
-        is absent; call with :attr:`_lock` held."""
+        """Return the descriptor of ``shard`` (opened on first use).
+
+        ``None`` if the shard is absent; call with :attr:`_lock` held.
+        """
         if self._closed:
             raise InputError(
                 f"{self._where()}: read after its dataset or reader was closed; "
@@ -548,9 +483,11 @@ class DirectArray:
 
     @contextlib.contextmanager
     def _file(self, shard: int) -> Iterator[int | None]:
-        """``shard``'s descriptor, kept open until the block ends even if
-        :meth:`close` is called meanwhile (it is never closed under a read, whose
-        number another open could then reuse)."""
+        """Yield ``shard``'s descriptor, kept open until the block ends.
+
+        Even if :meth:`close` is called meanwhile: it is never closed under a read,
+        whose number another open could then reuse.
+        """
         with self._lock:
             fd = self._fd(shard)
             self._users += 1
@@ -596,20 +533,26 @@ class DirectArray:
             return index
 
     # -- reading
-    def submit(self, ranges: np.ndarray, dtype: Any = None) -> Future[np.ndarray] | np.ndarray:
-        """Start reading the rows of ``ranges`` (``(n, 2)``, non-empty, in bounds);
-        returns the finished array (small arrays) or a future of it.
+    def submit(
+        self, ranges: np.ndarray, dtype: Any = None, *, engine: Engine
+    ) -> Future[np.ndarray] | np.ndarray:
+        """Start reading the rows of ``ranges`` on ``engine``'s decoders.
+
+        ``ranges``: ``(n, 2)``, non-empty, in bounds. Returns the finished array (small
+        arrays) or a future of it.
 
         ``dtype``: a wider dtype the decode threads cast each chunk to as they decode
         it (narrowed values, compact column ids); small arrays come as stored.
         """
-        return submit_reads([(self, ranges, dtype)])[0]
+        return submit_reads([(self, ranges, dtype)], engine)[0]
 
     def _start(
         self, ranges: np.ndarray, dtype: Any = None
     ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
-        """The output array, decode tasks and announcements of reading ``ranges``, or
-        the finished array (small arrays)."""
+        """Return the output array, decode tasks and announcements of reading ``ranges``.
+
+        Or the finished array (small arrays).
+        """
         self._check_pid()
         if self._small:
             whole = self._read_whole()
@@ -634,8 +577,11 @@ class DirectArray:
         return self._whole
 
     def _tasks(self, ranges: np.ndarray) -> list[tuple]:
-        """Runs of inner chunks to read and decode: ``(shard, file offset, length,
-        [(chunk offset in run, nbytes, chunk id, [(lo, hi, dest row)])])``."""
+        """Return the runs of inner chunks to read and decode.
+
+        Each: ``(shard, file offset, length, [(chunk offset in run, nbytes, chunk id,
+        [(lo, hi, dest row)])])``.
+        """
         m = self.meta
         C = m.chunk_rows
         per_shard = m.chunks_per_shard
@@ -686,9 +632,11 @@ class DirectArray:
         return out
 
     def announce(self, runs: list[tuple[int, int, int]]) -> None:
-        """``posix_fadvise(WILLNEED)`` every ``(shard, offset, length)``: the kernel
-        starts reading them. A hint, so an OS error (a filesystem that refuses it) is
-        ignored."""
+        """Tell the kernel to start reading every ``(shard, offset, length)``.
+
+        ``posix_fadvise(WILLNEED)``: a hint, so an OS error (a filesystem that refuses
+        it) is ignored.
+        """
         self._check_pid()
         for shard, start, length in runs:
             with self._file(shard) as fd:
@@ -700,15 +648,19 @@ class DirectArray:
                     pass
 
     def run_tasks(self, out: np.ndarray, tasks: list[tuple]) -> None:
-        """Read and decode ``tasks`` into ``out`` (a decode process's share of a fetch,
-        :mod:`loader._decoders`)."""
+        """Read and decode ``tasks`` into ``out``.
+
+        A decode process's share of a fetch (:mod:`loader.engine.decoders`).
+        """
         self._check_pid()
         for task in tasks:
             self._run(out, task)
 
     def _run(self, out: np.ndarray, task: tuple) -> None:
-        """Read one run and decode its chunks into ``out`` (a decode thread), cast to
-        ``out``'s dtype if it is not the stored one."""
+        """Read one run and decode its chunks into ``out`` (a decode thread).
+
+        Cast to ``out``'s dtype if it is not the stored one.
+        """
         m = self.meta
         C = m.chunk_rows
         row_bytes = m.row_bytes
@@ -784,10 +736,11 @@ class DirectArray:
 
 
 def submit_reads(
-    items: list[tuple[DirectArray, np.ndarray, Any]],
+    items: list[tuple[DirectArray, np.ndarray, Any]], engine: Engine
 ) -> list[Future[np.ndarray] | np.ndarray]:
-    """Start reading ``ranges`` of each ``(array, ranges, dtype)`` (see
-    :meth:`DirectArray.submit`): one task queued on the decode threads tells the kernel
+    """Start reading ``ranges`` of each ``(array, ranges, dtype)`` on ``engine``.
+
+    See :meth:`DirectArray.submit`. One task queued on the decode threads tells the kernel
     about every run of all of them, then each run's read-and-decode task is queued
     behind it (FIFO, after earlier fetches' tasks). With decode processes, the arrays
     in shared buffers go to them instead, as one message per process, the first one
@@ -795,10 +748,11 @@ def submit_reads(
 
     The announcement runs on a decode thread, not the caller's: ``WILLNEED`` queues
     the disk reads before it returns, time the consumer thread would otherwise lose.
+    ``engine`` (:class:`loader.engine.engine.Engine`) holds the decoders.
     """
     started = [a._start(r, dtype) for a, r, dtype in items]
-    pool = _POOL.get()
-    processes = _POOL.processes()
+    pool = engine.thread_pool()
+    processes = engine.processes()
     jobs, in_threads = {}, {}  # by item: decode processes' jobs, and the rest's
     for i, ((array, _, _), s) in enumerate(zip(items, started, strict=True)):
         if isinstance(s, np.ndarray):
@@ -824,21 +778,15 @@ def submit_reads(
 
 
 def _close_fds(fds: dict[int, int | None]) -> None:
-    """Close every descriptor of ``fds`` and empty it (also a finalizer: no thread,
-    no lock)."""
+    """Close every descriptor of ``fds`` and empty it.
+
+    Also a finalizer: no thread, no lock.
+    """
     while fds:
         _, fd = fds.popitem()
         if fd is not None:
             with contextlib.suppress(OSError):
                 os.close(fd)
-
-
-def _forget_in_processes(array: DirectArray) -> None:
-    """Have this process's decode processes drop their copy of ``array`` (and its
-    files) now, if they were started."""
-    processes = _POOL.started_processes()
-    if processes is not None:
-        processes.forget(array)
 
 
 def _announce(announce: list[tuple[DirectArray, list[tuple[int, int, int]]]]) -> None:
@@ -854,8 +802,10 @@ def _crc32c(data: Any) -> int:
 
 
 def _check_crc32c(raw: bytes, what: str) -> None:
-    """Raise :class:`LayoutError` unless the last 4 bytes of ``raw`` are the
-    little-endian crc32c of the rest (zarr v3's ``crc32c`` codec)."""
+    """Raise :class:`LayoutError` unless ``raw`` ends with its checksum.
+
+    The last 4 bytes: the little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
+    """
     stored = int.from_bytes(raw[-4:], "little")
     if len(raw) < 4 or _crc32c(raw[:-4]) != stored:
         raise LayoutError(

@@ -1,5 +1,7 @@
-"""Decode processes: a fetch's read-and-decode tasks run in child processes that write
-straight into the fetch's arrays, which live in memory files (:mod:`loader._buffers`).
+"""Decode processes: a fetch's read-and-decode tasks run in child processes.
+
+They write straight into the fetch's arrays, which live in memory files
+(:mod:`loader.engine.buffers`).
 
 Why processes: decode threads are Python threads, and each takes the GIL back after
 every C call (a read, a blosc decode, a cast). On two cores a thread often sleeps
@@ -10,7 +12,7 @@ of its own, so its Python never waits for the training loop's.
 Each child is a fresh interpreter (not a fork of the training process, which may hold
 threads and devices) connected by a Unix socket pair. Messages are length-prefixed
 pickles; a memory file's descriptor goes with the message that first names it. The
-parent sends each object that decodes (a :class:`loader._shards.DirectArray`) and each
+parent sends each object that decodes (a :class:`loader.engine.shards.DirectArray`) and each
 buffer once, then only task lists. A child ignores Ctrl-C (the training process
 decides) and exits when its socket closes, so it never outlives the process that
 started it.
@@ -35,7 +37,7 @@ from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-from loader import _buffers as buffers
+from loader.engine import buffers
 from loader.errors import ReadError
 
 __all__ = ["DecodeProcesses", "Decoder", "Job", "serve", "supported"]
@@ -45,18 +47,22 @@ _MAX_FDS = 16
 
 
 class Decoder(Protocol):
-    """What a child runs, with its own files: tell the kernel about ``runs`` it will
-    read soon, and read and decode ``tasks`` into ``out``."""
+    """What a child runs, with its own files."""
 
-    def announce(self, runs: list) -> None: ...
+    def announce(self, runs: list) -> None:
+        """Tell the kernel about ``runs`` it will read soon."""
 
-    def run_tasks(self, out: np.ndarray, tasks: list) -> None: ...
+    def run_tasks(self, out: np.ndarray, tasks: list) -> None:
+        """Read and decode ``tasks`` into ``out``."""
 
 
 class Job(NamedTuple):
-    """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``, which lies at
-    ``where`` (:func:`loader._buffers.shared`); ``sizes``: bytes read per task;
-    ``runs``: what to announce to the kernel before any of the fetch is read."""
+    """One array of a fetch: ``obj`` decodes ``tasks`` into ``out``.
+
+    ``out`` lies at ``where`` (:func:`loader.engine.buffers.shared`); ``sizes``: bytes
+    read per task; ``runs``: what to announce to the kernel before any of the fetch is
+    read.
+    """
 
     obj: Decoder
     out: np.ndarray
@@ -67,8 +73,10 @@ class Job(NamedTuple):
 
 
 def supported() -> bool:
-    """Whether this OS can share fetch buffers with child processes (memory files and
-    descriptor passing: Linux)."""
+    """Whether this OS can share fetch buffers with child processes.
+
+    Memory files and descriptor passing: Linux.
+    """
     return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
 
 
@@ -95,7 +103,7 @@ def _recv_exactly(sock: socket.socket, n: int, head: bytes = b"") -> bytes | Non
 
 
 def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
-    """The next message and the descriptors that came with it, or ``None`` at the end."""
+    """Return the next message and the descriptors with it, or ``None`` at the end."""
     head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
     header = _recv_exactly(sock, _HEADER.size, head) if head else None
     if header is None:
@@ -113,7 +121,7 @@ class _Child:
         ours, theirs = socket.socketpair()
         code = (
             "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-            "from loader._decoders import serve; serve(int(sys.argv[2]))"
+            "from loader.engine.decoders import serve; serve(int(sys.argv[2]))"
         )
         # one core each: no BLAS or OpenMP thread pools beside the decoding
         env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -177,10 +185,13 @@ class _Child:
         forget: tuple[list[int], list[int]],
         keep: list,
     ) -> Future:
-        """Send one fetch's share: ``parts`` (token, buffer, offset, shape, dtype,
-        tasks), after announcing ``announce`` (token, runs); ``objects`` by token and
+        """Send one fetch's share to the child; return the future of its report.
+
+        ``parts``: (token, buffer, offset, shape, dtype, tasks), after announcing
+        ``announce`` (token, runs); ``objects`` by token and
         the buffers' descriptors go first where this child lacks them. ``keep``: the
-        arrays the share writes, held until the child reports."""
+        arrays the share writes, held until the child reports.
+        """
         future: Future = Future()
         with self.lock:
             if self.dead is not None:
@@ -211,8 +222,10 @@ class _Child:
         return future
 
     def _forget(self, forget: tuple[list[int], list[int]]) -> None:
-        """Tell the child to drop the buffers and objects of ``forget`` it holds (with
-        :attr:`lock` held)."""
+        """Tell the child to drop the buffers and objects of ``forget`` it holds.
+
+        Call with :attr:`lock` held.
+        """
         buffers_gone = [n for n in forget[0] if n in self.buffers]
         objects_gone = [t for t in forget[1] if t in self.objects]
         if buffers_gone or objects_gone:
@@ -283,8 +296,9 @@ class DecodeProcesses:
             return token
 
     def submit(self, jobs: list[Job]) -> list[Future]:
-        """Futures of decoding a fetch's ``jobs``, one per child that got a share, after
-        the first child tells the kernel about every job's ``runs``.
+        """Return the futures of decoding a fetch's ``jobs``, one per child with a share.
+
+        The first child tells the kernel about every job's ``runs`` first.
 
         Each task goes, in order, to the child with the fewest bytes so far, so the
         children move through the fetch's files side by side, front to back, as the
@@ -346,8 +360,10 @@ class DecodeProcesses:
 
 
 def _settle(future: Future, error: BaseException | None) -> None:
-    """Complete ``future`` with ``error`` (or success), unless it was cancelled (an
-    abandoned fetch)."""
+    """Complete ``future`` with ``error`` (or success).
+
+    Unless it was cancelled (an abandoned fetch).
+    """
     try:
         if error is None:
             future.set_result(None)
@@ -358,8 +374,10 @@ def _settle(future: Future, error: BaseException | None) -> None:
 
 
 def serve(fd: int) -> None:
-    """A decode process's loop: run what the parent sends on socket ``fd`` until it
-    closes (see the module docstring)."""
+    """Run what the parent sends on socket ``fd`` until it closes (a decode process).
+
+    See the module docstring.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         from numcodecs import blosc
