@@ -165,18 +165,6 @@ def test_a_changed_figure_is_caught():
         _check_memory_per_cell(README.replace(f"up to {n} bytes", f"up to {int(n) - 2} bytes"))
 
 
-ENGINE_MOVES = {
-    "loader/engine/shards.py": "loader/_shards.py",
-    "loader/engine/decoders.py": "loader/_decoders.py",
-    "loader/engine/buffers.py": "loader/_buffers.py",
-    "loader/engine/cores.py": "loader/cores.py",
-    "loader/engine/engine.py": "loader/_shards.py",  # new with the move: the reader's engine
-    "loader/engine/config.py": "loader/cores.py",  # new with the move: its configuration
-}
-"""The read engine's modules under their names before the move to loader/engine/ (a
-branch merged at the same time as this test; both names pass until then)."""
-
-
 def test_every_module_of_the_code_map_exists():
     rows = _table(_section((ROOT / "docs" / "design.md").read_text(), "Code map"), "Module")
     named = []
@@ -189,7 +177,5 @@ def test_every_module_of_the_code_map_exists():
             elif token.endswith(".py"):
                 named.append(f"{folder}/{token}")
     assert len(named) >= 30
-    missing = [
-        p for p in named if not (ROOT / p).exists() and not (ROOT / ENGINE_MOVES.get(p, p)).exists()
-    ]
+    missing = [p for p in named if not (ROOT / p).exists()]
     assert missing == [], "docs/design.md's code map names modules that do not exist"
