@@ -50,8 +50,9 @@ from sclayout.convert.checks import (
 )
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
+from sclayout.convert.obs import OBS_CHUNK
 from sclayout.convert.narrow import ValueStats, run_stats, stats_jobs, stored_dtypes
-from sclayout.convert.order import get_order, inverse_permutation
+from sclayout.convert.order import get_order, permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
     DEFAULT_BLOCK_SIZE,
@@ -85,6 +86,7 @@ from sclayout.convert.space import (
     route_bytes,
 )
 from sclayout.convert.stale import OLD_TAG, TMP_TAG, clean_stale, hold, sibling
+from sclayout.convert.tables import WorkTables, cumsum_into, inverse_into, slices
 from sclayout.convert.write import (
     CopyJob,
     Runner,
@@ -107,11 +109,11 @@ index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
 ASSEMBLE_INDEX_BYTES = 16
 """Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
 and its sorted copy."""
-DRIVER_BYTES_PER_ROW = 64
-"""Driver-side arrays per row: permutation, its inverse, source and output indptr,
-block pointer, stratum keys (int64 each), and with several sources the per-row
-source number and row (provenance). The obs table is counted as it is read: the
-working memory is what the budget leaves beside the process's resident size."""
+DRIVER_BYTES_PER_ROW = 0
+"""Bytes a row the driver holds in memory it cannot give back. None: the per-cell
+tables (permutation, its inverse, row lengths, source and output indptr, stratum
+codes, obs columns) are files in the work folder (:mod:`sclayout.convert.tables`),
+whose pages the kernel reclaims; what the process does hold is measured."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 MIN_WORK = 64 * 2**20
@@ -318,6 +320,7 @@ def convert(
         clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
         check_destination_apart(dst_p, srcs)
         check_destination(dst_p, overwrite=overwrite, src=src_p)
+    working_memory(opts.memory_budget, n_obs=sum(i.n_obs for i in infos))  # before any work
     runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
     need = 0
     lock = None
@@ -396,22 +399,50 @@ def _check_remote_destination(url: str, *, overwrite: bool) -> None:
 
 
 def _rss() -> int:
-    """Resident memory of this process now (Linux /proc; else the peak so far)."""
+    """Memory this process and its children hold that the kernel cannot reclaim.
+
+    Anonymous and shared (memfd, /dev/shm) pages, as PSS summed over the process tree
+    (Linux ``smaps_rollup``); file pages (memory-mapped tables, the page cache) are
+    left out. Elsewhere: the peak resident size so far.
+    """
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return _tree_pss(os.getpid())
     except (OSError, ValueError, IndexError):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _tree_pss(pid: int) -> int:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+            except (OSError, IndexError, ValueError):
+                continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += kids.get(p, [])
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                        total += int(line.split()[1]) << 10
+        except FileNotFoundError:
+            if p == pid:
+                raise
+    return total
+
+
 def working_memory(budget: int, *, n_obs: int) -> int:
     """Bytes the conversion tasks may use.
 
-    The budget minus the process's current resident memory (the obs table included),
-    the per-cell tables (:data:`DRIVER_BYTES_PER_ROW` a cell), the I/O threads' staging
-    buffers and a margin. A budget below the process's own size (tiny budgets in tests)
+    The budget minus what the process tree holds and cannot give back (:func:`_rss`),
+    the per-cell bytes held in memory (:data:`DRIVER_BYTES_PER_ROW`), the I/O threads'
+    staging buffers and a margin. A budget below the process's own size (tiny budgets in tests)
     gets a quarter of itself: tasks as small as they go.
 
     Raises
@@ -487,35 +518,47 @@ def _convert_into(
 ) -> Manifest:
     """Write the store into local folder ``tmp``; the big arrays into ``remote`` if given."""
     n_obs, n_vars = inp.n_obs, inp.n_vars
-    obs = inp.obs
-    missing = [c for c in opts.order.columns if c not in obs.columns]
+    missing = [c for c in opts.order.columns if c not in inp.obs.columns]
     if missing:
         raise InputError(
             f"--by {missing[0]!r}: no such obs column; available: "
-            f"{', '.join(map(str, obs.columns)) or '(none)'}"
+            f"{', '.join(map(str, inp.obs.columns)) or '(none)'}"
         )
     block_size = opts.block_size or DEFAULT_BLOCK_SIZE
-    perm = get_order(opts.order.kind)(
-        n_obs, obs=obs, by=opts.order.columns, seed=opts.order.seed or 0
-    )
-    identity = opts.order.kind == "original"
-    inv = inverse_permutation(perm)
     tmp.mkdir(exist_ok=True)  # convert() made and locked a local one: keep that folder
+    tables = WorkTables(tmp / WORK_DIR / "tables")
+    working_memory(opts.memory_budget, n_obs=n_obs)  # refused before the permutation
+    perm = permutation(
+        opts.order.kind,
+        n_obs,
+        codes=lambda column: inp.obs.codes(column, tables),
+        by=opts.order.columns,
+        seed=opts.order.seed or 0,
+        tables=tables,
+    )
+    inv = inverse_into(perm, tables.empty("inverse", n_obs, np.int64))
     root = zarr.open_group(tmp, mode="w-", zarr_format=3)  # "w" would recreate it
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     small = anndata_dataset_kwargs(opts.checksums)
+    inp.obs.write(root, perm, tables, small)
     inp.write_small(root, perm, small)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
-    work = working_memory(opts.memory_budget, n_obs=n_obs)
-    ctx = _Ctx(remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work)
-    for target, parts in inp.matrices:
+    identity = opts.order.kind == "original"
+    for target, parts in inp.matrices:  # the working memory as it is before each matrix
+        work = working_memory(opts.memory_budget, n_obs=n_obs)
+        ctx = _Ctx(
+            remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work,
+            tables,
+        )  # fmt: skip
         layout, pointer = _convert_matrix(ctx, target, parts)
         matrices[target.path] = layout
         if pointer is not None:
             pointers[target.path] = pointer
-    shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
     provenance = _write_uns_sclayout(root, perm, pointers, inp, small)
+    del perm, inv
+    tables.close()
+    shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
@@ -550,6 +593,8 @@ class _Ctx:
     identity: bool
     work: int
     """Bytes the tasks may use together: the budget minus what the process already holds."""
+    tables: WorkTables
+    """Where the per-cell tables of the matrices go (files in the work folder)."""
 
     @property
     def jobs(self) -> int:
@@ -562,23 +607,34 @@ def _write_uns_sclayout(
     """Write source_index, block pointers and the per-row provenance.
 
     Provenance (source number, row in that source) only with several sources; returns
-    the provenance paths.
+    the provenance paths. The per-row arrays are written a slice at a time.
     """
-    uns = root["uns"]
-    payload: dict[str, Any] = {
-        "source_index": perm.astype(np.int64),
-        "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
-    }
+    pointer_names = {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()}
+    quiet_write(root["uns"], SCLAYOUT_UNS.split("/", 1)[1], {"block_indptr": pointer_names}, kw)
+    group = root[SCLAYOUT_UNS]
+    n = perm.size
+    fills = {"source_index": (np.int64, lambda a, b: perm[a:b])}
     provenance: dict[str, str] = {}
-    if inp.row_source is not None:
-        number = inp.row_source[perm]
-        row0 = np.array([e["row0"] for e in inp.sources], dtype=np.int64)
-        n_src = len(inp.sources)
-        payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
-        payload["source_row"] = perm.astype(np.int64) - row0[number]
+    if inp.row0 is not None:
+        row0 = inp.row0
+        number_dtype = np.uint16 if row0.size - 1 < 2**16 else np.int32
+
+        def number(a: int, b: int) -> np.ndarray:
+            return np.searchsorted(row0, perm[a:b], side="right") - 1
+
+        fills["source_number"] = (number_dtype, number)
+        fills["source_row"] = (np.int64, lambda a, b: perm[a:b] - row0[number(a, b)])
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
         provenance["obs_key"] = inp.source_key
-    quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
+    for name, (dtype, fill) in fills.items():
+        arr = group.create_array(
+            name, shape=(n,), dtype=dtype, chunks=(max(1, min(n, OBS_CHUNK)),),
+            compressors=kw.get("compressors"),
+        )  # fmt: skip
+        arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            for a, b in slices(n, OBS_CHUNK):
+                arr[a:b] = fill(a, b).astype(dtype)
     return provenance
 
 
@@ -652,21 +708,8 @@ def _convert_matrix(
             arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
         )
         return layout, None
-    # row pointer (csr) or column pointer (csc) of every sparse part
-    ptrs = [
-        None
-        if p.encoding == "dense"
-        else read_slice(p.src, f"{p.path}/indptr", 0, p.shape[p.encoding == "csc"] + 1).astype(
-            np.int64
-        )
-        for p in parts
-    ]
-    step = max(1, ctx.work // (4 * 8))
-    row_nnz = np.concatenate(
-        [p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)]
-    )
-    out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
-    np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
+    ptrs = [_source_pointer(ctx, p) for p in parts]  # row (csr) or column (csc) pointers
+    out_ptr = _output_pointer(ctx, parts, ptrs, n_obs)
     nnz = int(out_ptr[-1])
     plan = plan_csr(
         n_obs=n_obs,
@@ -688,7 +731,7 @@ def _convert_matrix(
     ptr_shard = plan.arrays["indptr"].shards[0]
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
-    pointer = out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]]
+    pointer = np.asarray(out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]])
     layout = MatrixLayout(
         encoding="csr",
         shape=(n_obs, n_vars),
@@ -701,6 +744,30 @@ def _convert_matrix(
         block_pointer=block_pointer_path(info.path),
     )
     return layout, pointer
+
+
+def _source_pointer(ctx: _Ctx, part: Part) -> np.ndarray | None:
+    """A sparse part's indptr as an int64 table (None for a dense part), read in slices."""
+    if part.encoding == "dense":
+        return None
+    n = part.shape[part.encoding == "csc"] + 1
+    out = ctx.tables.empty("source-indptr", n, np.int64)
+    for a, b in slices(n):
+        out[a:b] = read_slice(part.src, f"{part.path}/indptr", a, b)
+    return out
+
+
+def _output_pointer(ctx: _Ctx, parts: list[Part], ptrs: list, n_obs: int) -> np.ndarray:
+    """The output indptr (a table): every source row's stored length, in stored order."""
+    step = max(1, ctx.work // (4 * 8))
+    row_nnz = ctx.tables.empty("row-nnz", n_obs, np.int64)
+    at = 0
+    for p, ptr in zip(parts, ptrs, strict=True):
+        p.row_nnz(ptr, step=step, out=row_nnz[at : at + p.shape[0]])
+        at += p.shape[0]
+    out_ptr = ctx.tables.empty("indptr", n_obs + 1, np.int64)
+    cumsum_into(row_nnz, out_ptr, order=None if ctx.identity else ctx.perm)
+    return out_ptr
 
 
 def _stored_dtypes(

@@ -40,6 +40,7 @@ from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch, trim_heap
 from sclayout.convert.parts import Part
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
+from sclayout.convert.tables import segments as _segments
 from sclayout.convert.write import submit_region, write_region
 
 __all__ = [
@@ -100,20 +101,6 @@ PIECE_ELEMS = 2**20
 """Elements gathered per vectorised step: the int64 index of a piece (8 MiB) stays in
 cache-friendly, reusable memory instead of a fresh multi-GB array (fresh pages cost
 page faults that cost more than the gather itself)."""
-
-
-def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
-    nz = lengths > 0
-    starts, lengths = starts[nz], lengths[nz]
-    total = int(lengths.sum())
-    out = np.ones(total, dtype=np.int64)
-    if total:
-        offsets = np.cumsum(lengths) - lengths
-        out[0] = starts[0]
-        out[offsets[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-        np.cumsum(out, out=out)
-    return out
 
 
 def gather_segments(
