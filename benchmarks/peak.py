@@ -44,7 +44,7 @@ def measured(cmd: Sequence[str], *, interval: float = 0.1) -> dict[str, Any]:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    out, err = proc.communicate()
+    _, err = proc.communicate()
     stop.set()
     thread.join()
     seconds, io1 = time.perf_counter() - t0, _io()

@@ -50,8 +50,8 @@ from sclayout.convert.checks import (
 )
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
-from sclayout.convert.obs import OBS_CHUNK
 from sclayout.convert.narrow import ValueStats, run_stats, stats_jobs, stored_dtypes
+from sclayout.convert.obs import OBS_CHUNK
 from sclayout.convert.order import get_order, permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
@@ -419,7 +419,9 @@ def _tree_pss(pid: int) -> int:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat") as f:
-                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(name))
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(
+                        int(name)
+                    )
             except (OSError, IndexError, ValueError):
                 continue
     total, todo = 0, [pid]
@@ -526,6 +528,8 @@ def _convert_into(
         )
     block_size = opts.block_size or DEFAULT_BLOCK_SIZE
     tmp.mkdir(exist_ok=True)  # convert() made and locked a local one: keep that folder
+    root = zarr.open_group(tmp, mode="w-", zarr_format=3)  # "w" would recreate it
+    root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     tables = WorkTables(tmp / WORK_DIR / "tables")
     working_memory(opts.memory_budget, n_obs=n_obs)  # refused before the permutation
     perm = permutation(
@@ -537,8 +541,6 @@ def _convert_into(
         tables=tables,
     )
     inv = inverse_into(perm, tables.empty("inverse", n_obs, np.int64))
-    root = zarr.open_group(tmp, mode="w-", zarr_format=3)  # "w" would recreate it
-    root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     small = anndata_dataset_kwargs(opts.checksums)
     inp.obs.write(root, perm, tables, small)
     inp.write_small(root, perm, small)
@@ -747,7 +749,7 @@ def _convert_matrix(
 
 
 def _source_pointer(ctx: _Ctx, part: Part) -> np.ndarray | None:
-    """A sparse part's indptr as an int64 table (None for a dense part), read in slices."""
+    """Read a sparse part's indptr into an int64 table, in slices (None for a dense part)."""
     if part.encoding == "dense":
         return None
     n = part.shape[part.encoding == "csc"] + 1
@@ -758,7 +760,7 @@ def _source_pointer(ctx: _Ctx, part: Part) -> np.ndarray | None:
 
 
 def _output_pointer(ctx: _Ctx, parts: list[Part], ptrs: list, n_obs: int) -> np.ndarray:
-    """The output indptr (a table): every source row's stored length, in stored order."""
+    """Build the output indptr (a table) from every source row's stored length."""
     step = max(1, ctx.work // (4 * 8))
     row_nnz = ctx.tables.empty("row-nnz", n_obs, np.int64)
     at = 0

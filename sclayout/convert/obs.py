@@ -103,16 +103,17 @@ class StreamedObs:
 
     @property
     def columns(self) -> list[str]:
+        """The output columns, in order."""
         return [c.name for c in self._columns]
 
     def _plan(self) -> tuple[str, list[_Column]]:
         """Each output column's kind, dtype and categories, from the sources' metadata."""
         seen: dict[str, list] = {}
-        index_keys = set()
+        self._index_keys: list[str] = []
         for k, src in enumerate(self.srcs):
             with open_group(src) as root:
                 obs = root["obs"]
-                index_keys.add(str(obs.attrs.get("_index", "_index")))
+                self._index_keys.append(str(obs.attrs.get("_index", "_index")))
                 for c in list(obs.attrs.get("column-order", [])):
                     if c == self.source_key:
                         raise InputError(
@@ -129,20 +130,24 @@ class StreamedObs:
         plans = [_merged_column(c, per) for c, per in seen.items()]
         if self.source_key:
             plans.append(_Column(self.source_key, "source", categories=list(self.names)))
-        index_key = index_keys.pop() if len(index_keys) == 1 else "_index"
+        keys = set(self._index_keys)
+        index_key = keys.pop() if len(keys) == 1 else "_index"
         return index_key, plans
 
     # -- reading ------------------------------------------------------------------------
-    def _slices(self, key: str) -> Iterator[tuple[int, int, int, np.ndarray]]:
-        """``(source, first row, end row, values)`` of obs element ``key``, source by source."""
+    def _slices(self, key: str | None) -> Iterator[tuple[int, int, int, np.ndarray]]:
+        """``(source, first row, end row, values)`` of obs element ``key``, source by source.
+
+        ``key`` None: the names (each source's own index element).
+        """
         for k, src in enumerate(self.srcs):
             with open_group(src) as root:
-                node = root[f"obs/{key}"]
+                node = root[f"obs/{self._index_keys[k] if key is None else key}"]
                 for a, b in slices(self.sizes[k]):
                     yield k, int(self.row0[k]) + a, int(self.row0[k]) + b, _read(node, a, b)
 
     def _fill_fixed(self, col: _Column, tables: WorkTables) -> np.ndarray:
-        """A categorical (codes) or numeric column over every row, as a table."""
+        """Read a categorical (its codes) or numeric column over every row into a table."""
         if col.kind == "source":
             out = tables.empty(f"obs-{col.name}", self.n_obs, _code_dtype(col.categories))
             for k in range(len(self.srcs)):
@@ -172,11 +177,12 @@ class StreamedObs:
                 for a, b in slices(self.sizes[k]):
                     yield k, int(self.row0[k]) + a, int(self.row0[k]) + b, _read(node, a, b)
 
-    def _fill_strings(self, key: str, tables: WorkTables, hashes: np.ndarray | None = None):
-        """A string element over every row: UTF-8 bytes and offsets (and 64-bit hashes)."""
-        offsets = tables.empty(f"obs-{key}-offsets", self.n_obs + 1, np.int64)
+    def _fill_strings(self, key: str | None, tables: WorkTables, hashes: np.ndarray | None = None):
+        """Read a string element over every row as UTF-8 bytes and offsets (and hashes)."""
+        name = "names" if key is None else key
+        offsets = tables.empty(f"obs-{name}-offsets", self.n_obs + 1, np.int64)
         offsets[0] = 0
-        path, total = tables.path(f"obs-{key}-bytes"), 0
+        path, total = tables.path(f"obs-{name}-bytes"), 0
         with open(path, "wb") as f:
             for _, a, b, values in self._slices(key):
                 if hashes is not None:
@@ -189,7 +195,7 @@ class StreamedObs:
         return offsets, tables.map(path, np.uint8)
 
     def _pandas_column(self, col: _Column) -> Any:
-        """A column merged by pandas, in memory (types the tables do not carry)."""
+        """Merge a column with pandas, in memory (types the tables do not carry)."""
         frames = []
         for k, src in enumerate(self.srcs):
             with open_group(src) as root, warnings.catch_warnings():
@@ -202,11 +208,11 @@ class StreamedObs:
                 else pd.DataFrame(index=pd.RangeIndex(self.sizes[k]))
             )
         if len(frames) == 1:
-            return frames[0][col.name].array
+            return _plain(frames[0][col.name].array)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             merged = pd.concat(unify_categories(frames), join="outer", ignore_index=True)
-        return merged[col.name].array
+        return _plain(merged[col.name].array)
 
     # -- names ----------------------------------------------------------------------------
     def check_names(self, tables: WorkTables) -> bool:
@@ -216,7 +222,7 @@ class StreamedObs:
         two hashes are equal.
         """
         hashes = tables.empty("name-hashes", self.n_obs, np.uint64)
-        self._names = self._fill_strings(self.index_key, tables, hashes)
+        self._names = self._fill_strings(None, tables, hashes)
         ordered = tables.empty("name-hashes-sorted", self.n_obs, np.uint64)
         for a, b in slices(self.n_obs):
             ordered[a:b] = hashes[a:b]
@@ -243,7 +249,7 @@ class StreamedObs:
 
     # -- by-columns -----------------------------------------------------------------------
     def codes(self, name: str, tables: WorkTables) -> Codes:
-        """Column ``name`` numbered in order of first appearance (NaN a value), and its uniques."""
+        """Code column ``name`` by first appearance (NaN a value); return codes and uniques."""
         col = next(c for c in self._columns if c.name == name)
         out = tables.empty(f"codes-{name}", self.n_obs, np.int64)
         if col.kind in ("categorical", "source"):
@@ -283,7 +289,7 @@ class StreamedObs:
         with zarr.config.set({"array.write_empty_chunks": True}):
             if self.unique_names and not hasattr(self, "_names"):
                 self.check_names(tables)
-            names = getattr(self, "_names", None) or self._fill_strings(self.index_key, tables)
+            names = getattr(self, "_names", None) or self._fill_strings(None, tables)
             suffix = np.array([f"-{n}" for n in self.names]) if self.rename else None
             self._write_strings(group, self.index_key, names, perm, kw, suffix)
             for col in self._columns:
@@ -331,6 +337,11 @@ class StreamedObs:
             arr[a:b] = values
 
 
+def _plain(values: Any) -> Any:
+    """Return a column's values as anndata writes them: numpy, or pandas' own arrays."""
+    return values.to_numpy() if isinstance(values, pd.arrays.NumpyExtensionArray) else values
+
+
 def _create(group, name: str, n: int, dtype, kw: dict, encoding: str):
     arr = group.create_array(
         name,
@@ -344,7 +355,7 @@ def _create(group, name: str, n: int, dtype, kw: dict, encoding: str):
 
 
 def _decode(offsets: np.ndarray, data: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """The strings of ``rows`` from UTF-8 ``data`` cut at ``offsets``, as a str array."""
+    """Return the strings of ``rows`` (UTF-8 ``data`` cut at ``offsets``) as a str array."""
     rows = np.asarray(rows, dtype=np.int64)
     starts = np.asarray(offsets[rows])
     lengths = np.asarray(offsets[rows + 1]) - starts
@@ -357,7 +368,7 @@ def _decode(offsets: np.ndarray, data: np.ndarray, rows: np.ndarray) -> np.ndarr
 
 
 def _code_dtype(categories: list) -> np.dtype:
-    """pandas' dtype for the codes of this many categories."""
+    """Return the dtype pandas gives the codes of this many categories."""
     n = len(categories)
     for dt in (np.int8, np.int16, np.int32):
         if n < np.iinfo(dt).max:
@@ -381,7 +392,7 @@ def _key_values(keys: np.ndarray, dtype: np.dtype) -> np.ndarray:
 
 
 def _factorize_slices(values: Callable[[int, int], Any], n: int, out: np.ndarray) -> Codes:
-    """First-appearance codes of any hashable values, read ``values(a, b)`` a slice at a time."""
+    """Code any hashable values by first appearance, a slice at a time."""
     code: dict[Any, int] = {}
     uniques: list = []
     nan_code = -1
@@ -404,8 +415,11 @@ def _factorize_slices(values: Callable[[int, int], Any], n: int, out: np.ndarray
 
 
 def _merged_column(name: str, per: list) -> _Column:
-    """How column ``name`` merges across the sources: ``per`` is each source's
-    (kind, dtype, categories), None where the source lacks the column."""
+    """Decide how column ``name`` merges across the sources.
+
+    ``per`` is each source's (kind, dtype, categories, ordered), None where the
+    source lacks the column.
+    """
     present = [p for p in per if p is not None]
     kinds = {p[0] for p in present}
     if kinds == {"categorical"}:
@@ -474,10 +488,12 @@ class FrameObs:
         self.columns = list(obs.columns)
 
     def codes(self, name: str, tables: WorkTables) -> Codes:
+        """Column ``name`` numbered in order of first appearance, and its uniques."""
         codes, uniques = pd.factorize(self.obs[name], use_na_sentinel=False)
         return codes.astype(np.int64), uniques
 
     def write(self, root: zarr.Group, perm: np.ndarray, tables: WorkTables, kw: dict) -> None:
+        """Write obs into ``root`` in stored order, with anndata's writer."""
         from sclayout.convert.inputs import quiet_write
 
         quiet_write(root, "obs", self.obs.iloc[np.asarray(perm)], kw)

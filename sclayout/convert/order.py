@@ -19,8 +19,8 @@ from sclayout.convert.tables import STEP, bincount, segments, slices
 __all__ = [
     "ORDERS",
     "OrderFn",
-    "get_order",
     "first_appearance",
+    "get_order",
     "inverse_permutation",
     "permutation",
     "stratum_codes",
@@ -204,10 +204,8 @@ def permutation(
     return perm
 
 
-def first_appearance(
-    keys: Callable[[int, int], np.ndarray], n: int, out: np.ndarray
-) -> np.ndarray:
-    """Number the distinct int64 ``keys(a, b)`` of rows ``[0, n)`` into ``out``.
+def first_appearance(keys: Callable[[int, int], np.ndarray], n: int, out: np.ndarray) -> np.ndarray:
+    """Give the distinct int64 ``keys(a, b)`` of rows ``[0, n)`` codes in ``out``.
 
     Keys are numbered in order of first appearance; returns the keys in that order.
     """

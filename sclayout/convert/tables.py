@@ -72,7 +72,7 @@ class WorkTables:
         return out
 
     def path(self, name: str) -> Path:
-        """A new file's path in the folder (for a table written as a stream of bytes)."""
+        """Return a new file's path in the folder (a table written as a stream of bytes)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         return self.folder / f"{next(self._count):04d}-{name}"
 
