@@ -4,8 +4,9 @@ The peak is of the whole process tree (``Pss_Anon + Pss_Shmem`` summed over the
 command and its descendants, sampled every 0.1 s): the memory that cannot be
 reclaimed, the quantity ``convert --memory-budget`` bounds. File pages (memory-mapped
 tables, the page cache) are left out. Bytes read and written are the command's and its
-waited-for children's storage I/O (``/proc/self/io`` of this process, before and
-after). Usage: ``python benchmarks/peak.py CMD ARGS...``: prints one JSON line.
+waited-for children's storage I/O (``read_bytes``, ``write_bytes``) and what they asked
+the kernel for (``rchar``, ``wchar``: page-cache hits included), from
+``/proc/self/io`` of this process before and after. Usage: ``python benchmarks/peak.py CMD ARGS...``: prints one JSON line.
 """
 
 from __future__ import annotations
@@ -16,9 +17,14 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from sclayout.testing.measure import tree_resources
+# this script's folder holds benchmarks/loader.py, which would shadow the `loader` package
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+
+from sclayout.testing.measure import tree_resources  # noqa: E402
 
 
 def _io() -> dict[str, int]:
@@ -56,6 +62,8 @@ def measured(cmd: Sequence[str], *, interval: float = 0.1) -> dict[str, Any]:
         "peak_pss_shmem": peak[2],
         "read_bytes": io1["read_bytes"] - io0["read_bytes"],
         "write_bytes": io1["write_bytes"] - io0["write_bytes"],
+        "rchar": io1["rchar"] - io0["rchar"],
+        "wchar": io1["wchar"] - io0["wchar"],
         "stderr_tail": err[-2000:],
     }
 

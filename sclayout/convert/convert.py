@@ -213,115 +213,109 @@ def convert(
 ) -> Manifest:
     """Convert one or several AnnData sources (.h5ad or zarr v2/v3) into a layout store.
 
-    Parameters
-    ----------
-    src
-        The source dataset, or a list of them: the store holds their rows in this
-        order (before ``order`` reorders them), see docs/convert.md.
-    dst
-        The layout store to create: a directory, or an ``s3://`` / ``gs://`` URL
-        (docs/object-stores.md: shards are written straight to the bucket, the
-        manifest last; ``overwrite`` then deletes the old store first).
-    join
-        Sources whose genes differ: ``"inner"`` (genes in every source) or
-        ``"outer"`` (their union; a gene a source lacks is a structural zero).
-    var_names
-        The store's genes, exactly (a list, or a file with one gene a line): genes a
-        source lacks are zeros, genes not listed are dropped.
-    source_key
-        obs column naming each row's source when there are several (``""``: none).
-    strict
-        Refuse, instead of dropping with a note, a layer or obsm not in every source.
-    spec
-        A :class:`~loader.spec.LayoutSpec` or the path of its JSON; arguments left at
-        their defaults take the spec's values, explicit ones override it.
-    block_size
-        Rows per block; default: the spec's, else :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`.
-    order
-        ``original``, ``shuffled``, ``stratified`` or ``grouped`` (see
-        :mod:`sclayout.convert.order`).
-    by
-        obs columns to stratify by (``order="stratified"``); with ``order="grouped"``
-        the first is the column to group by (e.g. a train/validation split), the rest
-        stratify within each group.
-    seed
-        Seed of the shuffled/stratified permutation.
-    codec
-        Codec name (:data:`~sclayout.convert.codecs.CODECS`).
-    memory_budget
-        Peak memory to aim for (``"2GB"``, ``"512MiB"`` or bytes); sizes read slices,
-        buckets and shards, independent of the number of rows.
-    overwrite
-        Replace an existing DST.
-    jobs
-        Worker threads (default: CPUs).
-    scheduler
-        Address of a dask.distributed scheduler to run the tasks on.
-    progress
-        Show progress bars.
-    checksums
-        End every inner chunk with its crc32c (format version 2's ``chunk_checksum``),
-        which every reader verifies. ``False`` only to measure what the check costs.
-    keep_dtypes
-        Store values and column ids in the source's dtypes. By default they are
-        narrowed where every value fits (:mod:`sclayout.convert.narrow`): column ids
-        ``uint16`` below 65,536 genes, integer counts the smallest integer type.
+    ``src`` is a source or a list of them (the store holds their rows in that order
+    before ``order`` reorders them); ``dst`` the store to create: a directory, or an
+    ``s3://`` / ``gs://`` URL (docs/object-stores.md: shards go straight to the bucket,
+    the manifest last; ``overwrite`` then deletes the old store first). Sources whose
+    genes differ need ``join`` (``"inner"``: genes in every source; ``"outer"``: their
+    union) or ``var_names`` (exactly these genes: a list, or a file with one a line);
+    ``source_key`` names the obs column of each row's source (``""``: none); ``strict``
+    refuses, instead of dropping with a note, a layer or obsm not in every source
+    (docs/convert.md). ``spec`` (a :class:`~loader.spec.LayoutSpec` or its JSON's path)
+    gives the defaults; explicit arguments override it. ``block_size``: rows per block
+    (default :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`); ``order``: ``original``,
+    ``shuffled``, ``stratified`` or ``grouped`` (:mod:`sclayout.convert.order`), ``by``
+    its obs columns (grouped: the first groups, the rest stratify), ``seed`` its seed;
+    ``codec``: :data:`~sclayout.convert.codecs.CODECS`. ``memory_budget`` (``"2GB"``,
+    ``"512MiB"`` or bytes) bounds the memory the process tree cannot give back, at any
+    number of cells: the per-cell tables are files (:mod:`sclayout.convert.tables`).
+    ``jobs``: worker threads (default: CPUs); ``scheduler``: a dask.distributed address;
+    ``progress``: progress bars. ``checksums=False`` leaves out each inner chunk's
+    crc32c (only to measure its cost); ``keep_dtypes`` stores the source's dtypes
+    instead of the narrowest that hold every value (:mod:`sclayout.convert.narrow`).
 
-    Returns
-    -------
-    Manifest
-        The manifest written as the store's root attribute ``sclayout``.
-
-    Raises
-    ------
-    InputError
-        Bad source, bad option, DST exists without ``overwrite``, DST not writable.
+    Returns the :class:`~loader.layout.Manifest` written as the root attribute
+    ``sclayout``. Raises :class:`~loader.errors.InputError` for a bad source or option,
+    a DST that exists without ``overwrite``, or one that cannot be written.
     """
     srcs = [src] if isinstance(src, str | os.PathLike) else list(src)
     infos = check_sources(srcs)  # the metadata checks of check_source, per source
     if isinstance(var_names, str | os.PathLike):
         var_names = read_var_names(var_names)
     opts = resolve_options(
-        spec=spec,
-        block_size=block_size,
-        order=order,
-        by=by,
-        seed=seed,
-        codec=codec,
+        spec=spec, block_size=block_size, order=order, by=by, seed=seed, codec=codec,
         memory_budget=memory_budget,
-    )
-    if not isinstance(checksums, bool):
-        raise InputError(f"checksums={checksums!r}: pass True or False")
-    opts = dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise InputError(f"jobs={jobs!r}: must be a positive integer")
-    src_p = Path(srcs[0])
-    remote = os.fspath(dst).rstrip("/") if is_object_store(os.fspath(dst)) else None
+    )  # fmt: skip
+    opts = _more_options(opts, checksums=checksums, keep_dtypes=keep_dtypes, jobs=jobs)
     several = len(srcs) > 1 or infos[0].legacy or var_names is not None
     if several:
         check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
     else:
-        check_obs_columns(src_p, opts.order.columns, info=infos[0])
+        check_obs_columns(Path(srcs[0]), opts.order.columns, info=infos[0])
+    place = _place(dst, srcs, overwrite=overwrite)
+    working_memory(opts.memory_budget, n_obs=sum(i.n_obs for i in infos))  # before any work
+    merge = {"join": join, "var_names": var_names, "source_key": source_key, "strict": strict}
+    runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+    try:
+        return _stage_and_install(srcs, infos, opts, runner, place, merge if several else None)
+    finally:
+        runner.close()
+
+
+def _more_options(
+    opts: ConvertOptions, *, checksums: bool, keep_dtypes: bool, jobs: int | None
+) -> ConvertOptions:
+    """Check the options that only the Python API takes; add them to ``opts``."""
+    if not isinstance(checksums, bool):
+        raise InputError(f"checksums={checksums!r}: pass True or False")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise InputError(f"jobs={jobs!r}: must be a positive integer")
+    return dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a conversion writes: the folder it stages in, DST, and the bucket URL if any."""
+
+    tmp: Path
+    dst: Path
+    remote: str | None
+    overwrite: bool
+
+
+def _place(dst: str | os.PathLike, srcs: list, *, overwrite: bool) -> _Place:
+    """Check DST and choose the folder to stage the store in (nothing created yet)."""
+    remote = os.fspath(dst).rstrip("/") if is_object_store(os.fspath(dst)) else None
     if remote is not None:
         _check_remote_destination(remote, overwrite=overwrite)
         # no rename in an object store: small elements and the reorder's scratch are
         # staged locally, the shards go straight to the bucket (sclayout.convert.remote)
         tmp = Path(tempfile.mkdtemp(prefix="sclayout-convert-")) / "store"
-        dst_p = tmp
-    else:
-        dst_p = Path(os.path.abspath(dst))
-        tmp = sibling(dst_p, TMP_TAG)
-        longest = max(len(tmp.name.encode()), len(sibling(dst_p, OLD_TAG).name.encode()))
-        if longest > NAME_MAX:
-            raise InputError(
-                f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
-                f"the file system allows {NAME_MAX}); choose a shorter name"
-            )
-        clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
-        check_destination_apart(dst_p, srcs)
-        check_destination(dst_p, overwrite=overwrite, src=src_p)
-    working_memory(opts.memory_budget, n_obs=sum(i.n_obs for i in infos))  # before any work
-    runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+        return _Place(tmp, tmp, remote, overwrite)
+    dst_p = Path(os.path.abspath(dst))
+    tmp = sibling(dst_p, TMP_TAG)
+    longest = max(len(tmp.name.encode()), len(sibling(dst_p, OLD_TAG).name.encode()))
+    if longest > NAME_MAX:
+        raise InputError(
+            f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
+            f"the file system allows {NAME_MAX}); choose a shorter name"
+        )
+    clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+    check_destination_apart(dst_p, srcs)
+    check_destination(dst_p, overwrite=overwrite, src=Path(srcs[0]))
+    return _Place(tmp, dst_p, None, overwrite)
+
+
+def _stage_and_install(
+    srcs: list, infos: list, opts: ConvertOptions, runner: Runner, place: _Place, merge
+) -> Manifest:
+    """Write the store into the staging folder, then move (or upload) it into place.
+
+    ``merge``: the options of :func:`~sclayout.convert.inputs.sources_input` when the
+    sources are merged, None for one source kept as it is. Any failure removes the
+    staging folder and says what failed: the destination, the disk, or a source.
+    """
+    tmp, dst_p, remote = place.tmp, place.dst, place.remote
     need = 0
     lock = None
     try:
@@ -329,39 +323,27 @@ def convert(
             tmp.mkdir()
             with contextlib.suppress(OSError):  # no locks on this file system: the pid guards
                 lock = hold(tmp)
-        reorder = several or opts.order.kind != "original"
-        need = _store_bytes(srcs, infos, opts.codec, reorder=reorder)
+        need = _store_bytes(
+            srcs, infos, opts.codec, reorder=merge is not None or opts.order.kind != "original"
+        )
         if remote is None:
             check_free_space(dst_p, need)  # the old DST stays until the rename: not free
-        if several:
-            inp = sources_input(
-                srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
-            )
+        if merge is not None:
+            inp = sources_input(srcs, infos, **merge)
             manifest = _convert_into(inp, tmp, opts, runner, remote)
         else:
-            with open_group(src_p) as root:
-                manifest = _convert_into(
-                    single_input(Source(root, src_p)), tmp, opts, runner, remote
-                )
+            with open_group(srcs[0]) as root:
+                inp = single_input(Source(root, srcs[0]))
+                manifest = _convert_into(inp, tmp, opts, runner, remote)
         if remote is None:
-            _install(tmp, dst_p, overwrite=overwrite)
+            _install(tmp, dst_p, overwrite=place.overwrite)
         else:
             upload_tree(tmp, remote)  # the root zarr.json (the manifest) last
+        return manifest
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_no_space(e):
-            raise no_space_error(dst_p, need) from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise InputError(
-                f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
-            ) from None
-        if _names_destination(e, tmp, dst_p):
-            raise InputError(
-                f"DST {dst_p}: writing failed ({e.strerror or e}); check the destination "
-                "(free space, quota, permissions) or choose another DST"
-            ) from None
-        with explain_read_errors(src_p):  # anything else: the source failed to read
-            raise
+        _explain_os_error(e, Path(srcs[0]), tmp, dst_p, need)
+        raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and is_no_space(e):  # tensorstore's RESOURCE_EXHAUSTED
@@ -370,13 +352,28 @@ def convert(
     finally:
         if lock is not None:
             os.close(lock)
-        runner.close()
         close_handles()
         close_dst()
         release_scratch()
         if remote is not None:
             shutil.rmtree(tmp.parent, ignore_errors=True)
-    return manifest
+
+
+def _explain_os_error(e: OSError, src: Path, tmp: Path, dst: Path, need: int) -> None:
+    """Raise the one-line error that says which side of the conversion failed."""
+    if is_no_space(e):
+        raise no_space_error(dst, need) from None
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise InputError(
+            f"DST {dst}: cannot write ({e.strerror}); choose a writable location"
+        ) from None
+    if _names_destination(e, tmp, dst):
+        raise InputError(
+            f"DST {dst}: writing failed ({e.strerror or e}); check the destination "
+            "(free space, quota, permissions) or choose another DST"
+        ) from None
+    with explain_read_errors(src):  # anything else: the source failed to read
+        raise e
 
 
 def _check_remote_destination(url: str, *, overwrite: bool) -> None:

@@ -135,15 +135,7 @@ def sources_input(
                 matrices.append((info, []))
             matrices[j][1].append(info)
     out: list[tuple[MatrixInfo, list[Part]]] = []
-    raw_entry = []
-    if comb.raw_x is not None:  # one source: raw kept as it is, with its own genes
-        with open_group(srcs[0]) as root:
-            raw = Source(root, srcs[0]).matrix_info(comb.raw_x)
-        raw_idt = raw.index_dtype or index_dtype_for(raw.shape[1])
-        enc = "dense" if raw.encoding == "dense" else "csr"
-        target = MatrixInfo("raw/X", enc, raw.shape, raw.dtype, raw_idt, 0)
-        part = Part(str(Path(srcs[0]).resolve()), raw, 0, raw.shape[1], raw.dtype, raw_idt)
-        raw_entry.append((target, [part]))
+    raw_entry = _raw_entry(srcs[0], comb.raw_x) if comb.raw_x is not None else []
     idt = index_dtype_for(n_vars)
     for first, per_source in matrices:
         dtype = np.result_type(*[i.dtype for i in per_source])
@@ -182,6 +174,17 @@ def sources_input(
         row0=row0 if len(srcs) > 1 else None,
         source_key=key,
     )
+
+
+def _raw_entry(src, raw_x: str) -> list[tuple[MatrixInfo, list[Part]]]:
+    """One source's raw/X, kept as it is with its own genes: its output and its part."""
+    with open_group(src) as root:
+        raw = Source(root, src).matrix_info(raw_x)
+    raw_idt = raw.index_dtype or index_dtype_for(raw.shape[1])
+    enc = "dense" if raw.encoding == "dense" else "csr"
+    target = MatrixInfo("raw/X", enc, raw.shape, raw.dtype, raw_idt, 0)
+    part = Part(str(Path(src).resolve()), raw, 0, raw.shape[1], raw.dtype, raw_idt)
+    return [(target, [part])]
 
 
 def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray, kw: dict[str, Any]) -> None:
