@@ -114,6 +114,9 @@ DRIVER_BYTES_PER_ROW = 0
 tables (permutation, its inverse, row lengths, source and output indptr, stratum
 codes, obs columns) are files in the work folder (:mod:`sclayout.convert.tables`),
 whose pages the kernel reclaims; what the process does hold is measured."""
+TABLE_BYTES_PER_ROW = 128
+"""Disk the per-cell tables take a cell in the work folder (permutation, inverse, row
+lengths, pointers, order scratch, obs columns and names on their way to the store)."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 MIN_WORK = 64 * 2**20
@@ -641,9 +644,9 @@ def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: boo
     """Free bytes a conversion of ``srcs`` needs.
 
     The store (a legacy file: its own size), plus the route files of a reordering
-    conversion.
+    conversion, plus the per-cell tables (:data:`TABLE_BYTES_PER_ROW`).
     """
-    total = 0
+    total = TABLE_BYTES_PER_ROW * sum(int(i.n_obs) for i in infos)
     ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
