@@ -194,7 +194,7 @@ def permutation(
         get_order(kind)(n, obs=pd.DataFrame(index=range(0)), by=by, seed=seed)  # its error
     perm = tables.arange("perm", n)
     if kind == "shuffled":
-        _rng(seed, 1).shuffle(perm)
+        _rng(seed, 1).shuffle(perm.view(np.ndarray))  # in place: its fast path
     elif kind == "stratified":
         columns = [codes(c)[0] for c in by]
         inner = _stratify(columns, n, _rng(seed, 2), tables)
@@ -321,7 +321,7 @@ def _stratify(columns: list[np.ndarray], n: int, rng: np.random.Generator, table
     """Out-of-core :func:`stratified` over positions ``[0, n)`` of first-appearance codes."""
     levels, counts, parents = _levels(columns, n, tables)
     order = tables.arange("order", n)
-    rng.shuffle(order)  # what rng.permutation(n) draws
+    rng.shuffle(order.view(np.ndarray))  # what rng.permutation(n) draws
     byg = tables.empty("by-group", n, np.int64)
     for k in range(len(columns), 0, -1):
         sizes = bincount(levels[k], counts[k])
@@ -356,7 +356,7 @@ def _grouped_into(perm: np.ndarray, codes, by: Sequence[str], seed: int, tables)
             inner = _stratify(sub, m, _rng(seed + g, 2), tables)
         else:
             inner = tables.arange("inner", m)
-            _rng(seed, 3, g).shuffle(inner)
+            _rng(seed, 3, g).shuffle(inner.view(np.ndarray))
         for a, b in slices(m):
             perm[start + a : start + b] = mine[inner[a:b]]
         start += m
