@@ -6,7 +6,9 @@ reclaimed, the quantity ``convert --memory-budget`` bounds. File pages (memory-m
 tables, the page cache) are left out. Bytes read and written are the command's and its
 waited-for children's storage I/O (``read_bytes``, ``write_bytes``) and what they asked
 the kernel for (``rchar``, ``wchar``: page-cache hits included), from
-``/proc/self/io`` of this process before and after. Usage: ``python benchmarks/peak.py CMD ARGS...``: prints one JSON line.
+``/proc/self/io`` of this process before and after.
+
+Usage: ``python benchmarks/peak.py CMD ARGS...`` prints one JSON line.
 """
 
 from __future__ import annotations
