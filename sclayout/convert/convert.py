@@ -722,14 +722,19 @@ def _convert_matrix(
         csr_chunk_nnz=opts.csr_chunk_nnz,
         shard_chunks=opts.shard_chunks,
     )
-    dtypes = _stored_dtypes(ctx, info, parts)
-    arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
-    _publish(ctx, info.path)
     one = parts[0]
-    if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
-        _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
-    else:
-        _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
+    copy = len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity
+    if copy and int(ptrs[0][0]) == 0:  # (an indptr not from 0: the general path)
+        dtypes = _stored_dtypes(ctx, info, parts)
+        arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
+        _publish(ctx, info.path)
+        _copy_csr(ctx, info, plan, one, nnz)
+    else:  # the values' range comes from the route pass, which reads them anyway
+        routed = _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
+        dtypes = _stored_dtypes(ctx, info, parts, stats=routed.stats)
+        arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
+        _publish(ctx, info.path)
+        _assemble_sparse(ctx, info, plan, routed, out_ptr)
     ptr_shard = plan.arrays["indptr"].shards[0]
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
@@ -773,21 +778,23 @@ def _output_pointer(ctx: _Ctx, parts: list[Part], ptrs: list, n_obs: int) -> np.
 
 
 def _stored_dtypes(
-    ctx: _Ctx, info: MatrixInfo, parts: list[Part]
+    ctx: _Ctx, info: MatrixInfo, parts: list[Part], stats: ValueStats | None = None
 ) -> tuple[np.dtype, np.dtype | None]:
-    """Return the stored (value, column id) dtypes of ``info``: one pass over its values."""
+    """Return the stored (value, column id) dtypes of ``info``.
+
+    From ``stats`` when a pass over the values gathered them, else one pass for it.
+    """
     if ctx.opts.keep_dtypes:
         return stored_dtypes(info, None)
+    if stats is not None:
+        return stored_dtypes(info, stats)
     elements = max(1, ctx.work // (ctx.jobs * 4 * info.itemsize))
     jobs = stats_jobs(parts, elements=elements)
     found = ctx.runner.run(run_stats, jobs, desc=f"scan {info.path}")
     return stored_dtypes(info, functools.reduce(ValueStats.merge, found, ValueStats()))
 
 
-def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr, out_ptr, nnz):
-    if int(src_ptr[0]) != 0:  # an indptr that does not start at 0: the general path
-        _reorder_sparse(ctx, info, plan, [part], [src_ptr], out_ptr, nnz)
-        return
+def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, nnz: int) -> None:
     jobs = [
         CopyJob(part.src, part.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
@@ -804,79 +811,90 @@ def _row_cuts(part: Part, ptr: np.ndarray | None, elems: int) -> list[int]:
     return sorted({0, n, *range(rows, n, rows)})
 
 
-def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
-    """Bucketed two-pass reorder of CSR, CSC and dense parts into CSR output.
+@dataclass(frozen=True)
+class _Routed:
+    """What the route pass of a sparse matrix leaves for the assemble pass."""
+
+    kind: str
+    """``rows`` (CSR and dense parts) or ``csc`` (entries)."""
+    bounds: np.ndarray
+    workdir: str
+    segments: list
+    direct: bool
+    per_elem: int
+    stats: ValueStats | None
+    """The routed values' range (rows only; None: not gathered)."""
+
+
+def _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> _Routed:
+    """Pass 1 of the bucketed reorder of CSR, CSC and dense parts into CSR output.
 
     All-CSR/dense parts route rows (the fast path); any CSC part routes entries.
     """
     coo = any(p.encoding == "csc" for p in parts)
     elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
-    shard = plan.elements_per_shard
     per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES + (8 if coo else 0)
-    bucket = ctx.work // (ctx.jobs * per_elem)
-    bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
+    bounds = ext.bucket_bounds(
+        nnz, shard=plan.elements_per_shard, bucket=ctx.work // (ctx.jobs * per_elem)
+    )
     workdir = os.path.join(ctx.local, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
+    route = (ctx.inv, out_ptr, bounds, workdir)
     jobs: list[Any] = []
     if not coo and len(parts) > 1:
         for task in task_slices(parts, ptrs, read_elems):
             (k, a, b), more = task[0], tuple((parts[j], c, d, ptrs[j]) for j, c, d in task[1:])
             p = parts[k]
             jobs.append(
-                ext.RouteRowsJob(
-                    p.src, p.path, a, b, ptrs[k], ctx.inv, out_ptr, bounds, workdir,
-                    len(jobs), direct, p, more,
-                )
-            )  # fmt: skip
+                ext.RouteRowsJob(p.src, p.path, a, b, ptrs[k], *route, len(jobs), direct, p, more)
+            )
     else:
         for p, ptr in zip(parts, ptrs, strict=True):
-            native = "csc" if coo else "csr"
-            part = None if p.plain and p.encoding == native else p
+            part = None if p.plain and p.encoding == ("csc" if coo else "csr") else p
             for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
-                if coo:
-                    jobs.append(
-                        ext.RouteCscJob(
-                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                            info.index_dtype, part,
-                        )
-                    )  # fmt: skip
-                else:
-                    jobs.append(
-                        ext.RouteRowsJob(
-                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                            len(jobs), direct, part,
-                        )
-                    )  # fmt: skip
-    kind = "csc" if coo else "rows"
-    tables = ctx.runner.run(
+                jobs.append(
+                    ext.RouteCscJob(p.src, p.path, a, b, ptr, *route, info.index_dtype, part)
+                    if coo
+                    else ext.RouteRowsJob(p.src, p.path, a, b, ptr, *route, len(jobs), direct, part)
+                )
+    found = ctx.runner.run(
         ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
     )
     n_buckets = len(bounds) - 1
-    segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
+    if coo:
+        return _Routed("csc", bounds, workdir, [None] * n_buckets, direct, per_elem, None)
+    segments = ext.segments_by_bucket([t for t, _ in found], n_buckets)
+    stats = functools.reduce(ValueStats.merge, [v for _, v in found], ValueStats())
+    return _Routed("rows", bounds, workdir, segments, direct, per_elem, stats)
+
+
+def _assemble_sparse(ctx, info, plan, routed: _Routed, out_ptr) -> None:
+    """Pass 2 of the bucketed reorder: each bucket sorted into output order, written."""
+    bounds = routed.bounds
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
     assemble = [
         ext.AssembleJob(
-            kind,
-            workdir,
+            routed.kind,
+            routed.workdir,
             b,
             int(bounds[b]),
             int(bounds[b + 1]),
             int(out_ptr[first_rows[b]]),
             ctx.dst,
             info.path,
-            shard,
+            plan.elements_per_shard,
             info.dtype,
             info.index_dtype,
             info.shape[1],
-            segments[b],
-            direct,
+            routed.segments[b],
+            routed.direct,
         )
-        for b in range(n_buckets)
+        for b in range(len(bounds) - 1)
     ]
-    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
+    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * routed.per_elem)
     ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)
-    shutil.rmtree(workdir, ignore_errors=True)  # route files of every bucket: free the disk now
+    shutil.rmtree(routed.workdir, ignore_errors=True)  # route files: free the disk now
 
 
 def task_slices(

@@ -38,6 +38,7 @@ import numpy as np
 
 from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch, trim_heap
+from sclayout.convert.narrow import ValueStats, value_stats
 from sclayout.convert.parts import Part
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
 from sclayout.convert.tables import segments as _segments
@@ -264,8 +265,12 @@ def _read_pieces(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
     return np.concatenate(ptrs), data[:pos], indices[:pos], np.concatenate(rows)
 
 
-def route_rows(job: RouteRowsJob) -> np.ndarray:
-    """Run a :class:`RouteRowsJob`; returns its segment table (:data:`SEGMENT_COLUMNS`)."""
+def route_rows(job: RouteRowsJob) -> tuple[np.ndarray, ValueStats]:
+    """Run a :class:`RouteRowsJob`; return its segment table (:data:`SEGMENT_COLUMNS`).
+
+    Also the range and integer-ness of the values it routed: the stored dtype is chosen
+    from them, so the values are not read once more just for that.
+    """
     if job.part is None:
         s = job.indptr
         e0, e1 = int(s[job.r0]), int(s[job.r1])
@@ -315,8 +320,9 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
     table = np.stack(
         [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
     ).astype(np.int64)
+    stats = value_stats(data)
     trim_heap()
-    return table
+    return table, stats
 
 
 def segments_by_bucket(tables: list[np.ndarray], n_buckets: int) -> list[np.ndarray]:
