@@ -607,10 +607,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared += ["--repeat", str(args.repeat)] if args.repeat else []
         shared += ["--results", str(args.results)] if args.results else []
         return _atlas([*shared, *rest])
-    if args.scale and args.shape == "tahoe-100m":
-        return _scale_plates(args)
     if args.scale:
-        return _scale(args)
+        return _scale_plates(args) if args.shape == "tahoe-100m" else _scale(args)
     if args.render:
         results = args.results or RESULTS
         payload = json.loads((results / "convert.json").read_text())
