@@ -320,7 +320,9 @@ def route_rows(job: RouteRowsJob) -> tuple[np.ndarray, ValueStats]:
     table = np.stack(
         [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
     ).astype(np.int64)
-    stats = value_stats(data)
+    stats = ValueStats()
+    for a in range(0, data.size, PIECE_ELEMS):  # a piece at a time: small temporaries
+        stats = stats.merge(value_stats(data[a : a + PIECE_ELEMS]))
     trim_heap()
     return table, stats
 
