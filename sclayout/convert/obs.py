@@ -494,6 +494,10 @@ class FrameObs:
 
     def write(self, root: zarr.Group, perm: np.ndarray, tables: WorkTables, kw: dict) -> None:
         """Write obs into ``root`` in stored order, with anndata's writer."""
-        from sclayout.convert.inputs import quiet_write
-
-        quiet_write(root, "obs", self.obs.iloc[np.asarray(perm)], kw)
+        with (
+            warnings.catch_warnings(),
+            ad.settings.override(zarr_write_format=3),
+            zarr.config.set({"array.write_empty_chunks": True}),
+        ):
+            warnings.simplefilter("ignore")
+            ad.io.write_elem(root, "obs", self.obs.iloc[np.asarray(perm)], dataset_kwargs=kw)
