@@ -134,3 +134,34 @@ def test_a_conversion_with_every_table_a_file_writes_the_same_store(
     assert {"perm", "inverse", "source-indptr", "row-nnz", "indptr"} <= names
     assert all(f is not None and "_sclayout_work" in str(f) for _, f in made), made
     assert not any(p.name.startswith(".") or "_sclayout_work" in p.name for p in tmp_path.iterdir())
+
+
+def test_a_budget_too_small_is_refused_before_the_sources_are_merged(
+    tmp_path, monkeypatch, sources
+):
+    """The refusal comes first: no obs is read, no permutation built, nothing written."""
+    from loader.errors import InputError
+
+    paths, _, _ = sources
+    monkeypatch.setattr(convert_mod, "DRIVER_BYTES_PER_ROW", 10**9)  # pretend huge rows
+    merged: list[int] = []
+    monkeypatch.setattr(convert_mod, "sources_input", lambda *a, **k: merged.append(1))
+    dst = tmp_path / "s.zarr"
+    budget = convert_mod._rss() + 300 * 10**6
+    with pytest.raises(InputError, match=r"too small for 123 cells"):
+        convert(paths, dst, order="shuffled", memory_budget=budget)
+    assert merged == [] and list(tmp_path.iterdir()) == []
+
+
+def test_the_budget_counts_anonymous_memory_not_mapped_tables(tmp_path):
+    """64 MiB of numpy memory raise the measure by about that; 64 MiB of a written,
+    memory-mapped table (page cache) hardly at all."""
+    base = convert_mod._rss()
+    held = np.ones(64 << 20, dtype=np.uint8)
+    grown = convert_mod._rss() - base
+    table = np.lib.format.open_memmap(tmp_path / "t.npy", "w+", np.uint8, (64 << 20,))
+    table[:] = 1
+    mapped = convert_mod._rss() - base - grown
+    assert grown >= 48 << 20, grown
+    assert mapped < 16 << 20, mapped
+    del held, table
