@@ -26,10 +26,18 @@ and peak RSS ≤ the budget at every size and order. The sets are generated once
 the same options (its conversion figures then come from the run that made it;
 ``--reconvert`` converts again).
 
+``--shape tahoe-100m`` (with ``--scale-nnz 24``): the scale table in Tahoe-100M's shape
+instead, 14 plate files of 62,710 genes per size (``benchmarks/tahoe_plates.py``, made
+once into ``--work``/data), converted with each order: h5ad GB, convert s and MB/s, the
+peak anonymous + shared PSS of convert's process tree, bytes read and written per h5ad
+byte, store GB; the loader's columns are left to its own scale run.
+
 Usage::
 
     .venv/bin/python benchmarks/convert.py                 # full, 3 runs per order
     .venv/bin/python benchmarks/convert.py --scale 200000,1000000,5000000 --repeat 1
+    .venv/bin/python benchmarks/convert.py --scale 1000000,10000000 --shape tahoe-100m \
+        --scale-nnz 24 --orders stratified --work /tmp/scale
     .venv/bin/python benchmarks/convert.py --repeat 1      # when time is short
     .venv/bin/python benchmarks/convert.py --quick         # tiny smoke run (tests)
     .venv/bin/python benchmarks/convert.py --atlas         # plate files vs one file (issue 17)
@@ -123,6 +131,13 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     )
     p.add_argument("--scale", default="", help="comma-separated sizes (cells): the scale table")
     p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
+    p.add_argument(
+        "--shape",
+        choices=("tahoe-like", "tahoe-100m"),
+        default="tahoe-like",
+        help="--scale: one Tahoe-like file per size (default), or Tahoe-100M's shape: 14 "
+        "plate files, 62,710 genes, --scale-nnz (give 24) non-zeros a cell",
+    )
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
     p.add_argument(
@@ -506,6 +521,85 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plates_row(paths: list[Path], order: str, out: Path, budget: str) -> dict[str, Any]:
+    """Convert the plate files in ``order`` (evicted first); time, peak PSS, bytes moved."""
+    from peak import measured
+
+    shutil.rmtree(out, ignore_errors=True)
+    for p in paths:
+        evict(p)
+    cmd = [*sclayout_cmd(), "convert", *map(str, paths), str(out), "-q", *ORDERS[order]]
+    run = measured([*cmd, "--memory-budget", budget])
+    if run["returncode"] != 0:
+        raise RuntimeError(f"convert failed: {run['stderr_tail']}")
+    src = sum(p.stat().st_size for p in paths)
+    return {
+        "order": order,
+        "source_bytes": src,
+        "seconds": run["seconds"],
+        "source_mb_s": src / 1e6 / run["seconds"],
+        "peak_pss": run["peak_pss"],
+        "read_per_source_byte": run["read_bytes"] / src,
+        "written_per_source_byte": run["write_bytes"] / src,
+        "output_bytes": tree_bytes(out)[0],
+        "load_avg_1min": os.getloadavg()[0],
+        "cmd": " ".join(cmd),
+    }
+
+
+def _scale_plates(args: argparse.Namespace) -> int:
+    """The scale table in Tahoe-100M's shape: 14 plate files per size (made once into
+    ``--work``/data by ``tahoe_plates.py``), each size converted once per order."""
+    from tahoe_plates import cached_plates
+
+    from sclayout.convert.plan import parse_memory_budget
+
+    work = args.work or bench_dir() / "convert-scale"
+    budget = parse_memory_budget(args.memory_budget)
+    rows = []
+    for n in [int(x) for x in args.scale.split(",")]:
+        paths = cached_plates(n, work / "data", nnz=args.scale_nnz)
+        for order in args.orders.split(","):
+            r = {"n_obs": n, **_plates_row(paths, order, work / "plates.zarr", args.memory_budget)}
+            shutil.rmtree(work / "plates.zarr", ignore_errors=True)
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+    md = _plates_markdown(rows, args, budget)
+    js, mdp = write_results(
+        "convert-scale-plates", {"runs": rows}, md, results=args.results or RESULTS
+    )
+    print(md)
+    print(f"wrote {js} and {mdp}")
+    return 0
+
+
+def _plates_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> str:
+    cols = {
+        "cells": "cells", "order": "order", "h5ad": "h5ad GB", "s": "convert s",
+        "mb_s": "MB/s", "pss": f"peak PSS, anon + shmem (≤ {args.memory_budget})",
+        "io": "read / written per h5ad byte", "store": "store GB", "cps": "loader cells/s",
+        "lpss": "loader PSS", "cpu": "CPU µs/cell", "inspect": "inspect s",
+        "verify": "verify --quick s", "load": "load avg",
+    }  # fmt: skip
+    table = [
+        {
+            "cells": f"{r['n_obs']:,}", "order": r["order"],
+            "h5ad": f"{r['source_bytes'] / 1e9:.2f}",
+            "s": f"{r['seconds']:.0f}", "mb_s": f"{r['source_mb_s']:.1f}",
+            "pss": f"{r['peak_pss'] / 2**30:.2f} GiB " + ("✓" if r["peak_pss"] <= budget else "✗"),
+            "io": f"{r['read_per_source_byte']:.2f} / {r['written_per_source_byte']:.2f}",
+            "store": f"{r['output_bytes'] / 1e9:.2f}", "cps": "", "lpss": "", "cpu": "",
+            "inspect": "", "verify": "", "load": f"{r['load_avg_1min']:.1f}",
+        }
+        for r in rows
+    ]  # fmt: skip
+    return (
+        "### Scale in Tahoe-100M's shape: 14 plate files, 62,710 genes, "
+        f"{args.scale_nnz} non-zeros a cell\n\n{markdown_table(table, cols)}\n\n"
+        f"Command: `{command_line()}`. Loader columns: filled by the loader's scale run.\n"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = _parse(argv)
     if args.atlas:
@@ -514,7 +608,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shared += ["--results", str(args.results)] if args.results else []
         return _atlas([*shared, *rest])
     if args.scale:
-        return _scale(args)
+        return _scale_plates(args) if args.shape == "tahoe-100m" else _scale(args)
     if args.render:
         results = args.results or RESULTS
         payload = json.loads((results / "convert.json").read_text())

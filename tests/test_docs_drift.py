@@ -133,17 +133,24 @@ def test_the_layout_the_readme_names_is_the_spec_the_peers_ran():
     )
 
 
+SUPERSCRIPTS = str.maketrans("⁰¹²³⁴⁵⁶⁷⁸⁹", "0123456789")
+
+
 def _check_memory_per_cell(readme: str) -> None:
-    rows = _table(_section(CONVERT, "Memory per cell"), "per cell")
-    numeric = [int(b) for _, b in rows if b.isdigit()]
-    total = [int(b) for what, b in rows if what.startswith("total") and b.isdigit()]
-    assert total == [sum(numeric) - total[0]], f"convert.md: the rows add up to {numeric}"
-    m = re.search(r"`convert` holds up to (\d+) bytes per cell", " ".join(readme.split()))
-    assert m, "the README no longer says how many bytes a cell `convert` holds"
-    assert int(m.group(1)) == total[0], (m.group(1), total[0])
+    """The README's "10ⁿ cells ... convert within the default --memory-budget 2GB" is a
+    row of benchmarks.md's Tahoe-shaped scale table where every order stayed within it."""
+    text = " ".join(readme.split())
+    m = re.search(r"so 10([⁰-⁹]+) cells in (\d+) plate files convert within the default", text)
+    assert m, "the README no longer says how many cells convert within the default budget"
+    cells, files = 10 ** int(m.group(1).translate(SUPERSCRIPTS)), int(m.group(2))
+    section = BENCHMARKS.split("### Scale in Tahoe-100M's shape", 1)[1].split("\n## ", 1)[0]
+    assert f"{files} plate files" in section, "benchmarks.md's scale runs have other files"
+    rows = [r for r in _table(section, "peak PSS") if r[0] == f"{cells:,}"]
+    assert rows, f"benchmarks.md has no scale row of {cells:,} cells"
+    assert all(r[5].endswith("✓") for r in rows), rows
 
 
-def test_the_readme_memory_per_cell_is_the_convert_md_total():
+def test_the_readme_memory_claim_is_a_measured_row():
     _check_memory_per_cell(README)
 
 
@@ -160,9 +167,8 @@ def test_a_changed_figure_is_caught():
         assert readme != README
         with pytest.raises(AssertionError):
             _check_peer_figures(readme)
-    n = re.search(r"holds up to (\d+) bytes", README).group(1)
     with pytest.raises(AssertionError):
-        _check_memory_per_cell(README.replace(f"up to {n} bytes", f"up to {int(n) - 2} bytes"))
+        _check_memory_per_cell(README.replace("so 10⁷ cells in 14", "so 10⁸ cells in 14"))
 
 
 def test_every_module_of_the_code_map_exists():

@@ -51,7 +51,8 @@ from sclayout.convert.checks import (
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
 from sclayout.convert.narrow import ValueStats, run_stats, stats_jobs, stored_dtypes
-from sclayout.convert.order import get_order, inverse_permutation
+from sclayout.convert.obs import OBS_CHUNK
+from sclayout.convert.order import get_order, permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
     DEFAULT_BLOCK_SIZE,
@@ -90,6 +91,7 @@ from sclayout.convert.space import (
     route_bytes,
 )
 from sclayout.convert.stale import OLD_TAG, TMP_TAG, clean_stale, hold, sibling
+from sclayout.convert.tables import WorkTables, cumsum_into, inverse_into, slices
 from sclayout.convert.write import (
     CopyJob,
     Runner,
@@ -112,11 +114,14 @@ index arrays, file buffers): its slice is ``budget / (jobs × 4)``."""
 ASSEMBLE_INDEX_BYTES = 16
 """Pass 2 keeps an int64 gather index plus sort keys per element on top of the bucket
 and its sorted copy."""
-DRIVER_BYTES_PER_ROW = 64
-"""Driver-side arrays per row: permutation, its inverse, source and output indptr,
-block pointer, stratum keys (int64 each), and with several sources the per-row
-source number and row (provenance). The obs table is counted as it is read: the
-working memory is what the budget leaves beside the process's resident size."""
+DRIVER_BYTES_PER_ROW = 0
+"""Bytes a row the driver holds in memory it cannot give back. None: the per-cell
+tables (permutation, its inverse, row lengths, source and output indptr, stratum
+codes, obs columns) are files in the work folder (:mod:`sclayout.convert.tables`),
+whose pages the kernel reclaims; what the process does hold is measured."""
+TABLE_BYTES_PER_ROW = 128
+"""Disk the per-cell tables take a cell in the work folder (permutation, inverse, row
+lengths, pointers, order scratch, obs columns and names on their way to the store)."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 MIN_WORK = 64 * 2**20
@@ -216,118 +221,114 @@ def convert(
 ) -> Manifest:
     """Convert one or several AnnData sources (.h5ad or zarr v2/v3) into a layout store.
 
-    Parameters
-    ----------
-    src
-        The source dataset, or a list of them: the store holds their rows in this
-        order (before ``order`` reorders them), see docs/convert.md.
-    dst
-        The layout store to create: a directory, or an ``s3://`` / ``gs://`` URL
-        (docs/object-stores.md: shards are written straight to the bucket, the
-        manifest last; ``overwrite`` then deletes the old store first).
-    join
-        Sources whose genes differ: ``"inner"`` (genes in every source) or
-        ``"outer"`` (their union; a gene a source lacks is a structural zero).
-    var_names
-        The store's genes, exactly (a list, or a file with one gene a line): genes a
-        source lacks are zeros, genes not listed are dropped.
-    source_key
-        obs column naming each row's source when there are several (``""``: none).
-    strict
-        Refuse, instead of dropping with a note, a layer or obsm not in every source.
-    spec
-        A :class:`~loader.spec.LayoutSpec` or the path of its JSON; arguments left at
-        their defaults take the spec's values, explicit ones override it.
-    block_size
-        Rows per block; default: the spec's, else :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`.
-    order
-        ``original``, ``shuffled``, ``stratified`` or ``grouped`` (see
-        :mod:`sclayout.convert.order`).
-    by
-        obs columns to stratify by (``order="stratified"``); with ``order="grouped"``
-        the first is the column to group by (e.g. a train/validation split), the rest
-        stratify within each group.
-    seed
-        Seed of the shuffled/stratified permutation.
-    codec
-        Codec name (:data:`~sclayout.convert.codecs.CODECS`).
-    memory_budget
-        Peak memory to aim for (``"2GB"``, ``"512MiB"`` or bytes); sizes read slices,
-        buckets and shards, independent of the number of rows.
-    overwrite
-        Replace an existing DST.
-    jobs
-        Worker threads (default: CPUs).
-    scheduler
-        Address of a dask.distributed scheduler to run the tasks on.
-    progress
-        Show progress bars.
-    checksums
-        End every inner chunk with its crc32c (format version 2's ``chunk_checksum``),
-        which every reader verifies. ``False`` only to measure what the check costs.
-    keep_dtypes
-        Store values and column ids in the source's dtypes. By default they are
-        narrowed where every value fits (:mod:`sclayout.convert.narrow`): column ids
-        ``uint16`` below 65,536 genes, integer counts the smallest integer type.
+    ``src`` is a source or a list of them (the store holds their rows in that order
+    before ``order`` reorders them); ``dst`` the store to create: a directory, or an
+    ``s3://`` / ``gs://`` URL (docs/object-stores.md: shards go straight to the bucket,
+    the manifest last; ``overwrite`` then deletes the old store first). Sources whose
+    genes differ need ``join`` (``"inner"``: genes in every source; ``"outer"``: their
+    union) or ``var_names`` (exactly these genes: a list, or a file with one a line);
+    ``source_key`` names the obs column of each row's source (``""``: none); ``strict``
+    refuses, instead of dropping with a note, a layer or obsm not in every source
+    (docs/convert.md). ``spec`` (a :class:`~loader.spec.LayoutSpec` or its JSON's path)
+    gives the defaults; explicit arguments override it. ``block_size``: rows per block
+    (default :data:`~sclayout.convert.plan.DEFAULT_BLOCK_SIZE`); ``order``: ``original``,
+    ``shuffled``, ``stratified`` or ``grouped`` (:mod:`sclayout.convert.order`), ``by``
+    its obs columns (grouped: the first groups, the rest stratify), ``seed`` its seed;
+    ``codec``: :data:`~sclayout.convert.codecs.CODECS`. ``memory_budget`` (``"2GB"``,
+    ``"512MiB"`` or bytes) bounds the memory the process tree cannot give back, at any
+    number of cells: the per-cell tables are files (:mod:`sclayout.convert.tables`).
+    ``jobs``: worker threads (default: CPUs); ``scheduler``: a dask.distributed address;
+    ``progress``: progress bars. ``checksums=False`` leaves out each inner chunk's
+    crc32c (only to measure its cost); ``keep_dtypes`` stores the source's dtypes
+    instead of the narrowest that hold every value (:mod:`sclayout.convert.narrow`).
 
-    Returns
-    -------
-    Manifest
-        The manifest written as the store's root attribute ``sclayout``.
-
-    Raises
-    ------
-    InputError
-        Bad source, bad option, DST exists without ``overwrite``, DST not writable.
+    Returns the :class:`~loader.layout.Manifest` written as the root attribute
+    ``sclayout``. Raises :class:`~loader.errors.InputError` for a bad source or option,
+    a DST that exists without ``overwrite``, or one that cannot be written.
     """
     srcs = [src] if isinstance(src, str | os.PathLike) else list(src)
     infos = check_sources(srcs)  # the metadata checks of check_source, per source
     if isinstance(var_names, str | os.PathLike):
         var_names = read_var_names(var_names)
     opts = resolve_options(
-        spec=spec,
-        block_size=block_size,
-        order=order,
-        by=by,
-        seed=seed,
-        codec=codec,
+        spec=spec, block_size=block_size, order=order, by=by, seed=seed, codec=codec,
         memory_budget=memory_budget,
-    )
-    if not isinstance(checksums, bool):
-        raise InputError(f"checksums={checksums!r}: pass True or False")
-    opts = dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise InputError(f"jobs={jobs!r}: must be a positive integer")
-    src_p = Path(srcs[0])
-    remote = os.fspath(dst).rstrip("/") if is_object_store(os.fspath(dst)) else None
+    )  # fmt: skip
+    opts = _more_options(opts, checksums=checksums, keep_dtypes=keep_dtypes, jobs=jobs)
     several = len(srcs) > 1 or infos[0].legacy or var_names is not None
     if several:
         check_by(srcs, infos, opts.order.columns, source_key if len(srcs) > 1 else "")
     else:
-        check_obs_columns(src_p, opts.order.columns, info=infos[0])
-    if remote is not None and _check_remote_destination(remote, overwrite=overwrite):
-        # the old store stays until the new one is whole (sclayout.convert.remote)
-        replaced, remote = remote, new_generation_prefix(remote)
-    else:
-        replaced = None
+        check_obs_columns(Path(srcs[0]), opts.order.columns, info=infos[0])
+    place = _place(dst, srcs, overwrite=overwrite)
+    working_memory(opts.memory_budget, n_obs=sum(i.n_obs for i in infos))  # before any work
+    merge = {"join": join, "var_names": var_names, "source_key": source_key, "strict": strict}
+    runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+    try:
+        return _stage_and_install(srcs, infos, opts, runner, place, merge if several else None)
+    finally:
+        runner.close()
+
+
+def _more_options(
+    opts: ConvertOptions, *, checksums: bool, keep_dtypes: bool, jobs: int | None
+) -> ConvertOptions:
+    """Check the options that only the Python API takes; add them to ``opts``."""
+    if not isinstance(checksums, bool):
+        raise InputError(f"checksums={checksums!r}: pass True or False")
+    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
+        raise InputError(f"jobs={jobs!r}: must be a positive integer")
+    return dataclasses.replace(opts, checksums=checksums, keep_dtypes=keep_dtypes)
+
+
+@dataclass(frozen=True)
+class _Place:
+    """Where a conversion writes: the folder it stages in, DST, and the bucket URL if any."""
+
+    tmp: Path
+    dst: Path
+    remote: str | None
+    overwrite: bool
+    replaced: str | None = None
+    """The bucket store that ``remote`` (a new generation prefix) replaces once whole."""
+
+
+def _place(dst: str | os.PathLike, srcs: list, *, overwrite: bool) -> _Place:
+    """Check DST and choose the folder to stage the store in (nothing created yet)."""
+    remote = os.fspath(dst).rstrip("/") if is_object_store(os.fspath(dst)) else None
     if remote is not None:
+        replaced = None
+        if _check_remote_destination(remote, overwrite=overwrite):
+            # the old store stays until the new one is whole (sclayout.convert.remote)
+            replaced, remote = remote, new_generation_prefix(remote)
         # no rename in an object store: small elements and the reorder's scratch are
         # staged locally, the shards go straight to the bucket (sclayout.convert.remote)
         tmp = Path(tempfile.mkdtemp(prefix="sclayout-convert-")) / "store"
-        dst_p = tmp
-    else:
-        dst_p = Path(os.path.abspath(dst))
-        tmp = sibling(dst_p, TMP_TAG)
-        longest = max(len(tmp.name.encode()), len(sibling(dst_p, OLD_TAG).name.encode()))
-        if longest > NAME_MAX:
-            raise InputError(
-                f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
-                f"the file system allows {NAME_MAX}); choose a shorter name"
-            )
-        clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
-        check_destination_apart(dst_p, srcs)
-        check_destination(dst_p, overwrite=overwrite, src=src_p)
-    runner = Runner(jobs=jobs, scheduler=scheduler, progress=progress)
+        return _Place(tmp, tmp, remote, overwrite, replaced)
+    dst_p = Path(os.path.abspath(dst))
+    tmp = sibling(dst_p, TMP_TAG)
+    longest = max(len(tmp.name.encode()), len(sibling(dst_p, OLD_TAG).name.encode()))
+    if longest > NAME_MAX:
+        raise InputError(
+            f"DST {dst_p.name}: name too long for its temporary sibling ({longest} bytes, "
+            f"the file system allows {NAME_MAX}); choose a shorter name"
+        )
+    clean_stale(dst_p)  # first: it may put back a DST a killed --overwrite moved aside
+    check_destination_apart(dst_p, srcs)
+    check_destination(dst_p, overwrite=overwrite, src=Path(srcs[0]))
+    return _Place(tmp, dst_p, None, overwrite)
+
+
+def _stage_and_install(
+    srcs: list, infos: list, opts: ConvertOptions, runner: Runner, place: _Place, merge
+) -> Manifest:
+    """Write the store into the staging folder, then move (or upload) it into place.
+
+    ``merge``: the options of :func:`~sclayout.convert.inputs.sources_input` when the
+    sources are merged, None for one source kept as it is. Any failure removes the
+    staging folder and says what failed: the destination, the disk, or a source.
+    """
+    tmp, dst_p, remote = place.tmp, place.dst, place.remote
     need = 0
     lock = None
     try:
@@ -335,41 +336,29 @@ def convert(
             tmp.mkdir()
             with contextlib.suppress(OSError):  # no locks on this file system: the pid guards
                 lock = hold(tmp)
-        reorder = several or opts.order.kind != "original"
-        need = _store_bytes(srcs, infos, opts.codec, reorder=reorder)
+        need = _store_bytes(
+            srcs, infos, opts.codec, reorder=merge is not None or opts.order.kind != "original"
+        )
         if remote is None:
             check_free_space(dst_p, need)  # the old DST stays until the rename: not free
-        if several:
-            inp = sources_input(
-                srcs, infos, join=join, var_names=var_names, source_key=source_key, strict=strict
-            )
+        if merge is not None:
+            inp = sources_input(srcs, infos, **merge)
             manifest = _convert_into(inp, tmp, opts, runner, remote)
         else:
-            with open_group(src_p) as root:
-                manifest = _convert_into(
-                    single_input(Source(root, src_p)), tmp, opts, runner, remote
-                )
+            with open_group(srcs[0]) as root:
+                inp = single_input(Source(root, srcs[0]))
+                manifest = _convert_into(inp, tmp, opts, runner, remote)
         if remote is None:
-            _install(tmp, dst_p, overwrite=overwrite)
+            _install(tmp, dst_p, overwrite=place.overwrite)
         else:
             upload_tree(tmp, remote)  # the root zarr.json (the manifest) last
-            if replaced is not None:
-                switch_store(replaced, remote)
+            if place.replaced is not None:
+                switch_store(place.replaced, remote)
+        return manifest
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if is_no_space(e):
-            raise no_space_error(dst_p, need) from None
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise InputError(
-                f"DST {dst_p}: cannot write ({e.strerror}); choose a writable location"
-            ) from None
-        if _names_destination(e, tmp, dst_p):
-            raise InputError(
-                f"DST {dst_p}: writing failed ({e.strerror or e}); check the destination "
-                "(free space, quota, permissions) or choose another DST"
-            ) from None
-        with explain_read_errors(src_p):  # anything else: the source failed to read
-            raise
+        _explain_os_error(e, Path(srcs[0]), tmp, dst_p, need)
+        raise
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, Exception) and is_no_space(e):  # tensorstore's RESOURCE_EXHAUSTED
@@ -378,13 +367,28 @@ def convert(
     finally:
         if lock is not None:
             os.close(lock)
-        runner.close()
         close_handles()
         close_dst()
         release_scratch()
         if remote is not None:
             shutil.rmtree(tmp.parent, ignore_errors=True)
-    return manifest
+
+
+def _explain_os_error(e: OSError, src: Path, tmp: Path, dst: Path, need: int) -> None:
+    """Raise the one-line error that says which side of the conversion failed."""
+    if is_no_space(e):
+        raise no_space_error(dst, need) from None
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        raise InputError(
+            f"DST {dst}: cannot write ({e.strerror}); choose a writable location"
+        ) from None
+    if _names_destination(e, tmp, dst):
+        raise InputError(
+            f"DST {dst}: writing failed ({e.strerror or e}); check the destination "
+            "(free space, quota, permissions) or choose another DST"
+        ) from None
+    with explain_read_errors(src):  # anything else: the source failed to read
+        raise e
 
 
 def _check_remote_destination(url: str, *, overwrite: bool) -> bool:
@@ -407,22 +411,52 @@ def _check_remote_destination(url: str, *, overwrite: bool) -> bool:
 
 
 def _rss() -> int:
-    """Resident memory of this process now (Linux /proc; else the peak so far)."""
+    """Memory this process and its children hold that the kernel cannot reclaim.
+
+    Anonymous and shared (memfd, /dev/shm) pages, as PSS summed over the process tree
+    (Linux ``smaps_rollup``); file pages (memory-mapped tables, the page cache) are
+    left out. Elsewhere: the peak resident size so far.
+    """
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        return _tree_pss(os.getpid())
     except (OSError, ValueError, IndexError):
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _tree_pss(pid: int) -> int:
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    kids.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(
+                        int(name)
+                    )
+            except (OSError, IndexError, ValueError):
+                continue
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo += kids.get(p, [])
+        try:
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith(("Pss_Anon:", "Pss_Shmem:")):
+                        total += int(line.split()[1]) << 10
+        except FileNotFoundError:
+            if p == pid:
+                raise
+    return total
+
+
 def working_memory(budget: int, *, n_obs: int) -> int:
     """Bytes the conversion tasks may use.
 
-    The budget minus the process's current resident memory (the obs table included),
-    the per-cell tables (:data:`DRIVER_BYTES_PER_ROW` a cell), the I/O threads' staging
-    buffers and a margin. A budget below the process's own size (tiny budgets in tests)
+    The budget minus what the process tree holds and cannot give back (:func:`_rss`),
+    the per-cell bytes held in memory (:data:`DRIVER_BYTES_PER_ROW`), the I/O threads'
+    staging buffers and a margin. A budget below the process's own size (tiny budgets in tests)
     gets a quarter of itself: tasks as small as they go.
 
     Raises
@@ -498,35 +532,47 @@ def _convert_into(
 ) -> Manifest:
     """Write the store into local folder ``tmp``; the big arrays into ``remote`` if given."""
     n_obs, n_vars = inp.n_obs, inp.n_vars
-    obs = inp.obs
-    missing = [c for c in opts.order.columns if c not in obs.columns]
+    missing = [c for c in opts.order.columns if c not in inp.obs.columns]
     if missing:
         raise InputError(
             f"--by {missing[0]!r}: no such obs column; available: "
-            f"{', '.join(map(str, obs.columns)) or '(none)'}"
+            f"{', '.join(map(str, inp.obs.columns)) or '(none)'}"
         )
     block_size = opts.block_size or DEFAULT_BLOCK_SIZE
-    perm = get_order(opts.order.kind)(
-        n_obs, obs=obs, by=opts.order.columns, seed=opts.order.seed or 0
-    )
-    identity = opts.order.kind == "original"
-    inv = inverse_permutation(perm)
     tmp.mkdir(exist_ok=True)  # convert() made and locked a local one: keep that folder
     root = zarr.open_group(tmp, mode="w-", zarr_format=3)  # "w" would recreate it
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
+    tables = WorkTables(tmp / WORK_DIR / "tables")
+    working_memory(opts.memory_budget, n_obs=n_obs)  # refused before the permutation
+    perm = permutation(
+        opts.order.kind,
+        n_obs,
+        codes=lambda column: inp.obs.codes(column, tables),
+        by=opts.order.columns,
+        seed=opts.order.seed or 0,
+        tables=tables,
+    )
+    inv = inverse_into(perm, tables.empty("inverse", n_obs, np.int64))
     small = anndata_dataset_kwargs(opts.checksums)
+    inp.obs.write(root, perm, tables, small)
     inp.write_small(root, perm, small)
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
-    work = working_memory(opts.memory_budget, n_obs=n_obs)
-    ctx = _Ctx(remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work)
-    for target, parts in inp.matrices:
+    identity = opts.order.kind == "original"
+    for target, parts in inp.matrices:  # the working memory as it is before each matrix
+        work = working_memory(opts.memory_budget, n_obs=n_obs)
+        ctx = _Ctx(
+            remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work,
+            tables,
+        )  # fmt: skip
         layout, pointer = _convert_matrix(ctx, target, parts)
         matrices[target.path] = layout
         if pointer is not None:
             pointers[target.path] = pointer
-    shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
     provenance = _write_uns_sclayout(root, perm, pointers, inp, small)
+    del perm, inv
+    tables.close()
+    shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
@@ -561,6 +607,8 @@ class _Ctx:
     identity: bool
     work: int
     """Bytes the tasks may use together: the budget minus what the process already holds."""
+    tables: WorkTables
+    """Where the per-cell tables of the matrices go (files in the work folder)."""
 
     @property
     def jobs(self) -> int:
@@ -573,23 +621,34 @@ def _write_uns_sclayout(
     """Write source_index, block pointers and the per-row provenance.
 
     Provenance (source number, row in that source) only with several sources; returns
-    the provenance paths.
+    the provenance paths. The per-row arrays are written a slice at a time.
     """
-    uns = root["uns"]
-    payload: dict[str, Any] = {
-        "source_index": perm.astype(np.int64),
-        "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
-    }
+    pointer_names = {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()}
+    quiet_write(root["uns"], SCLAYOUT_UNS.split("/", 1)[1], {"block_indptr": pointer_names}, kw)
+    group = root[SCLAYOUT_UNS]
+    n = perm.size
+    fills = {"source_index": (np.int64, lambda a, b: perm[a:b])}
     provenance: dict[str, str] = {}
-    if inp.row_source is not None:
-        number = inp.row_source[perm]
-        row0 = np.array([e["row0"] for e in inp.sources], dtype=np.int64)
-        n_src = len(inp.sources)
-        payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
-        payload["source_row"] = perm.astype(np.int64) - row0[number]
+    if inp.row0 is not None:
+        row0 = inp.row0
+        number_dtype = np.uint16 if row0.size - 1 < 2**16 else np.int32
+
+        def number(a: int, b: int) -> np.ndarray:
+            return np.searchsorted(row0, perm[a:b], side="right") - 1
+
+        fills["source_number"] = (number_dtype, number)
+        fills["source_row"] = (np.int64, lambda a, b: perm[a:b] - row0[number(a, b)])
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
         provenance["obs_key"] = inp.source_key
-    quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
+    for name, (dtype, fill) in fills.items():
+        arr = group.create_array(
+            name, shape=(n,), dtype=dtype, chunks=(max(1, min(n, OBS_CHUNK)),),
+            compressors=kw.get("compressors"),
+        )  # fmt: skip
+        arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+        with zarr.config.set({"array.write_empty_chunks": True}):
+            for a, b in slices(n, OBS_CHUNK):
+                arr[a:b] = fill(a, b).astype(dtype)
     return provenance
 
 
@@ -597,9 +656,9 @@ def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: boo
     """Free bytes a conversion of ``srcs`` needs.
 
     The store (a legacy file: its own size), plus the route files of a reordering
-    conversion.
+    conversion, plus the per-cell tables (:data:`TABLE_BYTES_PER_ROW`).
     """
-    total = 0
+    total = TABLE_BYTES_PER_ROW * sum(int(i.n_obs) for i in infos)
     ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
     for src, info in zip(srcs, infos, strict=True):
         if info.legacy:
@@ -663,21 +722,8 @@ def _convert_matrix(
             arrays={"values": _array_layout(info.path, arrays["values"], opts.codec)},
         )
         return layout, None
-    # row pointer (csr) or column pointer (csc) of every sparse part
-    ptrs = [
-        None
-        if p.encoding == "dense"
-        else read_slice(p.src, f"{p.path}/indptr", 0, p.shape[p.encoding == "csc"] + 1).astype(
-            np.int64
-        )
-        for p in parts
-    ]
-    step = max(1, ctx.work // (4 * 8))
-    row_nnz = np.concatenate(
-        [p.row_nnz(ptr, step=step) for p, ptr in zip(parts, ptrs, strict=True)]
-    )
-    out_ptr = np.zeros(n_obs + 1, dtype=np.int64)
-    np.cumsum(row_nnz[ctx.perm], out=out_ptr[1:])
+    ptrs = [_source_pointer(ctx, p) for p in parts]  # row (csr) or column (csc) pointers
+    out_ptr = _output_pointer(ctx, parts, ptrs, n_obs)
     nnz = int(out_ptr[-1])
     plan = plan_csr(
         n_obs=n_obs,
@@ -688,18 +734,23 @@ def _convert_matrix(
         csr_chunk_nnz=opts.csr_chunk_nnz,
         shard_chunks=opts.shard_chunks,
     )
-    dtypes = _stored_dtypes(ctx, info, parts)
-    arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
-    _publish(ctx, info.path)
     one = parts[0]
-    if len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity:
-        _copy_csr(ctx, info, plan, one, ptrs[0], out_ptr, nnz)
-    else:
-        _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
+    copy = len(parts) == 1 and one.plain and one.encoding == "csr" and ctx.identity
+    if copy and int(ptrs[0][0]) == 0:  # (an indptr not from 0: the general path)
+        dtypes = _stored_dtypes(ctx, info, parts)
+        arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
+        _publish(ctx, info.path)
+        _copy_csr(ctx, info, plan, one, nnz)
+    else:  # the values' range comes from the route pass, which reads them anyway
+        routed = _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz)
+        dtypes = _stored_dtypes(ctx, info, parts, stats=routed.stats)
+        arrays = create_matrix(root, info, plan, nnz=nnz, compressors=compressors, dtypes=dtypes)
+        _publish(ctx, info.path)
+        _assemble_sparse(ctx, info, plan, routed, out_ptr)
     ptr_shard = plan.arrays["indptr"].shards[0]
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
-    pointer = out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]]
+    pointer = np.asarray(out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]])
     layout = MatrixLayout(
         encoding="csr",
         shape=(n_obs, n_vars),
@@ -714,22 +765,48 @@ def _convert_matrix(
     return layout, pointer
 
 
+def _source_pointer(ctx: _Ctx, part: Part) -> np.ndarray | None:
+    """Read a sparse part's indptr into an int64 table, in slices (None for a dense part)."""
+    if part.encoding == "dense":
+        return None
+    n = part.shape[part.encoding == "csc"] + 1
+    out = ctx.tables.empty("source-indptr", n, np.int64)
+    for a, b in slices(n):
+        out[a:b] = read_slice(part.src, f"{part.path}/indptr", a, b)
+    return out
+
+
+def _output_pointer(ctx: _Ctx, parts: list[Part], ptrs: list, n_obs: int) -> np.ndarray:
+    """Build the output indptr (a table) from every source row's stored length."""
+    step = max(1, ctx.work // (4 * 8))
+    row_nnz = ctx.tables.empty("row-nnz", n_obs, np.int64)
+    at = 0
+    for p, ptr in zip(parts, ptrs, strict=True):
+        p.row_nnz(ptr, step=step, out=row_nnz[at : at + p.shape[0]])
+        at += p.shape[0]
+    out_ptr = ctx.tables.empty("indptr", n_obs + 1, np.int64)
+    cumsum_into(row_nnz, out_ptr, order=None if ctx.identity else ctx.perm)
+    return out_ptr
+
+
 def _stored_dtypes(
-    ctx: _Ctx, info: MatrixInfo, parts: list[Part]
+    ctx: _Ctx, info: MatrixInfo, parts: list[Part], stats: ValueStats | None = None
 ) -> tuple[np.dtype, np.dtype | None]:
-    """Return the stored (value, column id) dtypes of ``info``: one pass over its values."""
+    """Return the stored (value, column id) dtypes of ``info``.
+
+    From ``stats`` when a pass over the values gathered them, else one pass for it.
+    """
     if ctx.opts.keep_dtypes:
         return stored_dtypes(info, None)
+    if stats is not None:
+        return stored_dtypes(info, stats)
     elements = max(1, ctx.work // (ctx.jobs * 4 * info.itemsize))
     jobs = stats_jobs(parts, elements=elements)
     found = ctx.runner.run(run_stats, jobs, desc=f"scan {info.path}")
     return stored_dtypes(info, functools.reduce(ValueStats.merge, found, ValueStats()))
 
 
-def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, src_ptr, out_ptr, nnz):
-    if int(src_ptr[0]) != 0:  # an indptr that does not start at 0: the general path
-        _reorder_sparse(ctx, info, plan, [part], [src_ptr], out_ptr, nnz)
-        return
+def _copy_csr(ctx: _Ctx, info: MatrixInfo, plan: MatrixPlan, part: Part, nnz: int) -> None:
     jobs = [
         CopyJob(part.src, part.path, ctx.dst, info.path, a, b)
         for a, b in shard_ranges(nnz, plan.elements_per_shard)
@@ -746,79 +823,90 @@ def _row_cuts(part: Part, ptr: np.ndarray | None, elems: int) -> list[int]:
     return sorted({0, n, *range(rows, n, rows)})
 
 
-def _reorder_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> None:
-    """Bucketed two-pass reorder of CSR, CSC and dense parts into CSR output.
+@dataclass(frozen=True)
+class _Routed:
+    """What the route pass of a sparse matrix leaves for the assemble pass."""
+
+    kind: str
+    """``rows`` (CSR and dense parts) or ``csc`` (entries)."""
+    bounds: np.ndarray
+    workdir: str
+    segments: list
+    direct: bool
+    per_elem: int
+    stats: ValueStats | None
+    """The routed values' range (rows only; None: not gathered)."""
+
+
+def _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> _Routed:
+    """Pass 1 of the bucketed reorder of CSR, CSC and dense parts into CSR output.
 
     All-CSR/dense parts route rows (the fast path); any CSC part routes entries.
     """
     coo = any(p.encoding == "csc" for p in parts)
     elem_bytes = info.itemsize + (info.index_dtype.itemsize if info.index_dtype else 8)
-    shard = plan.elements_per_shard
     per_elem = 3 * elem_bytes + ASSEMBLE_INDEX_BYTES + (8 if coo else 0)
-    bucket = ctx.work // (ctx.jobs * per_elem)
-    bounds = ext.bucket_bounds(nnz, shard=shard, bucket=bucket)
+    bounds = ext.bucket_bounds(
+        nnz, shard=plan.elements_per_shard, bucket=ctx.work // (ctx.jobs * per_elem)
+    )
     workdir = os.path.join(ctx.local, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
     direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
+    route = (ctx.inv, out_ptr, bounds, workdir)
     jobs: list[Any] = []
     if not coo and len(parts) > 1:
         for task in task_slices(parts, ptrs, read_elems):
             (k, a, b), more = task[0], tuple((parts[j], c, d, ptrs[j]) for j, c, d in task[1:])
             p = parts[k]
             jobs.append(
-                ext.RouteRowsJob(
-                    p.src, p.path, a, b, ptrs[k], ctx.inv, out_ptr, bounds, workdir,
-                    len(jobs), direct, p, more,
-                )
-            )  # fmt: skip
+                ext.RouteRowsJob(p.src, p.path, a, b, ptrs[k], *route, len(jobs), direct, p, more)
+            )
     else:
         for p, ptr in zip(parts, ptrs, strict=True):
-            native = "csc" if coo else "csr"
-            part = None if p.plain and p.encoding == native else p
+            part = None if p.plain and p.encoding == ("csc" if coo else "csr") else p
             for a, b in itertools.pairwise(_row_cuts(p, ptr, read_elems)):
-                if coo:
-                    jobs.append(
-                        ext.RouteCscJob(
-                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                            info.index_dtype, part,
-                        )
-                    )  # fmt: skip
-                else:
-                    jobs.append(
-                        ext.RouteRowsJob(
-                            p.src, p.path, a, b, ptr, ctx.inv, out_ptr, bounds, workdir,
-                            len(jobs), direct, part,
-                        )
-                    )  # fmt: skip
-    kind = "csc" if coo else "rows"
-    tables = ctx.runner.run(
+                jobs.append(
+                    ext.RouteCscJob(p.src, p.path, a, b, ptr, *route, info.index_dtype, part)
+                    if coo
+                    else ext.RouteRowsJob(p.src, p.path, a, b, ptr, *route, len(jobs), direct, part)
+                )
+    found = ctx.runner.run(
         ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
     )
     n_buckets = len(bounds) - 1
-    segments = ext.segments_by_bucket(tables, n_buckets) if kind == "rows" else [None] * n_buckets
+    if coo:
+        return _Routed("csc", bounds, workdir, [None] * n_buckets, direct, per_elem, None)
+    segments = ext.segments_by_bucket([t for t, _ in found], n_buckets)
+    stats = functools.reduce(ValueStats.merge, [v for _, v in found], ValueStats())
+    return _Routed("rows", bounds, workdir, segments, direct, per_elem, stats)
+
+
+def _assemble_sparse(ctx, info, plan, routed: _Routed, out_ptr) -> None:
+    """Pass 2 of the bucketed reorder: each bucket sorted into output order, written."""
+    bounds = routed.bounds
     first_rows = np.searchsorted(out_ptr, bounds[:-1], side="right") - 1
     assemble = [
         ext.AssembleJob(
-            kind,
-            workdir,
+            routed.kind,
+            routed.workdir,
             b,
             int(bounds[b]),
             int(bounds[b + 1]),
             int(out_ptr[first_rows[b]]),
             ctx.dst,
             info.path,
-            shard,
+            plan.elements_per_shard,
             info.dtype,
             info.index_dtype,
             info.shape[1],
-            segments[b],
-            direct,
+            routed.segments[b],
+            routed.direct,
         )
-        for b in range(n_buckets)
+        for b in range(len(bounds) - 1)
     ]
-    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * per_elem)
+    width = _parallel(ctx, int(np.diff(bounds).max(initial=0)) * routed.per_elem)
     ctx.runner.run(ext.assemble, assemble, desc=f"write {info.path}", width=width)
-    shutil.rmtree(workdir, ignore_errors=True)  # route files of every bucket: free the disk now
+    shutil.rmtree(routed.workdir, ignore_errors=True)  # route files: free the disk now
 
 
 def task_slices(

@@ -38,8 +38,10 @@ import numpy as np
 
 from sclayout.convert import source
 from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch, trim_heap
+from sclayout.convert.narrow import ValueStats, value_stats
 from sclayout.convert.parts import Part
 from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
+from sclayout.convert.tables import segments as _segments
 from sclayout.convert.write import submit_region, write_region
 
 __all__ = [
@@ -100,20 +102,6 @@ PIECE_ELEMS = 2**20
 """Elements gathered per vectorised step: the int64 index of a piece (8 MiB) stays in
 cache-friendly, reusable memory instead of a fresh multi-GB array (fresh pages cost
 page faults that cost more than the gather itself)."""
-
-
-def _segments(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of ``arange(s, s + n)`` for each (s, n), vectorised."""
-    nz = lengths > 0
-    starts, lengths = starts[nz], lengths[nz]
-    total = int(lengths.sum())
-    out = np.ones(total, dtype=np.int64)
-    if total:
-        offsets = np.cumsum(lengths) - lengths
-        out[0] = starts[0]
-        out[offsets[1:]] = starts[1:] - (starts[:-1] + lengths[:-1] - 1)
-        np.cumsum(out, out=out)
-    return out
 
 
 def gather_segments(
@@ -277,8 +265,12 @@ def _read_pieces(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
     return np.concatenate(ptrs), data[:pos], indices[:pos], np.concatenate(rows)
 
 
-def route_rows(job: RouteRowsJob) -> np.ndarray:
-    """Run a :class:`RouteRowsJob`; returns its segment table (:data:`SEGMENT_COLUMNS`)."""
+def route_rows(job: RouteRowsJob) -> tuple[np.ndarray, ValueStats]:
+    """Run a :class:`RouteRowsJob`; return its segment table (:data:`SEGMENT_COLUMNS`).
+
+    Also the range and integer-ness of the values it routed: the stored dtype is chosen
+    from them, so the values are not read once more just for that.
+    """
     if job.part is None:
         s = job.indptr
         e0, e1 = int(s[job.r0]), int(s[job.r1])
@@ -328,8 +320,11 @@ def route_rows(job: RouteRowsJob) -> np.ndarray:
     table = np.stack(
         [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
     ).astype(np.int64)
+    stats = ValueStats()
+    for a in range(0, data.size, PIECE_ELEMS):  # a piece at a time: small temporaries
+        stats = stats.merge(value_stats(data[a : a + PIECE_ELEMS]))
     trim_heap()
-    return table
+    return table, stats
 
 
 def segments_by_bucket(tables: list[np.ndarray], n_buckets: int) -> list[np.ndarray]:

@@ -23,6 +23,7 @@ import zarr
 
 from loader.errors import InputError
 from sclayout.convert.checks import SourceInfo
+from sclayout.convert.obs import FrameObs, StreamedObs
 from sclayout.convert.parts import Part
 from sclayout.convert.source import MatrixInfo, Source, fingerprint, io_map, open_group
 from sclayout.convert.sources import Combined, combine, source_names
@@ -36,28 +37,28 @@ class Input:
     """What a conversion writes, from one source or several.
 
     ``matrices``: each output matrix (its path, shape, dtype) with one part per
-    source; ``write_small(root, perm, dataset_kwargs)`` writes the small elements with rows in
-    stored order;
-    ``row_source``: the source number of every row of the concatenation (several
-    sources only).
+    source; ``write_small(root, perm, dataset_kwargs)`` writes the small elements but
+    obs with rows in stored order; ``obs`` reads and writes obs a column at a time;
+    ``row0``: the first row of every source in the concatenation, and the total
+    (several sources only).
     """
 
     n_obs: int
     n_vars: int
-    obs: pd.DataFrame
+    obs: StreamedObs | FrameObs
     write_small: Callable[[zarr.Group, np.ndarray, dict[str, Any]], None]
     matrices: list[tuple[MatrixInfo, list[Part]]]
     sources: list[dict[str, Any]]
     genes: dict[str, Any]
     notes: list[str]
-    row_source: np.ndarray | None = None
+    row0: np.ndarray | None = None
     source_key: str = ""
     """The obs column naming each row's source ("" when there is none)."""
 
 
 def single_input(source: Source) -> Input:
     """One modern source as it is: every element kept, every matrix one plain part."""
-    obs = source.read_elem("obs")
+    obs = StreamedObs([source.path], [source.n_obs], source_names([source.path]))
     matrices = []
     for info in source.row_matrices():
         idt = info.index_dtype if info.index_dtype is not None else index_dtype_for(info.shape[1])
@@ -77,7 +78,7 @@ def single_input(source: Source) -> Input:
         n_obs=source.n_obs,
         n_vars=source.n_vars,
         obs=obs,
-        write_small=lambda root, perm, kw: write_small(source, root, obs, perm, kw),
+        write_small=lambda root, perm, kw: write_small(source, root, perm, kw),
         matrices=matrices,
         sources=[entry],
         genes={"join": "same", "n_vars": source.n_vars, "var_conflicts": {}},
@@ -151,9 +152,7 @@ def sources_input(
             "var_conflicts": dict(comb.var_conflicts),
         },
         notes=list(comb.notes),
-        row_source=np.repeat(np.arange(len(srcs), dtype=np.int32), sizes)
-        if len(srcs) > 1
-        else None,
+        row0=row0 if len(srcs) > 1 else None,
         source_key=key,
     )
 
@@ -203,8 +202,7 @@ def _kept_raw(src: Any, raw_x: str) -> tuple[MatrixInfo, list[Part]]:
 
 
 def write_combined(comb: Combined, root: zarr.Group, perm: np.ndarray, kw: dict[str, Any]) -> None:
-    """obs/var/obsm/uns of several sources (layers are filled as matrices)."""
-    quiet_write(root, "obs", comb.obs.iloc[perm], kw)
+    """var/obsm/uns of several sources (obs is streamed, layers filled as matrices)."""
     quiet_write(root, "var", comb.var, kw)
     quiet_write(root, "obsm", {k: take_rows(v, perm) for k, v in comb.obsm.items()}, kw)
     quiet_write(root, "varm", comb.varm, kw)
@@ -242,14 +240,11 @@ def take_rows(value: Any, perm: np.ndarray) -> Any:
     return value[perm]
 
 
-def write_small(
-    source: Source, root: zarr.Group, obs: pd.DataFrame, perm: np.ndarray, kw: dict[str, Any]
-) -> None:
-    """Write obs/var/obsm/varm/obsp/varp/uns/raw (except raw/X) with anndata's writer.
+def write_small(source: Source, root: zarr.Group, perm: np.ndarray, kw: dict[str, Any]) -> None:
+    """Write var/obsm/varm/obsp/varp/uns/raw (except raw/X) with anndata's writer.
 
-    ``kw`` are the writer's ``dataset_kwargs``.
+    ``kw`` are the writer's ``dataset_kwargs``; obs is streamed (:mod:`sclayout.convert.obs`).
     """
-    quiet_write(root, "obs", obs.iloc[perm], kw)
     quiet_write(root, "var", source.read_elem("var"), kw)
     obsm = source.read_elem("obsm") if source.has("obsm") else {}
     quiet_write(root, "obsm", {k: take_rows(v, perm) for k, v in obsm.items()}, kw)

@@ -152,18 +152,25 @@ class Part:
         out[:, self.colmap[keep]] = values[:, keep]
         return out
 
-    def row_nnz(self, ptr: np.ndarray | None, *, step: int) -> np.ndarray:
-        """Entries the output stores for each source row.
+    def row_nnz(
+        self, ptr: np.ndarray | None, *, step: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Entries the output stores for each source row, into ``out`` (made if None).
 
-        Reads ``step`` elements (CSR/CSC) or about ``step`` values (dense) at a time.
+        Reads ``step`` elements (CSR/CSC) or about ``step`` values (dense) at a time,
+        and holds no more than that besides ``out`` (which may be a file-backed table).
 
         The same rule as :meth:`read_rows`: a sparse source's stored entries in kept
         columns, a dense source's non-zeros in kept columns.
         """
         n_obs, n_cols = self.shape
+        counts = np.zeros(n_obs, dtype=np.int64) if out is None else out
         if self.encoding == "csr" and self.colmap is None:
-            return np.diff(ptr)
-        counts = np.zeros(n_obs, dtype=np.int64)
+            for a in range(0, n_obs, max(1, step)):
+                b = min(n_obs, a + max(1, step))
+                counts[a:b] = np.diff(ptr[a : b + 1])
+            return counts
+        counts[:] = 0
         if self.encoding == "dense":
             rows_per = max(1, step // max(1, n_cols))
             keep = None if self.colmap is None else self.colmap >= 0
@@ -182,11 +189,14 @@ class Part:
             # the pointer's row (CSR) or column (CSC) of every element read
             first = int(np.searchsorted(ptr, e0 + off, side="right")) - 1
             last = int(np.searchsorted(ptr, e1 + off - 1, side="right")) - 1
-            bounds = np.clip(ptr[first : last + 2] - off, e0, e1) - e0
-            owner = np.repeat(np.arange(first, last + 1), np.diff(bounds))
+            bounds = np.clip(np.asarray(ptr[first : last + 2]) - off, e0, e1) - e0
+            owner = np.repeat(np.arange(last + 1 - first), np.diff(bounds))
             if self.encoding == "csr":
-                counts += np.bincount(owner[kept[idx]], minlength=n_obs)
+                counts[first : last + 1] += np.bincount(
+                    owner[kept[idx]], minlength=last + 1 - first
+                )
             else:  # CSC: the indices are the rows
-                sel = idx if kept is None else idx[kept[owner]]
-                counts += np.bincount(sel, minlength=n_obs)
+                sel = idx if kept is None else idx[kept[owner + first]]
+                rows, n = np.unique(sel, return_counts=True)
+                counts[rows] += n
         return counts

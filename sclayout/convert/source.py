@@ -547,7 +547,9 @@ def is_legacy(root: Any) -> bool:
     return not hasattr(obs, "keys") or hasattr(obs, "dtype") or "encoding-type" not in obs.attrs
 
 
-def source_tables(root: Any, path: str | os.PathLike, *, pairwise: bool = False) -> dict[str, Any]:
+def source_tables(
+    root: Any, path: str | os.PathLike, *, pairwise: bool = False, obs: bool = True
+) -> dict[str, Any]:
     """Read a source's small elements whole: obs, var, obsm, varm, uns.
 
     ``has`` says whether it holds raw and the keys of its varm, varp and obsp;
@@ -557,7 +559,8 @@ def source_tables(root: Any, path: str | os.PathLike, *, pairwise: bool = False)
     ``raw_var`` raw's var. A legacy (anndata < 0.7) file is read through anndata in
     backed mode: its tables are built in memory, X stays on disk. ``pairwise`` also
     reads ``obsp`` (one source keeps it; a legacy file's graphs in ``uns/neighbors``
-    are anndata's obsp).
+    are anndata's obsp). ``obs=False`` leaves a modern source's obs unread (None): it is
+    streamed a column at a time (:mod:`sclayout.convert.obs`).
     """
     x_dtype = Source(root, path).matrix_info("X").dtype
     if is_legacy(root):
@@ -590,7 +593,7 @@ def source_tables(root: Any, path: str | os.PathLike, *, pairwise: bool = False)
         return src.read_elem(key) if src.has(key) else {}
 
     return {
-        "obs": src.read_elem("obs"),
+        "obs": src.read_elem("obs") if obs else None,
         "var": src.read_elem("var"),
         "obsm": get("obsm"),
         "uns": get("uns"),

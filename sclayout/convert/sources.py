@@ -39,7 +39,8 @@ import scipy.sparse as sp
 
 from loader.errors import InputError
 from sclayout.convert.checks import SourceInfo, inspect_source
-from sclayout.convert.source import MatrixInfo, Source, open_group, source_tables
+from sclayout.convert.obs import FrameObs, StreamedObs, unify_categories
+from sclayout.convert.source import MatrixInfo, Source, is_legacy, open_group, source_tables
 
 __all__ = [
     "JOINS",
@@ -216,7 +217,8 @@ class Combined:
     """The merged small elements of several sources, and what was left out."""
 
     genes: GenePlan
-    obs: pd.DataFrame
+    obs: StreamedObs | FrameObs
+    """The merged obs: streamed from the sources, or in memory for legacy files."""
     var: pd.DataFrame
     obsm: dict[str, Any]
     uns: dict[str, Any]
@@ -235,39 +237,6 @@ class Combined:
     """Per source: X and its layers (by path), described while the source was open."""
 
 
-def _unify_categories(frames: list[pd.DataFrame]) -> list[pd.DataFrame]:
-    """Give every categorical column the union of its categories in every frame.
-
-    Categories are in order of first appearance; a column is added as all-NA where a
-    frame lacks it.
-    """
-    cats: dict[str, list] = {}
-    for f in frames:
-        for c in f.columns:
-            if isinstance(f[c].dtype, pd.CategoricalDtype):
-                cats.setdefault(c, [])
-    for f in frames:  # a column categorical somewhere: every source's values are categories
-        for c in cats.keys() & set(f.columns):
-            col = f[c]
-            values = col.cat.categories if isinstance(col.dtype, pd.CategoricalDtype) else None
-            values = values if values is not None else pd.unique(col.dropna())
-            seen = set(cats[c])
-            cats[c].extend(x for x in values if x not in seen)
-    out = []
-    for f in frames:
-        f = f.copy()
-        for c, categories in cats.items():
-            if c in f.columns:
-                values = (
-                    f[c].astype(object) if not isinstance(f[c].dtype, pd.CategoricalDtype) else f[c]
-                )
-                f[c] = pd.Categorical(values, categories=categories)
-            else:
-                f[c] = pd.Categorical([None] * len(f), categories=categories)
-        out.append(f)
-    return out
-
-
 def merge_obs(
     frames: Sequence[pd.DataFrame], names: Sequence[str], *, source_key: str
 ) -> pd.DataFrame:
@@ -282,7 +251,7 @@ def merge_obs(
     order: list[str] = []
     for f in frames:
         order.extend(c for c in f.columns if c not in order)
-    unified = _unify_categories(list(frames))
+    unified = unify_categories(list(frames))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         obs = pd.concat(unified, join="outer")
@@ -363,9 +332,15 @@ def combine(
     tables = []
     layer_sets = []
     matrices = []
+    sizes = []
+    legacy = False
     for s in srcs:  # each source opened once: its metadata is read while it is at hand
         with open_group(s) as root:
-            tables.append(source_tables(root, s, pairwise=len(srcs) == 1))
+            legacy |= is_legacy(root)
+    for s in srcs:
+        with open_group(s) as root:
+            tables.append(source_tables(root, s, pairwise=len(srcs) == 1, obs=legacy))
+            sizes.append(Source(root, s).n_obs)
             layer_sets.append(set(root["layers"].keys()) if "layers" in root else set())
             src = Source(root, s)
             keys = ["X", *(f"layers/{k}" for k in sorted(layer_sets[-1]))]
@@ -374,7 +349,12 @@ def combine(
         [pd.Index(t["var"].index) for t in tables], names, join=join, var_names=var_names
     )
     notes: list[str] = []
-    obs = merge_obs([t["obs"] for t in tables], names, source_key=source_key)
+    if legacy:  # anndata < 0.7 files: their obs is read whole, as anndata builds it
+        obs: StreamedObs | FrameObs = FrameObs(
+            merge_obs([t["obs"] for t in tables], names, source_key=source_key)
+        )
+    else:
+        obs = StreamedObs(srcs, sizes, names, source_key, unique_names=True)
     var, conflicts = merge_var([t["var"] for t in tables], genes.var_names)
     common_layers = set.intersection(*layer_sets)
     for k in sorted(set.union(*layer_sets) - common_layers):
