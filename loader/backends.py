@@ -285,6 +285,7 @@ class TensorstoreBackend:
         direct: bool = True,
         whole_array_bytes: int | None = None,
         row_tables: Sequence[str] = (),
+        streamed: Sequence[str] = (),
         widen: Mapping[str, Any] | None = None,
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
@@ -305,6 +306,7 @@ class TensorstoreBackend:
         self.direct = bool(direct)
         self.whole_array_bytes = whole_array_bytes
         self.row_tables = frozenset(row_tables)
+        self.streamed = frozenset(streamed)  # never read whole: per-row tables in row chunks
         # path -> dtype: arrays stored narrow, cast by the decode threads of direct reads
         self.widen = {path: np.dtype(d) for path, d in (widen or {}).items()}
         self._pid = -1
@@ -372,7 +374,9 @@ class TensorstoreBackend:
             from loader._shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
             whole = self.whole_array_bytes
-            if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
+            if path in self.streamed:
+                whole = 0
+            elif whole is None:  # per-row tables (indptr) are kept whole up to a larger size
                 whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES
             self._direct[path] = open_direct(
                 self.location, path, whole_array_bytes=whole, require_chunks=self.require_chunks

@@ -513,11 +513,16 @@ class LayoutReader:
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
         options = dict(settings.backend_options)
+        # per-row tables in row chunks (version 3): read per fetch, never whole
+        self._row_chunked = kind == "store" and m.row_chunks > 0
         if kind == "store":
             # a version-2 store stores every chunk: an absent one is damage, not zeros
             options.setdefault("require_chunks", m.all_chunks_stored)
-            if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
-                options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
+            indptr = (self.layout.arrays["indptr"].path,) if self.layout.is_csr else ()
+            if self._row_chunked:
+                options.setdefault("streamed", (*indptr, m.source_index))
+            elif indptr:  # indptr in 8,192-row chunks: kept whole up to a larger size
+                options.setdefault("row_tables", indptr)
             options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
         if backend == "tensorstore" and "cache_bytes" not in options:
             options["cache_bytes"] = (
@@ -741,7 +746,9 @@ class LayoutReader:
         That index is read whole once instead of with each fetch: yes when it is at most
         :data:`INDEX_IN_MEMORY_BYTES`.
         """
-        return self._source_index is not None or self.n_obs * 8 <= INDEX_IN_MEMORY_BYTES
+        if self._source_index is not None:
+            return True
+        return not self._row_chunked and self.n_obs * 8 <= INDEX_IN_MEMORY_BYTES
 
     def source_index(self) -> np.ndarray:
         """Original (source) row of each stored row, int64 (``arange`` for an .h5ad)."""
@@ -875,6 +882,11 @@ class LayoutReader:
                 raise InputError(
                     f"order: must be a 1-d array of positions in [0, {n}), the fetch's {n} rows"
                 )
+        ends = None
+        if self._row_chunked and layout.is_csr:
+            # each range's rows only (their chunks); its end comes from the block pointer
+            ends = needed["data"][:, 1]
+            needed["indptr"] = bounds
         request = {key: (layout.arrays[key].path, ranges) for key, ranges in needed.items()}
         if self.kind == "store" and not self._index_in_memory():
             request["source_index"] = (self.manifest.source_index, bounds)
@@ -882,29 +894,41 @@ class LayoutReader:
             tune_malloc()
         with self._replacement_named():
             io = self._io.submit(request)
-        job = self._assembler().submit(self._assemble, io, bounds, order)
+        job = self._assembler().submit(self._assemble, io, bounds, order, ends)
         return PendingFetch(self, ids, job, io)
 
-    def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
+    def _assemble(
+        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+    ) -> Fetched:
         """Wait for a fetch's reads and build its rows (runs in the assembly thread).
 
         Then check that the store is still the one opened: every read of the fetch
         has happened by now, so a store replaced before any of them is caught here.
         """
         with self._replacement_named():
-            fetched = self._assembled(io, bounds, order)
+            fetched = self._assembled(io, bounds, order, ends)
         self._check_same_store()
         return fetched
 
-    def _assembled(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
-        """Return the fetch's rows once its reads have landed."""
+    def _assembled(
+        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+    ) -> Fetched:
+        """Return the fetch's rows once its reads have landed.
+
+        ``ends``: the ``indptr`` value at the end of each row range (from the block
+        pointer) when only the ranges' own rows of ``indptr`` were read.
+        """
         got = io.result()
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:
+            parts = got["indptr"]
+            if ends is not None:  # [r0, r1) of each range, then indptr[r1]
+                sizes = bounds[:, 1] - bounds[:, 0]
+                parts = np.insert(np.asarray(parts, dtype=np.int64), np.cumsum(sizes), ends)
             values: CSRRows | DenseRows = fetch_rows(
                 data=got["data"],
                 indices=got["indices"],
-                indptr_parts=got["indptr"],
+                indptr_parts=parts,
                 row_ranges=bounds,
                 n_vars=self.n_vars,
                 where=f"store {self.location}, matrix {self.matrix}",

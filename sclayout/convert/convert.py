@@ -38,6 +38,7 @@ from loader.layout import (
     RowOrder,
     block_pointer_path,
     parse_block_size,
+    row_chunk_rows,
 )
 from loader.location import is_object_store, split_bucket
 from loader.spec import LayoutSpec
@@ -96,6 +97,7 @@ from sclayout.convert.write import (
     create_matrix,
     shard_ranges,
     write_region,
+    write_row_table,
 )
 from sclayout.pagecache import tree_bytes
 
@@ -515,7 +517,7 @@ def _convert_into(
         if pointer is not None:
             pointers[target.path] = pointer
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
-    provenance = _write_uns_sclayout(root, perm, pointers, inp, small)
+    provenance = _write_uns_sclayout(root, perm, pointers, inp, small, ctx)
     manifest = Manifest(
         n_obs=n_obs,
         n_vars=n_vars,
@@ -531,6 +533,7 @@ def _convert_into(
         provenance=provenance,
         notes=tuple(inp.notes),
         generation=uuid.uuid4().hex,  # a new one each time: readers tell a replaced store
+        row_chunks=row_chunk_rows(block_size),
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
@@ -557,28 +560,39 @@ class _Ctx:
 
 
 def _write_uns_sclayout(
-    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input, kw: dict[str, Any]
+    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input, kw: dict[str, Any], ctx: _Ctx
 ) -> dict[str, str]:
     """Write source_index, block pointers and the per-row provenance.
 
     Provenance (source number, row in that source) only with several sources; returns
-    the provenance paths.
+    the provenance paths. The per-row tables are sharded like X (:func:`write_row_table`).
     """
     uns = root["uns"]
     payload: dict[str, Any] = {
-        "source_index": perm.astype(np.int64),
         "block_indptr": {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()},
     }
+    tables: dict[str, Any] = {"source_index": perm.astype(np.int64)}
     provenance: dict[str, str] = {}
     if inp.row_source is not None:
         number = inp.row_source[perm]
         row0 = np.array([e["row0"] for e in inp.sources], dtype=np.int64)
         n_src = len(inp.sources)
-        payload["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
-        payload["source_row"] = perm.astype(np.int64) - row0[number]
+        tables["source_number"] = number.astype(np.uint16 if n_src < 2**16 else np.int32)
+        tables["source_row"] = perm.astype(np.int64) - row0[number]
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
         provenance["obs_key"] = inp.source_key
     quiet_write(uns, SCLAYOUT_UNS.split("/", 1)[1], payload, kw)
+    compressors = get_codec(ctx.opts.codec) + checksum_codecs(ctx.opts.checksums)
+    shard_bytes = shard_bytes_for_budget(ctx.opts.memory_budget)
+    for name, values in tables.items():
+        write_row_table(
+            root[SCLAYOUT_UNS],
+            name,
+            values,
+            block_size=ctx.block_size,
+            compressors=compressors,
+            shard_bytes=shard_bytes,
+        )
     return provenance
 
 

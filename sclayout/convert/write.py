@@ -37,7 +37,7 @@ from loader.cores import usable_cores
 from loader.errors import InputError
 from loader.location import is_url
 from sclayout.convert._buffers import release_scratch
-from sclayout.convert.plan import ArrayPlan, MatrixPlan
+from sclayout.convert.plan import ArrayPlan, MatrixPlan, plan_row_table
 from sclayout.convert.source import MatrixInfo, read_slice
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "open_dst",
     "submit_region",
     "write_region",
+    "write_row_table",
 ]
 
 _lock = threading.Lock()
@@ -248,6 +249,35 @@ def create_matrix(
             compressors=compressors,
         ),
     }
+
+
+def write_row_table(
+    group: zarr.Group,
+    name: str,
+    values: Any,
+    *,
+    block_size: int,
+    compressors: tuple[Any, ...],
+    shard_bytes: int,
+) -> zarr.Array:
+    """Write a per-row table (the source index, provenance) as a sharded array like X.
+
+    Chunks of :func:`sclayout.convert.plan.plan_row_table` (whole blocks), the matrix's
+    compressors and checksum, every chunk stored; anndata's encoding attributes, so
+    ``anndata.read_zarr`` reads it as an array. ``values`` (an array or a memory map)
+    is written one shard at a time: no copy of the whole table is made.
+    """
+    n = int(values.shape[0])
+    dtype = np.dtype(values.dtype)
+    plan = plan_row_table(
+        n, block_size=block_size, itemsize=dtype.itemsize, shard_bytes=shard_bytes
+    )
+    arr = _create_array(group, name, shape=(n,), dtype=dtype, plan=plan, compressors=compressors)
+    arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+    step = plan.shards[0] if plan.shards else plan.chunks[0]
+    for a in range(0, n, step):
+        arr[a : a + step] = np.asarray(values[a : a + step], dtype=dtype)
+    return arr
 
 
 def index_dtype_for(n_vars: int) -> np.dtype:
