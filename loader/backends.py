@@ -306,7 +306,8 @@ class TensorstoreBackend:
         self.direct = bool(direct)
         self.whole_array_bytes = whole_array_bytes
         self.row_tables = frozenset(row_tables)
-        self.streamed = frozenset(streamed)  # never read whole: per-row tables in row chunks
+        # never read whole (per-row tables in row chunks): paths, or folders ending in "/"
+        self.streamed = tuple(streamed)
         # path -> dtype: arrays stored narrow, cast by the decode threads of direct reads
         self.widen = {path: np.dtype(d) for path, d in (widen or {}).items()}
         self._pid = -1
@@ -374,7 +375,7 @@ class TensorstoreBackend:
             from loader._shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
             whole = self.whole_array_bytes
-            if path in self.streamed:
+            if any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.streamed):
                 whole = 0
             elif whole is None:  # per-row tables (indptr) are kept whole up to a larger size
                 whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES

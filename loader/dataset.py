@@ -379,7 +379,10 @@ class BlockDataset:
         self.categories: dict[str, list] = {}
         codes = {}
         for col in dict.fromkeys((*self.obs, *([class_column] if class_column else []))):
-            codes[col], self.categories[col] = _obs_codes(reader, col)
+            if col != class_column and hasattr(reader, "obs_categories"):
+                self.categories[col] = reader.obs_categories(col)  # codes: per fetch if it can
+            else:
+                codes[col], self.categories[col] = _obs_codes(reader, col)
         row_weights = _row_weights(strategy, weights, class_column, codes, reader, self.categories)
         self.config = S.SamplerConfig(
             block_lengths=reader.block_lengths(),

@@ -86,6 +86,7 @@ from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
     "H5AD_DEFAULT_BLOCK_SIZE",
+    "FetchObs",
     "Fetched",
     "LayoutReader",
     "PendingFetch",
@@ -415,6 +416,23 @@ def _read_obs(
     return codes.astype(np.int64), list(uniques)
 
 
+def _codes_in_row_chunks(
+    root: Any, column: str, where: str, read: Callable[[Any], np.ndarray]
+) -> tuple[str, list] | None:
+    """``(codes path, categories)`` of a categorical obs ``column`` stored sharded.
+
+    ``None`` for any other column (read whole). Unknown columns raise as in
+    :func:`_read_obs`.
+    """
+    if "obs" not in root or column not in _column_order(root["obs"]) or column not in root["obs"]:
+        _read_obs(root, column, where, read)  # raises the one-line error naming the columns
+    node = root["obs"][column]
+    enc = node.attrs.get("encoding-type", "")
+    if enc != "categorical" or "codes" not in node or node["codes"].shards is None:
+        return None
+    return f"obs/{column}/codes", _decode_strings(read(node["categories"]))
+
+
 # ------------------------------------------------------------------ the reader
 
 
@@ -468,6 +486,9 @@ class LayoutReader:
             )
         self.backend = backend
         self._obs: dict[str, tuple[np.ndarray, list]] = {}
+        # obs columns whose codes fetches read (row chunks): path and categories, or None
+        self._obs_rows: dict[str, tuple[str, list] | None] = {}
+        self._obs_wanted: dict[str, str] = {}  # columns read with every fetch from now on
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
@@ -520,7 +541,7 @@ class LayoutReader:
             options.setdefault("require_chunks", m.all_chunks_stored)
             indptr = (self.layout.arrays["indptr"].path,) if self.layout.is_csr else ()
             if self._row_chunked:
-                options.setdefault("streamed", (*indptr, m.source_index))
+                options.setdefault("streamed", (*indptr, m.source_index, "obs/"))
             elif indptr:  # indptr in 8,192-row chunks: kept whole up to a larger size
                 options.setdefault("row_tables", indptr)
             options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
@@ -831,6 +852,64 @@ class LayoutReader:
             self._check_same_store()  # read by path: from the store this reader opened?
         return self._obs[column]
 
+    def obs_categories(self, column: str) -> list:
+        """Categories of obs ``column`` (what its codes mean).
+
+        Where fetches read the column's codes (:meth:`obs_rows_path`) the codes are not
+        read here; otherwise this is :meth:`obs_codes`' second item.
+        """
+        found = self._obs_codes_in_rows(column)
+        return self.obs_codes(column)[1] if found is None else found[1]
+
+    def obs_rows_path(self, column: str) -> str | None:
+        """Path of obs ``column``'s codes when each fetch reads its own rows of them.
+
+        That is a categorical column of a store whose per-row tables are in row chunks
+        (version 3, ``row_chunks``) with its codes written so too; ``None`` otherwise
+        (the column is then read whole once, :meth:`obs_codes`).
+        """
+        found = self._obs_codes_in_rows(column)
+        return None if found is None else found[0]
+
+    def _obs_codes_in_rows(self, column: str) -> tuple[str, list] | None:
+        if column not in self._obs_rows:
+            found = None
+            if self._row_chunked and not is_url(self.location):
+                root = self._obs_root()
+                with self._replacement_named():
+                    found = _codes_in_row_chunks(root, column, self.location, self._read_checked)
+                self._check_same_store()
+            self._obs_rows[column] = found
+        return self._obs_rows[column]
+
+    def read_obs_rows(self, column: str, bounds: np.ndarray) -> np.ndarray:
+        """Codes of obs ``column`` at the rows of the ``(n, 2)`` ranges ``bounds``.
+
+        Only their chunks are read. Every later fetch of this reader reads the column
+        with its other arrays (the minibatch loop asks for the same columns each time).
+        """
+        path = self.obs_rows_path(column)
+        if path is None:
+            raise InputError(f"obs column {column!r} is read whole: use obs_codes()")
+        self._obs_wanted[column] = path
+        with self._replacement_named():
+            got = self._io.submit({"obs": (path, np.asarray(bounds, dtype=np.int64))}).result()
+        self._check_same_store()
+        return self._checked_codes(column, got["obs"])
+
+    def _checked_codes(self, column: str, codes: np.ndarray) -> np.ndarray:
+        """``codes`` of ``column`` if each is ``-1`` (missing) or a category, else a LayoutError."""
+        found = self._obs_codes_in_rows(column)
+        assert found is not None
+        path, categories = found
+        if codes.size and (int(codes.min()) < -1 or int(codes.max()) >= len(categories)):
+            raise LayoutError(
+                f"store {self.location}, array {path}: a code outside [-1, {len(categories)}) "
+                "in the fetched rows; the store is damaged: run `sclayout verify DST`, "
+                "restore or reconvert it"
+            )
+        return codes
+
     def _read_checked(self, array: Any) -> np.ndarray:
         """Return the zarr array ``array`` of this store whole, every chunk checked."""
         return read_whole(
@@ -890,6 +969,8 @@ class LayoutReader:
         request = {key: (layout.arrays[key].path, ranges) for key, ranges in needed.items()}
         if self.kind == "store" and not self._index_in_memory():
             request["source_index"] = (self.manifest.source_index, bounds)
+        for column, path in list(self._obs_wanted.items()):
+            request[f"obs:{column}"] = (path, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
         with self._replacement_named():
@@ -941,10 +1022,14 @@ class LayoutReader:
             check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)
         else:  # an .h5ad (identity), or a store whose source index is in memory
             index = self.source_index()[rows] if self.kind == "store" else rows
+        obs = None
+        if self._row_chunked:
+            codes = {k[4:]: v for k, v in got.items() if k.startswith("obs:")}
+            obs = FetchObs(self, bounds, {c: self._checked_codes(c, v) for c, v in codes.items()})
         if order is None:
-            return Fetched(self, rows, index, values)
+            return Fetched(self, rows, index, values, obs=obs)
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
-        return Fetched.delivered(self, rows, index, values, order)
+        return Fetched.delivered(self, rows, index, values, order, obs=obs)
 
 
 def _widened(layout: MatrixLayout, *, values: bool = True) -> dict[str, str]:
@@ -1036,6 +1121,8 @@ class Fetched:
         order: np.ndarray | None = None,
         dense_order: DenseOrder | None = None,
         rows_order: RowsOrder | None = None,
+        *,
+        obs: FetchObs | None = None,
     ):
         self.reader = reader
         self.rows = rows
@@ -1045,6 +1132,7 @@ class Fetched:
         self._order = order
         self._dense_order = dense_order
         self._rows_order = rows_order
+        self._obs = obs
 
     @classmethod
     def delivered(
@@ -1054,6 +1142,8 @@ class Fetched:
         index: np.ndarray,
         values: CSRRows | DenseRows,
         order: np.ndarray,
+        *,
+        obs: FetchObs | None = None,
     ) -> Fetched:
         """Return the fetch of ``values`` delivered in ``order`` (a valid index array).
 
@@ -1061,9 +1151,9 @@ class Fetched:
         (on the assembly thread).
         """
         if not isinstance(values, CSRRows):
-            return cls(reader, rows[order], index[order], values, order)
+            return cls(reader, rows[order], index[order], values, order, obs=obs)
         dense, csr = values.prepare_dense(order), values.prepare_rows(order)
-        return cls(reader, rows[order], index[order], values, order, dense, csr)
+        return cls(reader, rows[order], index[order], values, order, dense, csr, obs=obs)
 
     @property
     def matrix(self) -> Any:
@@ -1088,7 +1178,8 @@ class Fetched:
                 f"order: must be a 1-d array of positions in [0, {self.n_rows}) of this fetch"
             )
         inner = order if self._order is None else self._order[order]
-        return Fetched(self.reader, self.rows[order], self.index[order], self.values, inner)
+        rows, index = self.rows[order], self.index[order]
+        return Fetched(self.reader, rows, index, self.values, inner, obs=self._obs)
 
     def take(
         self,
@@ -1112,8 +1203,9 @@ class Fetched:
                 f"positions out of range [0, {self.n_rows}) of this fetch: "
                 f"min {int(pos.min())}, max {int(pos.max())}"
             )
-        X = fn(self.values, pos if self._order is None else self._order[pos])
-        return self._batch(X, self.index[pos], self.rows[pos], obs)
+        inner = pos if self._order is None else self._order[pos]
+        X = fn(self.values, inner)
+        return self._batch(X, self.index[pos], self.rows[pos], obs, inner)
 
     def take_slice(
         self, a: int, b: int, *, output: str = "dense", obs: Sequence[str] = ()
@@ -1135,26 +1227,59 @@ class Fetched:
             assert isinstance(self.values, CSRRows)
             X = self.values.rows_slice(self._rows_order, a, b)
             X = X if output == "rows" else X.to_scipy()
+        inner = np.arange(a, b) if self._order is None else self._order[a:b]
         if X is None:
-            pos = np.arange(a, b) if self._order is None else self._order[a:b]
-            X = get_output(output)(self.values, pos)
-        return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs)
+            X = get_output(output)(self.values, inner)
+        return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs, inner)
 
     def _batch(
-        self, X: Any, index: np.ndarray, stored: np.ndarray, obs: Sequence[str] | str
+        self,
+        X: Any,
+        index: np.ndarray,
+        stored: np.ndarray,
+        obs: Sequence[str] | str,
+        inner: np.ndarray,
     ) -> dict[str, Any]:
         """Return the minibatch dict of ``X``, ``index`` and the obs codes.
 
         ``index`` holds the source ids, and the obs codes are those of the stored rows
-        ``stored``.
+        ``stored`` (at positions ``inner`` of the fetch in sorted-block order).
         """
         if isinstance(obs, str):
             obs = (obs,)
-        return {
-            "X": X,
-            "index": index,
-            "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
-        }
+        out = {}
+        for c in obs:
+            codes = None if self._obs is None else self._obs.codes(c)
+            if codes is None:  # read whole once
+                out[c] = self.reader.obs_codes(c)[0][stored]
+            else:
+                out[c] = codes[inner].astype(np.int64)
+        return {"X": X, "index": index, "obs": out}
+
+
+class FetchObs:
+    """The obs codes of one fetch's rows, in sorted-block order.
+
+    For the columns that fetches read (:meth:`LayoutReader.obs_rows_path`). Those
+    read with the fetch are here from the start; another is read (its rows' chunks
+    only) when a minibatch first asks for it.
+    """
+
+    def __init__(
+        self, reader: LayoutReader, bounds: np.ndarray, codes: dict[str, np.ndarray]
+    ) -> None:
+        self.reader = reader
+        self.bounds = bounds
+        self._codes = codes
+
+    def codes(self, column: str) -> np.ndarray | None:
+        """Codes of ``column`` at the fetch's rows; ``None`` if it is read whole instead."""
+        got = self._codes.get(column)
+        if got is None:
+            if self.reader.obs_rows_path(column) is None:
+                return None
+            got = self._codes[column] = self.reader.read_obs_rows(column, self.bounds)
+        return got
 
 
 @typechecked(own_checks=("block_size",))

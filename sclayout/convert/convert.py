@@ -95,6 +95,7 @@ from sclayout.convert.write import (
     copy_dense,
     copy_sparse,
     create_matrix,
+    rechunk_obs_codes,
     shard_ranges,
     write_region,
     write_row_table,
@@ -507,6 +508,12 @@ def _convert_into(
     root.attrs.update({"encoding-type": "anndata", "encoding-version": "0.1.0"})
     small = anndata_dataset_kwargs(opts.checksums)
     inp.write_small(root, perm, small)
+    rechunk_obs_codes(  # obs labels in row chunks, read per fetch like the row tables
+        tmp,
+        block_size=block_size,
+        compressors=get_codec(opts.codec) + checksum_codecs(opts.checksums),
+        shard_bytes=shard_bytes_for_budget(opts.memory_budget),
+    )
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     work = working_memory(opts.memory_budget, n_obs=n_obs)
@@ -586,8 +593,8 @@ def _write_uns_sclayout(
     shard_bytes = shard_bytes_for_budget(ctx.opts.memory_budget)
     for name, values in tables.items():
         write_row_table(
-            root[SCLAYOUT_UNS],
-            name,
+            ctx.local,
+            f"{SCLAYOUT_UNS}/{name}",
             values,
             block_size=ctx.block_size,
             compressors=compressors,
