@@ -13,10 +13,13 @@ ids, the delivery order and the dense scatter's pointers); a
 :class:`PendingFetch` allocates the same once its reads land (the within-fetch shuffle
 copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
-:class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
-``indptr`` and ``source_index`` arrays (8 bytes a row each) when they are at most
-64 MiB each (:data:`loader._shards.ROW_TABLE_BYTES`, up to 8,388,608 rows: 1.6 MB each
-for 200,000 rows, 40 MB each for 5,000,000).
+:class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the block
+pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
+``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
+source index and of the categorical obs columns a minibatch asked for (learnt on the
+first one), so none is held whole. A store in the earlier layout keeps ``indptr`` and
+``source_index`` whole (8 bytes a row each) up to
+:data:`loader._shards.ROW_TABLE_BYTES` each (8,388,608 rows), and its obs columns.
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
@@ -121,11 +124,11 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 _malloc_tuned = False
 
 INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
-"""A store's source index (8 bytes per row) up to this size (8M rows, as for
-``indptr``: :data:`loader._shards.ROW_TABLE_BYTES`) is read whole once and each fetch's
-ids are taken from memory; larger ones are read with each fetch, through tensorstore
-(zstd chunks of tens of thousands of rows), at a cost per fetch that the cells do not
-pay back."""
+"""A source index in the earlier layout (8 bytes per row, anndata's zstd chunks of tens
+of thousands of rows) up to this size (8M rows, as for ``indptr``:
+:data:`loader._shards.ROW_TABLE_BYTES`) is read whole once and each fetch's ids are
+taken from memory; larger ones are read with each fetch. One in row chunks (manifest
+``row_chunks``) is always read with each fetch, its blocks' chunks only."""
 
 
 def tune_malloc() -> bool:
@@ -764,8 +767,8 @@ class LayoutReader:
     def _index_in_memory(self) -> bool:
         """Whether fetches take source row ids from :meth:`source_index`.
 
-        That index is read whole once instead of with each fetch: yes when it is at most
-        :data:`INDEX_IN_MEMORY_BYTES`.
+        That index is read whole once instead of with each fetch: yes when it is
+        already read, or in the earlier layout and at most :data:`INDEX_IN_MEMORY_BYTES`.
         """
         if self._source_index is not None:
             return True
