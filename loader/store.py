@@ -966,9 +966,8 @@ class LayoutReader:
                 )
         ends = None
         if self._row_chunked and layout.is_csr:
-            # each range's rows only (their chunks); its end comes from the block pointer
+            # indptr of each range's rows only (their chunks): its end is the block pointer's
             ends = needed["data"][:, 1]
-            needed["indptr"] = bounds
         request = {key: (layout.arrays[key].path, ranges) for key, ranges in needed.items()}
         if self.kind == "store" and not self._index_in_memory():
             request["source_index"] = (self.manifest.source_index, bounds)
