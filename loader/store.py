@@ -536,10 +536,18 @@ class LayoutReader:
         self.n_vars = m.n_vars
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
-        options = dict(settings.backend_options)
         # per-row tables in row chunks (version 3): read per fetch, never whole
         self._row_chunked = kind == "store" and m.row_chunks > 0
-        if kind == "store":
+        options = self._options(settings, backend)
+        self.backend_options = options
+        self._io = factory(location, **options)
+        self._closed = False
+
+    def _options(self, settings: _Settings, backend: str) -> dict[str, Any]:
+        """Return the backend's options: the caller's, and what this store needs."""
+        options = dict(settings.backend_options)
+        m = self.manifest
+        if self.kind == "store":
             # a version-2 store stores every chunk: an absent one is damage, not zeros
             options.setdefault("require_chunks", m.all_chunks_stored)
             indptr = (self.layout.arrays["indptr"].path,) if self.layout.is_csr else ()
@@ -554,9 +562,7 @@ class LayoutReader:
                 if self.chunks_per_block() >= TensorstoreSettings.LARGE_READ_CHUNKS
                 else TensorstoreSettings.CACHE_BYTES
             )
-        self.backend_options = options
-        self._io = factory(location, **options)
-        self._closed = False
+        return options
 
     def close(self) -> None:
         """Close the store's files, the assembly thread and the backend's handles.
