@@ -1163,6 +1163,16 @@ class Fetched:
         dense, csr = values.prepare_dense(order), values.prepare_rows(order)
         return cls(reader, rows[order], index[order], values, order, dense, csr, obs=obs)
 
+    def obs_at(self, keep: Any = slice(None)) -> FetchObs | None:
+        """Return the per-fetch obs codes of this fetch (sorted-block order) at rows ``keep``.
+
+        For a wrapper that rebuilds the fetch from some of its rows (a gene panel);
+        ``None`` when obs columns are read whole.
+        """
+        if self._obs is None or (isinstance(keep, slice) and keep == slice(None)):
+            return self._obs
+        return self._obs.subset(np.arange(self.n_rows)[keep])
+
     @property
     def matrix(self) -> Any:
         """The rows as one ``scipy.sparse.csr_matrix`` (CSR) or ndarray (dense)."""
@@ -1274,10 +1284,16 @@ class FetchObs:
     """
 
     def __init__(
-        self, reader: LayoutReader, bounds: np.ndarray, codes: dict[str, np.ndarray]
+        self,
+        reader: LayoutReader,
+        bounds: np.ndarray,
+        codes: dict[str, np.ndarray],
+        keep: np.ndarray | None = None,
     ) -> None:
         self.reader = reader
         self.bounds = bounds
+        self.keep = keep
+        """Positions kept of the rows of ``bounds`` (``None``: all of them)."""
         self._codes = codes
 
     def codes(self, column: str) -> np.ndarray | None:
@@ -1286,8 +1302,16 @@ class FetchObs:
         if got is None:
             if self.reader.obs_rows_path(column) is None:
                 return None
-            got = self._codes[column] = self.reader.read_obs_rows(column, self.bounds)
+            got = self.reader.read_obs_rows(column, self.bounds)
+            got = self._codes[column] = got if self.keep is None else got[self.keep]
         return got
+
+    def subset(self, keep: np.ndarray) -> FetchObs:
+        """Return these codes at positions ``keep`` of the fetch's rows only."""
+        keep = np.asarray(keep, dtype=np.int64)
+        codes = {c: v[keep] for c, v in self._codes.items()}
+        inner = keep if self.keep is None else self.keep[keep]
+        return FetchObs(self.reader, self.bounds, codes, inner)
 
 
 @typechecked(own_checks=("block_size",))

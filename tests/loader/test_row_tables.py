@@ -96,9 +96,13 @@ def test_fetches_read_their_rows_of_the_tables(sources, backend, monkeypatch):
     assert reader._obs == {}  # no obs column read whole
 
 
-def test_an_epoch_delivers_every_row_once_with_its_labels(sources):
+@pytest.mark.parametrize("panel", [None, [5, 0, 9]], ids=["all-genes", "panel"])
+def test_an_epoch_delivers_every_row_once_with_its_labels(sources, panel):
     store, both = sources
-    ds = BlockDataset(str(store), batch_size=32, obs=("cell_line", "plate"), output="csr")
+    genes = None if panel is None else list(both.var_names[panel])
+    ds = BlockDataset(
+        str(store), batch_size=32, obs=("cell_line", "plate"), output="csr", var_names=genes
+    )
     seen, lines = [], np.asarray(ds.categories["cell_line"])
     for batch in ds:
         index = batch["index"].numpy()
@@ -106,8 +110,11 @@ def test_an_epoch_delivers_every_row_once_with_its_labels(sources):
         want = both.obs["cell_line"].astype(str).to_numpy()[index]
         assert np.array_equal(lines[batch["obs"]["cell_line"].numpy()], want)
         X = batch["X"].to_dense().numpy()
-        assert np.array_equal(X, both.X[index].toarray())
+        ref = both.X[index].toarray()
+        assert np.array_equal(X, ref if panel is None else ref[:, panel])
     assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(both.n_obs))
+    reader = ds._reader if panel is None else ds._reader.inner
+    assert reader._obs == {}  # no obs column read whole
 
 
 @pytest.mark.parametrize(
