@@ -26,6 +26,7 @@ __all__ = [
     "parse_memory_budget",
     "plan_csr",
     "plan_dense",
+    "plan_row_table",
     "shard_bytes_for_budget",
 ]
 
