@@ -395,6 +395,7 @@ class TensorstoreBackend:
         direct: bool = True,
         whole_array_bytes: int | None = None,
         row_tables: Sequence[str] = (),
+        streamed: Sequence[str] = (),
         widen: Mapping[str, Any] | None = None,
         http_retries: int = TensorstoreSettings.HTTP_RETRIES,
         http_retry_delay: float = TensorstoreSettings.HTTP_RETRY_DELAY,
@@ -431,6 +432,8 @@ class TensorstoreBackend:
         self.direct = bool(direct)
         self.whole_array_bytes = whole_array_bytes
         self.row_tables = frozenset(row_tables)
+        # never read whole (per-row tables in row chunks): paths, or folders ending in "/"
+        self.streamed = tuple(streamed)
         # path -> dtype: arrays stored narrow, cast by the decode threads of direct reads
         self.widen = {path: np.dtype(d) for path, d in (widen or {}).items()}
         self._pid = -1
@@ -497,7 +500,9 @@ class TensorstoreBackend:
             from loader.engine.shards import ROW_TABLE_BYTES, SMALL_ARRAY_BYTES, open_direct
 
             whole = self.whole_array_bytes
-            if whole is None:  # per-row tables (indptr) are kept whole up to a larger size
+            if any(path == p or (p.endswith("/") and path.startswith(p)) for p in self.streamed):
+                whole = 0
+            elif whole is None:  # per-row tables (indptr) are kept whole up to a larger size
                 whole = ROW_TABLE_BYTES if path in self.row_tables else SMALL_ARRAY_BYTES
             location = self.location
             if self.cache is not None:  # read from the node's copy, staged shard by shard

@@ -89,6 +89,7 @@ __all__ = [
     "block_pointer_path",
     "block_rows",
     "parse_block_size",
+    "row_chunk_rows",
     "source_rows",
 ]
 
@@ -132,6 +133,21 @@ def parse_block_size(value: Any, *, name: str = "block_size") -> int:
     if int(as_float) > MAX_COUNT:
         raise SpecError(f"{name}={value!r}: must be at most 2**40")
     return int(as_float)
+
+
+ROW_CHUNK_MIN_ROWS = 256
+"""Fewest rows in an inner chunk of a per-row table (``indptr``, the source index and
+provenance) of format version 3: a reader keeps 16 bytes of shard index per inner
+chunk, so chunks of a few blocks keep that small while a block still decodes 2 KiB."""
+
+
+def row_chunk_rows(block_size: int) -> int:
+    """Rows per inner chunk of a per-row table of a store with blocks of ``block_size``.
+
+    Whole blocks, at least :data:`ROW_CHUNK_MIN_ROWS` rows: a block's rows then lie in
+    one inner chunk, so a fetch reads only its blocks' chunks (version 3).
+    """
+    return block_size * max(1, -(-ROW_CHUNK_MIN_ROWS // block_size))
 
 
 def block_pointer_path(matrix: str) -> str:
@@ -315,6 +331,11 @@ class Manifest:
     generation: str | None = None
     """Version 3: the id of the conversion that wrote the store (a fresh uuid4 hex each
     time); ``None`` for versions 1 and 2."""
+    row_chunks: int = 0
+    """Version 3: rows per inner chunk of the per-row tables (``indptr``, the source
+    index, provenance), sharded and checksummed like X, so a fetch reads only its
+    blocks' chunks (:func:`row_chunk_rows`); ``0``: tables in the earlier layout
+    (versions 1 and 2: ``indptr`` in chunks of 8,192 rows, the others whole)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "block_size", parse_block_size(self.block_size))
@@ -323,6 +344,8 @@ class Manifest:
                 f"chunk_checksum={self.chunk_checksum!r} is not known to sclayout "
                 f"{_TOOL_VERSION}; upgrade with `pip install -U sclayout`"
             )
+        if self.row_chunks < 0:
+            raise SpecError(f"row_chunks={self.row_chunks}: must be >= 0")
         if self.n_obs < 0 or self.n_vars < 0:
             raise SpecError(f"n_obs={self.n_obs}, n_vars={self.n_vars}: must be >= 0")
         if "X" not in self.matrices:
@@ -368,6 +391,8 @@ class Manifest:
             else {}
         )
         version_3 = {"generation": self.generation} if self.version >= 3 else {}
+        if self.row_chunks:
+            version_3["row_chunks"] = int(self.row_chunks)
         return {
             **version_2,
             **version_3,
@@ -424,6 +449,7 @@ class Manifest:
                 provenance={str(k): str(v) for k, v in d.get("provenance", {}).items()},
                 notes=tuple(str(n) for n in d.get("notes", ())),
                 generation=_generation(d.get("generation")) if version >= 3 else None,
+                row_chunks=int(d.get("row_chunks", 0)) if version >= 3 else 0,
             )
         except (KeyError, TypeError) as e:
             raise NotALayoutStoreError(

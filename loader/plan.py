@@ -169,8 +169,14 @@ def needed_ranges(
     *,
     matrix: MatrixLayout,
     block_pointer: np.ndarray | None,
+    row_chunked: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Exact element ranges each array of ``matrix`` needs for the row runs ``bounds``."""
+    """Exact element ranges each array of ``matrix`` needs for the row runs ``bounds``.
+
+    ``row_chunked``: ``indptr`` is in row chunks (manifest ``row_chunks``), so a run
+    ``[r0, r1)`` reads ``indptr[r0:r1]`` (its blocks' chunks) and takes ``indptr[r1]``
+    from the block pointer; otherwise ``indptr[r0:r1 + 1]``.
+    """
     if matrix.is_csr:
         if block_pointer is None:
             raise InputError("a CSR matrix needs its block_pointer to plan a fetch")
@@ -179,7 +185,9 @@ def needed_ranges(
         return {
             "data": nnz,
             "indices": nnz,
-            "indptr": np.stack([bounds[:, 0], bounds[:, 1] + 1], axis=1),
+            "indptr": bounds.copy()
+            if row_chunked
+            else np.stack([bounds[:, 0], bounds[:, 1] + 1], axis=1),
         }
     return {"values": bounds}
 
@@ -275,5 +283,12 @@ def fetch_ranges(
             )
     ids = _as_blocks(blocks, manifest.n_blocks)
     first, last, bounds = blocks_to_rows(ids, block_size=manifest.block_size, n_obs=manifest.n_obs)
-    needed = needed_ranges(bounds, first, last, matrix=layout, block_pointer=block_pointer)
+    needed = needed_ranges(
+        bounds,
+        first,
+        last,
+        matrix=layout,
+        block_pointer=block_pointer,
+        row_chunked=manifest.row_chunks > 0,
+    )
     return ids, bounds, needed

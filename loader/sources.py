@@ -421,6 +421,11 @@ class PanelReader(_Wrapping):
         """Return the inner reader's codes and categories of obs ``column``."""
         return self.inner.obs_codes(column)
 
+    def obs_categories(self, column: str) -> list:
+        """Return the categories of obs ``column`` (the inner fetches read its codes)."""
+        own = getattr(self.inner, "obs_categories", None)
+        return own(column) if own is not None else self.inner.obs_codes(column)[1]
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_pool"] = None  # a thread pool: made again where it is used
@@ -484,9 +489,10 @@ class PanelReader(_Wrapping):
             out = np.zeros((picked.shape[0], self.n_vars), dtype=v.values.dtype)
             out[:, self._dst] = picked[:, self._src]
             values = DenseRows(out)
+        obs = f.obs_at(keep) if hasattr(f, "obs_at") else None  # obs codes read per fetch
         if order is None:
-            return Fetched(f.reader, rows, index, values)
-        return Fetched.delivered(f.reader, rows, index, values, order)
+            return Fetched(f.reader, rows, index, values, obs=obs)
+        return Fetched.delivered(f.reader, rows, index, values, order, obs=obs)
 
     def _panel_columns(self, indices: np.ndarray) -> np.ndarray:
         """Return the panel column of each column id in ``indices`` (``-1``: not in the panel).

@@ -13,10 +13,13 @@ ids, the delivery order and the dense scatter's pointers); a
 :class:`PendingFetch` allocates the same once its reads land (the within-fetch shuffle
 copies no values). With the dataset's read-ahead of two fetches, peak
 memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 MiB,
-:class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the whole
-``indptr`` and ``source_index`` arrays (8 bytes a row each) when they are at most
-64 MiB each (:data:`loader.engine.shards.ROW_TABLE_BYTES`, up to 8,388,608 rows: 1.6 MB each
-for 200,000 rows, 40 MB each for 5,000,000).
+:class:`loader.backends.TensorstoreSettings`, when tensorstore reads), plus the block
+pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
+``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
+source index and of the categorical obs columns a minibatch asked for (learnt on the
+first one), so none is held whole. A store in the earlier layout keeps ``indptr`` and
+``source_index`` whole (8 bytes a row each) up to
+:data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows), and its obs columns.
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
@@ -86,6 +89,7 @@ from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
 
 __all__ = [
     "H5AD_DEFAULT_BLOCK_SIZE",
+    "FetchObs",
     "Fetched",
     "LayoutReader",
     "PendingFetch",
@@ -120,11 +124,11 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 _malloc_tuned = False
 
 INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
-"""A store's source index (8 bytes per row) up to this size (8M rows, as for
-``indptr``: :data:`loader.engine.shards.ROW_TABLE_BYTES`) is read whole once and each fetch's
-ids are taken from memory; larger ones are read with each fetch, through tensorstore
-(zstd chunks of tens of thousands of rows), at a cost per fetch that the cells do not
-pay back."""
+"""A source index in the earlier layout (8 bytes per row, anndata's zstd chunks of tens
+of thousands of rows) up to this size (8M rows, as for ``indptr``:
+:data:`loader.engine.shards.ROW_TABLE_BYTES`) is read whole once and each fetch's ids are
+taken from memory; larger ones are read with each fetch. One in row chunks (manifest
+``row_chunks``) is always read with each fetch, its blocks' chunks only."""
 
 
 def tune_malloc() -> bool:
@@ -427,6 +431,23 @@ def _read_obs(
     return codes.astype(np.int64), list(uniques)
 
 
+def _codes_in_row_chunks(
+    root: Any, column: str, where: str, read: Callable[[Any], np.ndarray]
+) -> tuple[str, list] | None:
+    """``(codes path, categories)`` of a categorical obs ``column`` stored sharded.
+
+    ``None`` for any other column (read whole). Unknown columns raise as in
+    :func:`_read_obs`.
+    """
+    if "obs" not in root or column not in _column_order(root["obs"]) or column not in root["obs"]:
+        _read_obs(root, column, where, read)  # raises the one-line error naming the columns
+    node = root["obs"][column]
+    enc = node.attrs.get("encoding-type", "")
+    if enc != "categorical" or "codes" not in node or node["codes"].shards is None:
+        return None
+    return f"obs/{column}/codes", _decode_strings(read(node["categories"]))
+
+
 # ------------------------------------------------------------------ the reader
 
 
@@ -480,6 +501,9 @@ class LayoutReader:
             )
         self.backend = backend
         self._obs: dict[str, tuple[np.ndarray, list]] = {}
+        # obs columns whose codes fetches read (row chunks): path and categories, or None
+        self._obs_rows: dict[str, tuple[str, list] | None] = {}
+        self._obs_wanted: dict[str, str] = {}  # columns read with every fetch from now on
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
@@ -527,12 +551,25 @@ class LayoutReader:
         self.n_vars = m.n_vars
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
+        # per-row tables in row chunks (version 3): read per fetch, never whole
+        self._row_chunked = kind == "store" and m.row_chunks > 0
+        options = self._options(settings, backend)
+        self.backend_options = options
+        self._io = factory(self._objects, **options)
+        self._closed = False
+
+    def _options(self, settings: _Settings, backend: str) -> dict[str, Any]:
+        """Return the backend's options: the caller's, and what this store needs."""
         options = dict(settings.backend_options)
-        if kind == "store":
+        m = self.manifest
+        if self.kind == "store":
             # a version-2 store stores every chunk: an absent one is damage, not zeros
             options.setdefault("require_chunks", m.all_chunks_stored)
-            if self.layout.is_csr:  # indptr: a per-row table, kept whole up to a larger size
-                options.setdefault("row_tables", (self.layout.arrays["indptr"].path,))
+            indptr = (self.layout.arrays["indptr"].path,) if self.layout.is_csr else ()
+            if self._row_chunked:
+                options.setdefault("streamed", (*indptr, m.source_index, "obs/"))
+            elif indptr:  # indptr in 8,192-row chunks: kept whole up to a larger size
+                options.setdefault("row_tables", indptr)
             options.setdefault("widen", _widened(self.layout, values=not settings.narrow_values))
             if options.get("cache_dir") is not None:  # the node cache keeps this generation's
                 options.setdefault("generation", self.generation)
@@ -542,9 +579,7 @@ class LayoutReader:
                 if self.chunks_per_block() >= TensorstoreSettings.LARGE_READ_CHUNKS
                 else TensorstoreSettings.CACHE_BYTES
             )
-        self.backend_options = options
-        self._io = factory(self._objects, **options)
-        self._closed = False
+        return options
 
     def close(self) -> None:
         """Close the store's files, the assembly thread and the backend's handles.
@@ -755,10 +790,12 @@ class LayoutReader:
     def _index_in_memory(self) -> bool:
         """Whether fetches take source row ids from :meth:`source_index`.
 
-        That index is read whole once instead of with each fetch: yes when it is at most
-        :data:`INDEX_IN_MEMORY_BYTES`.
+        That index is read whole once instead of with each fetch: yes when it is
+        already read, or in the earlier layout and at most :data:`INDEX_IN_MEMORY_BYTES`.
         """
-        return self._source_index is not None or self.n_obs * 8 <= INDEX_IN_MEMORY_BYTES
+        if self._source_index is not None:
+            return True
+        return not self._row_chunked and self.n_obs * 8 <= INDEX_IN_MEMORY_BYTES
 
     def source_index(self) -> np.ndarray:
         """Original (source) row of each stored row, int64 (``arange`` for an .h5ad)."""
@@ -861,6 +898,64 @@ class LayoutReader:
             self._check_same_store()  # read by path: from the store this reader opened?
         return self._obs[column]
 
+    def obs_categories(self, column: str) -> list:
+        """Categories of obs ``column`` (what its codes mean).
+
+        Where fetches read the column's codes (:meth:`obs_rows_path`) the codes are not
+        read here; otherwise this is :meth:`obs_codes`' second item.
+        """
+        found = self._obs_codes_in_rows(column)
+        return self.obs_codes(column)[1] if found is None else found[1]
+
+    def obs_rows_path(self, column: str) -> str | None:
+        """Path of obs ``column``'s codes when each fetch reads its own rows of them.
+
+        That is a categorical column of a store whose per-row tables are in row chunks
+        (version 3, ``row_chunks``) with its codes written so too; ``None`` otherwise
+        (the column is then read whole once, :meth:`obs_codes`).
+        """
+        found = self._obs_codes_in_rows(column)
+        return None if found is None else found[0]
+
+    def _obs_codes_in_rows(self, column: str) -> tuple[str, list] | None:
+        if column not in self._obs_rows:
+            found = None
+            if self._row_chunked and not is_url(self.location):
+                root = self._obs_root()
+                with self._replacement_named():
+                    found = _codes_in_row_chunks(root, column, self.location, self._read_checked)
+                self._check_same_store()
+            self._obs_rows[column] = found
+        return self._obs_rows[column]
+
+    def read_obs_rows(self, column: str, bounds: np.ndarray) -> np.ndarray:
+        """Codes of obs ``column`` at the rows of the ``(n, 2)`` ranges ``bounds``.
+
+        Only their chunks are read. Every later fetch of this reader reads the column
+        with its other arrays (the minibatch loop asks for the same columns each time).
+        """
+        path = self.obs_rows_path(column)
+        if path is None:
+            raise InputError(f"obs column {column!r} is read whole: use obs_codes()")
+        self._obs_wanted[column] = path
+        with self._replacement_named():
+            got = self._io.submit({"obs": (path, np.asarray(bounds, dtype=np.int64))}).result()
+        self._check_same_store()
+        return self._checked_codes(column, got["obs"])
+
+    def _checked_codes(self, column: str, codes: np.ndarray) -> np.ndarray:
+        """``codes`` of ``column`` if each is ``-1`` (missing) or a category, else a LayoutError."""
+        found = self._obs_codes_in_rows(column)
+        assert found is not None
+        path, categories = found
+        if codes.size and (int(codes.min()) < -1 or int(codes.max()) >= len(categories)):
+            raise LayoutError(
+                f"store {self.location}, array {path}: a code outside [-1, {len(categories)}) "
+                "in the fetched rows; the store is damaged: run `sclayout verify DST`, "
+                "restore or reconvert it"
+            )
+        return codes
+
     def _read_checked(self, array: Any) -> np.ndarray:
         """Return the zarr array ``array`` of this store whole, every chunk checked."""
         return read_whole(
@@ -912,36 +1007,54 @@ class LayoutReader:
                 raise InputError(
                     f"order: must be a 1-d array of positions in [0, {n}), the fetch's {n} rows"
                 )
+        ends = None
+        if self._row_chunked and layout.is_csr:
+            # indptr of each range's rows only (their chunks): its end is the block pointer's
+            ends = needed["data"][:, 1]
         request = {key: (layout.arrays[key].path, ranges) for key, ranges in needed.items()}
         if self.kind == "store" and not self._index_in_memory():
             request["source_index"] = (self.manifest.source_index, bounds)
+        for column, path in list(self._obs_wanted.items()):
+            request[f"obs:{column}"] = (path, bounds)
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
         with self._replacement_named():
             io = self._io.submit(request)
-        job = self._assembler().submit(self._assemble, io, bounds, order)
+        job = self._assembler().submit(self._assemble, io, bounds, order, ends)
         return PendingFetch(self, ids, job, io)
 
-    def _assemble(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
+    def _assemble(
+        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+    ) -> Fetched:
         """Wait for a fetch's reads and build its rows (runs in the assembly thread).
 
         Then check that the store is still the one opened: every read of the fetch
         has happened by now, so a store replaced before any of them is caught here.
         """
         with self._replacement_named():
-            fetched = self._assembled(io, bounds, order)
+            fetched = self._assembled(io, bounds, order, ends)
         self._check_same_store()
         return fetched
 
-    def _assembled(self, io: Any, bounds: np.ndarray, order: np.ndarray | None) -> Fetched:
-        """Return the fetch's rows once its reads have landed."""
+    def _assembled(
+        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+    ) -> Fetched:
+        """Return the fetch's rows once its reads have landed.
+
+        ``ends``: the ``indptr`` value at the end of each row range (from the block
+        pointer) when only the ranges' own rows of ``indptr`` were read.
+        """
         got = io.result()
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:
+            parts = got["indptr"]
+            if ends is not None:  # [r0, r1) of each range, then indptr[r1]
+                sizes = bounds[:, 1] - bounds[:, 0]
+                parts = np.insert(np.asarray(parts, dtype=np.int64), np.cumsum(sizes), ends)
             values: CSRRows | DenseRows = fetch_rows(
                 data=got["data"],
                 indices=got["indices"],
-                indptr_parts=got["indptr"],
+                indptr_parts=parts,
                 row_ranges=bounds,
                 n_vars=self.n_vars,
                 where=f"store {self.location}, matrix {self.matrix}",
@@ -954,10 +1067,14 @@ class LayoutReader:
             check_source_ids(index, self.n_obs, self.location, self.manifest.source_index)
         else:  # an .h5ad (identity), or a store whose source index is in memory
             index = self.source_index()[rows] if self.kind == "store" else rows
+        obs = None
+        if self._row_chunked:
+            codes = {k[4:]: v for k, v in got.items() if k.startswith("obs:")}
+            obs = FetchObs(self, bounds, {c: self._checked_codes(c, v) for c, v in codes.items()})
         if order is None:
-            return Fetched(self, rows, index, values)
+            return Fetched(self, rows, index, values, obs=obs)
         # ``order`` was validated by submit(): skip permute()'s second min/max pass
-        return Fetched.delivered(self, rows, index, values, order)
+        return Fetched.delivered(self, rows, index, values, order, obs=obs)
 
 
 def _widened(layout: MatrixLayout, *, values: bool = True) -> dict[str, str]:
@@ -1049,6 +1166,8 @@ class Fetched:
         order: np.ndarray | None = None,
         dense_order: DenseOrder | None = None,
         rows_order: RowsOrder | None = None,
+        *,
+        obs: FetchObs | None = None,
     ):
         self.reader = reader
         self.rows = rows
@@ -1058,6 +1177,7 @@ class Fetched:
         self._order = order
         self._dense_order = dense_order
         self._rows_order = rows_order
+        self._obs = obs
 
     @classmethod
     def delivered(
@@ -1067,6 +1187,8 @@ class Fetched:
         index: np.ndarray,
         values: CSRRows | DenseRows,
         order: np.ndarray,
+        *,
+        obs: FetchObs | None = None,
     ) -> Fetched:
         """Return the fetch of ``values`` delivered in ``order`` (a valid index array).
 
@@ -1074,9 +1196,19 @@ class Fetched:
         (on the assembly thread).
         """
         if not isinstance(values, CSRRows):
-            return cls(reader, rows[order], index[order], values, order)
+            return cls(reader, rows[order], index[order], values, order, obs=obs)
         dense, csr = values.prepare_dense(order), values.prepare_rows(order)
-        return cls(reader, rows[order], index[order], values, order, dense, csr)
+        return cls(reader, rows[order], index[order], values, order, dense, csr, obs=obs)
+
+    def obs_at(self, keep: Any = slice(None)) -> FetchObs | None:
+        """Return the per-fetch obs codes of this fetch (sorted-block order) at rows ``keep``.
+
+        For a wrapper that rebuilds the fetch from some of its rows (a gene panel);
+        ``None`` when obs columns are read whole.
+        """
+        if self._obs is None or (isinstance(keep, slice) and keep == slice(None)):
+            return self._obs
+        return self._obs.subset(np.arange(self.n_rows)[keep])
 
     @property
     def matrix(self) -> Any:
@@ -1101,7 +1233,8 @@ class Fetched:
                 f"order: must be a 1-d array of positions in [0, {self.n_rows}) of this fetch"
             )
         inner = order if self._order is None else self._order[order]
-        return Fetched(self.reader, self.rows[order], self.index[order], self.values, inner)
+        rows, index = self.rows[order], self.index[order]
+        return Fetched(self.reader, rows, index, self.values, inner, obs=self._obs)
 
     def take(
         self,
@@ -1125,8 +1258,9 @@ class Fetched:
                 f"positions out of range [0, {self.n_rows}) of this fetch: "
                 f"min {int(pos.min())}, max {int(pos.max())}"
             )
-        X = fn(self.values, pos if self._order is None else self._order[pos])
-        return self._batch(X, self.index[pos], self.rows[pos], obs)
+        inner = pos if self._order is None else self._order[pos]
+        X = fn(self.values, inner)
+        return self._batch(X, self.index[pos], self.rows[pos], obs, inner)
 
     def take_slice(
         self, a: int, b: int, *, output: str = "dense", obs: Sequence[str] = ()
@@ -1148,26 +1282,73 @@ class Fetched:
             assert isinstance(self.values, CSRRows)
             X = self.values.rows_slice(self._rows_order, a, b)
             X = X if output == "rows" else X.to_scipy()
+        inner = np.arange(a, b) if self._order is None else self._order[a:b]
         if X is None:
-            pos = np.arange(a, b) if self._order is None else self._order[a:b]
-            X = get_output(output)(self.values, pos)
-        return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs)
+            X = get_output(output)(self.values, inner)
+        return self._batch(X, self.index[a:b].copy(), self.rows[a:b], obs, inner)
 
     def _batch(
-        self, X: Any, index: np.ndarray, stored: np.ndarray, obs: Sequence[str] | str
+        self,
+        X: Any,
+        index: np.ndarray,
+        stored: np.ndarray,
+        obs: Sequence[str] | str,
+        inner: np.ndarray,
     ) -> dict[str, Any]:
         """Return the minibatch dict of ``X``, ``index`` and the obs codes.
 
         ``index`` holds the source ids, and the obs codes are those of the stored rows
-        ``stored``.
+        ``stored`` (at positions ``inner`` of the fetch in sorted-block order).
         """
         if isinstance(obs, str):
             obs = (obs,)
-        return {
-            "X": X,
-            "index": index,
-            "obs": {c: self.reader.obs_codes(c)[0][stored] for c in obs},
-        }
+        out = {}
+        for c in obs:
+            codes = None if self._obs is None else self._obs.codes(c)
+            if codes is None:  # read whole once
+                out[c] = self.reader.obs_codes(c)[0][stored]
+            else:
+                out[c] = codes[inner].astype(np.int64)
+        return {"X": X, "index": index, "obs": out}
+
+
+class FetchObs:
+    """The obs codes of one fetch's rows, in sorted-block order.
+
+    For the columns that fetches read (:meth:`LayoutReader.obs_rows_path`). Those
+    read with the fetch are here from the start; another is read (its rows' chunks
+    only) when a minibatch first asks for it.
+    """
+
+    def __init__(
+        self,
+        reader: LayoutReader,
+        bounds: np.ndarray,
+        codes: dict[str, np.ndarray],
+        keep: np.ndarray | None = None,
+    ) -> None:
+        self.reader = reader
+        self.bounds = bounds
+        self.keep = keep
+        """Positions kept of the rows of ``bounds`` (``None``: all of them)."""
+        self._codes = codes
+
+    def codes(self, column: str) -> np.ndarray | None:
+        """Codes of ``column`` at the fetch's rows; ``None`` if it is read whole instead."""
+        got = self._codes.get(column)
+        if got is None:
+            if self.reader.obs_rows_path(column) is None:
+                return None
+            got = self.reader.read_obs_rows(column, self.bounds)
+            got = self._codes[column] = got if self.keep is None else got[self.keep]
+        return got
+
+    def subset(self, keep: np.ndarray) -> FetchObs:
+        """Return these codes at positions ``keep`` of the fetch's rows only."""
+        keep = np.asarray(keep, dtype=np.int64)
+        codes = {c: v[keep] for c, v in self._codes.items()}
+        inner = keep if self.keep is None else self.keep[keep]
+        return FetchObs(self.reader, self.bounds, codes, inner)
 
 
 @typechecked(own_checks=("block_size",))

@@ -656,6 +656,11 @@ class DirectArray:
         for task in tasks:
             self._run(out, task)
 
+    def _run_all(self, out: np.ndarray, tasks: list[tuple]) -> None:
+        """:meth:`_run` each of ``tasks`` (one decode thread's task)."""
+        for task in tasks:
+            self._run(out, task)
+
     def _run(self, out: np.ndarray, task: tuple) -> None:
         """Read one run and decode its chunks into ``out`` (a decode thread).
 
@@ -773,8 +778,25 @@ def submit_reads(
         if any(runs for _, runs in announce):
             pool.submit(_announce, announce)
         for i, (buf, tasks, _) in in_threads.items():
-            out[i] = _Joined(buf, [pool.submit(items[i][0]._run, buf, t) for t in tasks])
+            run = items[i][0]._run_all
+            out[i] = _Joined(buf, [pool.submit(run, buf, g) for g in _batched(tasks)])
     return out
+
+
+def _batched(tasks: list[tuple]) -> list[list[tuple]]:
+    """``tasks`` in groups of consecutive runs of at most :data:`RUN_BYTES` together.
+
+    Small runs (a per-row table's chunk per block) then cost one task, not one each.
+    """
+    groups: list[list[tuple]] = []
+    size = 0
+    for t in tasks:
+        if not groups or size + t[2] > RUN_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t[2]
+    return groups
 
 
 def _close_fds(fds: dict[int, int | None]) -> None:

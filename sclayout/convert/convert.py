@@ -18,7 +18,7 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,6 +38,7 @@ from loader.layout import (
     RowOrder,
     block_pointer_path,
     parse_block_size,
+    row_chunk_rows,
 )
 from loader.location import is_object_store, split_bucket
 from loader.spec import LayoutSpec
@@ -51,7 +52,6 @@ from sclayout.convert.checks import (
 from sclayout.convert.codecs import get_codec
 from sclayout.convert.inputs import Input, check_by, quiet_write, single_input, sources_input
 from sclayout.convert.narrow import ValueStats, run_stats, stats_jobs, stored_dtypes
-from sclayout.convert.obs import OBS_CHUNK
 from sclayout.convert.order import get_order, permutation
 from sclayout.convert.parts import Part
 from sclayout.convert.plan import (
@@ -101,8 +101,10 @@ from sclayout.convert.write import (
     copy_dense,
     copy_sparse,
     create_matrix,
+    rechunk_obs_codes,
     shard_ranges,
     write_region,
+    write_row_table,
 )
 from sclayout.pagecache import tree_bytes
 
@@ -556,6 +558,12 @@ def _convert_into(
     small = anndata_dataset_kwargs(opts.checksums)
     inp.obs.write(root, perm, tables, small)
     inp.write_small(root, perm, small)
+    rechunk_obs_codes(  # obs labels in row chunks, read per fetch like the row tables
+        tmp,
+        block_size=block_size,
+        compressors=get_codec(opts.codec) + checksum_codecs(opts.checksums),
+        shard_bytes=shard_bytes_for_budget(opts.memory_budget),
+    )
     matrices: dict[str, MatrixLayout] = {}
     pointers: dict[str, np.ndarray] = {}
     identity = opts.order.kind == "original"
@@ -569,7 +577,7 @@ def _convert_into(
         matrices[target.path] = layout
         if pointer is not None:
             pointers[target.path] = pointer
-    provenance = _write_uns_sclayout(root, perm, pointers, inp, small)
+    provenance = _write_uns_sclayout(root, perm, pointers, inp, small, (opts, block_size, tmp))
     del perm, inv
     tables.close()
     shutil.rmtree(tmp / WORK_DIR, ignore_errors=True)
@@ -588,6 +596,7 @@ def _convert_into(
         provenance=provenance,
         notes=tuple(inp.notes),
         generation=uuid.uuid4().hex,  # a new one each time: readers tell a replaced store
+        row_chunks=row_chunk_rows(block_size),
     )
     root.attrs[MANIFEST_KEY] = manifest.to_dict()  # last: marks the store complete
     return manifest
@@ -615,19 +624,40 @@ class _Ctx:
         return self.runner.jobs
 
 
+class _RowTable:
+    """A per-row table made a slice at a time (``fill(a, b)``), for :func:`write_row_table`."""
+
+    def __init__(self, n: int, dtype: Any, fill: Callable[[int, int], np.ndarray]) -> None:
+        self.shape = (n,)
+        self.dtype = np.dtype(dtype)
+        self.fill = fill
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        a, b, _ = rows.indices(self.shape[0])
+        return self.fill(a, b)
+
+
 def _write_uns_sclayout(
-    root: zarr.Group, perm: np.ndarray, pointers: dict, inp: Input, kw: dict[str, Any]
+    root: zarr.Group,
+    perm: np.ndarray,
+    pointers: dict,
+    inp: Input,
+    kw: dict[str, Any],
+    where: tuple[ConvertOptions, int, Path],
 ) -> dict[str, str]:
     """Write source_index, block pointers and the per-row provenance.
 
+    ``where``: the options, the block size and the local folder of the store.
+
     Provenance (source number, row in that source) only with several sources; returns
-    the provenance paths. The per-row arrays are written a slice at a time.
+    the provenance paths. The per-row tables are sharded like X (:func:`write_row_table`),
+    each computed a slice at a time from the permutation (a memory-mapped table).
     """
+    opts, block_size, local = where
     pointer_names = {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()}
     quiet_write(root["uns"], SCLAYOUT_UNS.split("/", 1)[1], {"block_indptr": pointer_names}, kw)
-    group = root[SCLAYOUT_UNS]
     n = perm.size
-    fills = {"source_index": (np.int64, lambda a, b: perm[a:b])}
+    tables = {"source_index": _RowTable(n, np.int64, lambda a, b: perm[a:b])}
     provenance: dict[str, str] = {}
     if inp.row0 is not None:
         row0 = inp.row0
@@ -636,19 +666,21 @@ def _write_uns_sclayout(
         def number(a: int, b: int) -> np.ndarray:
             return np.searchsorted(row0, perm[a:b], side="right") - 1
 
-        fills["source_number"] = (number_dtype, number)
-        fills["source_row"] = (np.int64, lambda a, b: perm[a:b] - row0[number(a, b)])
+        tables["source_number"] = _RowTable(n, number_dtype, number)
+        tables["source_row"] = _RowTable(n, np.int64, lambda a, b: perm[a:b] - row0[number(a, b)])
         provenance = {k: f"{SCLAYOUT_UNS}/{k}" for k in ("source_number", "source_row")}
         provenance["obs_key"] = inp.source_key
-    for name, (dtype, fill) in fills.items():
-        arr = group.create_array(
-            name, shape=(n,), dtype=dtype, chunks=(max(1, min(n, OBS_CHUNK)),),
-            compressors=kw.get("compressors"),
-        )  # fmt: skip
-        arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
-        with zarr.config.set({"array.write_empty_chunks": True}):
-            for a, b in slices(n, OBS_CHUNK):
-                arr[a:b] = fill(a, b).astype(dtype)
+    compressors = get_codec(opts.codec) + checksum_codecs(opts.checksums)
+    shard_bytes = shard_bytes_for_budget(opts.memory_budget)
+    for name, values in tables.items():
+        write_row_table(
+            local,
+            f"{SCLAYOUT_UNS}/{name}",
+            values,
+            block_size=block_size,
+            compressors=compressors,
+            shard_bytes=shard_bytes,
+        )
     return provenance
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from loader.argtypes import typechecked
 from loader.errors import InputError
+from loader.layout import row_chunk_rows
 
 __all__ = [
     "CSR_CHUNK_NNZ_MIN",
@@ -25,6 +26,7 @@ __all__ = [
     "parse_memory_budget",
     "plan_csr",
     "plan_dense",
+    "plan_row_table",
     "shard_bytes_for_budget",
 ]
 
@@ -53,10 +55,6 @@ SHARD_BUDGET_FRACTION = 32
 shard (its bucket of data + indices, the sorted copy, the writer's buffers), two
 tasks run at once, and the process itself needs a few hundred MB (``/16`` overshot a
 2 GB budget; ``benchmarks/convert.py`` reports the peak RSS)."""
-
-INDPTR_CHUNK_ROWS = 8192
-"""``indptr`` chunk length (rounded to whole blocks): 64 KiB of int64. Readers use the
-block pointer for block ranges and read ``indptr`` only for the rows they fetch."""
 
 
 @typechecked(own_checks=("value",))
@@ -152,11 +150,20 @@ def plan_csr(
         shard_chunks = max(1, shard_bytes // max(1, csr_chunk_nnz * itemsize))
     shard_chunks = min(shard_chunks, n_chunks)
     elem = ArrayPlan(chunks=(csr_chunk_nnz,), shards=(csr_chunk_nnz * shard_chunks,))
-    ptr_chunk = block_size * max(1, INDPTR_CHUNK_ROWS // block_size)
-    ptr_n_chunks = max(1, math.ceil((n_obs + 1) / ptr_chunk))
-    ptr_shard_chunks = min(ptr_n_chunks, max(1, shard_bytes // (ptr_chunk * 8)))
-    indptr = ArrayPlan(chunks=(ptr_chunk,), shards=(ptr_chunk * ptr_shard_chunks,))
+    indptr = plan_row_table(n_obs + 1, block_size=block_size, itemsize=8, shard_bytes=shard_bytes)
     return MatrixPlan(encoding="csr", arrays={"data": elem, "indices": elem, "indptr": indptr})
+
+
+def plan_row_table(n_rows: int, *, block_size: int, itemsize: int, shard_bytes: int) -> ArrayPlan:
+    """Chunks and shards of a per-row table (``indptr``, the source index, provenance).
+
+    Inner chunks of :func:`loader.layout.row_chunk_rows` rows (whole blocks), so a
+    reader decodes only its blocks' chunks; as many per shard as fit in ``shard_bytes``.
+    """
+    chunk = row_chunk_rows(block_size)
+    n_chunks = max(1, math.ceil(n_rows / chunk))
+    per_shard = min(n_chunks, max(1, shard_bytes // (chunk * itemsize)))
+    return ArrayPlan(chunks=(chunk,), shards=(chunk * per_shard,))
 
 
 def plan_dense(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import threading
 import uuid
@@ -37,7 +38,7 @@ from loader.cores import usable_cores
 from loader.errors import InputError
 from loader.location import is_url
 from sclayout.convert._buffers import release_scratch
-from sclayout.convert.plan import ArrayPlan, MatrixPlan
+from sclayout.convert.plan import ArrayPlan, MatrixPlan, plan_row_table
 from sclayout.convert.source import MatrixInfo, read_slice
 
 __all__ = [
@@ -48,8 +49,10 @@ __all__ = [
     "create_matrix",
     "index_dtype_for",
     "open_dst",
+    "rechunk_obs_codes",
     "submit_region",
     "write_region",
+    "write_row_table",
 ]
 
 _lock = threading.Lock()
@@ -248,6 +251,77 @@ def create_matrix(
             compressors=compressors,
         ),
     }
+
+
+def write_row_table(
+    location: str | os.PathLike[str],
+    path: str,
+    values: Any,
+    *,
+    block_size: int,
+    compressors: tuple[Any, ...],
+    shard_bytes: int,
+) -> None:
+    """Write a per-row table (the source index, provenance) as a sharded array like X.
+
+    ``location``: the store's local folder (``path``'s group exists). Chunks of
+    :func:`sclayout.convert.plan.plan_row_table` (whole blocks), the matrix's
+    compressors and checksum, every chunk stored; anndata's encoding attributes, so
+    ``anndata.read_zarr`` reads it as an array. ``values`` (an array, a memory map or a
+    zarr array) is written one shard at a time by tensorstore: no whole copy is made.
+    """
+    n = int(values.shape[0])
+    dtype = np.dtype(values.dtype)
+    plan = plan_row_table(
+        n, block_size=block_size, itemsize=dtype.itemsize, shard_bytes=shard_bytes
+    )
+    parent, _, name = path.rpartition("/")
+    group = zarr.open_group(os.path.join(os.fspath(location), parent), mode="r+", zarr_format=3)
+    arr = _create_array(group, name, shape=(n,), dtype=dtype, plan=plan, compressors=compressors)
+    arr.attrs.update({"encoding-type": "array", "encoding-version": "0.2.0"})
+    step = plan.shards[0] if plan.shards else plan.chunks[0]
+    for a in range(0, n, step):
+        piece = np.asarray(values[a : a + step], dtype=dtype)
+        write_region(os.fspath(location), path, a, piece)
+
+
+def rechunk_obs_codes(
+    location: str | os.PathLike[str],
+    *,
+    block_size: int,
+    compressors: tuple[Any, ...],
+    shard_bytes: int,
+) -> list[str]:
+    """Rewrite the codes of every categorical obs column as a per-row table.
+
+    anndata writes them in chunks of a quarter of a million rows; in row chunks
+    (:func:`write_row_table`, copied one shard at a time) a reader takes a fetch's
+    labels from its blocks' chunks instead of holding whole columns. ``location``: the
+    local folder of the store. Returns the arrays rewritten.
+    """
+    root = zarr.open_group(str(location), mode="r+", zarr_format=3)
+    if "obs" not in root:
+        return []
+    obs = root["obs"]
+    done = []
+    for name in list(obs.group_keys()):
+        node = obs[name]
+        if node.attrs.get("encoding-type") != "categorical" or "codes" not in node:
+            continue
+        old = node["codes"]
+        write_row_table(
+            location,
+            f"obs/{name}/codes.rows",
+            old,
+            block_size=block_size,
+            compressors=compressors,
+            shard_bytes=shard_bytes,
+        )
+        folder = os.path.join(os.fspath(location), "obs", name)
+        shutil.rmtree(os.path.join(folder, "codes"))
+        os.rename(os.path.join(folder, "codes.rows"), os.path.join(folder, "codes"))
+        done.append(f"obs/{name}/codes")
+    return done
 
 
 def index_dtype_for(n_vars: int) -> np.dtype:

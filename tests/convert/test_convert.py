@@ -127,6 +127,18 @@ def test_golden_version_2_manifest_still_reads():
     assert Manifest.from_dict({**d, "created": "2026-01-01T00:00:00"}).identity != m.identity
 
 
+def test_golden_version_3_manifest_without_row_chunks_still_reads():
+    """Version-3 stores written before the per-row tables moved into row chunks keep
+    opening in the earlier layout (``row_chunks`` 0) and round-trip unchanged."""
+    d = json.loads((GOLDEN.parent / "manifest_v3_earlier.json").read_text())
+    assert "row_chunks" not in d
+    m = Manifest.from_dict(d)
+    assert (m.version, m.row_chunks) == (3, 0)
+    assert json.loads(m.to_json()) == d
+    now = Manifest.from_dict(json.loads(GOLDEN.read_text()))
+    assert now.row_chunks == now.X.arrays["indptr"].chunks[0] == 256
+
+
 def test_each_conversion_writes_a_new_generation(tmp_path, synth_h5ad):
     first = convert(synth_h5ad, tmp_path / "a.zarr", block_size=16)
     again = convert(synth_h5ad, tmp_path / "a.zarr", block_size=16, overwrite=True)

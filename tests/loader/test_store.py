@@ -290,15 +290,20 @@ def test_tensorstore_cache_follows_the_block_span(built):
     assert forced.backend_options["cache_bytes"] == 123
 
 
-@pytest.mark.parametrize("in_memory", [True, False])
-def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatch, in_memory):
-    """A store's source index is read whole once when small, and with each fetch when
-    larger than ``INDEX_IN_MEMORY_BYTES``: both give the rows' source ids."""
+@pytest.mark.parametrize(
+    ("name", "in_memory"),
+    [("own-shuffled-csr", True), ("own-shuffled-csr", False), ("conv-shuffled-csr", False)],
+    ids=["earlier-layout-small", "earlier-layout-large", "row-chunks"],
+)
+def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatch, name, in_memory):
+    """A store's source index in the earlier layout is read whole once when small, and
+    with each fetch when larger than ``INDEX_IN_MEMORY_BYTES``; in row chunks (version
+    3 as converted now) always with each fetch: all give the rows' source ids."""
     import zarr
 
     import loader.store as store_mod
 
-    path = _path(built, "conv-shuffled-csr")
+    path = _path(built, name)
     if not in_memory:
         monkeypatch.setattr(store_mod, "INDEX_IN_MEMORY_BYTES", 0)
     reader = open_layout(path)
@@ -322,7 +327,7 @@ def test_indptr_is_kept_whole_up_to_the_row_table_size(built, adata, monkeypatch
 
     import loader.engine.shards as shards
 
-    src = _path(built, "conv-shuffled-csr")
+    src = _path(built, "own-shuffled-csr")  # indptr in the earlier layout (no row chunks)
     path = src.parent / f"copy-{whole}"
     shutil.copytree(src, path)
     monkeypatch.setattr(shards, "SMALL_ARRAY_BYTES", 0)

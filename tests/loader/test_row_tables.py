@@ -1,0 +1,136 @@
+"""Per-row tables in row chunks (format version 3, manifest ``row_chunks``).
+
+``indptr``, the source index, the provenance and categorical obs codes are sharded
+and checksummed like X, in inner chunks of whole blocks: the loader reads a fetch's
+rows of them with the fetch and keeps none of them whole. Values read back equal the
+sources, anndata still reads the store, an epoch delivers every row once, and a
+damaged chunk of a table is one clear :class:`LayoutError`.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import anndata as ad
+import numpy as np
+import pytest
+
+from loader import BlockDataset, open_layout
+from loader.errors import LayoutError
+from loader.layout import row_chunk_rows
+from sclayout.convert import convert
+from sclayout.testing.damage import damage_array
+
+BLOCK = 16
+TABLES = (
+    "X/indptr",
+    "uns/sclayout/source_index",
+    "uns/sclayout/source_number",
+    "uns/sclayout/source_row",
+    "obs/plate/codes",
+    "obs/cell_line/codes",
+)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory, make_adata):
+    """Two sources (provenance arrays are written for several) and their concatenation."""
+    d = tmp_path_factory.mktemp("row-tables")
+    parts = [make_adata(n, 12, density=0.3, seed=s, obsm=False) for n, s in ((420, 1), (310, 2))]
+    paths = []
+    for k, a in enumerate(parts):
+        a.obs_names = [f"s{k}-{name}" for name in a.obs_names]
+        a.write_h5ad(d / f"plate{k}.h5ad")
+        paths.append(d / f"plate{k}.h5ad")
+    both = ad.concat(parts, merge="same")
+    store = d / "store.zarr"
+    convert(paths, store, block_size=BLOCK, order="shuffled", seed=3)
+    return store, both
+
+
+def test_tables_are_written_in_row_chunks_and_anndata_reads_the_store(sources):
+    store, both = sources
+    manifest = json.loads((store / "zarr.json").read_text())["attributes"]["sclayout"]
+    chunk = row_chunk_rows(BLOCK)
+    assert manifest["version"] == 3 and manifest["row_chunks"] == chunk
+    for array in TABLES:
+        meta = json.loads((store / array / "zarr.json").read_text())
+        (sharding,) = meta["codecs"]
+        assert sharding["name"] == "sharding_indexed", array
+        assert sharding["configuration"]["chunk_shape"] == [chunk], array
+        assert sharding["configuration"]["codecs"][-1]["name"] == "crc32c", array
+    back = ad.read_zarr(store)
+    index = np.asarray(back.uns["sclayout"]["source_index"])
+    assert np.array_equal(np.sort(index), np.arange(both.n_obs))
+    assert np.array_equal(back.X.astype(np.float32).toarray(), both.X[index].toarray())
+    for col in ("plate", "cell_line"):
+        assert list(back.obs[col].astype(str)) == list(both.obs[col].astype(str).iloc[index])
+    row0 = np.r_[0, 420]
+    number = np.asarray(back.uns["sclayout"]["source_number"])
+    assert np.array_equal(np.asarray(back.uns["sclayout"]["source_row"]), index - row0[number])
+
+
+@pytest.mark.parametrize("backend", ["tensorstore", "zarr"])
+def test_fetches_read_their_rows_of_the_tables(sources, backend, monkeypatch):
+    """Values, source ids and obs labels of random fetches equal the sources'; the
+    obs codes are read with each fetch once a minibatch has asked for them."""
+    store, both = sources
+    reader = open_layout(store, backend=backend)
+    asked = []
+    submit = reader._io.submit
+    monkeypatch.setattr(reader._io, "submit", lambda req: asked.append(set(req)) or submit(req))
+    assert reader.obs_rows_path("plate") == "obs/plate/codes"
+    plates = np.asarray(reader.obs_categories("plate"))
+    rng = np.random.default_rng(0)
+    for k in range(4):
+        blocks = rng.choice(reader.n_blocks, size=5, replace=False)
+        n = int(reader.block_lengths()[np.sort(blocks)].sum())
+        fetched = reader.submit(blocks, order=rng.permutation(n)).result()
+        tables = {"indptr", "source_index"} | ({"obs:plate"} if k else set())
+        assert asked[-1] == {"data", "indices", *tables}  # from the 2nd fetch on: obs too
+        assert np.array_equal(fetched.matrix.toarray(), both.X[fetched.index].toarray())
+        batch = fetched.take(np.arange(n)[::2], obs=("plate",))
+        want = both.obs["plate"].astype(str).to_numpy()[batch["index"]]
+        assert np.array_equal(plates[batch["obs"]["plate"]], want)
+    assert reader._obs == {}  # no obs column read whole
+
+
+@pytest.mark.parametrize("panel", [None, [5, 0, 9]], ids=["all-genes", "panel"])
+def test_an_epoch_delivers_every_row_once_with_its_labels(sources, panel):
+    store, both = sources
+    genes = None if panel is None else list(both.var_names[panel])
+    ds = BlockDataset(
+        str(store), batch_size=32, obs=("cell_line", "plate"), output="csr", var_names=genes
+    )
+    seen, lines = [], np.asarray(ds.categories["cell_line"])
+    for batch in ds:
+        index = batch["index"].numpy()
+        seen.append(index)
+        want = both.obs["cell_line"].astype(str).to_numpy()[index]
+        assert np.array_equal(lines[batch["obs"]["cell_line"].numpy()], want)
+        X = batch["X"].to_dense().numpy()
+        ref = both.X[index].toarray()
+        assert np.array_equal(X, ref if panel is None else ref[:, panel])
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(both.n_obs))
+    reader = ds._reader if panel is None else ds._reader.inner
+    assert reader._obs == {}  # no obs column read whole
+
+
+@pytest.mark.parametrize(
+    "array", ["X/indptr", "uns/sclayout/source_index", "obs/plate/codes"], ids=str
+)
+def test_a_damaged_table_chunk_read_by_a_later_fetch_is_one_layout_error(sources, tmp_path, array):
+    """The tables are read per fetch, not kept whole: a chunk damaged after the first
+    fetch is found by the fetch that reads it, as one line naming the array."""
+    store = tmp_path / "s"
+    shutil.copytree(sources[0], store)
+    reader = open_layout(store)
+    first = reader.submit(np.array([0]), order=np.arange(BLOCK)).result()
+    first.take(np.arange(4), obs=("plate",))
+    damage_array(store, array, "flip")  # a bit of the first inner chunk
+    with pytest.raises(LayoutError) as err:
+        fetched = reader.submit(np.array([1, 2]), order=np.arange(2 * BLOCK)).result()
+        fetched.take(np.arange(4), obs=("plate",))
+    message = str(err.value)
+    assert "\n" not in message and array in message and "chunk" in message, message
