@@ -38,7 +38,6 @@ def tiny_steps(monkeypatch):
     monkeypatch.setattr(tables_mod, "STEP", 7)
     monkeypatch.setattr(order_mod, "STEP", 7)
     monkeypatch.setattr(obs_mod, "OBS_CHUNK", 5)
-    monkeypatch.setattr(convert_mod, "OBS_CHUNK", 5)
 
 
 def _obs(rng: np.random.Generator, n: int, k: int) -> pd.DataFrame:
