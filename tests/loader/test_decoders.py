@@ -259,10 +259,18 @@ def test_a_dataset_decoding_in_processes_delivers_the_source(
 
 
 def test_a_decode_process_that_cannot_start_is_one_line_error(shared_array, decoders, monkeypatch):
+    """multiprocessing does not report a failed exec: the child exits at once, and the
+    fetch it was given fails with one ReadError naming it and the way out."""
     out, where = shared_array
-    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    # the interpreter multiprocessing's spawn starts (as its set_executable stores it)
+    monkeypatch.setattr(
+        "multiprocessing.spawn.get_executable", lambda: os.fsencode("/nonexistent/python")
+    )
     procs = decoders(1)
     with pytest.raises(
-        ReadError, match=r"^could not start a decode process .*SCLAYOUT_DECODE=threads"
+        ReadError,
+        match=r"^a decode process \(pid \d+\) (exited with|stopped taking work)"
+        r".*SCLAYOUT_DECODE=threads",
     ):
-        procs.submit([_job(Fill(), out, where, [(0, 1.0)])])
+        for f in procs.submit([_job(Fill(), out, where, [(0, 1.0)])]):
+            f.result(timeout=60)
