@@ -10,23 +10,31 @@ core goes idle (docs/design.md, "Decode processes"). A child process has an inte
 of its own, so its Python never waits for the training loop's.
 
 Each child is a fresh interpreter (not a fork of the training process, which may hold
-threads and devices) connected by a Unix socket pair. Messages are length-prefixed
-pickles; a memory file's descriptor goes with the message that first names it. The
-parent sends each object that decodes (a :class:`loader.engine.shards.DirectArray`) and each
-buffer once, then only task lists. A child ignores Ctrl-C (the training process
-decides) and exits when its socket closes, so it never outlives the process that
-started it.
+threads and devices) started from a ``-c`` line that imports only this module, with the
+parent's ``sys.path``. multiprocessing's spawn would also run the training script again
+in each child (its ``__main__``): a script without an ``if __name__ == "__main__"`` guard
+fails, and one that imports torch pays for it in every child; it adds a resource-tracker
+process and cannot start children from a DataLoader worker (daemonic). The messages are
+multiprocessing's: a :class:`multiprocessing.connection.Connection` over a Unix socket
+pair, and a memory file's descriptor goes once per buffer with
+:func:`multiprocessing.reduction.send_handle`. The parent sends each object that decodes
+(a :class:`loader.engine.shards.DirectArray`) and each buffer once, then only task
+lists. A child ignores Ctrl-C (the training process decides) and exits when its
+connection closes, so it never outlives the process that started it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import mmap
 import multiprocessing
 import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import weakref
 from concurrent.futures import Future, InvalidStateError
@@ -92,13 +100,20 @@ class _Child:
     """One decode process and the parent's side of its connection."""
 
     def __init__(self) -> None:
-        context = multiprocessing.get_context("spawn")
-        ours, theirs = context.Pipe()
-        self.process = context.Process(
-            target=serve, args=(theirs,), name="sclayout-decode", daemon=True
+        ours, theirs = multiprocessing.Pipe()  # a Unix socket pair, as two Connections
+        code = (
+            "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+            "from loader.engine.decoders import serve; serve(int(sys.argv[2]))"
         )
+        # one core each: no BLAS or OpenMP thread pools beside the decoding
+        env = dict(os.environ, OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         try:
-            self.process.start()
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(sys.path), str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                env=env,
+            )
         except BaseException:
             ours.close()
             raise
@@ -129,14 +144,12 @@ class _Child:
             if entry is not None:
                 _settle(entry[0], error)
             del entry
-        self.process.join()
-        code = self.process.exitcode
+        code = self.process.wait()
         how = f"signal {-code}" if code < 0 else f"code {code}"
         with self.lock:
             self.dead = f"a decode process (pid {self.pid}) exited with {how}"
             pending, self.pending = self.pending, {}
             self.conn.close()  # here, once no thread reads it
-        self.process.close()
         self.ended.set()
         for future, _ in pending.values():
             _settle(future, self._died())
@@ -222,10 +235,7 @@ class _Child:
     def stop(self, timeout: float) -> None:
         """Wait up to ``timeout`` s for the child to exit after :meth:`close`, then kill it."""
         if not self.ended.wait(timeout):
-            try:
-                self.process.kill()
-            except (ValueError, OSError):  # ended meanwhile
-                pass
+            self.process.kill()
 
 
 class DecodeProcesses:
@@ -348,8 +358,8 @@ def _settle(future: Future, error: BaseException | None) -> None:
         pass
 
 
-def serve(conn: Connection) -> None:
-    """Run what the parent sends on ``conn`` until it closes (a decode process).
+def serve(fd: int) -> None:
+    """Run what the parent sends on socket ``fd`` until it closes (a decode process).
 
     See the module docstring.
     """
@@ -360,6 +370,7 @@ def serve(conn: Connection) -> None:
         pass
     else:  # on a main thread blosc would start threads of its own: one core per process
         blosc.use_threads = False
+    conn = Connection(fd)
     objects: dict[int, Any] = {}
     mapped: dict[int, mmap.mmap] = {}
     while True:
