@@ -6,9 +6,10 @@ widened to int32 as the loader's CSR fetches hold them), ``--depth`` fetches in 
 
 - ``direct-threads``: the direct shard reader (``loader.engine.shards``) decoding in threads
   (``SCLAYOUT_DECODE=threads``);
-- ``direct-processes``: the same reader with its hand-written decode processes
-  (``loader.engine.decoders``: a ``-c`` child, pickles and descriptors over a socket pair;
-  the loader's default without DataLoader workers on two or more cores);
+- ``direct-processes``: the same reader with its decode processes
+  (``loader.engine.decoders``: a ``-c`` child, ``multiprocessing`` Connection messages
+  and descriptors over a socket pair; the loader's default without DataLoader workers
+  on two or more cores);
 - ``direct-mp``: the same reader and the same design (the parent plans each fetch's
   runs, children read and decode them straight into shared buffers, reused) built on
   the standard library instead: ``multiprocessing`` spawn context, ``Pipe`` and

@@ -10,12 +10,17 @@ core goes idle (docs/design.md, "Decode processes"). A child process has an inte
 of its own, so its Python never waits for the training loop's.
 
 Each child is a fresh interpreter (not a fork of the training process, which may hold
-threads and devices) connected by a Unix socket pair. Messages are length-prefixed
-pickles; a memory file's descriptor goes with the message that first names it. The
-parent sends each object that decodes (a :class:`loader.engine.shards.DirectArray`) and each
-buffer once, then only task lists. A child ignores Ctrl-C (the training process
-decides) and exits when its socket closes, so it never outlives the process that
-started it.
+threads and devices) started from a ``-c`` line that imports only this module, with the
+parent's ``sys.path``. multiprocessing's spawn would also run the training script again
+in each child (its ``__main__``): a script without an ``if __name__ == "__main__"`` guard
+fails, and one that imports torch pays for it in every child; it adds a resource-tracker
+process and cannot start children from a DataLoader worker (daemonic). The messages are
+multiprocessing's: a :class:`multiprocessing.connection.Connection` over a Unix socket
+pair, and a memory file's descriptor goes once per buffer with
+:func:`multiprocessing.reduction.send_handle`. The parent sends each object that decodes
+(a :class:`loader.engine.shards.DirectArray`) and each buffer once, then only task
+lists. A child ignores Ctrl-C (the training process decides) and exits when its
+connection closes, so it never outlives the process that started it.
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ from __future__ import annotations
 import itertools
 import json
 import mmap
+import multiprocessing
 import os
 import pickle
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
 import weakref
 from concurrent.futures import Future, InvalidStateError
+from multiprocessing import reduction
+from multiprocessing.connection import Connection
 from typing import Any, NamedTuple, Protocol
 
 import numpy as np
@@ -41,9 +48,6 @@ from loader.engine import buffers
 from loader.errors import ReadError
 
 __all__ = ["DecodeProcesses", "Decoder", "Job", "serve", "supported"]
-
-_HEADER = struct.Struct("<Q")
-_MAX_FDS = 16
 
 
 class Decoder(Protocol):
@@ -77,48 +81,26 @@ def supported() -> bool:
 
     Memory files and descriptor passing: Linux.
     """
-    return hasattr(os, "memfd_create") and hasattr(socket, "send_fds")
+    return hasattr(os, "memfd_create") and reduction.HAVE_SEND_HANDLE
 
 
-def _send(sock: socket.socket, message: tuple, fds: list[int] | None = None) -> None:
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    frame = _HEADER.pack(len(data)) + data
-    if fds:
-        sent = socket.send_fds(sock, [frame], fds)
-        frame = frame[sent:]
-    if frame:
-        sock.sendall(frame)
+def _shut(conn: Connection) -> None:
+    """Shut ``conn``'s socket down both ways, waking a thread blocked reading it.
 
-
-def _recv_exactly(sock: socket.socket, n: int, head: bytes = b"") -> bytes | None:
-    parts = [head]
-    got = len(head)
-    while got < n:
-        chunk = sock.recv(n - got)
-        if not chunk:
-            return None
-        parts.append(chunk)
-        got += len(chunk)
-    return b"".join(parts)
-
-
-def _recv(sock: socket.socket) -> tuple[Any, list[int]] | None:
-    """Return the next message and the descriptors with it, or ``None`` at the end."""
-    head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, _MAX_FDS)
-    header = _recv_exactly(sock, _HEADER.size, head) if head else None
-    if header is None:
-        return None
-    body = _recv_exactly(sock, _HEADER.unpack(header)[0])
-    if body is None:
-        return None
-    return pickle.loads(body), fds
+    Closing the descriptor alone would not: a blocked read keeps the socket open.
+    """
+    try:
+        with socket.socket(fileno=os.dup(conn.fileno())) as s:
+            s.shutdown(socket.SHUT_RDWR)
+    except (OSError, ValueError):  # closed already
+        pass
 
 
 class _Child:
-    """One decode process and the parent's side of its socket."""
+    """One decode process and the parent's side of its connection."""
 
     def __init__(self) -> None:
-        ours, theirs = socket.socketpair()
+        ours, theirs = multiprocessing.Pipe()  # a Unix socket pair, as two Connections
         code = (
             "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
             "from loader.engine.decoders import serve; serve(int(sys.argv[2]))"
@@ -137,7 +119,8 @@ class _Child:
             raise
         finally:
             theirs.close()
-        self.sock = ours
+        self.pid = self.process.pid
+        self.conn = ours
         self.lock = threading.Lock()  # one sender at a time; guards the fields below
         self.objects: set[int] = set()
         self.buffers: set[int] = set()
@@ -146,18 +129,16 @@ class _Child:
         self.pending: dict[int, tuple[Future, list]] = {}
         self.jobs = itertools.count()
         self.dead: str | None = None
+        self.ended = threading.Event()
         threading.Thread(target=self._replies, name="sclayout-replies", daemon=True).start()
 
     def _replies(self) -> None:
         """Complete each job's future as the child reports it (a thread per child)."""
         while True:
             try:
-                got = _recv(self.sock)
-            except OSError:
-                got = None
-            if got is None:
+                job, error = self.conn.recv()
+            except (EOFError, OSError):
                 break
-            job, error = got[0]
             with self.lock:
                 entry = self.pending.pop(job, None)
             if entry is not None:
@@ -166,8 +147,10 @@ class _Child:
         code = self.process.wait()
         how = f"signal {-code}" if code < 0 else f"code {code}"
         with self.lock:
-            self.dead = f"a decode process (pid {self.process.pid}) exited with {how}"
+            self.dead = f"a decode process (pid {self.pid}) exited with {how}"
             pending, self.pending = self.pending, {}
+            self.conn.close()  # here, once no thread reads it
+        self.ended.set()
         for future, _ in pending.values():
             _settle(future, self._died())
 
@@ -202,20 +185,21 @@ class _Child:
                 self._forget(forget)
                 for token, obj in objects.items():
                     if token not in self.objects:
-                        _send(self.sock, ("object", token, obj))
+                        self.conn.send(("object", token, obj))
                         self.objects.add(token)
                 for where in {p[1] for p in parts}:
                     if where.number not in self.buffers:
-                        _send(self.sock, ("buffer", where.number), [where.fd])
+                        self.conn.send(("buffer", where.number))
+                        reduction.send_handle(self.conn, where.fd, self.pid)
                         self.buffers.add(where.number)
                 self.pending[job] = (future, keep)
                 parts = [(t, w.number, w.offset, *rest) for t, w, *rest in parts]
-                _send(self.sock, ("run", job, announce, parts))
+                self.conn.send(("run", job, announce, parts))
             except OSError:  # the child is gone: its reply thread fails the rest
                 self.pending.pop(job, None)
                 future.set_exception(
                     ReadError(
-                        f"a decode process (pid {self.process.pid}) stopped taking work; "
+                        f"a decode process (pid {self.pid}) stopped taking work; "
                         "read again, or set SCLAYOUT_DECODE=threads to decode in this process"
                     )
                 )
@@ -229,7 +213,7 @@ class _Child:
         buffers_gone = [n for n in forget[0] if n in self.buffers]
         objects_gone = [t for t in forget[1] if t in self.objects]
         if buffers_gone or objects_gone:
-            _send(self.sock, ("forget", buffers_gone, objects_gone))
+            self.conn.send(("forget", buffers_gone, objects_gone))
             self.buffers.difference_update(buffers_gone)
             self.objects.difference_update(objects_gone)
 
@@ -243,11 +227,15 @@ class _Child:
                     pass
 
     def close(self) -> None:
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        self.sock.close()
+        """Shut the connection: the child sees its end and exits."""
+        with self.lock:  # not once the reply thread closed it: its number may be reused
+            if self.dead is None:
+                _shut(self.conn)
+
+    def stop(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for the child to exit after :meth:`close`, then kill it."""
+        if not self.ended.wait(timeout):
+            self.process.kill()
 
 
 class DecodeProcesses:
@@ -263,7 +251,7 @@ class DecodeProcesses:
 
     def pids(self) -> list[int]:
         """Process ids of the children running now."""
-        return [c.process.pid for c in self._children if c.dead is None]
+        return [c.pid for c in self._children if c.dead is None]
 
     def _live_children(self) -> list[_Child]:
         with self._lock:
@@ -347,16 +335,13 @@ class DecodeProcesses:
         return out
 
     def close(self) -> None:
-        """Stop the children (they exit when their sockets close)."""
+        """Stop the children (they exit when their connections close)."""
         with self._lock:
             children, self._children = self._children, []
         for c in children:
             c.close()
         for c in children:
-            try:
-                c.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                c.process.kill()
+            c.stop(5)
 
 
 def _settle(future: Future, error: BaseException | None) -> None:
@@ -385,23 +370,21 @@ def serve(fd: int) -> None:
         pass
     else:  # on a main thread blosc would start threads of its own: one core per process
         blosc.use_threads = False
-    sock = socket.socket(fileno=fd)
+    conn = Connection(fd)
     objects: dict[int, Any] = {}
     mapped: dict[int, mmap.mmap] = {}
     while True:
         try:
-            got = _recv(sock)
+            message = conn.recv()
         except (OSError, EOFError):
             return
-        if got is None:
-            return
-        message, fds = got
         kind = message[0]
         if kind == "object":
             objects[message[1]] = message[2]
         elif kind == "buffer":
-            mapped[message[1]] = mmap.mmap(fds[0], 0)
-            os.close(fds[0])
+            fd = reduction.recv_handle(conn)
+            mapped[message[1]] = mmap.mmap(fd, 0)
+            os.close(fd)
         elif kind == "forget":
             for number in message[1]:
                 mapped.pop(number, None)
@@ -420,7 +403,7 @@ def serve(fd: int) -> None:
             except BaseException as e:  # every failure goes to the parent
                 error = _portable(e)
             try:
-                _send(sock, (job, error))
+                conn.send((job, error))
             except OSError:
                 return
 

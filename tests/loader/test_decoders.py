@@ -10,7 +10,10 @@ import gc
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +23,7 @@ from loader.engine.config import decode_in_processes
 from loader.engine.decoders import DecodeProcesses, Job, supported
 from loader.errors import InputError, LayoutError, ReadError
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.skipif(not supported(), reason="decode processes need Linux")
 
 
@@ -240,12 +244,22 @@ def damaged_store(stores, tmp_path_factory):
 
 @pytest.mark.parametrize("mode", ["processes", "threads"])
 def test_a_dataset_decoding_in_processes_delivers_the_source(
-    stores, damaged_store, run_python, tmp_path, monkeypatch, mode
+    stores, damaged_store, tmp_path, monkeypatch, mode
 ):
+    """Run as a training script is, from a file with no ``__main__`` guard: a decode
+    process must not run the script again (multiprocessing's spawn would)."""
     monkeypatch.setenv("SCLAYOUT_DECODE", mode)
-    report = json.loads(
-        run_python(DATASET, stores["shuffled"], str(damaged_store), str(tmp_path)).splitlines()[-1]
+    script = tmp_path / "train.py"
+    script.write_text(DATASET)
+    done = subprocess.run(
+        [sys.executable, str(script), str(stores["shuffled"]), str(damaged_store), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
     )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
     truth = stores["truth"]["shuffled"]["X"]
     for output in ("csr", "dense"):
         got = np.load(tmp_path / f"{output}.npz")
