@@ -43,6 +43,26 @@ def calibrate_both(store: Path, url: str, codec: str, quick: bool) -> tuple[Any,
     return local, bucket
 
 
+def stream_rate(store: Path, url: str, latency: float, n: int = 3) -> float:
+    """Bytes/s of one whole-object GET of the store's largest shard (median of ``n``).
+
+    Read as the node cache downloads it (``loader.backends.RemoteObjects``); the bucket
+    profile's latency is taken off: the model adds it per download.
+    """
+    import time
+
+    from loader.backends import RemoteObjects
+
+    path = max((p for p in (store / "X").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    objects, key = RemoteObjects(url), path.relative_to(store).as_posix()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        size = len(objects.read(key))
+        times.append(time.perf_counter() - t0)
+    return size / max(statistics.median(times) - latency, 1e-6)
+
+
 def predictions(store: Path, local: Any, bucket: Any, a: argparse.Namespace) -> dict[tuple, Any]:
     """The model's price of each (cache, epoch) of one node."""
     from loader.spec import LoaderSettings
@@ -63,7 +83,7 @@ def predictions(store: Path, local: Any, bucket: Any, a: argparse.Namespace) -> 
                 nodes=1,
                 epoch=epoch,
                 cache=cache,
-                bucket=Bucket(gets_per_s=a.gets_per_s),
+                bucket=Bucket(gets_per_s=a.gets_per_s, stream_Bps=a.stream_Bps),
             )
     return out
 
@@ -120,6 +140,7 @@ def run(a: argparse.Namespace) -> None:
             with s3.environment():
                 upload_tree(store, url)
                 local, bucket = calibrate_both(store, url, codec, a.quick)
+                a.stream_Bps = stream_rate(store, url, bucket.latency_s)
             pred = predictions(store, local, bucket, a)
             for cached in (False, True):
                 caches = [str(work / "cache-node")] if cached else None
@@ -171,7 +192,8 @@ def report(rows: list[dict[str, Any]], local: Any, bucket: Any, a: argparse.Name
         f"# The cost model's price of the node cache, one node\n\n`{command_line()}`\n\n"
         f"latency {a.latency * 1000:g} ms a request, {a.gets_per_s:g} GETs/s; {a.n_obs} "
         f"cells, batch {a.batch_size}, fetch factor {a.fetch_factor}; median of {a.runs} "
-        f"runs (cached epoch 1: one run)\n\n{markdown_table(rows, cols)}\n\n"
+        f"runs (cached epoch 1: one run); one stream {a.stream_Bps / 1e6:.0f} MB/s\n\n"
+        f"{markdown_table(rows, cols)}\n\n"
         f"- median absolute error: {median:.1f} %\n"
     )
     payload = {
@@ -198,6 +220,7 @@ def main() -> None:
     ap.add_argument(
         "--repredict", action="store_true", help="predict the recorded results again, no runs"
     )
+    ap.set_defaults(stream_Bps=float("inf"))
     a = ap.parse_args()
     repredict(a) if a.repredict else run(a)
 

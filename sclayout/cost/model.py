@@ -680,6 +680,16 @@ figure, "Best practices design patterns: optimizing Amazon S3 performance"); all
 of one zarr array share a prefix (``X/data/c/``)."""
 
 
+CACHE_FIRST_GETS = 14
+"""Small GETs a process makes one after the other when it first reads a store through
+an empty node cache: the root, group and array ``zarr.json`` files it stages, the block
+pointer and a listing (counted on the loopback S3 server for a CSR store, beside its 4
+shard downloads)."""
+CACHE_PASS_GETS = 2
+"""GETs of the root ``zarr.json`` at the start of a pass through a warm cache (the
+generation check; counted on the loopback S3 server)."""
+
+
 @dataclass(frozen=True)
 class Bucket:
     """What the nodes reading one store share: its object store's limits.
@@ -691,13 +701,18 @@ class Bucket:
     bandwidth_Bps
         Bytes/s the store serves at most to all nodes together (``inf``: each node is
         held by its own bandwidth only, as on S3).
+    stream_Bps
+        Bytes/s of one whole-object download (one connection); ``inf``: only the
+        node's bandwidth bounds a download (the ``http-object-store`` preset cites
+        85-90 MB/s per connection for S3).
     """
 
     gets_per_s: float = S3_GETS_PER_PREFIX
     bandwidth_Bps: float = math.inf
+    stream_Bps: float = math.inf
 
     def __post_init__(self) -> None:
-        for name in ("gets_per_s", "bandwidth_Bps"):
+        for name in ("gets_per_s", "bandwidth_Bps", "stream_Bps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
                 raise InputError(f"bucket {name}={v!r}: must be a number > 0")
@@ -774,16 +789,20 @@ def _downloads(
     return distinct + (touches - distinct) * (1.0 - hit), first_fetches
 
 
-def _download_s(profile: Profile, n: float, shard_bytes: float, ranks: int) -> float:
+def _download_s(profile: Profile, run: Run, n: float, shard_bytes: float) -> float:
     """Seconds a node takes to download ``n`` whole shards.
 
-    A request latency per shard, :data:`loader.cache.DOWNLOAD_THREADS` downloads in
-    flight per process, and the bytes at the node's bandwidth.
+    Each download is a request latency and the shard at one stream's speed, with
+    :data:`loader.cache.DOWNLOAD_THREADS` in flight per process; all of them together
+    at most the node's bandwidth (the profile's).
     """
     if n <= 0:
         return 0.0
-    in_flight = min(n, DOWNLOAD_THREADS * ranks)
-    return n * profile.latency_s / in_flight + n * shard_bytes / profile.effective_bandwidth
+    in_flight = min(n, DOWNLOAD_THREADS * run.ranks)
+    one = profile.latency_s + shard_bytes / run.bucket.stream_Bps
+    return max(
+        n * one / in_flight, profile.latency_s + n * shard_bytes / profile.effective_bandwidth
+    )
 
 
 def _bucket_limits(run: Run, *, gets_per_cell: float, bytes_per_cell: float) -> dict[str, float]:
@@ -836,8 +855,8 @@ def _run_with_cache(
     """
     n, head = _downloads(stats, run, n_obs=n_obs, files=files, store_bytes=store_bytes)
     shard_bytes = store_bytes / files
-    t_dl = _download_s(profile, n, shard_bytes, run.ranks)
-    t_head = _download_s(profile, head, shard_bytes, run.ranks)
+    t_dl = _download_s(profile, run, n, shard_bytes)
+    t_head = _download_s(profile, run, head, shard_bytes)
     t_reads = n_obs / run.nodes / (run.ranks * rank.cells_per_s)
     times = {f"cache reads ({rank.bound})": t_reads}
     if n > 0:
@@ -845,8 +864,9 @@ def _run_with_cache(
             "download": t_head + max(t_dl - t_head, 0.0),
             f"cache reads ({rank.bound})": t_head + t_reads,
         }
-    gets = run.nodes * n / n_obs
-    per_byte = gets * shard_bytes
+    small = CACHE_FIRST_GETS if run.epoch == 1 else CACHE_PASS_GETS
+    gets = run.nodes * (n + small) / n_obs
+    per_byte = run.nodes * n * shard_bytes / n_obs
     cells = {k: n_obs / t for k, t in times.items()}
     if n > 0:
         cells |= _bucket_limits(run, gets_per_cell=gets, bytes_per_cell=per_byte)
@@ -909,10 +929,11 @@ def predict_run_from_stats(
             rank, stats, run, profile=profile, n_obs=n_obs, files=files, store_bytes=store_bytes
         )
     # an epoch starts with the pipeline empty: the first fetch's reads, decoding and
-    # assembly one after the other; through the cache, after a GET of the root
-    # zarr.json (each pass checks the store's generation in the bucket)
+    # assembly one after the other; through the cache, after its small GETs in turn
     start = rank.t_io + rank.t_decode + rank.t_assembly + rank.t_overhead
-    start += profile.latency_s if run.cache else 0.0
+    if run.cache:
+        gets = CACHE_FIRST_GETS if run.epoch == 1 else CACHE_PASS_GETS
+        start += gets * profile.latency_s
     epoch_s = n_obs / out.cells_per_s + start
     return replace(out, cells_per_s=n_obs / epoch_s, epoch_s=epoch_s, start_s=start)
 
