@@ -41,17 +41,15 @@ N_OBS, FILES, STORE_BYTES = 1_000_000, 100, 1e9
 
 
 @pytest.fixture(scope="module")
-def profiles():
-    from tests.cost.conftest import _flat_profile
-
-    bucket = _flat_profile(
+def profiles(flat_profile):
+    bucket = flat_profile(
         name="bucket",
         kind="http",
         latency_s=0.02,
         concurrency=((1, 50.0), (64, 3200.0)),
         bandwidth_Bps=1e8,
     )
-    return bucket, _flat_profile(name="disk")
+    return bucket, flat_profile(name="disk")
 
 
 def _run(profile, disk, stats=STATS, **run):
