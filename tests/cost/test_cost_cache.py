@@ -165,3 +165,10 @@ def test_bad_runs_are_one_line_errors(profiles):
         Run(cache_limit="lots")
     with pytest.raises(InputError, match="gets_per_s"):
         Bucket(gets_per_s=0)
+
+
+def test_bench_takes_a_cache_profile_only_with_a_cache(
+    shared_store, run_cli, assert_one_line_error
+):
+    r = run_cli("bench", shared_store[1], "--cache-profile", "local-nvme", "--runs", "1")
+    assert_one_line_error(r, "--cache-profile", "--cache-dir")
