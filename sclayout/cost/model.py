@@ -53,6 +53,12 @@ predicts the same machine with ``N`` cores: the parts that divide (decode, the C
 bound) scale, while the assembly thread, the consumer and the main process's densify
 stay serial and become the bound on many cores.
 
+Epochs of several nodes reading a bucket, with or without the node cache
+(:class:`Run`, :func:`predict_run_from_stats`, ``predict(..., nodes=, epoch=,
+cache=)``): the steady state above per rank, a node held to its bandwidth, all nodes
+to the bucket's GET/s and bandwidth (:class:`Bucket`); through the cache, epoch 1
+downloads whole shards and later epochs read the local disk's profile.
+
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
 queued between workers and the training loop.
