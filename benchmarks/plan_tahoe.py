@@ -35,6 +35,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -149,50 +150,91 @@ def conversion(args, scale: dict, gzip_mb_s: float, gzip_ratio: float) -> list[d
     return out
 
 
-def training(args) -> list[dict]:
-    """Cells/s per rank, per node and for 1..64 nodes, local NVMe and object store."""
+def training(args, store_bytes: float) -> list[dict]:
+    """Cells/s of 1..64 nodes: local NVMe, and the object store without and with the cache.
+
+    The cost model prices a rank's fetches on a virtual layout of 200,000 cells and a
+    run of nodes on the whole store (:func:`sclayout.cost.model.predict_run_from_stats`:
+    ``store_bytes`` in shards of the converter's largest size, the per-prefix GET cap
+    of S3, each node held to the preset's bandwidth).
+    """
     from loader.spec import LoaderSettings, StoreSpec
-    from sclayout.cost.model import predict, virtual_layout
+    from sclayout.convert.plan import SHARD_BYTES_MAX
+    from sclayout.cost.model import (
+        Bucket,
+        Run,
+        predict_run_from_stats,
+        sample_fetch_stats,
+        store_codec,
+        virtual_layout,
+    )
     from sclayout.cost.profile import get_preset
 
     rng = np.random.default_rng(0)
     row_nnz = rng.poisson(TAHOE["nnz"] / TAHOE["cells"], 200_000)
     spec = StoreSpec(block_size=64, order="shuffled", codec="blosc-lz4")
     manifest, pointer = virtual_layout(row_nnz, n_vars=args.genes, spec=spec)
-    rows = []
-    for preset in ("local-nvme", "http-object-store"):
-        prof = get_preset(preset)
-        backend = "tensorstore"
-        settings = LoaderSettings(
-            batch_size=64, fetch_factor=16, num_workers=args.rank_workers, backend=backend
-        )
-        p = predict(manifest, pointer, settings=settings, profile=prof)
-        per_byte = p.read_bytes_per_fetch / p.rows_per_fetch
-        per_req = p.requests_per_fetch / p.rows_per_fetch
-        node_cpu = 8 * p.cells_per_s
-        node_bw = prof.bandwidth_Bps / per_byte
-        node = min(node_cpu, node_bw)
+    settings = LoaderSettings(
+        batch_size=64, fetch_factor=16, num_workers=args.rank_workers, backend="tensorstore"
+    )
+    stats = sample_fetch_stats(manifest, pointer, settings=settings)
+    nvme, bucket = get_preset("local-nvme"), get_preset("http-object-store")
+    store = {
+        "n_obs": TAHOE["cells"],
+        "files": math.ceil(store_bytes / SHARD_BYTES_MAX),
+        "store_bytes": store_bytes,
+    }
+    common = {"n_vars": args.genes, "codec": store_codec(manifest), "settings": settings}
+    cases = [("local-nvme", nvme, False, 1), ("http-object-store", bucket, False, 1)]
+    cases += [("http-object-store", bucket, True, e) for e in (1, 2)]
+    # the preset's citation: 85-90 MB/s per connection, 5,500 GET/s per prefix
+    rows, s3 = [], Bucket(S3_GET_PER_PREFIX, stream_Bps=87.5e6)
+    for preset, prof, cache, epoch in cases:
         for nodes in args.nodes:
-            total = nodes * node
-            cap = S3_GET_PER_PREFIX / per_req if preset == "http-object-store" else math.inf
-            bound = "rank CPU" if node_cpu <= node_bw else "node bandwidth"
-            if total > cap:
-                total, bound = cap, "object store GET/s per prefix"
+            run = Run(nodes=nodes, ranks=8, epoch=epoch, cache=cache, bucket=s3)
+            p = predict_run_from_stats(
+                stats, profile=prof, run=run, cache_profile=nvme, **common, **store
+            )
             rows.append(
                 {
                     "storage": preset,
+                    "cache": ("epoch 1" if epoch == 1 else "epoch 2+") if cache else "-",
                     "nodes": nodes,
-                    "rank_cells_per_s": p.cells_per_s,
-                    "rank_bound": p.bound,
-                    "node_cells_per_s": node,
-                    "cells_per_s": total,
-                    "bound": bound,
-                    "mb_per_cell": per_byte / 1e6,
-                    "gets_per_cell": per_req,
-                    "epoch_hours": TAHOE["cells"] / total / 3600,
+                    "rank_cells_per_s": p.rows_per_fetch / p.fetch_s,
+                    "cells_per_s": p.cells_per_s,
+                    "bound": p.bound,
+                    "gets_per_s": p.gets_per_cell * p.cells_per_s if prof.kind == "http" else 0.0,
+                    "gets_per_cell": p.gets_per_cell,
+                    "epoch_hours": p.epoch_s / 3600,
                 }
             )
     return rows
+
+
+def first_bound_by_the_store(args, store_bytes: float, most: int = 1 << 16) -> dict[str, Any]:
+    """The fewest nodes at which the object store (its GET/s or bandwidth) bounds each case.
+
+    Found by bisection over 1..``most`` nodes (the bound, once reached, stays).
+    """
+    out: dict[str, Any] = {}
+    for cache, epoch in ((False, 1), (True, 1), (True, 2)):
+
+        def capped(n: int, cache: bool = cache, epoch: int = epoch) -> bool:
+            args.nodes = [n]
+            rows = [r for r in training(args, store_bytes) if r["storage"] != "local-nvme"]
+            label = ("epoch 1" if epoch == 1 else "epoch 2+") if cache else "-"
+            return next(r for r in rows if r["cache"] == label)["bound"].startswith("bucket")
+
+        key = f"cache {'epoch ' + str(epoch) if cache else 'none'}"
+        if not capped(most):
+            out[key] = f"none up to {most:,}"
+            continue
+        lo, hi = 0, most
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if capped(mid) else (mid, hi)
+        out[key] = hi
+    return out
 
 
 def _table(rows: list[dict], cols: dict[str, str]) -> str:
@@ -219,10 +261,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", default="1,2,4,8,16,32,64")
     ap.add_argument("--gzip-source", type=Path, default=None, help="h5ad for the gzip timing")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--training-only", action="store_true", help="print the training table")
     args = ap.parse_args(argv)
     args.workers = [int(x) for x in args.workers.split(",")]
     args.nodes = [int(x) for x in args.nodes.split(",")]
     scale = _scale_inputs(args.scale)
+    store_bytes = scale["store_bytes_per_nnz"] * TAHOE["nnz"]
+    train = training(args, store_bytes)
+    first = first_bound_by_the_store(args, store_bytes)
+    if args.training_only:
+        _print_training(train, first)
+        return 0
     gz_src = args.gzip_source
     if gz_src is None:
         from sclayout.testing.datasets import cached_tahoe_like
@@ -230,7 +279,6 @@ def main(argv: list[str] | None = None) -> int:
         gz_src = cached_tahoe_like(n_obs=200_000, nnz_per_cell=250, sampler="sparse")
     gzip_mb_s, gzip_ratio = _gzip_mb_s(gz_src)
     conv = conversion(args, scale, gzip_mb_s, gzip_ratio)
-    train = training(args)
     print(
         f"inputs: convert {scale['mb_per_cpu_s']:.0f} MB per CPU-s and "
         f"{scale['store_bytes_per_nnz']:.2f} store bytes per non-zero at "
@@ -255,25 +303,30 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print()
-    print(
-        _table(
-            train,
-            {
-                "storage": "storage",
-                "nodes": "nodes",
-                "rank_cells_per_s": "cells/s per rank",
-                "rank_bound": "rank bound",
-                "node_cells_per_s": "cells/s per node",
-                "cells_per_s": "cells/s total",
-                "bound": "bound",
-                "epoch_hours": "epoch hours",
-            },
-        )
-    )
+    _print_training(train, first)
     if args.json:
         payload = {"inputs": {**scale, "gzip_mb_s": gzip_mb_s}, "conversion": conv}
-        args.json.write_text(json.dumps({**payload, "training": train}, indent=2) + "\n")
+        payload |= {"training": train, "object_store_bounds_from_nodes": first}
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
     return 0
+
+
+def _print_training(train: list[dict], first: dict[str, Any]) -> None:
+    """Print the training table and the nodes at which the object store bounds each case."""
+    cols = {
+        "storage": "storage",
+        "cache": "node cache",
+        "nodes": "nodes",
+        "rank_cells_per_s": "cells/s per rank",
+        "cells_per_s": "cells/s total",
+        "bound": "bound",
+        "gets_per_s": "GET/s at the bucket",
+        "epoch_hours": "epoch hours",
+    }
+    print(_table(train, cols))
+    print()
+    for case, nodes in first.items():
+        print(f"- object store, {case}: its GET/s or bandwidth bounds the run from {nodes} nodes")
 
 
 if __name__ == "__main__":

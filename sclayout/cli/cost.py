@@ -677,6 +677,13 @@ def _space(
 @click.option(
     "--cache-limit", default=None, metavar="BYTES", help="Most the cache may hold (e.g. 200GB)."
 )
+@click.option(
+    "--cache-profile",
+    default=None,
+    metavar="FILE|PRESET",
+    help="With --cache-dir: the cache disk's profile; the prediction is then of reads from "
+    "the warm cache [of reads from SOURCE].",
+)
 @json_option
 @quiet_option
 def bench_command(
@@ -692,6 +699,7 @@ def bench_command(
     warm: bool,
     cache_dir: str | None,
     cache_limit: str | None,
+    cache_profile: str | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
@@ -707,7 +715,12 @@ def bench_command(
         require("torch", "torch", f"--workers {workers}")
     tidy_stale(source)
     reader = open_layout(source, block_size=block_size)
-    prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
+    if cache_profile is not None and cache_dir is None:
+        raise _input_error("--cache-profile: only with --cache-dir (the profile of its disk)")
+    if cache_profile is not None:  # the runs read the cache once it holds the store
+        prof, note = _resolve_profile(cache_profile, cache_dir, quiet=True)
+    else:
+        prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
     settings, pred, pred_div = _bench_prediction(
         reader, prof, batch_size=batch_size, fetch_factor=fetch_factor, workers=workers, label=label
     )

@@ -53,6 +53,12 @@ predicts the same machine with ``N`` cores: the parts that divide (decode, the C
 bound) scale, while the assembly thread, the consumer and the main process's densify
 stay serial and become the bound on many cores.
 
+Epochs of several nodes reading a bucket, with or without the node cache
+(:class:`Run`, :func:`predict_run_from_stats`, ``predict(..., nodes=, epoch=,
+cache=)``): the steady state above per rank, a node held to its bandwidth, all nodes
+to the bucket's GET/s and bandwidth (:class:`Bucket`); through the cache, epoch 1
+downloads whole shards and later epochs read the local disk's profile.
+
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
 queued between workers and the training loop.
@@ -60,12 +66,14 @@ queued between workers and the training loop.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import math
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from loader.argtypes import typechecked
+from loader.cache import DOWNLOAD_THREADS, parse_cache_limit
 from loader.cores import split_cores
 from loader.dataset import DEFAULT_PREFETCH
 from loader.errors import InputError
@@ -79,12 +87,16 @@ __all__ = [
     "BACKEND_IN_FLIGHT",
     "CACHE_BYTES",
     "CONTENTION_P",
+    "S3_GETS_PER_PREFIX",
+    "Bucket",
     "FetchStats",
     "ModelOptions",
     "Prediction",
+    "Run",
     "decode_threads_for",
     "predict",
     "predict_from_stats",
+    "predict_run_from_stats",
     "sample_fetch_stats",
     "virtual_layout",
 ]
@@ -180,6 +192,17 @@ class FetchStats:
     """Of ``bytes_read``: the row pointers' bytes."""
     pointer_array_bytes: float = 0.0
     """Decoded bytes of the whole ``indptr`` and ``source_index`` arrays."""
+    shards: float = 0.0
+    """Distinct shard files (objects) of the matrix a fetch touches: what the node cache
+    stages for it."""
+    matrix_bytes: float = 0.0
+    """Decoded bytes of the whole matrix (its arrays, ``source_index`` beside ``indptr``)."""
+    matrix_chunks: float = 0.0
+    """Inner chunks of the whole matrix (counted as ``matrix_bytes``)."""
+    chunks_per_block: float = 0.0
+    """Inner chunks of ``data`` (or of dense rows) one block spans, as the reader counts
+    them (:meth:`loader.store.LayoutReader.chunks_per_block`)."""
+    n_obs: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -199,6 +222,22 @@ class Prediction:
     overread: float
     peak_memory: int
     workers: int
+    nodes: int = 1
+    """With :class:`Run` pricing: the nodes reading together (``cells_per_s`` is all of
+    theirs; the times and per-fetch figures above are one rank's)."""
+    epoch: int = 0
+    """The epoch priced (0: the steady state of one process, no :class:`Run`)."""
+    cache: bool = False
+    gets_per_cell: float = 0.0
+    """GETs sent to the bucket per cell read, all nodes together."""
+    bucket_bytes_per_cell: float = 0.0
+    """Bytes downloaded from the bucket per cell read, all nodes together."""
+    download_s: float = 0.0
+    """A node's downloads into its cache in the epoch, seconds (cache only)."""
+    epoch_s: float = 0.0
+    """Wall time of the epoch on all nodes (``n_obs / cells_per_s``)."""
+    start_s: float = 0.0
+    """Of ``epoch_s``: the epoch's start, before its fetches overlap."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the prediction as a JSON-ready dict."""
@@ -313,7 +352,7 @@ def sample_fetch_stats(
     rng = np.random.default_rng(np.random.SeedSequence([options.seed, 7]))
     fetches = fetch_blocks(n_blocks, k, options.sample_fetches, rng)
     rows, nnz, req, chunks, reads, need, read = ([] for _ in range(7))
-    p_reads, p_chunks, p_bytes = [], [], []
+    p_reads, p_chunks, p_bytes, shards = [], [], [], []
     for blocks in fetches:
         plan = plan_fetch(
             blocks,
@@ -342,6 +381,7 @@ def sample_fetch_stats(
         p_bytes.append(2 * ptr_bytes)
         chunks.append(plan["n_chunks"] + ptr_chunks)
         reads.append(plan["n_requests"] + len(ptr))
+        shards.append(_shards_touched(plan["reads"], layout))
         req.append(chunks[-1] if options.requests == "chunks" else reads[-1])
         need.append(plan["bytes_needed"] + plan["n_rows"] * 8)
         read.append(plan["bytes_read"] + ptr_bytes)
@@ -360,7 +400,72 @@ def sample_fetch_stats(
         pointer_chunks=float(np.mean(p_chunks)) if layout.is_csr else 0.0,
         pointer_bytes_read=float(np.mean(p_bytes)) if layout.is_csr else 0.0,
         pointer_array_bytes=float((2 * manifest.n_obs + 1) * 8) if layout.is_csr else 0.0,
+        shards=float(np.mean(shards)),
+        **_matrix_totals(manifest, matrix),
     )
+
+
+def _matrix_totals(manifest: Manifest, matrix: str) -> dict[str, float]:
+    """Return the whole matrix's decoded bytes and inner chunks, and the chunks a block spans."""
+    layout = manifest.matrices[matrix]
+    nbytes = chunks = 0.0
+    for name, a in layout.arrays.items():
+        times = 2 if name == "indptr" else 1
+        nbytes += times * float(np.prod(a.shape, dtype=np.float64)) * np.dtype(a.dtype).itemsize
+        chunks += times * float(
+            np.prod([-(-n // c) for n, c in zip(a.shape, a.chunks, strict=True)])
+        )
+    if layout.is_csr:
+        per_block = layout.nnz / max(1, manifest.n_obs) * manifest.block_size
+        span = per_block / layout.arrays["data"].chunks[0]
+    else:
+        span = manifest.block_size / layout.arrays["values"].chunks[0]
+    return {
+        "matrix_bytes": nbytes,
+        "matrix_chunks": chunks,
+        "chunks_per_block": span,
+        "n_obs": float(manifest.n_obs),
+    }
+
+
+def _shard_rows(a: ArrayLayout) -> tuple[int, int]:
+    """Elements along the first axis per shard file of ``a``, and files across the others."""
+    per_file = a.shards or a.chunks
+    across = 1
+    for n, s in zip(a.shape[1:], per_file[1:], strict=True):
+        across *= -(-n // s)
+    return per_file[0], across
+
+
+def _shards_touched(reads: list[Any], layout: MatrixLayout) -> int:
+    """Distinct shard files of the matrix that a fetch's planned reads fall in.
+
+    ``source_index`` is read at ``indptr``'s rows and is sharded like it: its files
+    count once more.
+    """
+    files: set[tuple[str, int]] = set()
+    for rr in reads:
+        per, _ = _shard_rows(layout.arrays[rr.array])
+        files.update((rr.array, i) for i in range(rr.start // per, (rr.stop - 1) // per + 1))
+    return sum(
+        _shard_rows(layout.arrays[name])[1] * (2 if name == "indptr" else 1) for name, _ in files
+    )
+
+
+def store_files(manifest: Manifest, profile: Profile, matrix: str = "X") -> tuple[int, float]:
+    """Shard files of the matrix and their bytes on storage (the profile's codec ratios).
+
+    What a node cache downloads to hold the whole matrix (``source_index`` counted as a
+    second ``indptr``).
+    """
+    files, nbytes = 0, 0.0
+    for name, a in manifest.matrices[matrix].arrays.items():
+        per, across = _shard_rows(a)
+        times = 2 if name == "indptr" else 1
+        files += times * across * -(-a.shape[0] // per)
+        n = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        nbytes += times * n / profile.codec(a.codec).ratio
+    return files, nbytes
 
 
 @dataclass(frozen=True)
@@ -404,7 +509,14 @@ def _fetch_times(
     """Storage and CPU times of one fetch (see the module docstring's terms)."""
     backend = settings.backend
     R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
-    if pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
+    if matrix_cached(stats, backend=backend, codec=codec, profile=profile):
+        # each chunk is requested once an epoch, then served from the chunk cache: a
+        # fetch's share of the whole matrix's chunks, its requests in proportion
+        share = stats.rows / max(stats.n_obs, 1.0)
+        once = min(1.0, stats.matrix_chunks * share / max(stats.chunks, 1.0))
+        R, n_chunks = R * once, n_chunks * once
+        bytes_read = min(bytes_read, stats.matrix_bytes * share)
+    elif pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
         # read once, then served from tensorstore's chunk cache: no request per fetch
         R -= stats.pointer_chunks if options.requests == "chunks" else stats.pointer_reads
         n_chunks -= stats.pointer_chunks
@@ -568,6 +680,289 @@ def predict_from_stats(
     )
 
 
+S3_GETS_PER_PREFIX = 5_500.0
+"""GET requests per second Amazon S3 serves per prefix of a bucket (AWS's documented
+figure, "Best practices design patterns: optimizing Amazon S3 performance"); all shards
+of one zarr array share a prefix (``X/data/c/``)."""
+
+
+CACHE_FIRST_GETS = 14
+"""Small GETs a process makes one after the other when it first reads a store through
+an empty node cache: the root, group and array ``zarr.json`` files it stages, the block
+pointer and a listing (counted on the loopback S3 server for a CSR store, beside its 4
+shard downloads)."""
+CACHE_PASS_GETS = 2
+"""GETs of the root ``zarr.json`` at the start of a pass through a warm cache (the
+generation check; counted on the loopback S3 server)."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """What the nodes reading one store share: its object store's limits.
+
+    Parameters
+    ----------
+    gets_per_s
+        GET requests/s the store's prefix serves at most, to all nodes together.
+    bandwidth_Bps
+        Bytes/s the store serves at most to all nodes together (``inf``: each node is
+        held by its own bandwidth only, as on S3).
+    stream_Bps
+        Bytes/s of one whole-object download (one connection); ``inf``: only the
+        node's bandwidth bounds a download (the ``http-object-store`` preset cites
+        85-90 MB/s per connection for S3).
+    """
+
+    gets_per_s: float = S3_GETS_PER_PREFIX
+    bandwidth_Bps: float = math.inf
+    stream_Bps: float = math.inf
+
+    def __post_init__(self) -> None:
+        for name in ("gets_per_s", "bandwidth_Bps", "stream_Bps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not v > 0:
+                raise InputError(f"bucket {name}={v!r}: must be a number > 0")
+
+
+@dataclass(frozen=True)
+class Run:
+    """How a remote store is read: by how many nodes, which epoch, with the node cache.
+
+    Parameters
+    ----------
+    nodes
+        Nodes reading the store together, each its share of every epoch.
+    ranks
+        Processes per node (each with the loader settings); they share the node's
+        bandwidth and its cache.
+    epoch
+        1: the cache is empty (every shard a node touches is downloaded); 2 or later:
+        it holds what epoch 1 left (all of the store when it fits ``cache_limit``).
+    cache
+        Whether the nodes read through the node cache (``BlockDataset(cache_dir=...)``).
+    cache_limit
+        Bytes (or ``"500GB"``) the cache may hold (``None``: no limit).
+    bucket
+        The object store's shared limits.
+    """
+
+    nodes: int = 1
+    ranks: int = 1
+    epoch: int = 1
+    cache: bool = False
+    cache_limit: int | str | None = None
+    bucket: Bucket = Bucket()
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks", "epoch"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InputError(f"{name}={v!r}: give a whole number >= 1")
+        object.__setattr__(self, "cache_limit", parse_cache_limit(self.cache_limit))
+
+
+def _cache_hit_share(run: Run, store_bytes: float) -> float:
+    """Share of a warm cache's touches that find their shard there.
+
+    The shards a cache within ``cache_limit`` holds are the least recently used
+    ones' complement; a fetch's blocks are drawn at random over the store, so a touch
+    finds its shard with the chance that the cache holds it: ``limit / store``.
+    """
+    if run.cache_limit is None or run.cache_limit >= store_bytes:
+        return 1.0
+    return run.cache_limit / store_bytes
+
+
+def _downloads(
+    stats: FetchStats, run: Run, *, n_obs: int, files: int, store_bytes: float
+) -> tuple[float, float]:
+    """Shard downloads of one node in the epoch, and those its first fetches wait for.
+
+    Epoch 1: the first touch of each shard (the distinct shards of the node's touches),
+    and later touches that miss a cache too small to keep them; later epochs: the
+    touches that miss.
+    """
+    hit = _cache_hit_share(run, store_bytes)
+    fetches = n_obs / run.nodes / max(stats.rows, 1.0)
+    touches = fetches * stats.shards
+    first_fetches = min(float(files), run.ranks * stats.shards)
+    if run.epoch > 1:
+        return touches * (1.0 - hit), first_fetches * (1.0 - hit)
+    # a fetch touches ``shards`` of the ``files`` at random: a file escapes all the
+    # node's fetches with the chance (1 - shards / files) ** fetches
+    share = min(stats.shards / max(files, 1), 1.0)
+    distinct = files * (1.0 - (1.0 - share) ** fetches)
+    return distinct + (touches - distinct) * (1.0 - hit), first_fetches
+
+
+def _download_s(profile: Profile, run: Run, n: float, shard_bytes: float) -> float:
+    """Seconds a node takes to download ``n`` whole shards.
+
+    Each download is a request latency and the shard at one stream's speed, with
+    :data:`loader.cache.DOWNLOAD_THREADS` in flight per process; all of them together
+    at most the node's bandwidth (the profile's).
+    """
+    if n <= 0:
+        return 0.0
+    in_flight = min(n, DOWNLOAD_THREADS * run.ranks)
+    one = profile.latency_s + shard_bytes / run.bucket.stream_Bps
+    return max(
+        n * one / in_flight, profile.latency_s + n * shard_bytes / profile.effective_bandwidth
+    )
+
+
+def _bucket_limits(run: Run, *, gets_per_cell: float, bytes_per_cell: float) -> dict[str, float]:
+    """Return the shared store's bounds on all nodes' cells/s: its GET/s and bandwidth."""
+    return {
+        "bucket GET/s": run.bucket.gets_per_s / max(gets_per_cell, 1e-300),
+        "bucket bandwidth": run.bucket.bandwidth_Bps / max(bytes_per_cell, 1e-300),
+    }
+
+
+def _run_without_cache(rank: Prediction, run: Run, profile: Profile) -> Prediction:
+    """All nodes reading the bucket directly: ranged GETs every epoch."""
+    gets = rank.requests_per_fetch / rank.rows_per_fetch
+    per_byte = rank.read_bytes_per_fetch / rank.rows_per_fetch
+    node = {
+        f"rank {rank.bound}": run.ranks * rank.cells_per_s,
+        "node bandwidth": profile.effective_bandwidth / max(per_byte, 1e-300),
+    }
+    bound = min(node, key=lambda k: node[k])
+    limits = {bound: run.nodes * node[bound]}
+    if profile.kind == "http":  # a local profile: every node reads its own copy
+        limits |= _bucket_limits(run, gets_per_cell=gets, bytes_per_cell=per_byte)
+    bound = min(limits, key=lambda k: limits[k])
+    return replace(
+        rank,
+        cells_per_s=limits[bound],
+        bound=bound,
+        nodes=run.nodes,
+        epoch=run.epoch,
+        gets_per_cell=gets,
+        bucket_bytes_per_cell=per_byte,
+    )
+
+
+def _run_with_cache(
+    rank: Prediction,
+    stats: FetchStats,
+    run: Run,
+    *,
+    profile: Profile,
+    n_obs: int,
+    files: int,
+    store_bytes: float,
+) -> Prediction:
+    """All nodes reading through their node caches (``rank``: a rank reading the cache).
+
+    A node's epoch: its first fetches wait for their shards; the rest of its downloads
+    overlap its reads of the cache, so it takes the longer of the two after that.
+    The bucket serves every node's downloads within its GET/s and bandwidth.
+    """
+    n, head = _downloads(stats, run, n_obs=n_obs, files=files, store_bytes=store_bytes)
+    shard_bytes = store_bytes / files
+    t_dl = _download_s(profile, run, n, shard_bytes)
+    t_head = _download_s(profile, run, head, shard_bytes)
+    t_reads = n_obs / run.nodes / (run.ranks * rank.cells_per_s)
+    times = {f"cache reads ({rank.bound})": t_reads}
+    if n > 0:
+        times = {
+            "download": t_head + max(t_dl - t_head, 0.0),
+            f"cache reads ({rank.bound})": t_head + t_reads,
+        }
+    small = CACHE_FIRST_GETS if run.epoch == 1 else CACHE_PASS_GETS
+    gets = run.nodes * (n + small) / n_obs
+    per_byte = run.nodes * n * shard_bytes / n_obs
+    cells = {k: n_obs / t for k, t in times.items()}
+    if n > 0:
+        cells |= _bucket_limits(run, gets_per_cell=gets, bytes_per_cell=per_byte)
+    bound = min(cells, key=lambda k: cells[k])
+    return replace(
+        rank,
+        cells_per_s=cells[bound],
+        bound=bound,
+        nodes=run.nodes,
+        epoch=run.epoch,
+        cache=True,
+        gets_per_cell=gets,
+        bucket_bytes_per_cell=per_byte,
+        download_s=t_dl,
+    )
+
+
+def predict_run_from_stats(
+    stats: FetchStats,
+    *,
+    n_vars: int,
+    codec: str,
+    settings: LoaderSettings,
+    profile: Profile,
+    run: Run,
+    n_obs: int,
+    files: int,
+    store_bytes: float,
+    cache_profile: Profile | None = None,
+    options: ModelOptions = ModelOptions(),
+    cores: int | None = None,
+) -> Prediction:
+    """Price an epoch of ``run``'s nodes reading a store from ``profile``'s storage.
+
+    Without the cache each rank reads the bucket as :func:`predict_from_stats` prices
+    it, a node is held to its bandwidth, and all nodes to the bucket's GET/s and
+    bandwidth. With it, each rank reads the node's cache at ``cache_profile``'s
+    figures (the local disk), and the node downloads whole shards (``files`` of the
+    store, ``store_bytes`` in all) as the epoch first touches them or a cache smaller
+    than the store misses them. ``cells_per_s`` is all nodes' together.
+    """
+    common = {"n_vars": n_vars, "codec": codec, "settings": settings}
+    common |= {"options": options, "cores": cores}
+    if not run.cache:
+        rank = predict_from_stats(stats, profile=profile, **common)
+        out = _run_without_cache(rank, run, profile)
+    else:
+        if cache_profile is None or cache_profile.kind != "local":
+            raise InputError(
+                "cache=True: give cache_profile= the profile of the node's local disk "
+                "(a local one: a preset such as local-nvme, or `sclayout calibrate DIR`)"
+            )
+        if profile.kind == "local":
+            raise InputError(
+                f"cache=True: profile {profile.name!r} is a local disk; the node cache "
+                "stages a remote store: give the bucket's profile"
+            )
+        rank = predict_from_stats(stats, profile=cache_profile, **common)
+        out = _run_with_cache(
+            rank, stats, run, profile=profile, n_obs=n_obs, files=files, store_bytes=store_bytes
+        )
+    # an epoch starts with the pipeline empty: the first fetch's reads, decoding and
+    # assembly one after the other; through the cache, after its small GETs in turn
+    start = rank.t_io + rank.t_decode + rank.t_assembly + rank.t_overhead
+    if run.cache:
+        gets = CACHE_FIRST_GETS if run.epoch == 1 else CACHE_PASS_GETS
+        start += gets * profile.latency_s
+    epoch_s = n_obs / out.cells_per_s + start
+    return replace(out, cells_per_s=n_obs / epoch_s, epoch_s=epoch_s, start_s=start)
+
+
+def matrix_cached(stats: FetchStats, *, backend: str, codec: str, profile: Profile) -> bool:
+    """Whether the whole matrix fits in tensorstore's chunk cache of a process.
+
+    Read through tensorstore (a remote store), a matrix whose decoded arrays fit in
+    :data:`CACHE_BYTES` has each inner chunk requested once an epoch: the chunks a
+    fetch shares with later ones are served from the cache. The reader turns the
+    cache off for blocks spanning ``TensorstoreSettings.LARGE_READ_CHUNKS`` chunks or
+    more (:meth:`loader.store.LayoutReader.chunks_per_block`). Small stores (tests,
+    benchmarks on loopback) are read so; an atlas is not.
+    """
+    from loader.backends import TensorstoreSettings
+
+    if backend != "tensorstore" or _direct_reads(backend, codec, profile):
+        return False
+    if stats.chunks_per_block >= TensorstoreSettings.LARGE_READ_CHUNKS:
+        return False
+    return 0 < stats.matrix_bytes <= CACHE_BYTES
+
+
 def pointers_cached(
     stats: FetchStats, *, backend: str, codec: str, profile: Profile, options: ModelOptions
 ) -> bool:
@@ -686,6 +1081,13 @@ def predict(
     options: ModelOptions = ModelOptions(),
     matrix: str = "X",
     cores: int | None = None,
+    nodes: int | None = None,
+    epoch: int | None = None,
+    cache: bool = False,
+    cache_limit: int | str | None = None,
+    cache_profile: Profile | None = None,
+    ranks: int = 1,
+    bucket: Bucket | None = None,
 ) -> Prediction:
     """Predicted throughput of reading ``manifest``'s store with ``settings``.
 
@@ -702,6 +1104,11 @@ def predict(
     cores
         Predict for the profile's machine with this many cores (default: the cores
         it was calibrated with).
+    nodes, epoch, cache, cache_limit, cache_profile, ranks, bucket
+        Price an epoch of ``nodes`` nodes (``ranks`` processes each) reading the store
+        from ``profile``'s bucket, with or without the node cache (:class:`Run`,
+        :func:`predict_run_from_stats`); ``cache_profile``: the local disk the cache
+        is on. Without any of them: one process's steady state.
     """
     stats = sample_fetch_stats(
         manifest,
@@ -710,6 +1117,30 @@ def predict(
         options=options,
         matrix=matrix,
     )
+    if nodes is not None or epoch is not None or cache or bucket is not None:
+        run = Run(
+            nodes=nodes or 1,
+            ranks=ranks,
+            epoch=epoch or 1,
+            cache=cache,
+            cache_limit=cache_limit,
+            bucket=bucket or Bucket(),
+        )
+        files, nbytes = store_files(manifest, profile, matrix)
+        return predict_run_from_stats(
+            stats,
+            n_vars=manifest.n_vars,
+            codec=store_codec(manifest, matrix),
+            settings=settings,
+            profile=profile,
+            run=run,
+            n_obs=manifest.n_obs,
+            files=files,
+            store_bytes=nbytes,
+            cache_profile=cache_profile,
+            options=options,
+            cores=cores,
+        )
     return predict_from_stats(
         stats,
         n_vars=manifest.n_vars,

@@ -421,8 +421,10 @@ def test_sample_fetch_stats_counts_the_row_pointers_reads(shared_store):
     reader = open_layout(shared_store[1])
     settings = LoaderSettings(batch_size=16, fetch_factor=4, backend="tensorstore")
     s = sample_fetch_stats(reader.manifest, reader.block_pointer, settings=settings)
-    # indptr's reads are the plan's, source_index's the same again (a mean over fetches:
-    # even in each fetch, not necessarily on average)
-    assert 0 < s.pointer_reads < s.reads
+    # indptr's reads are the plan's, source_index's the same again: an even count in
+    # every fetch, so an even sum over the sampled fetches (the figure is their mean)
+    total = s.pointer_reads * ModelOptions().sample_fetches
+    assert 0 < s.pointer_reads < s.reads and total == pytest.approx(round(total))
+    assert round(total) % 2 == 0
     assert 0 < s.pointer_chunks < s.chunks and 0 < s.pointer_bytes_read < s.bytes_read
     assert s.pointer_array_bytes == (2 * reader.n_obs + 1) * 8
