@@ -67,6 +67,7 @@ class BucketStore(Store):
         self.bytes_read = 0
         self._kv: Any = None
         self._keys: list[str] | None = None
+        self._meta: dict[str, bytes] = {}  # zarr.json objects, read once
         self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
@@ -106,6 +107,8 @@ class BucketStore(Store):
 
     def read_now(self, key: str, byte_range: slice | None = None) -> bytes | None:
         """Return the bytes of ``key`` (a range of them), or ``None``: no such object."""
+        if byte_range is None and key in self._meta:
+            return self._meta[key]
         try:
             got = self.kvstore().read(key, byte_range=byte_range).result()
         except ValueError as e:
@@ -113,6 +116,8 @@ class BucketStore(Store):
         if got.state != "value":
             return None
         self.bytes_read += len(got.value)
+        if byte_range is None and key.endswith("zarr.json"):
+            self._meta[key] = bytes(got.value)
         return bytes(got.value)
 
     def keys(self) -> list[str]:
@@ -135,6 +140,7 @@ class BucketStore(Store):
     async def get(
         self, key: str, prototype: Any, byte_range: ByteRequest | None = None
     ) -> Any | None:
+        """Return object ``key`` (a byte range of it: one ranged GET), or ``None``."""
         if byte_range is None:
             rng = None
         elif isinstance(byte_range, RangeByteRequest):
@@ -145,6 +151,11 @@ class BucketStore(Store):
             rng = slice(-byte_range.suffix, None)
         else:  # pragma: no cover - zarr's three kinds above
             raise TypeError(f"unknown byte range {byte_range!r}")
+        if key.endswith("zarr.json") and rng is None:
+            if key not in self._meta and not await self.exists(key):
+                return None  # zarr asks for metadata that is not there: no request
+            raw = self.read_now(key)
+            return None if raw is None else prototype.buffer.from_bytes(raw)
         try:
             got = await self.kvstore().read(key, byte_range=rng)
         except ValueError as e:
@@ -155,27 +166,34 @@ class BucketStore(Store):
         return prototype.buffer.from_bytes(bytes(got.value))
 
     async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list[Any | None]:
+        """Return each ``(key, byte range)`` of ``key_ranges``."""
         return [await self.get(k, prototype, r) for k, r in key_ranges]
 
     async def exists(self, key: str) -> bool:
+        """Return whether object ``key`` is listed."""
         i = bisect.bisect_left(self.keys(), key)
         return i < len(self.keys()) and self.keys()[i] == key
 
     async def set(self, key: str, value: Any) -> None:
+        """Refuse: the checks never write."""
         raise NotImplementedError("the checks only read")
 
     async def delete(self, key: str) -> None:
+        """Refuse: the checks never write."""
         raise NotImplementedError("the checks only read")
 
     async def list(self) -> Any:
+        """Yield every key."""
         for key in self.keys():
             yield key
 
     async def list_prefix(self, prefix: str) -> Any:
+        """Yield the keys that start with ``prefix``."""
         for key in self.under(prefix):
             yield key
 
     async def list_dir(self, prefix: str) -> Any:
+        """Yield the names right below ``prefix`` (objects and folders)."""
         prefix = prefix.rstrip("/") + "/" if prefix else ""
         seen = set()
         for key in self.under(prefix):
@@ -225,7 +243,7 @@ class _Sharding:
             self.at_end = conf.get("index_location", "end") == "end"
 
     def key(self, ids: tuple[int, ...]) -> str:
-        """The key of grid cell ``ids`` (a shard, or a chunk of an unsharded array)."""
+        """Return the key of grid cell ``ids`` (a shard, or a chunk of an unsharded array)."""
         return self.prefix + self.sep.join(map(str, ids)) if ids else self.prefix.rstrip(self.sep)
 
     def cells(self) -> list[tuple[int, ...]]:
@@ -255,16 +273,19 @@ class BucketPlace:
         self._scans: dict[str, _Scan] = {}
 
     def open_group(self) -> Any:
+        """Return the store's root group, read-only."""
         import zarr
 
-        return zarr.open_group(store=self.store, mode="r", use_consolidated=False)
+        return zarr.open_group(store=self.store, mode="r", use_consolidated=False, zarr_format=3)
 
     def open_array(self, path: str) -> Any:
+        """Return array ``path`` of the store, read-only."""
         import zarr
 
-        return zarr.open_array(store=self.store, path=path, mode="r")
+        return zarr.open_array(store=self.store, path=path, mode="r", zarr_format=3)
 
     def has(self, path: str) -> bool:
+        """Return whether the store holds node ``path``."""
         return bool(self.store.under(f"{path}/zarr.json"))
 
     def array_paths(self) -> list[str]:
@@ -353,7 +374,7 @@ class BucketPlace:
             scan.stored += end + (size if layout.at_end else 0)
 
     def shard_findings(self, path: str, all_chunks_stored: bool) -> list[str]:
-        """Findings of the shard indexes of array ``path``, one line each."""
+        """Return the findings of array ``path``'s shard indexes, one line each."""
         scan = self.scan(path)
         if scan.error is not None:
             return [scan.error]
@@ -362,7 +383,7 @@ class BucketPlace:
         return []
 
     def missing(self, path: str) -> str | None:
-        """The first chunk of array ``path`` that is not stored (``"chunk N"``), or ``None``."""
+        """Return the first chunk of array ``path`` not stored (``"chunk N"``), or ``None``."""
         return self.scan(path).first_missing
 
     def tree_bytes(self, path: str) -> tuple[int, int | None]:
@@ -384,16 +405,19 @@ class LocalPlace:
         self.store: Any = None
 
     def open_group(self) -> Any:
+        """Return the store's root group, read-only."""
         import zarr
 
         return zarr.open_group(str(self.location), mode="r", use_consolidated=False)
 
     def open_array(self, path: str) -> Any:
+        """Return array ``path`` of the store, read-only."""
         import zarr
 
         return zarr.open_array(str(self.location / path), mode="r")
 
     def has(self, path: str) -> bool:
+        """Return whether the store holds node ``path``."""
         return (self.location / path).is_dir()
 
     def array_paths(self) -> list[str]:
@@ -444,6 +468,7 @@ class LocalPlace:
             return [str(e)]
 
     def missing(self, path: str) -> str | None:
+        """Return the first chunk of array ``path`` not stored (``"chunk N"``), or ``None``."""
         from loader.engine.shards import missing_chunk
 
         return missing_chunk(str(self.location), path)

@@ -36,8 +36,8 @@ __all__ = ["MAX_FINDINGS", "StoreReport", "check_store"]
 MAX_FINDINGS = 50
 """Finding lines kept in a report; the rest are only counted."""
 SLICE_BYTES = 64 * 2**20
-"""Decoded bytes read per slice of an array: large sequential reads (disk speed),
-bounded memory."""
+"""Decoded bytes read per slice of an array (whole shards, at least one): large
+sequential reads (disk speed, one request per shard from a bucket), bounded memory."""
 
 
 @dataclass
@@ -159,7 +159,11 @@ def _read_slices(
     n = int(arr.shape[0]) if arr.shape else 1
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * np.dtype(arr.dtype).itemsize or 1
     chunk = int(arr.chunks[0]) if arr.chunks else 1
-    step = max(chunk, SLICE_BYTES // max(row, 1) // chunk * chunk)
+    # whole shards: zarr reads a shard read whole in one request, a part of one by one
+    # request per inner chunk (one after the other: slow from a bucket)
+    shards = getattr(arr, "shards", None)
+    unit = int(shards[0]) if shards else chunk
+    step = max(unit, SLICE_BYTES // max(row, 1) // unit * unit)
     if not arr.shape:
         yield 0, np.asarray(arr[...])
         return
