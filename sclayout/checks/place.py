@@ -257,6 +257,8 @@ class _Scan:
 
     def __init__(self) -> None:
         self.first_missing: str | None = None
+        self.missing_key = ""
+        """The object that lacks the first missing chunk (or should hold it)."""
         self.error: str | None = None
         self.stored: int | None = 0
         self.files = 0
@@ -348,7 +350,7 @@ class BucketPlace:
             first = shard * per
             if key not in keys:
                 if scan.first_missing is None and first < n_chunks:
-                    scan.first_missing = f"chunk {first}"
+                    scan.first_missing, scan.missing_key = f"chunk {first}", key
                 continue
             where = f"store {self.root}, array {path} (shard {shard})"
             raw = self.store.read_now(key, slice(-size, None) if layout.at_end else slice(0, size))
@@ -368,6 +370,7 @@ class BucketPlace:
             absent = np.flatnonzero(index[: max(0, n_chunks - first), 0] == _MISSING)
             if absent.size and scan.first_missing is None:
                 scan.first_missing = f"chunk {first + int(absent[0])}"
+                scan.missing_key = key
             stored = index[index[:, 0] != _MISSING]
             end = int((stored[:, 0] + stored[:, 1]).max()) if stored.size else 0
             assert scan.stored is not None
@@ -379,7 +382,8 @@ class BucketPlace:
         if scan.error is not None:
             return [scan.error]
         if scan.first_missing is not None and all_chunks_stored:
-            return [f"array {path}: {scan.first_missing} is missing"]
+            where = f" (in {self.root}/{scan.missing_key})" if scan.missing_key else ""
+            return [f"array {path}: {scan.first_missing} is missing{where}"]
         return []
 
     def missing(self, path: str) -> str | None:
@@ -455,7 +459,9 @@ class LocalPlace:
             # every shard index is read here (its crc32c checked as it is read)
             bad = index.first_missing(np.array([[0, index.shape[0]]], dtype=np.int64))
             if bad is not None and all_chunks_stored:
-                out.append(f"array {path}: chunk {bad} is missing")
+                m = index.meta
+                key = f"{m.key_prefix}{bad // m.chunks_per_shard}{m.key_suffix}"
+                out.append(f"array {path}: chunk {bad} is missing (in {self.shown}/{path}/{key})")
             for shard, size, entries in index.shard_entries():
                 ends = entries[:, 0] + entries[:, 1]
                 if ends.size and int(ends.max()) > size:

@@ -150,11 +150,12 @@ _READ_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
 
 
 def _read_slices(
-    arr: Any, path: str, report: StoreReport, tick: Callable[[int], None]
+    arr: Any, path: str, report: StoreReport, tick: Callable[[int], None], where: str
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(start, values)`` slices of ``arr`` along axis 0.
 
-    A slice that cannot be read (crc32c mismatch, undecodable chunk) is a finding.
+    A slice that cannot be read (crc32c mismatch, undecodable chunk) is a finding
+    naming the chunk and the object (file or bucket object) under ``where`` holding it.
     """
     n = int(arr.shape[0]) if arr.shape else 1
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * np.dtype(arr.dtype).itemsize or 1
@@ -176,7 +177,11 @@ def _read_slices(
                 try:
                     arr[c * chunk : min((c + 1) * chunk, n)]
                 except _READ_ERRORS as e:
-                    report.add(f"array {path}: chunk {c} cannot be read ({damage_cause(e)})")
+                    cell = (c * chunk // unit,) + (0,) * (len(arr.shape) - 1)
+                    key = f"{where}/{path}/{arr.metadata.encode_chunk_key(cell)}"
+                    report.add(
+                        f"array {path}: chunk {c} cannot be read ({damage_cause(e)}; in {key})"
+                    )
             continue
         tick(values.nbytes)
         report.n_bytes += values.nbytes
@@ -212,7 +217,7 @@ def _check_csr(
         ind = root[m.arrays["indices"].path]
     except KeyError:
         return
-    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick):
+    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick, place.shown):
         if values.size and (int(values.min()) < 0 or int(values.max()) >= manifest.n_vars):
             bad = np.flatnonzero((values < 0) | (values >= manifest.n_vars))
             report.add(
@@ -305,7 +310,7 @@ def check_store(
             except (ValueError, TypeError, KeyError, OSError) as e:
                 report.add(f"array {path}: cannot be opened ({type(e).__name__})")
                 continue
-            for _ in _read_slices(arr, path, report, bar.update):
+            for _ in _read_slices(arr, path, report, bar.update, place.shown):
                 pass
         for mname, m in manifest.matrices.items():
             if m.is_csr:
