@@ -270,7 +270,8 @@ class BucketPlace:
     def __init__(self, url: str) -> None:
         top = BucketStore(url)
         self.root = store_root(url, top)
-        self.shown = self.root
+        self.shown = url.rstrip("/")
+        """The store as the user named it; objects are under :attr:`root`."""
         self.store = top if self.root == top.url else BucketStore(self.root)
         self._scans: dict[str, _Scan] = {}
 
@@ -405,7 +406,7 @@ class LocalPlace:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.location = Path(path)
-        self.shown = str(path)
+        self.shown = self.root = str(path)
         self.store: Any = None
 
     def open_group(self) -> Any:

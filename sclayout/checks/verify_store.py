@@ -217,7 +217,7 @@ def _check_csr(
         ind = root[m.arrays["indices"].path]
     except KeyError:
         return
-    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick, place.shown):
+    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick, place.root):
         if values.size and (int(values.min()) < 0 or int(values.max()) >= manifest.n_vars):
             bad = np.flatnonzero((values < 0) | (values >= manifest.n_vars))
             report.add(
@@ -310,7 +310,7 @@ def check_store(
             except (ValueError, TypeError, KeyError, OSError) as e:
                 report.add(f"array {path}: cannot be opened ({type(e).__name__})")
                 continue
-            for _ in _read_slices(arr, path, report, bar.update, place.shown):
+            for _ in _read_slices(arr, path, report, bar.update, place.root):
                 pass
         for mname, m in manifest.matrices.items():
             if m.is_csr:
