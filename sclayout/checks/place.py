@@ -14,11 +14,13 @@ their shard indexes, missing chunks, stored sizes), so the checks are written on
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import itertools
 import json
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,10 @@ __all__ = ["BucketPlace", "BucketStore", "LocalPlace", "open_place"]
 
 IN_FLIGHT = 64
 """Requests at once to the bucket (the loader's remote concurrency)."""
+KEPT_BYTES = 256 * 2**20
+"""Whole shard objects kept in memory for the chunk ranges read from them (at least
+the last one): zarr reads a part of a shard one inner chunk per request, in turn, which
+from a bucket costs a round trip per chunk; one GET of the whole shard serves them."""
 _MISSING = 2**64 - 1
 """A shard index entry of a chunk that is not stored (zarr v3 sharding)."""
 
@@ -68,6 +74,8 @@ class BucketStore(Store):
         self._kv: Any = None
         self._keys: list[str] | None = None
         self._meta: dict[str, bytes] = {}  # zarr.json objects, read once
+        self._kept: OrderedDict[str, bytes] = OrderedDict()  # whole shards, last used last
+        self._fetching: dict[str, asyncio.Task] = {}
         self._lock = threading.Lock()
 
     def __eq__(self, other: object) -> bool:
@@ -156,6 +164,18 @@ class BucketStore(Store):
                 return None  # zarr asks for metadata that is not there: no request
             raw = self.read_now(key)
             return None if raw is None else prototype.buffer.from_bytes(raw)
+        if rng is not None and rng.start < 0 and key in self._kept:  # a kept shard's index
+            return prototype.buffer.from_bytes(self._kept[key][rng])
+        if rng is not None and rng.start >= 0:  # an inner chunk: from the whole shard
+            whole = await self._whole(key)
+            if whole is None:
+                return None
+            if rng.stop is not None and rng.stop > len(whole):
+                raise OSError(
+                    f"{self.url}/{key}: bytes [{rng.start}, {rng.stop}) asked of an object of "
+                    f"{len(whole)} bytes (truncated)"
+                )
+            return prototype.buffer.from_bytes(whole[rng])
         try:
             got = await self.kvstore().read(key, byte_range=rng)
         except ValueError as e:
@@ -164,6 +184,34 @@ class BucketStore(Store):
             return None
         self.bytes_read += len(got.value)
         return prototype.buffer.from_bytes(bytes(got.value))
+
+    async def _whole(self, key: str) -> bytes | None:
+        """Return object ``key`` whole: kept, being read, or read now by one GET."""
+        if key in self._kept:
+            self._kept.move_to_end(key)
+            return self._kept[key]
+        task = self._fetching.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch(key))
+            self._fetching[key] = task
+        return await task
+
+    async def _fetch(self, key: str) -> bytes | None:
+        try:
+            try:
+                got = await self.kvstore().read(key)
+            except ValueError as e:
+                raise self.fail(key, e) from None
+        finally:
+            self._fetching.pop(key, None)
+        if got.state != "value":
+            return None
+        raw = bytes(got.value)
+        self.bytes_read += len(raw)
+        self._kept[key] = raw
+        while len(self._kept) > 1 and sum(map(len, self._kept.values())) > KEPT_BYTES:
+            self._kept.popitem(last=False)
+        return raw
 
     async def get_partial_values(self, prototype: Any, key_ranges: Any) -> list[Any | None]:
         """Return each ``(key, byte range)`` of ``key_ranges``."""
