@@ -129,7 +129,7 @@ def test_cli_reads_and_writes_s3(
     )  # fmt: skip
     assert r.exit_code == 0, r.stderr
     assert list((tmp_path / "cache").glob("*/X/data/c/0"))  # read through the node cache
-    # the checks read a copy of the store, and name the URL
+    # the checks read the store in place (no temporary copy), and name the URL
     for args in (("inspect", url), ("verify", url), ("verify", src, url)):
         r = run_cli(*args)
         assert r.exit_code == 0, r.stderr

@@ -8,40 +8,33 @@ come from the file system, uncompressed sizes from shapes and dtypes.
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from loader.argtypes import typechecked
-from loader.engine.shards import missing_chunk
 from loader.layout import MANIFEST_KEY, Manifest
+from sclayout.checks.place import BucketPlace, Place, open_place
 from sclayout.checks.verify import codec_name
 from sclayout.checks.verify_store import open_store_root
 
 __all__ = ["inspect_store", "render_inspect"]
 
 
-def _tree_bytes(path: Path) -> tuple[int, int]:
-    """(files, bytes) under ``path`` (a file counts as itself)."""
-    if path.is_file():
-        return 1, path.stat().st_size
-    files = total = 0
-    for dirpath, _dirs, names in os.walk(path):
-        for name in names:
-            files += 1
-            total += os.stat(os.path.join(dirpath, name)).st_size
-    return files, total
-
-
-def _open(dst: Path) -> tuple[Any, Manifest]:
-    root = open_store_root(dst, hint="convert one with `sclayout convert SRC DST`")
+def _open(place: Place) -> tuple[Any, Manifest]:
+    root = open_store_root(place, hint="convert one with `sclayout convert SRC DST`")
     return root, Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
 
 
 @typechecked
-def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
-    """Describe the layout store at ``dst``.
+def inspect_store(dst: str | os.PathLike[str], *, progress: bool = False) -> dict[str, Any]:
+    """Describe the layout store at ``dst``: a folder, or an ``s3://``/``gs://`` URL.
+
+    A bucket's store is read in place: its metadata and every shard index (one ranged
+    GET each; ``progress`` shows a bar over the arrays), no chunk. Its listing carries
+    no object sizes, so the elements other than the matrices have no stored size there
+    (``None``).
 
     Returns
     -------
@@ -62,24 +55,30 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
     NotALayoutStoreError
         If ``dst`` is not a zarr store with a sclayout manifest.
     """
-    path = Path(dst)
-    root, manifest = _open(path)
-    matrices = {name: _describe_matrix(root, path, m) for name, m in manifest.matrices.items()}
-    missing = _missing_chunks(path, manifest)
+    place = open_place(dst)
+    root, manifest = _open(place)
+    names = tqdm(manifest.matrices, desc="inspect", unit="matrix", disable=not progress)
+    matrices = {name: _describe_matrix(root, place, manifest.matrices[name]) for name in names}
+    missing = _missing_chunks(place, manifest)
     warnings = [f"damaged: {line}; restore the store or reconvert it" for line in missing]
     if manifest.chunk_checksum is None:
         warnings.append(
             f"no chunk checksums (format version {manifest.version}): damage inside a chunk "
             "is found only by `sclayout verify SRC DST`; reconvert to add them"
         )
-    files, total = _tree_bytes(path)
     in_matrices = [a for m in matrices.values() for a in m["arrays"].values()]
+    if isinstance(place, BucketPlace):
+        files, total = len(place.store.keys()), None
+        other_bytes = None
+    else:
+        files, total = place.tree_bytes("")
+        other_bytes = total - sum(a.get("stored_bytes") or 0 for a in in_matrices)
     other = {
         "files": files - sum(a.get("files", 0) for a in in_matrices),
-        "stored_bytes": total - sum(a.get("stored_bytes", 0) for a in in_matrices),
+        "stored_bytes": other_bytes,
     }
     return {
-        "path": str(path),
+        "path": place.shown,
         "format": manifest.format,
         "version": manifest.version,
         "tool_version": manifest.tool_version,
@@ -94,7 +93,7 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
         "files": files,
         "total_bytes": total,
         "other": other,
-        "bytes_per_cell": round(total / manifest.n_obs, 1) if manifest.n_obs else None,
+        "bytes_per_cell": round(total / manifest.n_obs, 1) if manifest.n_obs and total else None,
         "source": dict(manifest.source),
         "chunk_checksum": manifest.chunk_checksum,
         "missing_chunks": missing,
@@ -109,7 +108,7 @@ def inspect_store(dst: str | os.PathLike[str]) -> dict[str, Any]:
     }
 
 
-def _describe_matrix(root: Any, path: Path, m: Any) -> dict[str, Any]:
+def _describe_matrix(root: Any, place: Place, m: Any) -> dict[str, Any]:
     """Return one matrix's entry of the report: its manifest entry and, per array, its files."""
     arrays = {}
     for part, a in m.arrays.items():
@@ -124,7 +123,7 @@ def _describe_matrix(root: Any, path: Path, m: Any) -> dict[str, Any]:
         if a.path in root:
             arr = root[a.path]
             entry["codec"] = codec_name(arr)
-            files, stored = _tree_bytes(path / a.path)
+            files, stored = place.tree_bytes(a.path)
             raw = int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
             entry.update(
                 files=files,
@@ -133,7 +132,7 @@ def _describe_matrix(root: Any, path: Path, m: Any) -> dict[str, Any]:
                 ratio=round(raw / stored, 3) if stored else None,
             )
         arrays[part] = entry
-    stored = sum(e.get("stored_bytes", 0) for e in arrays.values())
+    stored = sum(e.get("stored_bytes") or 0 for e in arrays.values())
     raw = sum(e.get("uncompressed_bytes", 0) for e in arrays.values())
     return {
         "encoding": m.encoding,
@@ -148,16 +147,16 @@ def _describe_matrix(root: Any, path: Path, m: Any) -> dict[str, Any]:
     }
 
 
-def _missing_chunks(path: Path, manifest: Manifest) -> list[str]:
+def _missing_chunks(place: Place, manifest: Manifest) -> list[str]:
     """Return one line per array the manifest names that is absent or lacks a chunk."""
     missing = []
     named = [a.path for m in manifest.matrices.values() for a in m.arrays.values()]
     named += [m.block_pointer for m in manifest.matrices.values() if m.block_pointer]
     for array_path in [*named, manifest.source_index]:
-        if not (path / array_path).is_dir():
+        if not place.has(array_path):
             gone: str | None = "the array"
         elif manifest.all_chunks_stored:
-            gone = missing_chunk(str(path), array_path)
+            gone = place.missing(array_path)
         else:
             gone = None
         if gone is not None:

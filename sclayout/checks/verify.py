@@ -47,6 +47,7 @@ from sclayout.checks._compare import (
     fmt,
     sparse_row_mismatch,
 )
+from sclayout.checks.place import Place, open_place
 from sclayout.checks.verify_store import check_store, open_store_root
 from sclayout.convert.checks import SourceInfo, explain_read_errors, inspect_source
 from sclayout.convert.plan import parse_memory_budget
@@ -565,7 +566,7 @@ def verify(
     src
         The ``.h5ad`` file or AnnData zarr store DST was converted from.
     dst
-        The layout store.
+        The layout store: a folder, or an ``s3://``/``gs://`` URL read in place.
     progress
         Show a progress bar per streamed matrix.
     memory_budget
@@ -586,7 +587,7 @@ def verify(
         DST is not a zarr store at all.
     """
     budget = parse_memory_budget(memory_budget)
-    src_path, dst_path = Path(src), Path(dst)
+    src_path, dst_path = Path(src), open_place(dst)  # a bucket's store is read in place
     info = inspect_source(src_path)
     dst_root = open_store_root(dst_path, hint="reconvert with `sclayout convert --overwrite`")
     out = _Collector()
@@ -608,7 +609,7 @@ def verify(
 
 def _verify_contents(
     src_path: Path,
-    dst_path: Path,
+    dst_path: Place,
     dst_root: Any,
     info: SourceInfo,
     si: np.ndarray,
@@ -671,7 +672,7 @@ def _verify_contents(
     except SclayoutError:
         raise
     except DST_READ_ERRORS as e:  # SRC reads are InputErrors by now: this is DST
-        raise _unreadable(str(dst_path), e) from None
+        raise _unreadable(dst_path.shown, e) from None
     finally:
         if info.kind == "hdf5":
             src_root.close()

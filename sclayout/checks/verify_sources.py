@@ -143,7 +143,7 @@ def needs_sources_verify(src: str | os.PathLike[str], dst: str | os.PathLike[str
     info = check_sources([src])[0]
     if info.legacy:
         return True
-    root = open_store_root(Path(dst), hint="reconvert with `sclayout convert --overwrite`")
+    root = open_store_root(dst, hint="reconvert with `sclayout convert --overwrite`")
     genes = Manifest.from_dict(root.attrs.get(MANIFEST_KEY)).genes
     return genes.get("join", "same") != "same"
 
@@ -173,7 +173,7 @@ def verify_sources(
     """Compare a store built from several sources with each of them (module docstring)."""
     budget = parse_memory_budget(memory_budget)
     infos = check_sources(srcs)
-    root = open_store_root(Path(dst), hint="reconvert with `sclayout convert --overwrite`")
+    root = open_store_root(dst, hint="reconvert with `sclayout convert --overwrite`")
     manifest = Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
     if len(manifest.sources) != len(srcs):
         line = (

@@ -19,27 +19,25 @@ report says so.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loader.backends import damage_cause
-from loader.engine.shards import missing_chunk, open_index
-from loader.errors import LayoutError, NotALayoutStoreError, SclayoutError
+from loader.errors import NotALayoutStoreError, SclayoutError
 from loader.layout import MANIFEST_KEY, Manifest
+from sclayout.checks.place import LocalPlace, Place, open_place
 
 __all__ = ["MAX_FINDINGS", "StoreReport", "check_store"]
 
 MAX_FINDINGS = 50
 """Finding lines kept in a report; the rest are only counted."""
 SLICE_BYTES = 64 * 2**20
-"""Decoded bytes read per slice of an array: large sequential reads (disk speed),
-bounded memory."""
+"""Decoded bytes read per slice of an array (whole shards, at least one): large
+sequential reads (disk speed, one request per shard from a bucket), bounded memory."""
 
 
 @dataclass
@@ -84,53 +82,42 @@ class StoreReport:
         return f"DAMAGED: {self.n_findings} findings{tail}"
 
 
-def _arrays(location: Path) -> Iterator[str]:
-    """Paths (relative, ``/``-separated) of every zarr v3 array under the store."""
-    for dirpath, dirs, names in os.walk(location):
-        dirs.sort()
-        if "zarr.json" not in names or Path(dirpath) == location:
-            continue
-        try:
-            with open(os.path.join(dirpath, "zarr.json")) as f:
-                node = json.load(f).get("node_type")
-        except (OSError, ValueError, AttributeError):
-            yield os.path.relpath(dirpath, location).replace(os.sep, "/")
-            continue
-        if node == "array":
-            dirs.clear()  # chunks below: not nodes
-            yield os.path.relpath(dirpath, location).replace(os.sep, "/")
+def open_store_root(dst: str | os.PathLike[str] | Place, *, hint: str) -> Any:
+    """Open the zarr group at ``dst`` (a folder or a bucket URL) read-only.
 
-
-def open_store_root(dst: Path, *, hint: str) -> Any:
-    """Open the zarr group at ``dst`` read-only, or raise :class:`NotALayoutStoreError`.
-
-    ``hint`` ends the message when ``dst`` is a directory zarr cannot open.
+    Raises :class:`NotALayoutStoreError` when there is none; ``hint`` ends the message
+    when ``dst`` is there but zarr cannot open it.
     """
-    import zarr
-
-    if not dst.is_dir():
+    place = open_place(dst)
+    if isinstance(place, LocalPlace) and not place.location.is_dir():
         raise NotALayoutStoreError(
-            f"DST {dst} is not a zarr store directory: convert one with `sclayout convert SRC DST`"
+            f"DST {place.shown} is not a zarr store directory: convert one with "
+            "`sclayout convert SRC DST`"
         )
     try:
-        return zarr.open_group(str(dst), mode="r", use_consolidated=False)
+        return place.open_group()
+    except SclayoutError:
+        raise
     except Exception as e:
         raise NotALayoutStoreError(
-            f"DST {dst} cannot be opened as a zarr store ({type(e).__name__}): {hint}"
+            f"DST {place.shown} cannot be opened as a zarr store ({type(e).__name__}): {hint}"
         ) from None
 
 
-def _open_manifest(location: Path) -> Manifest:
-    root = open_store_root(location, hint="convert one with `sclayout convert SRC DST`")
+def _open_manifest(place: Place) -> Manifest:
+    root = open_store_root(place, hint="convert one with `sclayout convert SRC DST`")
     return Manifest.from_dict(root.attrs.get(MANIFEST_KEY))
 
 
-def _check_structure(location: Path, manifest: Manifest, report: StoreReport) -> list[str]:
+def _check_structure(
+    place: Place, manifest: Manifest, report: StoreReport, progress: bool = False
+) -> list[str]:
     """Check the arrays named by the manifest; return the array paths to read.
 
-    Present, as described, shards whole.
+    Present, as described, shards whole (every shard index read once: a bar counts
+    the arrays when ``progress``).
     """
-    import zarr
+    from tqdm.auto import tqdm
 
     named: list[tuple[str, Any]] = []
     for m in manifest.matrices.values():
@@ -140,7 +127,7 @@ def _check_structure(location: Path, manifest: Manifest, report: StoreReport) ->
     named.append((manifest.source_index, None))
     for path, layout in named:
         try:
-            arr = zarr.open_array(str(location / path), mode="r")
+            arr = place.open_array(path)
         except (FileNotFoundError, KeyError, ValueError, OSError):
             report.add(f"array {path}: named by the manifest but missing or unreadable")
             continue
@@ -152,53 +139,32 @@ def _check_structure(location: Path, manifest: Manifest, report: StoreReport) ->
                     f"array {path}: shape/chunks/dtype {found[0]}/{found[1]}/{arr.dtype} on "
                     f"disk, {want[0]}/{want[1]}/{layout.dtype} in the manifest"
                 )
-    for path in _arrays(location):
-        try:
-            _check_shards(location, path, manifest, report)
-        except LayoutError as e:
-            report.add(str(e))
-    return list(_arrays(location))
-
-
-def _check_shards(location: Path, path: str, manifest: Manifest, report: StoreReport) -> None:
-    """Check every shard's index and, in a version-2 store, every chunk present.
-
-    Each index is checked for its crc32c and for entries inside the file.
-    """
-    index = open_index(str(location), path)
-    if index is not None:
-        # every shard index is read here (its crc32c checked as it is read)
-        bad = index.first_missing(np.array([[0, index.shape[0]]], dtype=np.int64))
-        if bad is not None and manifest.all_chunks_stored:
-            report.add(f"array {path}: chunk {bad} is missing")
-        for shard, size, entries in index.shard_entries():
-            ends = entries[:, 0] + entries[:, 1]
-            if ends.size and int(ends.max()) > size:
-                report.add(
-                    f"array {path}: shard {shard} is {size} bytes but its index names bytes up "
-                    f"to {int(ends.max())} (truncated)"
-                )
-        return
-    if manifest.all_chunks_stored:
-        gone = missing_chunk(str(location), path)
-        if gone is not None:
-            report.add(f"array {path}: {gone} is missing")
+    paths = place.array_paths()
+    for path in tqdm(paths, desc="shard indexes", unit="array", disable=not progress):
+        for line in place.shard_findings(path, manifest.all_chunks_stored):
+            report.add(line)
+    return paths
 
 
 _READ_ERRORS = (ValueError, RuntimeError, TypeError, OSError)
 
 
 def _read_slices(
-    arr: Any, path: str, report: StoreReport, tick: Callable[[int], None]
+    arr: Any, path: str, report: StoreReport, tick: Callable[[int], None], where: str
 ) -> Iterator[tuple[int, np.ndarray]]:
     """Yield ``(start, values)`` slices of ``arr`` along axis 0.
 
-    A slice that cannot be read (crc32c mismatch, undecodable chunk) is a finding.
+    A slice that cannot be read (crc32c mismatch, undecodable chunk) is a finding
+    naming the chunk and the object (file or bucket object) under ``where`` holding it.
     """
     n = int(arr.shape[0]) if arr.shape else 1
     row = int(np.prod(arr.shape[1:], dtype=np.int64)) * np.dtype(arr.dtype).itemsize or 1
     chunk = int(arr.chunks[0]) if arr.chunks else 1
-    step = max(chunk, SLICE_BYTES // max(row, 1) // chunk * chunk)
+    # whole shards: zarr reads a shard read whole in one request, a part of one by one
+    # request per inner chunk (one after the other: slow from a bucket)
+    shards = getattr(arr, "shards", None)
+    unit = int(shards[0]) if shards else chunk
+    step = max(unit, SLICE_BYTES // max(row, 1) // unit * unit)
     if not arr.shape:
         yield 0, np.asarray(arr[...])
         return
@@ -211,7 +177,11 @@ def _read_slices(
                 try:
                     arr[c * chunk : min((c + 1) * chunk, n)]
                 except _READ_ERRORS as e:
-                    report.add(f"array {path}: chunk {c} cannot be read ({damage_cause(e)})")
+                    cell = (c * chunk // unit,) + (0,) * (len(arr.shape) - 1)
+                    key = f"{where}/{path}/{arr.metadata.encode_chunk_key(cell)}"
+                    report.add(
+                        f"array {path}: chunk {c} cannot be read ({damage_cause(e)}; in {key})"
+                    )
             continue
         tick(values.nbytes)
         report.n_bytes += values.nbytes
@@ -219,16 +189,14 @@ def _read_slices(
 
 
 def _check_csr(
-    location: Path,
+    place: Place,
     mname: str,
     m: Any,
     manifest: Manifest,
     report: StoreReport,
     tick: Callable[[int], None],
 ) -> None:
-    import zarr
-
-    root = zarr.open_group(str(location), mode="r", use_consolidated=False)
+    root = place.open_group()
     try:
         indptr = np.asarray(root[m.arrays["indptr"].path][...], dtype=np.int64)
     except (KeyError, ValueError, RuntimeError, TypeError):
@@ -249,7 +217,7 @@ def _check_csr(
         ind = root[m.arrays["indices"].path]
     except KeyError:
         return
-    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick):
+    for a, values in _read_slices(ind, m.arrays["indices"].path, report, tick, place.root):
         if values.size and (int(values.min()) < 0 or int(values.max()) >= manifest.n_vars):
             bad = np.flatnonzero((values < 0) | (values >= manifest.n_vars))
             report.add(
@@ -267,12 +235,10 @@ def _check_csr(
         report.add(f"array {m.block_pointer}: block pointer differs from {path} at block bounds")
 
 
-def _check_source_index(location: Path, manifest: Manifest, report: StoreReport) -> None:
-    import zarr
-
+def _check_source_index(place: Place, manifest: Manifest, report: StoreReport) -> None:
     path = manifest.source_index
     try:
-        si = np.asarray(zarr.open_array(str(location / path), mode="r")[...])
+        si = np.asarray(place.open_array(path)[...])
     except (FileNotFoundError, KeyError, ValueError, RuntimeError, TypeError):
         return
     n = manifest.n_obs
@@ -293,14 +259,15 @@ def _check_source_index(location: Path, manifest: Manifest, report: StoreReport)
 
 
 def check_store(
-    dst: str | os.PathLike[str], *, quick: bool = False, progress: bool = False
+    dst: str | os.PathLike[str] | Place, *, quick: bool = False, progress: bool = False
 ) -> StoreReport:
     """Check the layout store ``dst`` from its own bytes (see the module docstring).
 
     Parameters
     ----------
     dst
-        The layout store (a local directory).
+        The layout store: a local directory, or an ``s3://``/``gs://`` URL read in
+        place (:mod:`sclayout.checks.place`).
     quick
         Check the structure and shard indexes only (no chunk is decoded).
     progress
@@ -311,17 +278,15 @@ def check_store(
     NotALayoutStoreError
         ``dst`` is not a layout store (nothing to check: exit 2 on the CLI).
     """
-    import zarr
-
-    location = Path(dst)
-    manifest = _open_manifest(location)
+    place = open_place(dst)
+    manifest = _open_manifest(place)
     report = StoreReport(quick=quick)
     if manifest.chunk_checksum is None:
         report.notes.append(
             f"format version {manifest.version}: chunks carry no checksums, so bit flips "
             "inside a chunk are found only by `sclayout verify SRC DST`; reconvert to add them"
         )
-    paths = _check_structure(location, manifest, report)
+    paths = _check_structure(place, manifest, report, progress)
     report.n_arrays = len(paths)
     if quick:
         return report
@@ -330,7 +295,7 @@ def check_store(
     total = 0
     for path in paths:
         try:
-            arr = zarr.open_array(str(location / path), mode="r")
+            arr = place.open_array(path)
             total += int(np.prod(arr.shape, dtype=np.int64)) * np.dtype(arr.dtype).itemsize
         except (ValueError, TypeError, KeyError, OSError, SclayoutError):
             continue
@@ -341,16 +306,16 @@ def check_store(
             if path in indices:
                 continue  # read (and bounds-checked) by _check_csr
             try:
-                arr = zarr.open_array(str(location / path), mode="r")
+                arr = place.open_array(path)
             except (ValueError, TypeError, KeyError, OSError) as e:
                 report.add(f"array {path}: cannot be opened ({type(e).__name__})")
                 continue
-            for _ in _read_slices(arr, path, report, bar.update):
+            for _ in _read_slices(arr, path, report, bar.update, place.root):
                 pass
         for mname, m in manifest.matrices.items():
             if m.is_csr:
-                _check_csr(location, mname, m, manifest, report, bar.update)
-        _check_source_index(location, manifest, report)
+                _check_csr(place, mname, m, manifest, report, bar.update)
+        _check_source_index(place, manifest, report)
     finally:
         bar.close()
     return report

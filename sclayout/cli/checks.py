@@ -8,12 +8,8 @@ source: a STORE chunk that cannot be read; one line on stderr, printed by
 
 from __future__ import annotations
 
-import contextlib
 import json
-import shutil
 import sys
-import tempfile
-from collections.abc import Iterator
 from dataclasses import asdict
 
 import click
@@ -30,21 +26,16 @@ from sclayout.cli._common import (
 
 __all__ = ["inspect_cmd", "verify_cmd"]
 
-_SHOWN_AS: dict[str, str] = {}
-"""Local copy of an object-store DST -> its URL, for the messages printed."""
 
+def _refuse_http(dst: str) -> None:
+    """Raise the one line for an ``http(s)://`` DST, which the checks cannot read.
 
-@contextlib.contextmanager
-def _readable(dst: str) -> Iterator[str]:
-    """Yield a local path for ``dst``: itself, or a temporary copy of an s3:// / gs:// store.
-
-    The checks walk a store's files and read every byte; an object store's is copied
-    first (docs/object-stores.md), and messages name the URL, not the copy. An
-    ``http(s)://`` store cannot be listed: one line says so, or that the server ignores
-    Range requests (then the loader cannot read it either).
+    An ``s3://`` or ``gs://`` store is read in place (:mod:`sclayout.checks.place`);
+    an HTTP server cannot list the store's objects, which the checks walk (or it
+    ignores Range requests, and then the loader cannot read it either).
     """
-    from loader.errors import InputError, SclayoutError
-    from loader.location import http_range_error, is_http, is_object_store
+    from loader.errors import InputError
+    from loader.location import http_range_error, is_http
 
     if is_http(dst):
         refused = http_range_error(dst)
@@ -54,29 +45,6 @@ def _readable(dst: str) -> Iterator[str]:
             f"{dst}: an http(s) server cannot list the store's files, which the checks "
             "walk; copy the store to a folder (or a bucket) and check the copy"
         )
-    if not is_object_store(dst):
-        yield dst
-        return
-    from sclayout.convert.remote import download_tree
-
-    tmp = tempfile.mkdtemp(prefix="sclayout-check-")
-    local = f"{tmp}/store"
-    try:
-        download_tree(dst.rstrip("/"), local)
-        _SHOWN_AS[local] = dst.rstrip("/")
-        yield local
-    except SclayoutError as e:  # its one line names the URL too
-        e.args = (_shown(str(e)),)
-        raise
-    finally:
-        _SHOWN_AS.pop(local, None)
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _shown(text: str) -> str:
-    for local, url in _SHOWN_AS.items():
-        text = text.replace(local, url)
-    return text
 
 
 @click.command(
@@ -131,8 +99,8 @@ def verify_cmd(
     if progress is None or quiet:
         progress = show_progress(quiet)
     tidy_stale(paths[-1])
-    with _readable(paths[-1]) as dst:
-        _verify((*paths[:-1], dst), memory_budget, quick, progress, as_json)
+    _refuse_http(paths[-1])
+    _verify(paths, memory_budget, quick, progress, as_json)
 
 
 def _verify(
@@ -172,13 +140,13 @@ def _finish(
     Findings go to stdout, remarks to stderr; exit 0 when ``ok``, else 1.
     """
     if as_json is not None:
-        click.echo(_shown(json.dumps(as_json, indent=1, default=str)))
+        click.echo(json.dumps(as_json, indent=1, default=str))
     else:
         for line in findings:
-            click.echo(_shown(line))
+            click.echo(line)
         for line in remarks:
-            click.echo(_shown(line), err=True)
-        click.echo(_shown(summary))
+            click.echo(line, err=True)
+        click.echo(summary)
     sys.exit(EXIT_OK if ok else EXIT_DIFFERS)
 
 
@@ -193,14 +161,15 @@ def _finish(
 def inspect_cmd(store: str, quiet: bool, as_json: bool) -> None:
     """Describe layout STORE: blocks, order, per-array chunks/shards/codec, sizes.
 
-    It reads metadata only, so it shows no progress bar. Warns when chunks are missing
+    It reads metadata and shard indexes only (of a bucket's store: in place, by
+    ranged reads, with a progress bar on a terminal). Warns when chunks are missing
     (exit 1) or the store carries no chunk checksums.
     """
     from sclayout.checks.inspect import inspect_store, render_inspect
 
     tidy_stale(store)
-    with _readable(store) as local:
-        info = inspect_store(local)
-        click.echo(_shown(json.dumps(info, indent=1) if as_json else render_inspect(info)))
+    _refuse_http(store)
+    info = inspect_store(store, progress=show_progress(quiet))
+    click.echo(json.dumps(info, indent=1) if as_json else render_inspect(info))
     if info["missing_chunks"]:
         sys.exit(EXIT_DIFFERS)
