@@ -16,7 +16,6 @@ old objects: a conversion stopped at any point leaves the old store readable.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import uuid
@@ -29,7 +28,6 @@ from loader.errors import InputError
 from loader.location import STORE_PREFIX_ATTR
 
 __all__ = [
-    "download_tree",
     "new_generation_prefix",
     "remote_store_state",
     "switch_store",
@@ -129,38 +127,4 @@ def upload_tree(local: str | os.PathLike[str], url: str, *, under: str = "") -> 
                     f.result()
     except ValueError as e:
         raise _failed(url, "writing", e) from None
-    return len(keys)
-
-
-def download_tree(url: str, local: str | os.PathLike[str]) -> int:
-    """Copy every object under ``url``'s prefix into folder ``local``; return their number.
-
-    For the checks that walk a store's files (``verify``, ``inspect``): they read every
-    object anyway, and then read the copy as a local store.
-    """
-    root = Path(local)
-    try:
-        kv = _kvstore(url)
-        top = kv.read(ROOT_KEY).result()
-        sub = ""  # a replaced store lives under the prefix its root names
-        if top.state == "value":
-            sub = json.loads(bytes(top.value)).get("attributes", {}).get(STORE_PREFIX_ATTR, "")
-        keys = sorted(k.decode() for k in kv.list().result())
-        keys = [k for k in keys if k.startswith(sub + "/")] if sub else keys
-        for i in range(0, len(keys), UPLOAD_IN_FLIGHT):
-            group = keys[i : i + UPLOAD_IN_FLIGHT]
-            for key, f in [(k, kv.read(k)) for k in group]:
-                dest = root / key[len(sub) + 1 if sub else 0 :]
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                dest.write_bytes(f.result().value)
-    except ValueError as e:
-        cause = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise InputError(f"{url}: reading failed ({cause}); {_fix(url)}") from None
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise InputError(
-            f"{url}: copying the store into {root} for the check failed (no space left on "
-            "that device): point TMPDIR at a folder with room for the whole store"
-        ) from None
     return len(keys)
