@@ -659,8 +659,8 @@ def _plates_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, budge
         "### Scale in Tahoe-100M's shape: 14 plate files, 62,710 genes, "
         f"{args.scale_nnz} non-zeros a cell\n\n{markdown_table(table, cols)}\n\n"
         f"Loader: `BlockDataset` in a child process (`benchmarks/scale_load.py`), CSR, batch "
-        f'64, `obs=("cell_line", "drug")`, ≥ 5 s epoch after epoch from the first '
-        f"minibatch, store evicted before and every 0.5 s (eviction checked; ‡: not "
+        f'64, `obs=("cell_line", "drug")`, {args.load_seconds:g} s epoch after epoch from '
+        f"the first minibatch, store evicted before and every 0.5 s (eviction checked; ‡: not "
         f"verified); median of {LOAD_ROUNDS} rounds interleaved over the stores. Loader PSS: "
         "peak Pss_Anon + Pss_Shmem of its process tree; CPU µs/cell: its user + system "
         "CPU over the timed window per cell. inspect / verify --quick: wall seconds of "
