@@ -30,7 +30,11 @@ the same options (its conversion figures then come from the run that made it;
 instead, 14 plate files of 62,710 genes per size (``benchmarks/tahoe_plates.py``, made
 once into ``--work``/data), converted with each order: h5ad GB, convert s and MB/s, the
 peak anonymous + shared PSS of convert's process tree, bytes read and written per h5ad
-byte, store GB; the loader's columns are left to its own scale run.
+byte, store GB; then every store is read by the loader (``scale_load.py``: CSR, batch
+64, two obs columns, ``--load-seconds`` with the store evicted every 0.5 s, three rounds
+interleaved over the stores, median): cells/s, peak PSS and CPU µs per cell; and timed
+``sclayout inspect`` and ``sclayout verify --quick``. The stores go to ``--work``/plates
+(kept with ``--keep``).
 
 Usage::
 
