@@ -179,7 +179,14 @@ from loader import BlockDataset
 store, rank, world, workers, seconds = sys.argv[1], *map(int, sys.argv[2:5]), float(sys.argv[5])
 ds = BlockDataset(store, batch_size=64, obs=("cell_line", "drug"), output="csr",
                   rank=rank, world_size=world)
-it = iter(ds.dataloader(num_workers=workers, persistent_workers=True))
+dl = ds.dataloader(num_workers=workers, persistent_workers=True)
+def batches():  # epoch after epoch: a rank's share of a small store is soon read
+    epoch = 0
+    while True:
+        ds.set_epoch(epoch)
+        yield from dl
+        epoch += 1
+it = batches()
 n = len(next(it)["index"])  # the workers' start-up is not timed
 t = time.perf_counter()
 while time.perf_counter() - t < seconds:
