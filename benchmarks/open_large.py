@@ -58,6 +58,9 @@ BLOCK = 64
 OBS = {"cell_line": (50, "int8"), "drug": (380, "int16")}
 """The obs columns written: categories and code dtype, about Tahoe-100M's."""
 
+STEP = 1_000_003
+"""The source index is ``(STEP * row + 7) mod n``: a permutation when ``gcd(STEP, n) == 1``."""
+
 TIMEOUT = 1800.0
 """Seconds any child process may run before it is stopped."""
 
@@ -121,10 +124,9 @@ def _write_rows(root: Any, n: int, comp: tuple[Any, ...], path: Path, shard: int
 
     from sclayout.convert.write import write_row_table
 
-    step = 1_000_003  # i -> (step * i + 7) mod n is a permutation when gcd(step, n) == 1
-    if np.gcd(step, n) != 1:
-        raise SystemExit(f"--n-obs {n}: shares a factor with {step}; pick another size")
-    perm = _Rows(n, "int64", lambda i: (step * i + 7) % n)
+    if np.gcd(STEP, n) != 1:
+        raise SystemExit(f"--n-obs {n}: shares a factor with {STEP}; pick another size")
+    perm = _Rows(n, "int64", lambda i: (STEP * i + 7) % n)
     kw = {"block_size": BLOCK, "compressors": comp, "shard_bytes": shard}
     write_row_table(path, "uns/sclayout/source_index", perm, **kw)
     obs = root.create_group("obs")
