@@ -30,7 +30,11 @@ the same options (its conversion figures then come from the run that made it;
 instead, 14 plate files of 62,710 genes per size (``benchmarks/tahoe_plates.py``, made
 once into ``--work``/data), converted with each order: h5ad GB, convert s and MB/s, the
 peak anonymous + shared PSS of convert's process tree, bytes read and written per h5ad
-byte, store GB; the loader's columns are left to its own scale run.
+byte, store GB; then every store is read by the loader (``scale_load.py``: CSR, batch
+64, two obs columns, ``--load-seconds`` with the store evicted every 0.5 s, three rounds
+interleaved over the stores, median): cells/s, peak PSS and CPU µs per cell; and timed
+``sclayout inspect`` and ``sclayout verify --quick``. The stores go to ``--work``/plates
+(kept with ``--keep``).
 
 Usage::
 
@@ -76,6 +80,7 @@ from _common import (  # noqa: E402
     sclayout_cmd,
     write_results,
 )
+from scale_load import measure_load, timed_tool  # noqa: E402
 
 from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
 from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
@@ -521,15 +526,23 @@ def _scale(args: argparse.Namespace) -> int:
     return 0
 
 
+PLATES_TIMEOUT = 3600.0
+"""Seconds any child process of the plates table may run before it is stopped."""
+
+LOAD_ROUNDS = 3
+"""Loader runs per store, interleaved over the stores; the table shows their median."""
+
+
 def _plates_row(paths: list[Path], order: str, out: Path, budget: str) -> dict[str, Any]:
     """Convert the plate files in ``order`` (evicted first); time, peak PSS, bytes moved."""
     from peak import measured
 
     shutil.rmtree(out, ignore_errors=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     for p in paths:
         evict(p)
     cmd = [*sclayout_cmd(), "convert", *map(str, paths), str(out), "-q", *ORDERS[order]]
-    run = measured([*cmd, "--memory-budget", budget])
+    run = measured([*cmd, "--memory-budget", budget], timeout=PLATES_TIMEOUT)
     if run["returncode"] != 0:
         raise RuntimeError(f"convert failed: {run['stderr_tail']}")
     src = sum(p.stat().st_size for p in paths)
@@ -547,23 +560,58 @@ def _plates_row(paths: list[Path], order: str, out: Path, budget: str) -> dict[s
     }
 
 
+def _plates_loads(stores: list[Path], rows: list[dict[str, Any]], seconds: float) -> None:
+    """Fill each row's loader columns: :data:`LOAD_ROUNDS` runs of the loader per store
+    (``scale_load.py``, ≫RAM), interleaved so that a change in the machine's load falls
+    on every store alike, then the median; then ``inspect`` and ``verify --quick``."""
+    runs: list[list[dict[str, Any]]] = [[] for _ in stores]
+    for i in range(LOAD_ROUNDS):
+        for store, r, got in zip(stores, rows, runs, strict=True):
+            got.append(measure_load(store, seconds=seconds, timeout=PLATES_TIMEOUT))
+            print(f"{r['n_obs']:,} {r['order']} round {i + 1}: {json.dumps(got[-1])}", flush=True)
+    for store, r, got in zip(stores, rows, runs, strict=True):
+        r["load_runs"] = got
+        r.update(
+            cells_per_s=median_of(g["cells_per_s"] for g in got),
+            load_pss=median_of(g["load_pss"] for g in got),
+            cpu_us_per_cell=median_of(g["cpu_us_per_cell"] for g in got),
+            loader_load_avg=median_of(g["load_avg_1min"] for g in got),
+            eviction_ok=all(g["eviction_ok"] for g in got),
+        )
+        r["inspect_s"] = timed_tool([*sclayout_cmd(), "inspect", str(store)], timeout=600)[
+            "seconds"
+        ]
+        r["verify_quick_s"] = timed_tool(
+            [*sclayout_cmd(), "verify", "--quick", "-q", str(store)], timeout=600
+        )["seconds"]
+        r["tools_load_avg"] = os.getloadavg()[0]
+        print(json.dumps({k: v for k, v in r.items() if k != "load_runs"}), flush=True)
+
+
 def _scale_plates(args: argparse.Namespace) -> int:
     """The scale table in Tahoe-100M's shape: 14 plate files per size (made once into
-    ``--work``/data by ``tahoe_plates.py``), each size converted once per order."""
+    ``--work``/data by ``tahoe_plates.py``), each size converted once per order, then
+    every store read by the loader and checked by ``inspect`` and ``verify --quick``."""
     from tahoe_plates import cached_plates
 
     from sclayout.convert.plan import parse_memory_budget
 
     work = args.work or bench_dir() / "convert-scale"
     budget = parse_memory_budget(args.memory_budget)
-    rows = []
+    rows, stores = [], []
     for n in [int(x) for x in args.scale.split(",")]:
         paths = cached_plates(n, work / "data", nnz=args.scale_nnz)
         for order in args.orders.split(","):
-            r = {"n_obs": n, **_plates_row(paths, order, work / "plates.zarr", args.memory_budget)}
-            shutil.rmtree(work / "plates.zarr", ignore_errors=True)
+            out = work / "plates" / f"{n}-{order}.zarr"
+            r = {"n_obs": n, **_plates_row(paths, order, out, args.memory_budget)}
             print(json.dumps(r), flush=True)
             rows.append(r)
+            stores.append(out)
+    try:
+        _plates_loads(stores, rows, args.load_seconds)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work / "plates", ignore_errors=True)
     md = _plates_markdown(rows, args, budget)
     js, mdp = write_results(
         "convert-scale-plates", {"runs": rows}, md, results=args.results or RESULTS
@@ -573,14 +621,31 @@ def _scale_plates(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plates_cells(r: dict[str, Any], base: dict[str, Any]) -> dict[str, str]:
+    """The loader and tools cells of one row; ratios against ``base`` (smallest size)."""
+    if "cells_per_s" not in r:
+        return {"cps": "", "lpss": "", "cpu": "", "inspect": "", "verify": ""}
+    return {
+        "cps": f"{r['cells_per_s']:,.0f} ({r['cells_per_s'] / base['cells_per_s']:.2f}×)"
+        + ("" if r["eviction_ok"] else " ‡"),
+        "lpss": f"{r['load_pss'] / 2**30:.2f} GiB ({r['load_pss'] / base['load_pss']:.2f}×)",
+        "cpu": f"{r['cpu_us_per_cell']:.2f}",
+        "inspect": f"{r['inspect_s']:.1f}",
+        "verify": f"{r['verify_quick_s']:.1f}",
+    }
+
+
 def _plates_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, budget: int) -> str:
     cols = {
         "cells": "cells", "order": "order", "h5ad": "h5ad GB", "s": "convert s",
         "mb_s": "MB/s", "pss": f"peak PSS, anon + shmem (≤ {args.memory_budget})",
-        "io": "read / written per h5ad byte", "store": "store GB", "cps": "loader cells/s",
-        "lpss": "loader PSS", "cpu": "CPU µs/cell", "inspect": "inspect s",
-        "verify": "verify --quick s", "load": "load avg",
+        "io": "read / written per h5ad byte", "store": "store GB",
+        "cps": "loader cells/s, ≫RAM (× smallest)", "lpss": "loader PSS (× smallest)",
+        "cpu": "CPU µs/cell", "inspect": "inspect s", "verify": "verify --quick s",
+        "load": "load avg: convert / loader / tools",
     }  # fmt: skip
+    small = min(r["n_obs"] for r in rows)
+    base = {r["order"]: r for r in rows if r["n_obs"] == small}
     table = [
         {
             "cells": f"{r['n_obs']:,}", "order": r["order"],
@@ -588,15 +653,24 @@ def _plates_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, budge
             "s": f"{r['seconds']:.0f}", "mb_s": f"{r['source_mb_s']:.1f}",
             "pss": f"{r['peak_pss'] / 2**30:.2f} GiB " + ("✓" if r["peak_pss"] <= budget else "✗"),
             "io": f"{r['read_per_source_byte']:.2f} / {r['written_per_source_byte']:.2f}",
-            "store": f"{r['output_bytes'] / 1e9:.2f}", "cps": "", "lpss": "", "cpu": "",
-            "inspect": "", "verify": "", "load": f"{r['load_avg_1min']:.1f}",
+            "store": f"{r['output_bytes'] / 1e9:.2f}", **_plates_cells(r, base[r["order"]]),
+            "load": f"{r['load_avg_1min']:.1f} / {r.get('loader_load_avg', 0):.1f} / "
+            f"{r.get('tools_load_avg', 0):.1f}",
         }
         for r in rows
     ]  # fmt: skip
     return (
         "### Scale in Tahoe-100M's shape: 14 plate files, 62,710 genes, "
         f"{args.scale_nnz} non-zeros a cell\n\n{markdown_table(table, cols)}\n\n"
-        f"Command: `{command_line()}`. Loader columns: filled by the loader's scale run.\n"
+        f"Loader: `BlockDataset` in a child process (`benchmarks/scale_load.py`), CSR, batch "
+        f'64, `obs=("cell_line", "drug")`, {args.load_seconds:g} s epoch after epoch from '
+        f"the first minibatch, store evicted before and every 0.5 s (eviction checked; ‡: not "
+        f"verified); median of {LOAD_ROUNDS} rounds interleaved over the stores. Loader PSS: "
+        "peak Pss_Anon + Pss_Shmem of its process tree; CPU µs/cell: its user + system "
+        "CPU over the timed window per cell. inspect / verify --quick: wall seconds of "
+        "`sclayout inspect STORE` and `sclayout verify --quick STORE`. Load avg: 1-minute, "
+        "after each step (2 = both cores busy).\n\n"
+        f"Command: `{command_line()}`.\n"
     )
 
 

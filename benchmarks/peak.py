@@ -34,8 +34,11 @@ def _io() -> dict[str, int]:
         return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
 
 
-def measured(cmd: Sequence[str], *, interval: float = 0.1) -> dict[str, Any]:
-    """Run ``cmd`` to completion; return seconds, peak tree PSS and I/O bytes."""
+def measured(
+    cmd: Sequence[str], *, interval: float = 0.1, timeout: float | None = None
+) -> dict[str, Any]:
+    """Run ``cmd`` to completion; return seconds, peak tree PSS and I/O bytes. A command
+    still running after ``timeout`` seconds is killed and raises ``TimeoutExpired``."""
     io0, t0 = _io(), time.perf_counter()
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, stop = [0, 0, 0], threading.Event()
@@ -52,9 +55,15 @@ def measured(cmd: Sequence[str], *, interval: float = 0.1) -> dict[str, Any]:
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
-    _, err = proc.communicate()
-    stop.set()
-    thread.join()
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    finally:
+        stop.set()
+        thread.join()
     seconds, io1 = time.perf_counter() - t0, _io()
     return {
         "returncode": proc.returncode,

@@ -255,7 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=8, help="threads per worker [8]")
     ap.add_argument("--worker-memory", type=float, default=16e9, help="bytes per worker")
     ap.add_argument("--node-bandwidth", type=float, default=1.25e9, help="B/s per worker")
-    ap.add_argument("--obs-bytes", type=int, default=200, help="obs table bytes per cell")
+    ap.add_argument(
+        "--obs-bytes",
+        type=int,
+        default=0,
+        help="obs bytes a cell the driver holds in memory [0: convert streams obs in slices "
+        "into the work folder's tables]",
+    )
     ap.add_argument("--genes", type=int, default=62_710, help="genes of the store")
     ap.add_argument("--rank-workers", type=int, default=2, help="DataLoader workers a rank")
     ap.add_argument("--nodes", default="1,2,4,8,16,32,64")

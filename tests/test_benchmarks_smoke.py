@@ -350,3 +350,35 @@ def test_peer_window_spans_epochs_and_keeps_the_delivered_rows(tmp_path, monkeyp
     )  # fmt: skip
     assert csr["indptr"].tolist() == [0, 2, 3] and csr["indices"].tolist() == [1, 4, 2]
     assert csr["row"].tolist() == [7, 3]
+
+
+def test_open_large_builds_a_store_the_loader_reads_row_by_row(tmp_path, monkeypatch):
+    """``open_large.py``'s synthetic store (built in this process, 3,000 rows): every
+    source row read once, with the nnz its ``indptr`` says and the obs codes it wrote."""
+    import importlib.util
+
+    import numpy as np
+
+    from loader import BlockDataset
+
+    spec = importlib.util.spec_from_file_location("open_large_script", BENCH / "open_large.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the script edits sys.path
+    spec.loader.exec_module(script)
+    n, store = 3000, tmp_path / "syn.zarr"
+    script.build(store, n)
+    row_of = np.empty(n, dtype=np.int64)  # store row of each source row
+    row_of[(script.STEP * np.arange(n) + 7) % n] = np.arange(n)
+    ds = BlockDataset(store, batch_size=64, obs=("cell_line", "drug"), output="csr")
+    src, nnz, lines, drugs = [], [], [], []
+    for batch in ds:
+        src.append(batch["index"].numpy())
+        nnz.append(np.diff(batch["X"].crow_indices().numpy()))
+        lines.append(batch["obs"]["cell_line"].numpy())
+        drugs.append(batch["obs"]["drug"].numpy())
+    src = np.concatenate(src)
+    assert np.array_equal(np.sort(src), np.arange(n))
+    rows, every = row_of[src], script.EVERY
+    assert np.array_equal(np.concatenate(nnz), (rows % every == 0).astype(np.int32))
+    assert np.array_equal(np.concatenate(lines), (rows * 7919) % 50)
+    assert np.array_equal(np.concatenate(drugs), (rows * 7919) % 380)
