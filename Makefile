@@ -18,6 +18,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
+	# the suite starts hundreds of interpreters: compiled once here, not in each one
+	# (an environment with PYTHONDONTWRITEBYTECODE never caches what it compiles)
+	$(PY) -m compileall -q loader sclayout benchmarks examples > /dev/null
 	# two processes, whole files each: a file's module fixtures are built once
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
