@@ -47,7 +47,7 @@ def measured(
         while not stop.is_set():
             try:
                 r = tree_resources(proc.pid)
-            except ProcessLookupError:
+            except OSError:  # the process ended meanwhile
                 break
             if r.pss > peak[0]:
                 peak[:] = [r.pss, r.pss_anon, r.pss_shmem]
@@ -56,7 +56,7 @@ def measured(
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     try:
-        _, err = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -75,9 +75,12 @@ def measured(
         "write_bytes": io1["write_bytes"] - io0["write_bytes"],
         "rchar": io1["rchar"] - io0["rchar"],
         "wchar": io1["wchar"] - io0["wchar"],
+        "stdout": out,
         "stderr_tail": err[-2000:],
     }
 
 
 if __name__ == "__main__":
-    print(json.dumps(measured(sys.argv[1:])))
+    got = measured(sys.argv[1:])
+    sys.stdout.write(got.pop("stdout"))
+    print(json.dumps(got))

@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -65,36 +64,18 @@ def read_for(store: str, seconds: float, obs: tuple[str, ...]) -> dict[str, floa
 
 
 def _run_sampled(cmd: Sequence[str], timeout: float) -> tuple[str, float, int]:
-    """Run ``cmd``; its stdout, wall seconds and peak tree PSS (anon + shmem, sampled
-    every 0.1 s). Killed and reported at ``timeout``; a failed exit raises."""
-    from sclayout.testing.measure import tree_resources
+    """Run ``cmd`` (:func:`peak.measured`); its stdout, wall seconds and peak tree PSS.
+    A command killed at ``timeout`` or failing raises, with its command line."""
+    from peak import measured
 
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, stop = [0], threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            try:
-                peak[0] = max(peak[0], tree_resources(proc.pid).pss)
-            except (ProcessLookupError, OSError):
-                break
-            stop.wait(0.1)
-
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
     try:
-        out, err = proc.communicate(timeout=timeout)
+        run = measured(cmd, timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
         raise RuntimeError(f"timed out after {timeout:.0f} s: {' '.join(cmd)}") from None
-    finally:
-        stop.set()
-        thread.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"failed ({proc.returncode}): {' '.join(cmd)}\n{err[-2000:]}")
-    return out, time.perf_counter() - t0, peak[0]
+    if run["returncode"] != 0:
+        tail = run["stderr_tail"]
+        raise RuntimeError(f"failed ({run['returncode']}): {' '.join(cmd)}\n{tail}")
+    return run["stdout"], run["seconds"], run["peak_pss"]
 
 
 def measure_load(store: Path, *, seconds: float = 5.0, timeout: float = 600.0) -> dict[str, Any]:
