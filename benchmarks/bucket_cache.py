@@ -6,8 +6,9 @@ the GETs answered per second across all clients (``--gets-per-s``), as an object
 store's per-prefix request rate does. Each "node" is a process reading its rank's share
 of an epoch (``rank``/``world_size``) with ``BlockDataset``; with the cache, each node
 has its own ``cache_dir`` (nodes share nothing but the bucket). The nodes of a phase
-start together; a phase is one epoch, in new processes (as non-persistent DataLoader
-workers are): epoch 2 of the cached runs reads the cache epoch 1 filled.
+start together; a phase begins at an epoch, in new processes (as non-persistent
+DataLoader workers are), and goes on epoch after epoch until ``--min-seconds`` have
+passed, except the cached runs' epoch 1, which fills the cache: epoch 2 on reads it.
 
 Columns: total cells/s of all nodes (cells over the wall time from the first node's
 start to the last one's end), GETs per cell and bytes per cell answered by the server.
@@ -50,12 +51,22 @@ def node(args: argparse.Namespace) -> None:
         prefetch_next_epoch=False,
         **cache,
     )
-    ds.set_epoch(args.epoch)
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.time()
-    cells = sum(len(b["index"]) for b in ds)
-    print(json.dumps({"cells": cells, "start": start, "end": time.time()}), flush=True)
+    cells, epoch = 0, args.epoch
+    # epoch after epoch until the window is long enough; the epoch that fills a cache
+    # is the one kind that cannot be repeated (the next one reads the cache)
+    while True:
+        ds.set_epoch(epoch)
+        cells += sum(len(b["index"]) for b in ds)
+        epoch += 1
+        if (args.cache and args.epoch == 1) or time.time() - start >= args.min_seconds:
+            break
+    end = time.time()
+    ds.close()
+    figures = {"cells": cells, "epochs": epoch - args.epoch, "start": start, "end": end}
+    print(json.dumps(figures), flush=True)
 
 
 def phase(
@@ -67,7 +78,7 @@ def phase(
     for rank in range(n):
         cmd = [sys.executable, __file__, "--node", url, "--rank", str(rank), "--world", str(n)]
         cmd += ["--epoch", str(epoch), "--batch-size", str(a.batch_size)]
-        cmd += ["--fetch-factor", str(a.fetch_factor)]
+        cmd += ["--fetch-factor", str(a.fetch_factor), "--min-seconds", str(a.min_seconds)]
         if caches:
             cmd += ["--cache", caches[rank]]
         procs.append(
@@ -82,7 +93,7 @@ def phase(
         p.stdin.flush()
     got = [json.loads(p.stdout.readline()) for p in procs]
     for p in procs:
-        p.wait(timeout=600)
+        assert p.wait(timeout=600) == 0, "a node failed"
     cells = sum(g["cells"] for g in got)
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     gets = s3.stats.gets if s3 else 0
@@ -210,6 +221,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--fetch-factor", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--min-seconds", type=float, default=5.0, help="a phase reads epochs until this long"
+    )
     # a node's own arguments (the benchmark starts its nodes with them)
     ap.add_argument("--node", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)

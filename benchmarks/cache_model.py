@@ -216,6 +216,9 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=64)
     ap.add_argument("--fetch-factor", type=int, default=16)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--min-seconds", type=float, default=5.0, help="a phase reads epochs until this long"
+    )
     ap.add_argument("--quick", action="store_true", help="quick calibrations (rougher)")
     ap.add_argument(
         "--repredict", action="store_true", help="predict the recorded results again, no runs"
