@@ -10,8 +10,8 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU wheel of exactly this version is on disk;
 	# letting pip resolve torch itself would pull several GB of CUDA.
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e ".[torch,dev]"
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[torch,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
