@@ -6,7 +6,9 @@ detected genes. :func:`make_plates` writes ``n_plates`` files of that shape with
 counts ``1 + geometric``), obs ``plate`` / ``cell_line`` / ``drug`` (categoricals) and
 ``dose`` (float32), and unique obs_names across the files. Rows are made a slice at a
 time, so any size is written in flat memory; :func:`cached_plates` makes a set once
-into a folder and reuses it.
+into a folder and reuses it. ``compression="gzip"`` writes every array with HDF5's gzip
+(level 1, byte shuffle), as many published ``.h5ad`` files are: the 10⁸-cell set then
+fits a disk that also holds its store and the converter's work folder.
 """
 
 from __future__ import annotations
@@ -66,7 +68,9 @@ def _obs(rng, plate: int, first: int, n: int) -> pd.DataFrame:
     )
 
 
-def make_plate(path: Path, plate: int, n: int, first: int, *, n_vars: int, nnz: int) -> Path:
+def make_plate(
+    path: Path, plate: int, n: int, first: int, *, n_vars: int, nnz: int, compression=None
+) -> Path:
     """Write one plate file of ``n`` cells (its obs_names numbered from ``first``)."""
     import anndata as ad
     import h5py
@@ -76,16 +80,19 @@ def make_plate(path: Path, plate: int, n: int, first: int, *, n_vars: int, nnz: 
     obs = _obs(rng, plate, first, n)
     var = pd.DataFrame(index=pd.Index([f"ENSG{j:011d}" for j in range(n_vars)]))
     tmp = path.with_name(path.name + ".part")
-    ad.AnnData(X=sp.csr_matrix((n, n_vars), dtype=np.float32), obs=obs, var=var).write_h5ad(tmp)
+    filters = {"compression": "gzip", "compression_opts": 1, "shuffle": True} if compression else {}
+    empty = ad.AnnData(X=sp.csr_matrix((n, n_vars), dtype=np.float32), obs=obs, var=var)
+    empty.write_h5ad(tmp, compression=compression)
     del obs
     cdf = _gene_cdf(n_vars)
     with h5py.File(tmp, "r+") as f:
         x = f["X"]
         for name in ("data", "indices", "indptr"):
             del x[name]
-        data = x.create_dataset("data", (0,), np.float32, maxshape=(None,), chunks=(2**18,))
-        ind = x.create_dataset("indices", (0,), np.int32, maxshape=(None,), chunks=(2**18,))
-        ptr = x.create_dataset("indptr", (n + 1,), np.int64, chunks=(min(n + 1, 2**18),))
+        grow = {"shape": (0,), "maxshape": (None,), "chunks": (2**18,), **filters}
+        data = x.create_dataset("data", dtype=np.float32, **grow)
+        ind = x.create_dataset("indices", dtype=np.int32, **grow)
+        ptr = x.create_dataset("indptr", (n + 1,), np.int64, chunks=(min(n + 1, 2**18),), **filters)
         ptr[0] = 0
         total = 0
         for a in range(0, n, SLICE_ROWS):
@@ -102,16 +109,23 @@ def make_plate(path: Path, plate: int, n: int, first: int, *, n_vars: int, nnz: 
 
 
 def cached_plates(
-    n_obs: int, root: Path, *, n_vars: int = N_VARS, nnz: int = 24, n_plates: int = N_PLATES
+    n_obs: int,
+    root: Path,
+    *,
+    n_vars: int = N_VARS,
+    nnz: int = 24,
+    n_plates: int = N_PLATES,
+    compression: str | None = None,
 ) -> list[Path]:
     """The plate files of an ``n_obs``-cell set under ``root``, made on first use."""
-    folder = Path(root) / f"tahoe_plates_{n_obs}x{n_vars}_nnz{nnz}"
+    suffix = f"_{compression}" if compression else ""
+    folder = Path(root) / f"tahoe_plates_{n_obs}x{n_vars}_nnz{nnz}{suffix}"
     folder.mkdir(parents=True, exist_ok=True)
     paths, first = [], 0
     for k, n in enumerate(plate_sizes(n_obs, n_plates)):
         p = folder / f"plate{k + 1:02d}.h5ad"
         if not p.exists():
-            make_plate(p, k, n, first, n_vars=n_vars, nnz=nnz)
+            make_plate(p, k, n, first, n_vars=n_vars, nnz=nnz, compression=compression)
         paths.append(p)
         first += n
     return paths
@@ -120,5 +134,6 @@ def cached_plates(
 if __name__ == "__main__":
     import sys
 
-    for p in cached_plates(int(sys.argv[1]), Path(sys.argv[2])):
+    codec = sys.argv[3] if len(sys.argv) > 3 else None
+    for p in cached_plates(int(sys.argv[1]), Path(sys.argv[2]), compression=codec):
         print(p, p.stat().st_size, flush=True)
