@@ -34,7 +34,9 @@ byte, store GB; then every store is read by the loader (``scale_load.py``: CSR, 
 64, two obs columns, ``--load-seconds`` with the store evicted every 0.5 s, three rounds
 interleaved over the stores, median): cells/s, peak PSS and CPU µs per cell; and timed
 ``sclayout inspect`` and ``sclayout verify --quick``. The stores go to ``--work``/plates
-(kept with ``--keep``).
+(kept with ``--keep``). ``--h5ad-compression gzip`` uses gzip plate files (a ``_gzip``
+folder; ``--data`` names the folder holding the sets), ``--lock FILE`` holds ``flock``
+on FILE around the loader timings only.
 
 Usage::
 
@@ -54,6 +56,7 @@ Writes ``benchmarks/results/convert.{json,md}``, or ``convert-scale.{json,md}`` 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -142,6 +145,26 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
         default="tahoe-like",
         help="--scale: one Tahoe-like file per size (default), or Tahoe-100M's shape: 14 "
         "plate files, 62,710 genes, --scale-nnz (give 24) non-zeros a cell",
+    )
+    p.add_argument(
+        "--h5ad-compression",
+        choices=("none", "gzip"),
+        default="none",
+        help="--shape tahoe-100m: plate files uncompressed (default) or gzip level 1 with "
+        "shuffle (a folder with a _gzip suffix; 10^8 cells in ~12 GB instead of ~26 GB)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="--shape tahoe-100m: folder of the plate sets (made there if missing) [--work/data]",
+    )
+    p.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="--shape tahoe-100m: hold flock(FILE) around the loader timings only, so "
+        "other benchmarks on the machine do not run at the same moment",
     )
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
@@ -560,6 +583,22 @@ def _plates_row(paths: list[Path], order: str, out: Path, budget: str) -> dict[s
     }
 
 
+@contextlib.contextmanager
+def _held(lock: Path | None):
+    """``flock`` on ``lock`` (exclusive, waiting for it) while the block runs; no lock: none."""
+    if lock is None:
+        yield
+        return
+    import fcntl
+
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _plates_loads(stores: list[Path], rows: list[dict[str, Any]], seconds: float) -> None:
     """Fill each row's loader columns: :data:`LOAD_ROUNDS` runs of the loader per store
     (``scale_load.py``, ≫RAM), interleaved so that a change in the machine's load falls
@@ -600,15 +639,20 @@ def _scale_plates(args: argparse.Namespace) -> int:
     budget = parse_memory_budget(args.memory_budget)
     rows, stores = [], []
     for n in [int(x) for x in args.scale.split(",")]:
-        paths = cached_plates(n, work / "data", nnz=args.scale_nnz)
+        compression = None if args.h5ad_compression == "none" else args.h5ad_compression
+        paths = cached_plates(
+            n, args.data or work / "data", nnz=args.scale_nnz, compression=compression
+        )
         for order in args.orders.split(","):
             out = work / "plates" / f"{n}-{order}.zarr"
             r = {"n_obs": n, **_plates_row(paths, order, out, args.memory_budget)}
+            r["h5ad_compression"] = args.h5ad_compression
             print(json.dumps(r), flush=True)
             rows.append(r)
             stores.append(out)
     try:
-        _plates_loads(stores, rows, args.load_seconds)
+        with _held(args.lock):
+            _plates_loads(stores, rows, args.load_seconds)
     finally:
         if not args.keep:
             shutil.rmtree(work / "plates", ignore_errors=True)
@@ -661,7 +705,9 @@ def _plates_markdown(rows: list[dict[str, Any]], args: argparse.Namespace, budge
     ]  # fmt: skip
     return (
         "### Scale in Tahoe-100M's shape: 14 plate files, 62,710 genes, "
-        f"{args.scale_nnz} non-zeros a cell\n\n{markdown_table(table, cols)}\n\n"
+        f"{args.scale_nnz} non-zeros a cell"
+        + ("" if args.h5ad_compression == "none" else f", {args.h5ad_compression} h5ad")
+        + f"\n\n{markdown_table(table, cols)}\n\n"
         f"Loader: `BlockDataset` in a child process (`benchmarks/scale_load.py`), CSR, batch "
         f'64, `obs=("cell_line", "drug")`, {args.load_seconds:g} s epoch after epoch from '
         f"the first minibatch, store evicted before and every 0.5 s (eviction checked; ‡: not "

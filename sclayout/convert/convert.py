@@ -75,7 +75,6 @@ from sclayout.convert.source import (
     Source,
     close_handles,
     open_group,
-    prefer_direct_io,
     read_slice,
 )
 from sclayout.convert.sources import (
@@ -91,7 +90,7 @@ from sclayout.convert.space import (
     route_bytes,
 )
 from sclayout.convert.stale import OLD_TAG, TMP_TAG, clean_stale, hold, sibling
-from sclayout.convert.tables import WorkTables, cumsum_into, inverse_into, slices
+from sclayout.convert.tables import WorkTables, cumsum_into, inverse_into, row_dtype, slices
 from sclayout.convert.write import (
     CopyJob,
     Runner,
@@ -121,9 +120,11 @@ DRIVER_BYTES_PER_ROW = 0
 tables (permutation, its inverse, row lengths, source and output indptr, stratum
 codes, obs columns) are files in the work folder (:mod:`sclayout.convert.tables`),
 whose pages the kernel reclaims; what the process does hold is measured."""
-TABLE_BYTES_PER_ROW = 128
-"""Disk the per-cell tables take a cell in the work folder (permutation, inverse, row
-lengths, pointers, order scratch, obs columns and names on their way to the store)."""
+TABLE_BYTES_PER_ROW = 64
+"""Disk the per-cell tables take a cell in the work folder at most at once (row numbers
+in int32 below 2^31 rows, each table deleted once used: the order's scratch, then obs
+names and columns on their way to the store, then the permutation, its inverse and a
+matrix's pointers)."""
 WORK_MARGIN = 64 * 2**20
 """Head-room kept for the interpreter's transient allocations and library buffers."""
 MIN_WORK = 64 * 2**20
@@ -554,7 +555,7 @@ def _convert_into(
         seed=opts.order.seed or 0,
         tables=tables,
     )
-    inv = inverse_into(perm, tables.empty("inverse", n_obs, np.int64))
+    inv = inverse_into(perm, tables.empty("inverse", n_obs, row_dtype(n_obs)))
     small = anndata_dataset_kwargs(opts.checksums)
     inp.obs.write(root, perm, tables, small)
     inp.write_small(root, perm, small)
@@ -577,6 +578,7 @@ def _convert_into(
         matrices[target.path] = layout
         if pointer is not None:
             pointers[target.path] = pointer
+    tables.drop(inv)
     provenance = _write_uns_sclayout(root, perm, pointers, inp, small, (opts, block_size, tmp))
     del perm, inv
     tables.close()
@@ -657,7 +659,7 @@ def _write_uns_sclayout(
     pointer_names = {block_pointer_path(m).rsplit("/", 1)[-1]: p for m, p in pointers.items()}
     quiet_write(root["uns"], SCLAYOUT_UNS.split("/", 1)[1], {"block_indptr": pointer_names}, kw)
     n = perm.size
-    tables = {"source_index": _RowTable(n, np.int64, lambda a, b: perm[a:b])}
+    tables = {"source_index": _RowTable(n, np.int64, lambda a, b: perm[a:b].astype(np.int64))}
     provenance: dict[str, str] = {}
     if inp.row0 is not None:
         row0 = inp.row0
@@ -783,6 +785,7 @@ def _convert_matrix(
     for a, b in shard_ranges(n_obs + 1, ptr_shard):
         write_region(ctx.dst, f"{info.path}/indptr", a, out_ptr[a:b])
     pointer = np.asarray(out_ptr[np.r_[np.arange(0, n_obs, ctx.block_size), n_obs]])
+    ctx.tables.drop(out_ptr, *ptrs)  # this matrix's tables: their disk back now
     layout = MatrixLayout(
         encoding="csr",
         shape=(n_obs, n_vars),
@@ -818,6 +821,7 @@ def _output_pointer(ctx: _Ctx, parts: list[Part], ptrs: list, n_obs: int) -> np.
         at += p.shape[0]
     out_ptr = ctx.tables.empty("indptr", n_obs + 1, np.int64)
     cumsum_into(row_nnz, out_ptr, order=None if ctx.identity else ctx.perm)
+    ctx.tables.drop(row_nnz)
     return out_ptr
 
 
@@ -864,7 +868,6 @@ class _Routed:
     bounds: np.ndarray
     workdir: str
     segments: list
-    direct: bool
     per_elem: int
     stats: ValueStats | None
     """The routed values' range (rows only; None: not gathered)."""
@@ -883,16 +886,13 @@ def _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> _Routed:
     )
     workdir = os.path.join(ctx.local, WORK_DIR, info.path.replace("/", "__"))
     read_elems = max(1, ctx.work // (ctx.jobs * ROUTE_COPIES * elem_bytes))
-    direct = prefer_direct_io(parts[0].src, nbytes=nnz * elem_bytes)
     route = (ctx.inv, out_ptr, bounds, workdir)
     jobs: list[Any] = []
     if not coo and len(parts) > 1:
         for task in task_slices(parts, ptrs, read_elems):
             (k, a, b), more = task[0], tuple((parts[j], c, d, ptrs[j]) for j, c, d in task[1:])
             p = parts[k]
-            jobs.append(
-                ext.RouteRowsJob(p.src, p.path, a, b, ptrs[k], *route, len(jobs), direct, p, more)
-            )
+            jobs.append(ext.RouteRowsJob(p.src, p.path, a, b, ptrs[k], *route, len(jobs), p, more))
     else:
         for p, ptr in zip(parts, ptrs, strict=True):
             part = None if p.plain and p.encoding == ("csc" if coo else "csr") else p
@@ -900,17 +900,17 @@ def _route_sparse(ctx, info, plan, parts, ptrs, out_ptr, nnz) -> _Routed:
                 jobs.append(
                     ext.RouteCscJob(p.src, p.path, a, b, ptr, *route, info.index_dtype, part)
                     if coo
-                    else ext.RouteRowsJob(p.src, p.path, a, b, ptr, *route, len(jobs), direct, part)
+                    else ext.RouteRowsJob(p.src, p.path, a, b, ptr, *route, len(jobs), part)
                 )
     found = ctx.runner.run(
         ext.route_csc if coo else ext.route_rows, jobs, desc=f"route {info.path}"
     )
     n_buckets = len(bounds) - 1
     if coo:
-        return _Routed("csc", bounds, workdir, [None] * n_buckets, direct, per_elem, None)
+        return _Routed("csc", bounds, workdir, [None] * n_buckets, per_elem, None)
     segments = ext.segments_by_bucket([t for t, _ in found], n_buckets)
     stats = functools.reduce(ValueStats.merge, [v for _, v in found], ValueStats())
-    return _Routed("rows", bounds, workdir, segments, direct, per_elem, stats)
+    return _Routed("rows", bounds, workdir, segments, per_elem, stats)
 
 
 def _assemble_sparse(ctx, info, plan, routed: _Routed, out_ptr) -> None:
@@ -932,7 +932,6 @@ def _assemble_sparse(ctx, info, plan, routed: _Routed, out_ptr) -> None:
             info.index_dtype,
             info.shape[1],
             routed.segments[b],
-            routed.direct,
         )
         for b in range(len(bounds) - 1)
     ]

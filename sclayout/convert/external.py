@@ -11,12 +11,12 @@ the number of rows:
   CSR/dense, column ranges of CSC) and sends every row (or CSC entry) to the
   bucket(s) its output position falls in. A CSR row that straddles a bucket boundary
   goes to both buckets. CSR: each task gathers its rows grouped by bucket and writes
-  them as one file per array (one *segment* per bucket, each starting on a page
-  boundary), with ``O_DIRECT`` when the data does not stay in the page cache, and
-  returns its segment table. CSC/dense: each worker thread appends to its own files
-  per bucket.
-- **Pass 2 (assemble)** loads one bucket (CSR: its segment of every route task's
-  files), sorts it into output order with vectorised gathers, and writes its shards.
+  one *segment* file per bucket it feeds (the rows' output places, values and column
+  indices, compressed with a fast codec, :data:`ROUTE_CODEC`), and returns its segment
+  table. CSC/dense: each worker thread appends to its own files per bucket.
+- **Pass 2 (assemble)** loads one bucket (CSR: its segment from every route task),
+  sorts it into output order with vectorised gathers, writes its shards, and deletes
+  the bucket's files: the route files shrink while the store grows.
 
 Temp files live in a work directory inside the store's temporary sibling, so a kill
 leaves nothing behind that the next run does not remove.
@@ -25,7 +25,6 @@ leaves nothing behind that the next run does not remove.
 from __future__ import annotations
 
 import itertools
-import math
 import os
 import shutil
 import socket
@@ -35,25 +34,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from numcodecs import Blosc, blosc
 
-from sclayout.convert import source
-from sclayout.convert._buffers import ALIGN, aligned_scratch, scratch, trim_heap
+from sclayout.convert._buffers import scratch, trim_heap
 from sclayout.convert.narrow import ValueStats, value_stats
 from sclayout.convert.parts import Part
-from sclayout.convert.source import io_map, open_direct, pread_full, read_slice
+from sclayout.convert.source import io_map, pread_full, read_slice
 from sclayout.convert.tables import segments as _segments
 from sclayout.convert.write import submit_region, write_region
 
 __all__ = [
+    "ROUTE_CODEC",
     "AssembleJob",
     "RouteCscJob",
     "RouteDenseJob",
     "RouteRowsJob",
     "assemble",
     "bucket_bounds",
+    "pack",
     "route_csc",
     "route_dense",
     "route_rows",
+    "unpack",
 ]
 
 
@@ -172,7 +174,7 @@ class RouteRowsJob:
 
     ``indptr`` is the source indptr (int64), ``inv`` the inverse permutation,
     ``out_ptr`` the output indptr, ``bounds`` the bucket element bounds; ``task``
-    names the job's files in ``workdir``; ``direct`` asks for ``O_DIRECT`` files.
+    names the job's files in ``workdir``.
     """
 
     src: str
@@ -185,7 +187,6 @@ class RouteRowsJob:
     bounds: np.ndarray
     workdir: str
     task: int = 0
-    direct: bool = False
     part: Part | None = None
     """Several sources or a gene map: where this source's rows go (``indptr`` is then
     the source's own pointer, ``r0``/``r1`` its own rows)."""
@@ -196,34 +197,61 @@ class RouteRowsJob:
     of one source)."""
 
 
-SEGMENT_COLUMNS = ("task", "bucket", "rows", "meta_row", "elems", "elem")
+SEGMENT_COLUMNS = ("task", "bucket", "rows", "elems", "meta_bytes", "data_bytes", "idx_bytes")
 """Columns of a route task's segment table (one row per bucket it feeds): the task, the
-bucket, its rows and their first row in the task's ``meta`` file, its elements and
-their first element in the task's ``data``/``idx`` files (a multiple of the pad unit)."""
+bucket, its rows and elements, and the compressed bytes of its three arrays (the rows'
+output start and length, the values, the column indices) in the segment's file."""
+
+ROUTE_CODEC = Blosc(cname="lz4", clevel=5, shuffle=Blosc.SHUFFLE)
+"""Codec of the route files: lz4 with byte shuffle encodes and decodes at GB/s a core
+and stores a count matrix's values, column indices and row table in a third to a sixth
+of their bytes, so the route pass writes and reads back far less than the matrix."""
+FRAME_BYTES = 1 << 24
+"""Raw bytes per compressed frame (blosc takes at most 2 GiB at once)."""
+_HEADER = 16
+"""Bytes of a blosc frame's header; bytes 4-16 hold its raw, block and compressed sizes."""
 
 
-def pad_unit(*dtypes: np.dtype) -> int:
-    """Elements per segment padding unit.
+def pack(values: np.ndarray) -> list[bytes]:
+    """``values`` (contiguous) as :data:`ROUTE_CODEC` frames of :data:`FRAME_BYTES` or less."""
+    flat = values.reshape(-1)
+    step = max(1, FRAME_BYTES // max(1, flat.itemsize))
+    return [ROUTE_CODEC.encode(flat[a : a + step]) for a in range(0, flat.size, step)]
 
-    Segments padded to a multiple of it start on an
-    :data:`~sclayout.convert._buffers.ALIGN` boundary in every array of ``dtypes``.
+
+def unpack(frames: np.ndarray, out: np.ndarray) -> None:
+    """Decode the frames in ``frames`` (uint8, as :func:`pack` made them) into ``out``.
+
+    Raises ``OSError`` when they do not decode to exactly ``out``'s bytes (a damaged or
+    truncated route file).
     """
-    return math.lcm(*(ALIGN // math.gcd(ALIGN, np.dtype(d).itemsize) for d in dtypes))
+    dest = out.reshape(-1).view(np.uint8)
+    pos = at = 0
+    while pos < frames.size:
+        head = frames[pos : pos + _HEADER].tobytes()
+        raw, _block, size = (
+            (int(v) for v in np.frombuffer(head[4:], "<u4")) if len(head) == _HEADER else (0, 0, 0)
+        )
+        if not size or pos + size > frames.size or at + raw > dest.size:
+            break
+        blosc.decompress(frames[pos : pos + size], dest[at : at + raw])
+        pos, at = pos + size, at + raw
+    if pos != frames.size or at != dest.size:
+        raise OSError(f"route file damaged: {at} of {dest.size} bytes decoded")
 
 
-def _task_file(workdir: str, task: int, name: str) -> str:
-    return os.path.join(workdir, f"t{task:06d}.{name}")
+def _segment_file(workdir: str, bucket: int, task: int) -> str:
+    return os.path.join(workdir, f"b{bucket:06d}", f"t{task:06d}")
 
 
-def _write_file(path: str, buf: np.ndarray, *, direct: bool) -> None:
-    """Write ``buf`` (uint8; ALIGN-aligned and -sized when ``direct``) as file ``path``."""
-    fd = open_direct(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, direct=direct)
-    try:
-        view, done = memoryview(buf), 0
-        while done < len(view):
-            done += os.pwritev(fd, [view[done:]], done)
-    finally:
-        os.close(fd)
+def _write_segment(path: str, arrays: tuple[np.ndarray, ...]) -> list[int]:
+    """Write ``arrays`` compressed one after the other as file ``path``; their sizes."""
+    frames = [pack(a) for a in arrays]
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        for fr in frames:
+            f.writelines(fr)
+    return [sum(map(len, fr)) for fr in frames]
 
 
 PIECE_READERS = 4
@@ -265,27 +293,30 @@ def _read_pieces(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
     return np.concatenate(ptrs), data[:pos], indices[:pos], np.concatenate(rows)
 
 
+def _read_task(job: RouteRowsJob) -> tuple[np.ndarray, ...]:
+    """Read a route task's rows: their pointer, values, column indices and output rows."""
+    if job.part is None:
+        s = job.indptr
+        e0, e1 = int(s[job.r0]), int(s[job.r1])
+        data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
+        indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
+        return s[job.r0 : job.r1 + 1] - e0, data, indices, job.inv[job.r0 : job.r1]
+    if not job.more and job.part.encoding == "dense":
+        ptr, data, indices = job.part.read_rows(job.r0, job.r1, job.indptr)
+        return ptr, data, indices, job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1]
+    return _read_pieces(job)
+
+
 def route_rows(job: RouteRowsJob) -> tuple[np.ndarray, ValueStats]:
     """Run a :class:`RouteRowsJob`; return its segment table (:data:`SEGMENT_COLUMNS`).
 
     Also the range and integer-ness of the values it routed: the stored dtype is chosen
     from them, so the values are not read once more just for that.
     """
-    if job.part is None:
-        s = job.indptr
-        e0, e1 = int(s[job.r0]), int(s[job.r1])
-        data = read_slice(job.src, f"{job.path}/data", e0, e1, buffer="route-data")
-        indices = read_slice(job.src, f"{job.path}/indices", e0, e1, buffer="route-indices")
-        ptr = s[job.r0 : job.r1 + 1] - e0
-        out_row = job.inv[job.r0 : job.r1]
-    elif not job.more and job.part.encoding == "dense":
-        ptr, data, indices = job.part.read_rows(job.r0, job.r1, job.indptr)
-        out_row = job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1]
-    else:
-        ptr, data, indices, out_row = _read_pieces(job)
+    ptr, data, indices, out_row = _read_task(job)
     nnz = np.diff(ptr)
     keep = np.flatnonzero(nnz > 0)
-    out_start = job.out_ptr[out_row[keep]]
+    out_start = job.out_ptr[out_row[keep]].astype(np.int64, copy=False)
     nnz = nnz[keep]
     first = np.searchsorted(job.bounds, out_start, side="right") - 1
     last = np.searchsorted(job.bounds, out_start + nnz - 1, side="right") - 1
@@ -298,33 +329,22 @@ def route_rows(job: RouteRowsJob) -> tuple[np.ndarray, ValueStats]:
     used, at, rows = np.unique(bucket, return_index=True, return_counts=True)
     row_nnz = nnz[row]
     elems = np.add.reduceat(row_nnz, at) if row.size else np.zeros(0, np.int64)
-    unit = pad_unit(data.dtype, indices.dtype)
-    padded = -(-elems // unit) * unit
-    elem = np.r_[0, np.cumsum(padded)]
-    total = int(elem[-1])
-    g_data = aligned_scratch("route-gdata", total * data.itemsize).view(data.dtype)
-    g_idx = aligned_scratch("route-gindices", total * indices.itemsize).view(indices.dtype)
-    src_row = keep[row]
-    for k in range(used.size):
-        a, o = int(at[k]), int(elem[k])
-        n = int(elems[k])
-        sel = src_row[a : a + int(rows[k])]
-        gather_rows(ptr, sel, data, indices, g_data[o : o + n], g_idx[o : o + n])
-    os.makedirs(job.workdir, exist_ok=True)
     meta = np.stack([out_start[row], row_nnz], axis=1).astype(np.int64, copy=False)
-    _write_file(
-        _task_file(job.workdir, job.task, "meta"), meta.view(np.uint8).reshape(-1), direct=False
-    )
-    for name, buf in (("data", g_data), ("idx", g_idx)):
-        _write_file(_task_file(job.workdir, job.task, name), buf.view(np.uint8), direct=job.direct)
-    table = np.stack(
-        [np.full(used.size, job.task), used, rows, at, elems, elem[:-1]], axis=1
-    ).astype(np.int64)
+    src_row = keep[row]
+    sizes = np.zeros((used.size, 3), dtype=np.int64)
+    for k in range(used.size):  # one compressed segment file per bucket fed
+        a, z, n = int(at[k]), int(at[k] + rows[k]), int(elems[k])
+        g_data = scratch("route-gdata", n, data.dtype)
+        g_idx = scratch("route-gindices", n, indices.dtype)
+        gather_rows(ptr, src_row[a:z], data, indices, g_data, g_idx)
+        path = _segment_file(job.workdir, int(used[k]), job.task)
+        sizes[k] = _write_segment(path, (meta[a:z], g_data, g_idx))
+    table = np.column_stack([np.full(used.size, job.task), used, rows, elems, sizes])
     stats = ValueStats()
     for a in range(0, data.size, PIECE_ELEMS):  # a piece at a time: small temporaries
         stats = stats.merge(value_stats(data[a : a + PIECE_ELEMS]))
     trim_heap()
-    return table, stats
+    return table.astype(np.int64), stats
 
 
 def segments_by_bucket(tables: list[np.ndarray], n_buckets: int) -> list[np.ndarray]:
@@ -448,59 +468,40 @@ class AssembleJob:
     n_vars: int
     segments: np.ndarray | None = None
     """``rows``: the bucket's segments (:data:`SEGMENT_COLUMNS`), see :func:`segments_by_bucket`."""
-    direct: bool = False
 
 
 def _load_segments(job: AssembleJob) -> tuple[np.ndarray, ...]:
-    """Read a ``rows`` bucket from its route tasks' files.
+    """Read a ``rows`` bucket from its route tasks' segment files, decoding them in parallel.
 
-    Returns data and indices (segments at pad-unit positions, padding between them),
-    meta (output start and nnz of every row), the row's index in ``ptr`` and ``ptr``,
-    a CSR pointer over data/indices with one padding row after each segment.
+    Returns data and indices (the segments end to end), meta (output start and nnz of
+    every row, in the same order) and ``ptr``, the CSR pointer over data/indices.
     """
     seg = job.segments
-    unit = pad_unit(job.dtype, job.index_dtype)
-    padded = -(-seg[:, 4] // unit) * unit
-    pos = np.r_[0, np.cumsum(padded)]
-    total = int(pos[-1])
-    data = aligned_scratch("bucket-data", total * job.dtype.itemsize).view(job.dtype)
-    idx = aligned_scratch("bucket-idx", total * job.index_dtype.itemsize).view(job.index_dtype)
-    meta = np.empty((int(seg[:, 2].sum()), 2), dtype=np.int64)
-    reads = []  # (file, destination, file offset): pieces read in parallel
-    m = 0
-    for (task, _b, rows, meta_row, _n, elem), p, n in zip(seg, pos[:-1], padded, strict=True):
-        for name, buf in (("data", data), ("idx", idx)):
-            size = buf.itemsize
-            dest = buf[p : p + n].view(np.uint8)
-            for a in range(0, dest.size, source.DIRECT_PIECE):
-                piece = dest[a : a + source.DIRECT_PIECE]
-                reads.append((_task_file(job.workdir, int(task), name), piece, elem * size + a))
-        reads.append(
-            (
-                _task_file(job.workdir, int(task), "meta"),
-                meta[m : m + rows].reshape(-1).view(np.uint8),
-                meta_row * 16,
-            )
+    rows_at = np.r_[0, np.cumsum(seg[:, 2])].astype(np.int64)
+    elem_at = np.r_[0, np.cumsum(seg[:, 3])].astype(np.int64)
+    data = scratch("bucket-data", int(elem_at[-1]), job.dtype)
+    idx = scratch("bucket-idx", int(elem_at[-1]), job.index_dtype)
+    meta = np.empty((int(rows_at[-1]), 2), dtype=np.int64)
+
+    def read(k: int) -> None:
+        task, bucket, _rows, _elems, *sizes = (int(v) for v in seg[k])
+        path = _segment_file(job.workdir, bucket, task)
+        frames = np.empty(sum(sizes), dtype=np.uint8)
+        with open(path, "rb", buffering=0) as f:
+            pread_full(f.fileno(), memoryview(frames), 0)
+        cut = np.cumsum([0, *sizes])
+        outs = (
+            meta[rows_at[k] : rows_at[k + 1]],
+            data[elem_at[k] : elem_at[k + 1]],
+            idx[elem_at[k] : elem_at[k + 1]],
         )
-        m += int(rows)
+        for j, out in enumerate(outs):
+            unpack(frames[cut[j] : cut[j + 1]], out)
 
-    def read(item: tuple[str, np.ndarray, int]) -> None:
-        path, dest, offset = item
-        direct = job.direct and not path.endswith(".meta")
-        fd = open_direct(path, os.O_RDONLY, direct=direct)
-        try:
-            pread_full(fd, memoryview(dest), int(offset))
-        finally:
-            os.close(fd)
-
-    io_map(read, reads)
-    ext = np.arange(meta.shape[0]) + np.repeat(np.arange(seg.shape[0]), seg[:, 2])
-    ext_nnz = np.empty(meta.shape[0] + seg.shape[0], dtype=np.int64)
-    ext_nnz[ext] = meta[:, 1]
-    ext_nnz[np.cumsum(seg[:, 2]) + np.arange(seg.shape[0])] = padded - seg[:, 4]
-    ptr = np.zeros(ext_nnz.size + 1, dtype=np.int64)
-    np.cumsum(ext_nnz, out=ptr[1:])
-    return data, idx, meta, ext, ptr
+    io_map(read, range(seg.shape[0]))
+    ptr = np.zeros(meta.shape[0] + 1, dtype=np.int64)
+    np.cumsum(meta[:, 1], out=ptr[1:])
+    return data, idx, meta, ptr
 
 
 def assemble(job: AssembleJob) -> int:
@@ -546,10 +547,9 @@ def _assemble(job: AssembleJob) -> int:
 
 def _assemble_rows(job: AssembleJob) -> int:
     """Pass 2 of a CSR source: the bucket's rows in output order, written shard by shard."""
-    data, idx, meta, ext, ptr = _load_segments(job)
-    order = np.argsort(meta[:, 0], kind="stable")
-    starts, nnz = meta[order, 0], meta[order, 1]
-    rows = ext[order]
+    data, idx, meta, ptr = _load_segments(job)
+    rows = np.argsort(meta[:, 0], kind="stable")
+    starts, nnz = meta[rows, 0], meta[rows, 1]
     base = int(starts[0]) if starts.size else job.start
     ends = np.cumsum(nnz)
     if starts.size and int(starts[-1] + nnz[-1] - base) != int(ends[-1]):
@@ -573,4 +573,5 @@ def _assemble_rows(job: AssembleJob) -> int:
         n += 2 * (b - a)
     for p in pending:
         p.result()
+    shutil.rmtree(Path(job.workdir) / f"b{job.bucket:06d}", ignore_errors=True)  # consumed
     return n

@@ -30,7 +30,7 @@ import zarr
 from loader.errors import InputError
 from sclayout.convert.order import Codes, first_appearance
 from sclayout.convert.source import open_group
-from sclayout.convert.tables import WorkTables, segments, slices
+from sclayout.convert.tables import WorkTables, row_dtype, segments, slices
 
 __all__ = ["OBS_CHUNK", "FrameObs", "StreamedObs"]
 
@@ -71,6 +71,19 @@ def _read(node: Any, a: int, b: int) -> np.ndarray:
         return node.asstr()[a:b].astype(object)
     values = np.asarray(node[a:b])
     return values.astype(object) if values.dtype.kind in "TSU" else values
+
+
+def _read_utf8(node: Any, a: int, b: int) -> np.ndarray:
+    """Rows ``[a, b)`` of a string element as UTF-8 ``bytes`` objects.
+
+    h5py hands out the stored bytes themselves (no decoding to ``str`` and back).
+    """
+    if isinstance(node, h5py.Dataset) and h5py.check_string_dtype(node.dtype) is not None:
+        return np.asarray(node[a:b]).astype(object)
+    values = _read(node, a, b)
+    out = np.empty(values.size, dtype=object)
+    out[:] = [str(v).encode() for v in values]
+    return out
 
 
 def _categories(node: Any) -> list:
@@ -135,16 +148,18 @@ class StreamedObs:
         return index_key, plans
 
     # -- reading ------------------------------------------------------------------------
-    def _slices(self, key: str | None) -> Iterator[tuple[int, int, int, np.ndarray]]:
+    def _slices(
+        self, key: str | None, read: Callable = _read
+    ) -> Iterator[tuple[int, int, int, np.ndarray]]:
         """``(source, first row, end row, values)`` of obs element ``key``, source by source.
 
-        ``key`` None: the names (each source's own index element).
+        ``key`` None: the names (each source's own index element); ``read`` reads a slice.
         """
         for k, src in enumerate(self.srcs):
             with open_group(src) as root:
                 node = root[f"obs/{self._index_keys[k] if key is None else key}"]
                 for a, b in slices(self.sizes[k]):
-                    yield k, int(self.row0[k]) + a, int(self.row0[k]) + b, _read(node, a, b)
+                    yield k, int(self.row0[k]) + a, int(self.row0[k]) + b, read(node, a, b)
 
     def _fill_fixed(self, col: _Column, tables: WorkTables) -> np.ndarray:
         """Read a categorical (its codes) or numeric column over every row into a table."""
@@ -184,10 +199,9 @@ class StreamedObs:
         offsets[0] = 0
         path, total = tables.path(f"obs-{name}-bytes"), 0
         with open(path, "wb") as f:
-            for _, a, b, values in self._slices(key):
-                if hashes is not None:
-                    hashes[a:b] = pd.util.hash_array(values)
-                encoded = [str(v).encode() for v in values]
+            for _, a, b, encoded in self._slices(key, _read_utf8):
+                if hashes is not None:  # the same hash as of the str (pandas hashes UTF-8)
+                    hashes[a:b] = pd.util.hash_array(encoded, categorize=False)
                 lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
                 offsets[a + 1 : b + 1] = total + np.cumsum(lengths)
                 total += int(lengths.sum())
@@ -232,7 +246,9 @@ class StreamedObs:
             for a, b in slices(max(0, self.n_obs - 1))
         ]
         suspects = np.unique(np.concatenate([np.zeros(0, np.uint64), *equal]))
+        tables.drop(ordered)
         self.rename = bool(suspects.size) and self._repeats(hashes, suspects)
+        tables.drop(hashes)
         return self.rename
 
     def _repeats(self, hashes: np.ndarray, suspects: np.ndarray) -> bool:
@@ -251,7 +267,7 @@ class StreamedObs:
     def codes(self, name: str, tables: WorkTables) -> Codes:
         """Code column ``name`` by first appearance (NaN a value); return codes and uniques."""
         col = next(c for c in self._columns if c.name == name)
-        out = tables.empty(f"codes-{name}", self.n_obs, np.int64)
+        out = tables.empty(f"codes-{name}", self.n_obs, row_dtype(self.n_obs))
         if col.kind in ("categorical", "source"):
             fixed = self._fixed(col, tables)
             keys = first_appearance(lambda a, b: fixed[a:b].astype(np.int64) + 1, self.n_obs, out)
@@ -292,6 +308,8 @@ class StreamedObs:
             names = getattr(self, "_names", None) or self._fill_strings(None, tables)
             suffix = np.array([f"-{n}" for n in self.names]) if self.rename else None
             self._write_strings(group, self.index_key, names, perm, kw, suffix)
+            tables.drop(*names)
+            self._names = names = None
             for col in self._columns:
                 self._write_column(group, col, perm, tables, kw)
 
@@ -299,6 +317,7 @@ class StreamedObs:
         if col.kind == "string":
             strings = self._fill_strings(col.name, tables)
             self._write_strings(group, col.name, strings, perm, kw, None)
+            tables.drop(*strings)
         elif col.kind == "pandas":
             values = self._pandas_column(col)
             with warnings.catch_warnings(), ad.settings.override(zarr_write_format=3):
@@ -324,6 +343,7 @@ class StreamedObs:
             arr = _create(target, name, self.n_obs, fixed.dtype, kw, "array")
             for a, b in slices(self.n_obs, OBS_CHUNK):
                 arr[a:b] = fixed[np.asarray(perm[a:b])]
+            tables.drop(self.__dict__.get("_fixed_tables", {}).pop(col.name, fixed))
 
     def _write_strings(self, group, name: str, strings, perm, kw: dict, suffix) -> None:
         offsets, data = strings

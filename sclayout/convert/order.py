@@ -14,7 +14,7 @@ import pandas as pd
 
 from loader.argtypes import typechecked
 from loader.errors import InputError, SpecError
-from sclayout.convert.tables import STEP, bincount, segments, slices
+from sclayout.convert.tables import STEP, bincount, row_dtype, segments, slices
 
 __all__ = [
     "ORDERS",
@@ -192,13 +192,14 @@ def permutation(
     get_order(kind)
     if kind in ("stratified", "grouped") and not by:
         get_order(kind)(n, obs=pd.DataFrame(index=range(0)), by=by, seed=seed)  # its error
+    if kind == "stratified":
+        columns = [codes(c)[0] for c in by]
+        perm = _stratify(columns, n, _rng(seed, 2), tables)
+        tables.drop(*columns)
+        return perm
     perm = tables.arange("perm", n)
     if kind == "shuffled":
         _rng(seed, 1).shuffle(perm.view(np.ndarray))  # in place: its fast path
-    elif kind == "stratified":
-        columns = [codes(c)[0] for c in by]
-        inner = _stratify(columns, n, _rng(seed, 2), tables)
-        perm[:] = inner
     elif kind == "grouped":
         _grouped_into(perm, codes, by, seed, tables)
     return perm
@@ -240,13 +241,13 @@ def _levels(columns: list[np.ndarray], n: int, tables) -> tuple[list, list, list
     counts = [1]
     parents = [None]
     for k, col in enumerate(columns):
-        out = tables.empty(f"level{k + 1}", n, np.int64)
+        out = tables.empty(f"level{k + 1}", n, row_dtype(n))
         width = int(max((int(col[a:b].max(initial=-1)) for a, b in slices(n)), default=-1)) + 2
         prev = levels[-1]
 
         def key(a, b, col=col, prev=prev, width=width):
             own = col[a:b].astype(np.int64) + 1
-            return own if prev is None else prev[a:b] * width + own
+            return own if prev is None else prev[a:b].astype(np.int64) * width + own
 
         g = first_appearance(key, n, out).size
         parent = np.zeros(g, dtype=np.int64)
@@ -322,13 +323,14 @@ def _stratify(columns: list[np.ndarray], n: int, rng: np.random.Generator, table
     levels, counts, parents = _levels(columns, n, tables)
     order = tables.arange("order", n)
     rng.shuffle(order.view(np.ndarray))  # what rng.permutation(n) draws
-    byg = tables.empty("by-group", n, np.int64)
+    byg = tables.empty("by-group", n, row_dtype(n))
     for k in range(len(columns), 0, -1):
         sizes = bincount(levels[k], counts[k])
         u = rng.random(counts[k])
         _bucket(order, levels[k], sizes, byg)
         parent = parents[k] if k > 1 else np.zeros(counts[k], dtype=np.int64)
         _merge(byg, sizes, u, parent, counts[k - 1], order)
+    tables.drop(byg, *levels[1:])  # scratch: only the order is kept
     return order
 
 
@@ -337,12 +339,13 @@ def _grouped_into(perm: np.ndarray, codes, by: Sequence[str], seed: int, tables)
     n = perm.size
     first, uniques = codes(by[0])
     rank = np.asarray(pd.factorize(uniques, sort=True, use_na_sentinel=False)[0], np.int64)
-    group = tables.empty("group", n, np.int64)
+    group = tables.empty("group", n, row_dtype(n))
     for a, b in slices(n):
         group[a:b] = rank[first[a:b]]
     sizes = bincount(group, rank.size)
-    rows = tables.empty("group-rows", n, np.int64)
+    rows = tables.empty("group-rows", n, row_dtype(n))
     _bucket(perm, group, sizes, rows)
+    tables.drop(group)
     rest = [codes(c)[0] for c in by[1:]]
     start = 0
     for g, m in enumerate(sizes.tolist()):
@@ -350,7 +353,7 @@ def _grouped_into(perm: np.ndarray, codes, by: Sequence[str], seed: int, tables)
         if rest:
             sub = []
             for k, col in enumerate(rest):  # codes renumbered within the group
-                out = tables.empty(f"sub{k}", m, np.int64)
+                out = tables.empty(f"sub{k}", m, row_dtype(m))
                 first_appearance(lambda a, b, col=col, mine=mine: col[mine[a:b]], m, out)
                 sub.append(out)
             inner = _stratify(sub, m, _rng(seed + g, 2), tables)
@@ -359,4 +362,6 @@ def _grouped_into(perm: np.ndarray, codes, by: Sequence[str], seed: int, tables)
             _rng(seed, 3, g).shuffle(inner.view(np.ndarray))
         for a, b in slices(m):
             perm[start + a : start + b] = mine[inner[a:b]]
+        tables.drop(inner, *(sub if rest else ()))
         start += m
+    tables.drop(rows, first, *rest)

@@ -22,6 +22,7 @@ import zarr
 from loader.errors import InputError
 from sclayout.convert.checks import explain_read_errors
 from sclayout.convert.codecs import get_codec
+from sclayout.convert.external import ROUTE_CODEC
 from sclayout.convert.narrow import stored_dtypes, value_stats
 from sclayout.convert.source import MatrixInfo, Source
 
@@ -155,20 +156,35 @@ def estimate_store_bytes(
 def route_bytes(source: Source) -> int:
     """Bytes of the route files a reordering conversion of ``source`` writes.
 
-    They hold the largest row-aligned matrix uncompressed (values and indices, plus 16
-    bytes a row, 8 an entry more for CSC) and stay beside the store until that matrix
-    is written, so a shuffled conversion needs them free on top of the store.
+    A CSR matrix's values and column indices are routed compressed
+    (:data:`~sclayout.convert.external.ROUTE_CODEC`, at the ratio it reaches on a sample
+    of each array) with 16 bytes a row charged at half; a dense or CSC matrix's route
+    files are not compressed (8 bytes a row, 8 an entry more for CSC). Bucket by bucket
+    they are deleted as the store is written, but all of them exist when the first
+    bucket is, so a shuffled conversion needs them free on top of the store.
     """
     most = 0
     for m in source.row_matrices():
         n_obs, n_vars = m.shape
         if m.encoding == "dense":
             need = n_obs * n_vars * m.itemsize + 8 * n_obs
+        elif m.encoding == "csr":
+            values = m.itemsize * _route_ratio(source, f"{m.path}/data", m.nnz)
+            index = np.dtype(m.index_dtype).itemsize
+            index *= _route_ratio(source, f"{m.path}/indices", m.nnz)
+            need = int(m.nnz * (values + index)) + 8 * n_obs
         else:
-            per = m.itemsize + np.dtype(m.index_dtype).itemsize + (8 if m.encoding == "csc" else 0)
-            need = m.nnz * per + 16 * n_obs
+            need = m.nnz * (m.itemsize + np.dtype(m.index_dtype).itemsize + 8) + 16 * n_obs
         most = max(most, need)
     return most
+
+
+def _route_ratio(source: Source, key: str, n: int) -> float:
+    """Compressed bytes per raw byte of a sample of ``key`` with the route files' codec."""
+    sample = _sample(source, key, n)
+    if sample.nbytes == 0:
+        return 1.0
+    return min(1.0, len(ROUTE_CODEC.encode(sample)) / sample.nbytes)
 
 
 def device_of(path: Path) -> str:

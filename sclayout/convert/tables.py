@@ -11,6 +11,7 @@ number of cells. Every pass over a table goes :data:`STEP` rows at a time.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -26,6 +27,7 @@ __all__ = [
     "bincount",
     "cumsum_into",
     "inverse_into",
+    "row_dtype",
     "segments",
     "slices",
 ]
@@ -35,6 +37,15 @@ MAP_BYTES = 1 << 20
 scratch) stay in memory, where a file would only cost a system call."""
 STEP = 1 << 20
 """Rows per step of a pass over a table: a few MB of transient memory a step."""
+
+
+def row_dtype(n: int) -> np.dtype:
+    """Return the narrowest of int32 and int64 that numbers ``n`` rows.
+
+    Tables of row numbers (the permutation, its inverse, group codes) take half the
+    disk below 2^31 rows.
+    """
+    return np.dtype(np.int32 if n < 2**31 else np.int64)
 
 
 def slices(n: int, step: int = 0) -> Iterator[tuple[int, int]]:
@@ -65,11 +76,24 @@ class WorkTables:
         return np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=(n,))
 
     def arange(self, name: str, n: int) -> np.ndarray:
-        """``arange(n)`` as an int64 table, filled a step at a time."""
-        out = self.empty(name, n, np.int64)
+        """``arange(n)`` as a table of :func:`row_dtype`, filled a step at a time."""
+        out = self.empty(name, n, row_dtype(n))
         for a, b in slices(n):
-            out[a:b] = np.arange(a, b, dtype=np.int64)
+            out[a:b] = np.arange(a, b, dtype=out.dtype)
         return out
+
+    @staticmethod
+    def drop(*tables: np.ndarray) -> None:
+        """Delete the files of tables no longer needed, so the disk holds only live ones.
+
+        The kernel frees a file's blocks once its last map is gone: callers drop their
+        references too. Tables held in memory are left to the garbage collector.
+        """
+        for t in tables:
+            name = getattr(t, "filename", None)
+            if name:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name)
 
     def path(self, name: str) -> Path:
         """Return a new file's path in the folder (a table written as a stream of bytes)."""

@@ -84,14 +84,16 @@ def test_shuffled_conversion_buffers_stay_within_a_small_budget(tmp_path, monkey
 
 
 def test_route_files_are_counted_in_the_disk_space_a_shuffle_needs(tmp_path, monkeypatch, source):
-    """A shuffled conversion writes the matrix uncompressed as route files beside the
-    store: the free-space check asks for them (the source order does not)."""
+    """A shuffled conversion writes the matrix as compressed route files beside the
+    store: the free-space check asks for them, at the codec's ratio on a sample (random
+    float32 values barely compress), and the source order does not."""
     from sclayout.convert import space
     from sclayout.convert.source import Source, open_group
 
     src, x = source
     with open_group(src) as root:
-        assert space.route_bytes(Source(root, src)) == x.nnz * 8 + 16 * x.shape[0]
+        route = space.route_bytes(Source(root, src))
+        assert 4 * x.nnz < route < x.nnz * 8 + 16 * x.shape[0]
         store = space.estimate_store_bytes(Source(root, src), "blosc-lz4")
 
     def usage(path):  # room for the store, not for the route files
