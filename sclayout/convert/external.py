@@ -390,7 +390,7 @@ def route_csc(job: RouteCscJob) -> int:
         rows, cols, data = job.part.read_entries(job.c0, job.c1, job.col_ptr)
         rows = rows + job.part.row0
         cols = cols.astype(job.index_dtype, copy=False)
-    out_row = job.inv[rows]
+    out_row = job.inv[rows].astype(np.int64)  # the route files hold int64 rows
     first = np.searchsorted(job.bounds, job.out_ptr[out_row], side="right") - 1
     last = np.searchsorted(job.bounds, job.out_ptr[out_row + 1] - 1, side="right") - 1
     order = np.argsort(first, kind="stable")
@@ -428,10 +428,10 @@ def route_dense(job: RouteDenseJob) -> int:
     """Run a :class:`RouteDenseJob`; returns bytes read."""
     if job.part is None:
         values = read_slice(job.src, job.path, job.r0, job.r1)
-        out_row = job.inv[job.r0 : job.r1]
+        out_row = job.inv[job.r0 : job.r1].astype(np.int64)
     else:
         values = job.part.read_dense(job.r0, job.r1)
-        out_row = job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1]
+        out_row = job.inv[job.part.row0 + job.r0 : job.part.row0 + job.r1].astype(np.int64)
     first = np.searchsorted(job.bounds, out_row, side="right") - 1
     order = np.argsort(first, kind="stable")
     cuts = np.searchsorted(first[order], np.arange(len(job.bounds)))
