@@ -43,7 +43,7 @@ from loader.layout import (
 from loader.location import is_object_store, split_bucket
 from loader.spec import LayoutSpec
 from sclayout.convert import external as ext
-from sclayout.convert._buffers import release_scratch
+from sclayout.convert._buffers import release_scratch, trim_heap
 from sclayout.convert.checks import (
     check_destination,
     check_obs_columns,
@@ -569,6 +569,7 @@ def _convert_into(
     pointers: dict[str, np.ndarray] = {}
     identity = opts.order.kind == "original"
     for target, parts in inp.matrices:  # the working memory as it is before each matrix
+        trim_heap()  # the order's and obs's freed slices back to the system first
         work = working_memory(opts.memory_budget, n_obs=n_obs)
         ctx = _Ctx(
             remote or str(tmp), str(tmp), opts, block_size, runner, perm, inv, identity, work,
