@@ -28,6 +28,7 @@ import pandas as pd
 import zarr
 
 from loader.errors import InputError
+from sclayout.convert._buffers import trim_heap
 from sclayout.convert.order import Codes, first_appearance
 from sclayout.convert.source import open_group
 from sclayout.convert.tables import WorkTables, row_dtype, segments, slices
@@ -355,6 +356,8 @@ class StreamedObs:
                 source = np.searchsorted(self.row0, rows, side="right") - 1
                 values = np.char.add(values, suffix[source])
             arr[a:b] = values
+            del values
+            trim_heap()  # a slice's strings back to the system, not left to fragment
 
 
 def _plain(values: Any) -> Any:
@@ -374,6 +377,11 @@ def _create(group, name: str, n: int, dtype, kw: dict, encoding: str):
     return arr
 
 
+DECODE_ROWS = 1 << 16
+"""Strings gathered per step of :func:`_decode`: its byte indices (8 bytes a character)
+stay a few MB instead of 16 times the slice's text."""
+
+
 def _decode(offsets: np.ndarray, data: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """Return the strings of ``rows`` (UTF-8 ``data`` cut at ``offsets``) as a str array."""
     rows = np.asarray(rows, dtype=np.int64)
@@ -381,9 +389,11 @@ def _decode(offsets: np.ndarray, data: np.ndarray, rows: np.ndarray) -> np.ndarr
     lengths = np.asarray(offsets[rows + 1]) - starts
     width = max(1, int(lengths.max(initial=0)))
     buf = np.zeros((rows.size, width), dtype=np.uint8)
-    buf.ravel()[segments(np.arange(rows.size, dtype=np.int64) * width, lengths)] = data[
-        segments(starts, lengths)
-    ]
+    flat = buf.ravel()
+    for a in range(0, rows.size, DECODE_ROWS):  # int64 byte indices a piece at a time
+        b = min(rows.size, a + DECODE_ROWS)
+        at = segments(np.arange(a, b, dtype=np.int64) * width, lengths[a:b])
+        flat[at] = data[segments(starts[a:b], lengths[a:b])]
     return np.char.decode(buf.view(f"S{width}").ravel(), "utf-8")
 
 
