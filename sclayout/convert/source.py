@@ -409,12 +409,37 @@ def read_slice(
         direct = isinstance(reader, DirectH5Reader)
         if direct and (out is None or out.dtype == reader.dtype):
             return reader.read(start, stop, buffer=buffer, out=out)
+        if isinstance(reader, h5py.Dataset) and (out is not None or buffer is not None):
+            into = _h5_read_into(reader, start, stop, buffer=buffer, out=out)
+            if into is not None:
+                return into
         values = reader.read(start, stop) if direct else np.asarray(reader[start:stop])
         if out is None:
             return values
         out = out.reshape(values.shape)
         out[...] = values
         return out
+
+
+def _h5_read_into(
+    ds: h5py.Dataset, start: int, stop: int, *, buffer: str | None, out: np.ndarray | None
+) -> np.ndarray | None:
+    """Read rows ``[start, stop)`` of an HDF5 dataset into ``out`` or scratch ``buffer``.
+
+    HDF5 decodes each (compressed) chunk into place: no fresh array per slice and no
+    second copy. None when the dtypes differ.
+    """
+    dtype = np.dtype(ds.dtype)
+    if (out is not None and out.dtype != dtype) or dtype.hasobject:
+        return None
+    stop = min(stop, ds.shape[0])
+    start = min(start, stop)
+    shape = (stop - start, *ds.shape[1:])
+    n = int(np.prod(shape, dtype=np.int64))
+    dest = out.reshape(shape) if out is not None else scratch(buffer, n, dtype).reshape(shape)
+    if n:
+        ds.read_direct(dest, np.s_[start:stop])
+    return dest
 
 
 def reading(src: str | os.PathLike, what: str) -> Any:

@@ -124,3 +124,27 @@ def test_a_dropped_table_frees_its_file(tmp_path, monkeypatch):
     assert np.array_equal(perm, np.arange(100)) and keep.sum() == 45  # maps stay valid
     t.close()
     assert not (tmp_path / "t").exists()
+
+
+def test_gzip_hdf5_slices_are_read_into_place_and_equal_the_source(tmp_path):
+    """A compressed dataset (no direct reader) is decoded into ``out`` or the thread's
+    scratch buffer; another dtype goes through a copy; the values are the source's."""
+    import h5py
+
+    from sclayout.convert import source
+
+    values = np.random.default_rng(2).random(1000).astype(np.float32)
+    path = tmp_path / "gz.h5"
+    with h5py.File(path, "w") as f:
+        f.create_dataset("v", data=values, chunks=(64,), compression="gzip", shuffle=True)
+    try:
+        out = np.zeros(914, dtype=np.float32)
+        got = source.read_slice(str(path), "v", 37, 951, out=out)
+        assert got.base is out or got is out
+        assert np.array_equal(out, values[37:951])
+        assert np.array_equal(source.read_slice(str(path), "v", 5, 990, buffer="t"), values[5:990])
+        wide = source.read_slice(str(path), "v", 0, 10, out=np.zeros(10, dtype=np.float64))
+        assert np.array_equal(wide, values[:10].astype(np.float64))
+        assert source.read_slice(str(path), "v", 999, 2000, buffer="t").tolist() == [values[-1]]
+    finally:
+        source.close_handles()
