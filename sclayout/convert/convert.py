@@ -87,7 +87,6 @@ from sclayout.convert.space import (
     estimate_store_bytes,
     is_no_space,
     no_space_error,
-    route_bytes,
 )
 from sclayout.convert.stale import OLD_TAG, TMP_TAG, clean_stale, hold, sibling
 from sclayout.convert.tables import WorkTables, cumsum_into, inverse_into, row_dtype, slices
@@ -690,8 +689,9 @@ def _write_uns_sclayout(
 def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: bool) -> int:
     """Free bytes a conversion of ``srcs`` needs.
 
-    The store (a legacy file: its own size), plus the route files of a reordering
-    conversion, plus the per-cell tables (:data:`TABLE_BYTES_PER_ROW`).
+    The store (a legacy file: its own size), plus what the route files of a reordering
+    conversion exceed their matrix's share of it by (they are deleted as the store is
+    written), plus the per-cell tables (:data:`TABLE_BYTES_PER_ROW`).
     """
     total = TABLE_BYTES_PER_ROW * sum(int(i.n_obs) for i in infos)
     ratios: dict[tuple, list[float]] = {}  # codec ratios sampled on the first sources
@@ -701,8 +701,7 @@ def _store_bytes(srcs: list[Path], infos: list[Any], codec: str, *, reorder: boo
             continue
         with open_group(Path(src)) as root:
             source = Source(root, Path(src))
-            total += estimate_store_bytes(source, codec, ratios=ratios)
-            total += route_bytes(source) if reorder else 0
+            total += estimate_store_bytes(source, codec, ratios=ratios, route=reorder)
     return total
 
 

@@ -135,7 +135,11 @@ def _matrix_bytes(
 
 
 def estimate_store_bytes(
-    source: Source, codec: str, *, ratios: dict[tuple, list[float]] | None = None
+    source: Source,
+    codec: str,
+    *,
+    ratios: dict[tuple, list[float]] | None = None,
+    route: bool = False,
 ) -> int:
     """Bytes the layout store of ``source`` is expected to take with ``codec``.
 
@@ -144,13 +148,24 @@ def estimate_store_bytes(
     sample. Every other element (obs, var, obsm, uns...) is copied and counted at its
     size in the source. ``ratios``, shared by the calls for the sources of one
     conversion, keeps the ratios measured so far (:data:`SAMPLED_SOURCES`).
+
+    ``route``: a reordering conversion, whose route files sit beside the store written
+    so far. Deleted bucket by bucket as the matrix's shards are written, they add at
+    most what they exceed that matrix's share of the store by (the largest excess).
     """
     compressors = get_codec(codec)
     matrices = source.row_matrices()
     in_source = sum(_stored_in_source(source, m.path) for m in matrices)
     other = max(0, _tree_bytes(Path(source.path)) - in_source)
     ratios = {} if ratios is None else ratios
-    return other + sum(_matrix_bytes(source, m, compressors, ratios) for m in matrices)
+    stored = [_matrix_bytes(source, m, compressors, ratios) for m in matrices]
+    excess = 0
+    if route:
+        excess = max(
+            (_route_bytes(source, m) - b for m, b in zip(matrices, stored, strict=True)),
+            default=0,
+        )
+    return other + sum(stored) + max(0, excess)
 
 
 def route_bytes(source: Source) -> int:
@@ -159,24 +174,24 @@ def route_bytes(source: Source) -> int:
     A CSR matrix's values and column indices are routed compressed
     (:data:`~sclayout.convert.external.ROUTE_CODEC`, at the ratio it reaches on a sample
     of each array) with 16 bytes a row charged at half; a dense or CSC matrix's route
-    files are not compressed (8 bytes a row, 8 an entry more for CSC). Bucket by bucket
-    they are deleted as the store is written, but all of them exist when the first
-    bucket is, so a shuffled conversion needs them free on top of the store.
+    files are not compressed (8 bytes a row, 8 an entry more for CSC). All of them
+    exist when the first bucket is written; then they are deleted bucket by bucket as
+    the store grows (:func:`estimate_store_bytes` with ``route``). The largest matrix's.
     """
-    most = 0
-    for m in source.row_matrices():
-        n_obs, n_vars = m.shape
-        if m.encoding == "dense":
-            need = n_obs * n_vars * m.itemsize + 8 * n_obs
-        elif m.encoding == "csr":
-            values = m.itemsize * _route_ratio(source, f"{m.path}/data", m.nnz)
-            index = np.dtype(m.index_dtype).itemsize
-            index *= _route_ratio(source, f"{m.path}/indices", m.nnz)
-            need = int(m.nnz * (values + index)) + 8 * n_obs
-        else:
-            need = m.nnz * (m.itemsize + np.dtype(m.index_dtype).itemsize + 8) + 16 * n_obs
-        most = max(most, need)
-    return most
+    return max((_route_bytes(source, m) for m in source.row_matrices()), default=0)
+
+
+def _route_bytes(source: Source, m: MatrixInfo) -> int:
+    """Bytes of the route files of matrix ``m`` (see :func:`route_bytes`)."""
+    n_obs, n_vars = m.shape
+    if m.encoding == "dense":
+        return n_obs * n_vars * m.itemsize + 8 * n_obs
+    if m.encoding == "csr":
+        values = m.itemsize * _route_ratio(source, f"{m.path}/data", m.nnz)
+        index = np.dtype(m.index_dtype).itemsize
+        index *= _route_ratio(source, f"{m.path}/indices", m.nnz)
+        return int(m.nnz * (values + index)) + 8 * n_obs
+    return m.nnz * (m.itemsize + np.dtype(m.index_dtype).itemsize + 8) + 16 * n_obs
 
 
 def _route_ratio(source: Source, key: str, n: int) -> float:

@@ -85,8 +85,10 @@ def test_shuffled_conversion_buffers_stay_within_a_small_budget(tmp_path, monkey
 
 def test_route_files_are_counted_in_the_disk_space_a_shuffle_needs(tmp_path, monkeypatch, source):
     """A shuffled conversion writes the matrix as compressed route files beside the
-    store: the free-space check asks for them, at the codec's ratio on a sample (random
-    float32 values barely compress), and the source order does not."""
+    store, deleted bucket by bucket as the store grows: the free-space check asks for
+    the store plus what the route files (at the codec's ratio on a sample; random
+    float32 values barely compress) exceed the matrix's share of the store by, and the
+    source order does not."""
     from sclayout.convert import space
     from sclayout.convert.source import Source, open_group
 
@@ -95,9 +97,14 @@ def test_route_files_are_counted_in_the_disk_space_a_shuffle_needs(tmp_path, mon
         route = space.route_bytes(Source(root, src))
         assert 4 * x.nnz < route < x.nnz * 8 + 16 * x.shape[0]
         store = space.estimate_store_bytes(Source(root, src), "blosc-lz4")
+        with_route = space.estimate_store_bytes(Source(root, src), "blosc-lz4", route=True)
+    excess = with_route - store
+    assert 0 < excess < route
+    tables = convert_mod.TABLE_BYTES_PER_ROW * x.shape[0]
 
-    def usage(path):  # room for the store, not for the route files
-        return type("usage", (), {"total": 10**12, "used": 0, "free": store + x.nnz})()
+    def usage(path):  # room for the store and tables, not for the route files' excess
+        free = store + tables + excess // 2
+        return type("usage", (), {"total": 10**12, "used": 0, "free": free})()
 
     monkeypatch.setattr(space.shutil, "disk_usage", usage)
     with pytest.raises(InputError, match="not enough disk space"):
