@@ -1,0 +1,275 @@
+"""Recommend's pick: its predicted cells/s and CPU per cell against the loader's.
+
+For each data set (the 200k-cell Tahoe-like set and the project's own 2,170-cell PBMC
+file), the script does what ``sclayout recommend SOURCE --label L`` does (a quick
+calibration of the source's location, the layout search), finds a store with the
+pick's layout (or converts one into ``--work``, kept for the next run), and measures the
+pick's loader settings as ``sclayout bench`` does (cold, evicted every 0.5 s, batch 64,
+``--runs`` interleaved runs of ``--seconds``), recording each run's CPU per cell
+(process and decode processes, without the evicting thread), the cores the loader
+kept busy and the load average.
+
+Cells/s depends on the share of the cores the loader gets, which on a shared machine
+moves within a minute; CPU per cell moves far less. So the table shows both, and
+also the cells/s the model predicts at the cores the loader actually got (its CPU per
+cell and the measured cores): on a quiet machine the first error is the target; on a
+busy one the CPU per cell and the cores-normalised cells/s are.
+
+Usage::
+
+    flock /tmp/sclayout-bench.lock python benchmarks/costmodel_pick.py   # ~4-5 min
+    python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
+    python benchmarks/costmodel_pick.py --smoke                          # seconds (tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+BATCH = 64
+MIN_DIVERSITY = 0.95
+LOADER_MEMORY = 4 * 10**9
+
+
+@dataclass(frozen=True)
+class DataSet:
+    """A source, the label whose diversity recommend keeps, and folders with its stores."""
+
+    name: str
+    source: Path
+    label: str | None
+    store_dirs: tuple[Path, ...] = ()
+
+
+SETS = {
+    "tahoe": DataSet(
+        "tahoe",
+        Path("/tmp/benchdata/tahoe_like_200k.h5ad"),
+        "plate",
+        (Path("/tmp/benchdata/peers"),),
+    ),
+    "pbmc": DataSet(
+        "pbmc",
+        Path(__file__).resolve().parents[2]
+        / "shared/data/soupx_pbmc4k_half_2170x33694_counts.h5ad",
+        "Annotation",
+    ),
+}
+
+
+def _pick(ds: DataSet, *, smoke: bool) -> tuple[Any, Any, float]:
+    """Return recommend's recommendation, its profile and the calibration's seconds."""
+    from sclayout.cost.calibrate import CalibrationPlan, calibrate
+    from sclayout.cost.search import SearchSpace, measured_codecs
+    from sclayout.cost.stats import read_dataset_stats
+    from sclayout.cost.verdict import recommend
+
+    stats = read_dataset_stats(ds.source, label=ds.label)
+    t0 = time.perf_counter()
+    plan = CalibrationPlan.smoke() if smoke else CalibrationPlan.quick()
+    codecs = {"codecs": ("blosc-lz4",)} if smoke else {}
+    profile = calibrate(ds.source, name=f"quick:{ds.source}", plan=plan, **codecs)
+    t_cal = time.perf_counter() - t0
+    space, _ = measured_codecs(SearchSpace(), profile)
+    rec = recommend(
+        stats,
+        space=space,
+        profile=profile,
+        batch_size=BATCH,
+        min_diversity=MIN_DIVERSITY,
+        loader_memory=LOADER_MEMORY,
+        label=ds.label,
+    )
+    return rec, profile, t_cal
+
+
+def _matches(store: Path, spec: Any) -> bool:
+    """Whether ``store``'s layout is ``spec``'s store layout."""
+    from loader.errors import SclayoutError
+    from loader.store import read_manifest
+
+    try:
+        m = read_manifest(str(store))
+    except SclayoutError:
+        return False
+    x, s = m.X, spec.store
+    data = x.arrays["data" if x.is_csr else "values"]
+    chunk_ok = s.csr_chunk_nnz is None or (x.is_csr and data.chunks[0] == s.csr_chunk_nnz)
+    return (
+        m.block_size == s.block_size
+        and m.order.kind == s.order.kind
+        and tuple(m.order.columns) == tuple(s.order.columns)
+        and data.codec == s.codec
+        and chunk_ok
+    )
+
+
+def _store(ds: DataSet, spec: Any, work: Path) -> tuple[Path, float]:
+    """Return a store with the pick's layout (found, or converted now) and the seconds spent."""
+    from sclayout.convert.convert import convert
+
+    for d in (*ds.store_dirs, work):
+        for p in sorted(d.glob("*.zarr")) if d.is_dir() else ():
+            if _matches(p, spec):
+                return p, 0.0
+    s = spec.store
+    dst = work / f"{ds.name}_{s.order.kind}_b{s.block_size}_{s.codec}_{s.csr_chunk_nnz}.zarr"
+    t0 = time.perf_counter()
+    convert(ds.source, dst, spec=spec, memory_budget="2GB", overwrite=True)
+    return dst, time.perf_counter() - t0
+
+
+def check(ds: DataSet, *, runs: int, seconds: float, work: Path, smoke: bool) -> dict[str, Any]:
+    """Pick, find or convert the store, measure it; return the set's row."""
+    from loader.spec import LoaderSettings
+    from loader.store import open_layout
+    from sclayout.cost.bench import measure_loader
+    from sclayout.cost.model import predict
+
+    rec, profile, t_cal = _pick(ds, smoke=smoke)
+    pick = rec.result.pick
+    store, t_conv = _store(ds, rec.spec, work)
+    ld = pick.spec.loader
+    reader = open_layout(store)
+    settings = LoaderSettings(
+        batch_size=BATCH,
+        fetch_factor=ld.fetch_factor,
+        num_workers=ld.num_workers,
+        backend=reader.backend,
+    )
+    on_store = predict(reader.manifest, reader.block_pointer, settings=settings, profile=profile)
+    ms = [
+        measure_loader(
+            store,
+            batch_size=BATCH,
+            fetch_factor=ld.fetch_factor,
+            workers=ld.num_workers,
+            label=ds.label,
+            seconds=seconds,
+            cold=True,
+            seed=r,
+        )
+        for r in range(runs)
+    ]
+    return _row(ds, pick, on_store, profile, ms, store=store, t_cal=t_cal, t_conv=t_conv)
+
+
+def _row(
+    ds: DataSet, pick: Any, on_store: Any, profile: Any, ms: list[Any], **extra: Any
+) -> dict[str, Any]:
+    """Return one data set's comparison: medians over the runs, and every run."""
+    pred = pick.prediction
+    med = statistics.median
+    cps = med(m.cells_per_s for m in ms)
+    cpu = med(m.cpu_s_per_cell for m in ms)
+    cores = med(m.cores for m in ms)
+    # the cells/s the model gives at the cores the loader got: its CPU per cell spread
+    # over them (the CPU bound), or its own figure where that is faster
+    at_cores = min(pred.cells_per_s, cores / pred.cpu_s_per_cell)
+    k = pick.spec
+    return {
+        "set": ds.name,
+        "source": str(ds.source),
+        "store": str(extra["store"]),
+        "pick": f"{k.store.order.kind} b{k.store.block_size} {k.store.codec} "
+        f"f{k.loader.fetch_factor} w{k.loader.num_workers}",
+        "bound": pred.bound,
+        "predicted_cells_per_s": pred.cells_per_s,
+        "predicted_on_store": on_store.cells_per_s,
+        "measured_cells_per_s": cps,
+        "error": pred.cells_per_s / cps - 1,
+        "predicted_cpu_us_per_cell": pred.cpu_s_per_cell * 1e6,
+        "measured_cpu_us_per_cell": cpu * 1e6,
+        "cpu_error": pred.cpu_s_per_cell / cpu - 1 if cpu else None,
+        "predicted_cores": pred.cores,
+        "loader_cores": cores,
+        "at_loader_cores": at_cores,
+        "at_cores_error": at_cores / cps - 1,
+        "load": med(m.load for m in ms),
+        "runs": [m.to_dict() for m in ms],
+        "calibrate_s": extra["t_cal"],
+        "convert_s": extra["t_conv"],
+        "profile": profile.to_dict(),
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison table (one row per data set) and what each run measured."""
+    out = [
+        "| set | pick | predicted cells/s | measured cells/s | error | predicted CPU µs/cell "
+        "| measured CPU µs/cell | error | loader cores (predicted) | cells/s at the loader's "
+        "cores | error | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['set']} | {r['pick']} | {r['predicted_cells_per_s']:,.0f} | "
+            f"{r['measured_cells_per_s']:,.0f} | {r['error']:+.0%} | "
+            f"{r['predicted_cpu_us_per_cell']:.1f} | {r['measured_cpu_us_per_cell']:.1f} | "
+            f"{r['cpu_error']:+.0%} | {r['loader_cores']:.2f} ({r['predicted_cores']:.2f}) | "
+            f"{r['at_loader_cores']:,.0f} | {r['at_cores_error']:+.0%} | {r['load']:.1f} |"
+        )
+    out += ["", "runs (cells/s, CPU µs/cell, loader cores, load):"]
+    for r in rows:
+        each = "; ".join(
+            f"{m['cells_per_s']:,.0f}, {m['cpu_s_per_cell'] * 1e6:.1f}, {m['cores']:.2f}, "
+            f"{m['load']:.1f}"
+            for m in r["runs"]
+        )
+        out.append(f"- {r['set']}: {each}")
+    return "\n".join(out) + "\n"
+
+
+def _args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sets", default="tahoe,pbmc", help=f"of {', '.join(SETS)}")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=6.0)
+    ap.add_argument("--work", type=Path, default=None, help="converted picks [bench cache]")
+    ap.add_argument("--out", type=Path, default=None, help="write costmodel-pick.{json,md} here")
+    ap.add_argument("--smoke", action="store_true", help="a tiny synthetic set, seconds")
+    return ap.parse_args(argv)
+
+
+def _smoke_set(work: Path) -> DataSet:
+    from sclayout.testing.datasets import cached_tahoe_like
+
+    src = cached_tahoe_like(n_obs=3000, n_vars=300, nnz_per_cell=40)
+    return DataSet("smoke", src, "plate", ())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _args(argv)
+    from sclayout.testing.datasets import bench_dir
+
+    work = args.work or bench_dir() / "costmodel-pick"
+    work.mkdir(parents=True, exist_ok=True)
+    sets = [_smoke_set(work)] if args.smoke else [SETS[s] for s in args.sets.split(",")]
+    runs, seconds = (1, 0.3) if args.smoke else (args.runs, args.seconds)
+    t0 = time.perf_counter()
+    rows = []
+    for ds in sets:
+        rows.append(check(ds, runs=runs, seconds=seconds, work=work, smoke=args.smoke))
+        print(markdown(rows[-1:]), flush=True)
+    table = markdown(rows)
+    print(table)
+    print(f"{time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        doc = {"rows": rows, "elapsed_s": time.perf_counter() - t0}
+        (args.out / "costmodel-pick.json").write_text(json.dumps(doc, indent=1, default=str))
+        (args.out / "costmodel-pick.md").write_text(table)
+
+
+if __name__ == "__main__":
+    main()
