@@ -17,9 +17,13 @@ busy one the CPU per cell and the cores-normalised cells/s are.
 
 Usage::
 
-    flock /tmp/sclayout-bench.lock python benchmarks/costmodel_pick.py   # ~4-5 min
-    python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
-    python benchmarks/costmodel_pick.py --smoke                          # seconds (tests)
+    flock /tmp/sclayout-bench.lock .venv/bin/python benchmarks/costmodel_pick.py  # ~4 min
+    .venv/bin/python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
+    .venv/bin/python benchmarks/costmodel_pick.py --smoke --results /tmp/x         # seconds
+
+The first run converts the picks no store holds yet into ``--work`` (the 200k set:
+about 1.5 GB, under a minute); later runs reuse them. Writes
+``--results``/costmodel-pick.{json,md}.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -236,7 +242,9 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--work", type=Path, default=None, help="converted picks [bench cache]")
-    ap.add_argument("--out", type=Path, default=None, help="write costmodel-pick.{json,md} here")
+    ap.add_argument(
+        "--results", type=Path, default=ROOT / "results", help="costmodel-pick.{json,md} go here"
+    )
     ap.add_argument("--smoke", action="store_true", help="a tiny synthetic set, seconds")
     return ap.parse_args(argv)
 
@@ -264,11 +272,29 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(rows)
     print(table)
     print(f"{time.perf_counter() - t0:.0f} s; load average {os.getloadavg()[0]:.1f}")
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-        doc = {"rows": rows, "elapsed_s": time.perf_counter() - t0}
-        (args.out / "costmodel-pick.json").write_text(json.dumps(doc, indent=1, default=str))
-        (args.out / "costmodel-pick.md").write_text(table)
+    tag = "-smoke" if args.smoke else ""
+    doc = {
+        "command": shlex.join([Path(sys.executable).name, *sys.argv]),
+        "git": _git_commit(),
+        "cores": os.cpu_count(),
+        "elapsed_s": time.perf_counter() - t0,
+        "rows": rows,
+    }
+    args.results.mkdir(parents=True, exist_ok=True)
+    (args.results / f"costmodel-pick{tag}.json").write_text(json.dumps(doc, indent=1, default=str))
+    (args.results / f"costmodel-pick{tag}.md").write_text(table)
+
+
+def _git_commit() -> str:
+    """The repository's commit (empty outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
 
 
 if __name__ == "__main__":
