@@ -60,7 +60,7 @@ from loader.backends import (
 from loader.cores import usable_cores
 from loader.errors import InputError, SclayoutError
 from loader.location import http_range_error, is_object_store
-from sclayout.cost.profile import CodecSpeed, Profile
+from sclayout.cost.profile import MIN_CORES, CodecSpeed, Profile
 
 __all__ = [
     "CODEC_NAMES",
@@ -767,10 +767,11 @@ def measure_assembly(
     return per_nnz, per_value
 
 
-MIN_PARALLELISM = 0.5
-"""Least parallelism a profile records (:class:`Profile`'s own lower limit). Below one
-core on a machine busy with other jobs: the loader then gets only a share of a core,
-and its CPU figures, timed in CPU seconds, would predict it as if it had a whole one."""
+MIN_PARALLELISM = MIN_CORES
+"""Least parallelism a profile records (:data:`sclayout.cost.profile.MIN_CORES`). On a
+machine busy with other jobs the loader gets a share of a core, and its CPU figures,
+timed in CPU seconds, would predict it as if it had more: the share measured is the
+share predicted, down to this floor."""
 PARALLELISM_ROWS = 16384
 """Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
 

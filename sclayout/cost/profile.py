@@ -48,6 +48,9 @@ PROFILE_FORMAT = "sclayout-profile"
 PROFILE_VERSION = 3
 """Version of the profile format this package writes and the newest it reads."""
 KINDS = ("local", "http")
+MIN_CORES = 0.1
+"""Least parallelism a profile holds: on a machine busy with other jobs the loader may
+get a small share of one core, and a prediction made then should say so."""
 
 
 @dataclass(frozen=True)
@@ -251,9 +254,11 @@ class Profile:
             raise SpecError(f"profile cpu_count={self.cpu_count!r}: must be a number >= 0")
         object.__setattr__(self, "cpu_count", float(self.cpu_count))
         if not (
-            isinstance(self.cores, int | float) and math.isfinite(self.cores) and self.cores >= 0.5
+            isinstance(self.cores, int | float)
+            and math.isfinite(self.cores)
+            and self.cores >= MIN_CORES
         ):
-            raise SpecError(f"profile cores={self.cores!r}: must be a number >= 0.5")
+            raise SpecError(f"profile cores={self.cores!r}: must be a number >= {MIN_CORES}")
         object.__setattr__(self, "cores", float(self.cores))
         rb = self.request_bytes
         if isinstance(rb, bool) or not isinstance(rb, int | float) or not 0 <= rb < math.inf:
@@ -337,7 +342,7 @@ class Profile:
         scale = cores / base
         return replace(
             self,
-            cores=max(0.5, self.cores * scale),
+            cores=max(MIN_CORES, self.cores * scale),
             cpu_count=float(cores),
             worker_cores=self.worker_cores * scale,
         )
