@@ -31,6 +31,12 @@ not exist yet — and turns each plan into time with a storage profile:
     per fetch CPU + the CPU of reading (per request and per byte read: client,
     kernel and, for a loopback server, the server process's).
 
+Decoding, assembly and the per-fetch CPU are figures timed one step at a time; the
+loader running all of them at once spends :meth:`Profile.cpu_scale_at` times as much
+at the fetch's working set (:func:`working_set_bytes`: the fetches held and a dense
+minibatch), as calibrate measured it running. A local store whose arrays are small
+(:func:`in_memory`) is read once and then served from memory: a fetch is a copy.
+
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
 fetch, where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
@@ -639,11 +645,11 @@ def _limits(
         # workers hand their rows over as CSR through shared memory (a copy in, a
         # copy out: ``loader._workers``); the main process cuts and densifies them
         t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
-        back = t.t_gather + profile.fetch_overhead_s + t_ipc / 2
+        back = t.t_gather + (t.t_overhead - t.t_read_cpu) + t_ipc / 2
         main = t.t_dense + t_ipc / 2
     else:
         t_ipc = 0.0
-        back = t_assembly + profile.fetch_overhead_s
+        back = t_assembly + (t.t_overhead - t.t_read_cpu)
         main = 0.0
     cpu_total = _fetch_cpu(t, stats, n_vars=n_vars, settings=settings, profile=profile)
     busy_cores = cores
