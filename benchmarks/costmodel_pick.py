@@ -73,30 +73,51 @@ SETS = {
 }
 
 
-def _pick(ds: DataSet, *, smoke: bool) -> tuple[Any, Any, float]:
-    """Return recommend's recommendation, its profile and the calibration's seconds."""
+def _calibrate(ds: DataSet, *, smoke: bool) -> Any:
+    """Return a quick calibration of the source's location, as ``recommend`` makes one."""
     from sclayout.cost.calibrate import CalibrationPlan, calibrate
-    from sclayout.cost.search import SearchSpace, measured_codecs
-    from sclayout.cost.stats import read_dataset_stats
-    from sclayout.cost.verdict import recommend
 
-    stats = read_dataset_stats(ds.source, label=ds.label)
-    t0 = time.perf_counter()
     plan = CalibrationPlan.smoke() if smoke else CalibrationPlan.quick()
     codecs = {"codecs": ("blosc-lz4",)} if smoke else {}
-    profile = calibrate(ds.source, name=f"quick:{ds.source}", plan=plan, **codecs)
-    t_cal = time.perf_counter() - t0
-    space, _ = measured_codecs(SearchSpace(), profile)
-    rec = recommend(
+    return calibrate(ds.source, name=f"quick:{ds.source}", plan=plan, **codecs)
+
+
+def _search(stats: Any, profile: Any, space: Any, label: str | None) -> Any:
+    """Return ``recommend``'s recommendation over ``space`` (its codecs: those measured)."""
+    from sclayout.cost.search import measured_codecs
+    from sclayout.cost.verdict import recommend
+
+    space, _ = measured_codecs(space, profile)
+    return recommend(
         stats,
         space=space,
         profile=profile,
         batch_size=BATCH,
         min_diversity=MIN_DIVERSITY,
         loader_memory=LOADER_MEMORY,
-        label=ds.label,
+        label=label,
     )
-    return rec, profile, t_cal
+
+
+def _repredict(stats: Any, pick: Any, profile: Any, label: str | None) -> Any:
+    """Return what ``recommend`` predicts for ``pick`` from another calibration.
+
+    The search of only the pick's settings (its four chunk sizes), the candidate of the
+    pick's chunk size.
+    """
+    from sclayout.cost.search import SearchSpace
+
+    s, ld = pick.spec.store, pick.spec.loader
+    space = SearchSpace(
+        block_sizes=(s.block_size,),
+        fetch_factors=(ld.fetch_factor,),
+        orders=(s.order.kind,),
+        codecs=(s.codec,),
+        workers=(ld.num_workers,),
+    )
+    res = _search(stats, profile, space, label).result
+    same = [c for c in res.candidates if c.spec.store.csr_chunk_nnz == s.csr_chunk_nnz]
+    return (same or [res.pick])[0].prediction
 
 
 def _matches(store: Path, spec: Any) -> bool:
@@ -135,77 +156,91 @@ def _store(ds: DataSet, spec: Any, work: Path) -> tuple[Path, float]:
     return dst, time.perf_counter() - t0
 
 
-def check(ds: DataSet, *, runs: int, seconds: float, work: Path, smoke: bool) -> dict[str, Any]:
-    """Pick, find or convert the store, measure it; return the set's row."""
-    from loader.spec import LoaderSettings
-    from loader.store import open_layout
-    from sclayout.cost.bench import measure_loader
-    from sclayout.cost.model import predict
+def check(
+    ds: DataSet, *, rounds: int, runs: int, seconds: float, work: Path, smoke: bool
+) -> dict[str, Any]:
+    """Pick, find or convert the store, measure it; return the set's row.
 
-    rec, profile, t_cal = _pick(ds, smoke=smoke)
-    pick = rec.result.pick
-    store, t_conv = _store(ds, rec.spec, work)
+    Round 1 is ``recommend``: a quick calibration and the search. Each later round
+    calibrates again and predicts the same pick from it: on a shared machine the CPU
+    figures of one quick calibration move by a fifth from minute to minute, so the
+    median of a few rounds says more than one. Every round measures the pick ``runs``
+    times.
+    """
+    from sclayout.cost.search import SearchSpace
+    from sclayout.cost.stats import read_dataset_stats
+
+    stats = read_dataset_stats(ds.source, label=ds.label)
+    t0 = time.perf_counter()
+    profile = _calibrate(ds, smoke=smoke)
+    t_cal = time.perf_counter() - t0
+    pick = _search(stats, profile, SearchSpace(), ds.label).result.pick
+    store, t_conv = _store(ds, pick.spec, work)
+    preds, ms, profiles = [pick.prediction], [], [profile]
+    for r in range(rounds):
+        if r:
+            profiles.append(_calibrate(ds, smoke=smoke))
+            preds.append(_repredict(stats, pick, profiles[-1], ds.label))
+        ms += [_measure(ds, store, pick, seconds, seed=r * runs + i) for i in range(runs)]
+    row = _row(ds, pick, preds, ms)
+    row.update(
+        store=str(store),
+        calibrate_s=t_cal,
+        convert_s=t_conv,
+        profiles=[p.to_dict() for p in profiles],
+    )
+    return row
+
+
+def _measure(ds: DataSet, store: Path, pick: Any, seconds: float, seed: int) -> Any:
+    """Measure the pick's loader settings on ``store`` as ``sclayout bench`` does (cold)."""
+    from sclayout.cost.bench import measure_loader
+
     ld = pick.spec.loader
-    reader = open_layout(store)
-    settings = LoaderSettings(
+    return measure_loader(
+        store,
         batch_size=BATCH,
         fetch_factor=ld.fetch_factor,
-        num_workers=ld.num_workers,
-        backend=reader.backend,
+        workers=ld.num_workers,
+        label=ds.label,
+        seconds=seconds,
+        cold=True,
+        seed=seed,
     )
-    on_store = predict(reader.manifest, reader.block_pointer, settings=settings, profile=profile)
-    ms = [
-        measure_loader(
-            store,
-            batch_size=BATCH,
-            fetch_factor=ld.fetch_factor,
-            workers=ld.num_workers,
-            label=ds.label,
-            seconds=seconds,
-            cold=True,
-            seed=r,
-        )
-        for r in range(runs)
-    ]
-    return _row(ds, pick, on_store, profile, ms, store=store, t_cal=t_cal, t_conv=t_conv)
 
 
-def _row(
-    ds: DataSet, pick: Any, on_store: Any, profile: Any, ms: list[Any], **extra: Any
-) -> dict[str, Any]:
-    """Return one data set's comparison: medians over the runs, and every run."""
-    pred = pick.prediction
+def _row(ds: DataSet, pick: Any, preds: list[Any], ms: list[Any]) -> dict[str, Any]:
+    """Return one data set's comparison: medians over the rounds and runs, and each."""
     med = statistics.median
+    p_cps = med(p.cells_per_s for p in preds)
+    p_cpu = med(p.cpu_s_per_cell for p in preds)
+    p_cores = med(p.cores for p in preds)
     cps = med(m.cells_per_s for m in ms)
     cpu = med(m.cpu_s_per_cell for m in ms)
     cores = med(m.cores for m in ms)
     # the cells/s the model gives at the cores the loader got: its CPU per cell spread
     # over them (the CPU bound), or its own figure where that is faster
-    at_cores = min(pred.cells_per_s, cores / pred.cpu_s_per_cell)
+    at_cores = min(p_cps, cores / p_cpu)
     k = pick.spec
     return {
         "set": ds.name,
         "source": str(ds.source),
-        "store": str(extra["store"]),
         "pick": f"{k.store.order.kind} b{k.store.block_size} {k.store.codec} "
         f"f{k.loader.fetch_factor} w{k.loader.num_workers}",
-        "bound": pred.bound,
-        "predicted_cells_per_s": pred.cells_per_s,
-        "predicted_on_store": on_store.cells_per_s,
+        "bound": pick.prediction.bound,
+        "predicted_cells_per_s": p_cps,
         "measured_cells_per_s": cps,
-        "error": pred.cells_per_s / cps - 1,
-        "predicted_cpu_us_per_cell": pred.cpu_s_per_cell * 1e6,
+        "error": p_cps / cps - 1,
+        "predicted_cpu_us_per_cell": p_cpu * 1e6,
         "measured_cpu_us_per_cell": cpu * 1e6,
-        "cpu_error": pred.cpu_s_per_cell / cpu - 1 if cpu else None,
-        "predicted_cores": pred.cores,
+        "cpu_error": p_cpu / cpu - 1 if cpu else None,
+        "predicted_cores": p_cores,
         "loader_cores": cores,
         "at_loader_cores": at_cores,
         "at_cores_error": at_cores / cps - 1,
         "load": med(m.load for m in ms),
+        "predictions": [p.to_dict() for p in preds],
         "runs": [m.to_dict() for m in ms],
-        "calibrate_s": extra["t_cal"],
-        "convert_s": extra["t_conv"],
-        "profile": profile.to_dict(),
     }
 
 
@@ -225,7 +260,14 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{r['cpu_error']:+.0%} | {r['loader_cores']:.2f} ({r['predicted_cores']:.2f}) | "
             f"{r['at_loader_cores']:,.0f} | {r['at_cores_error']:+.0%} | {r['load']:.1f} |"
         )
-    out += ["", "runs (cells/s, CPU µs/cell, loader cores, load):"]
+    out += ["", "each round's prediction (cells/s, CPU µs/cell, cores):"]
+    for r in rows:
+        each = "; ".join(
+            f"{p['cells_per_s']:,.0f}, {p['cpu_s_per_cell'] * 1e6:.1f}, {p['cores']:.2f}"
+            for p in r["predictions"]
+        )
+        out.append(f"- {r['set']}: {each}")
+    out += ["", "each run (cells/s, CPU µs/cell, loader cores, load):"]
     for r in rows:
         each = "; ".join(
             f"{m['cells_per_s']:,.0f}, {m['cpu_s_per_cell'] * 1e6:.1f}, {m['cores']:.2f}, "
@@ -239,7 +281,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="tahoe,pbmc", help=f"of {', '.join(SETS)}")
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument(
+        "--rounds", type=int, default=1, help="calibrations, each predicting the pick again"
+    )
+    ap.add_argument("--runs", type=int, default=3, help="timed runs of the pick per round")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--work", type=Path, default=None, help="converted picks [bench cache]")
     ap.add_argument(
@@ -263,11 +308,13 @@ def main(argv: list[str] | None = None) -> None:
     work = args.work or bench_dir() / "costmodel-pick"
     work.mkdir(parents=True, exist_ok=True)
     sets = [_smoke_set(work)] if args.smoke else [SETS[s] for s in args.sets.split(",")]
-    runs, seconds = (1, 0.3) if args.smoke else (args.runs, args.seconds)
+    rounds, runs, seconds = (1, 1, 0.3) if args.smoke else (args.rounds, args.runs, args.seconds)
     t0 = time.perf_counter()
     rows = []
     for ds in sets:
-        rows.append(check(ds, runs=runs, seconds=seconds, work=work, smoke=args.smoke))
+        rows.append(
+            check(ds, rounds=rounds, runs=runs, seconds=seconds, work=work, smoke=args.smoke)
+        )
         print(markdown(rows[-1:]), flush=True)
     table = markdown(rows)
     print(table)
