@@ -17,7 +17,8 @@ busy one the CPU per cell and the cores-normalised cells/s are.
 
 Usage::
 
-    flock /tmp/sclayout-bench.lock .venv/bin/python benchmarks/costmodel_pick.py  # ~4 min
+    flock /tmp/sclayout-bench.lock .venv/bin/python benchmarks/costmodel_pick.py  # ~3-4 min
+    .venv/bin/python benchmarks/costmodel_pick.py --rounds 3 --runs 1              # ~7 min
     .venv/bin/python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
     .venv/bin/python benchmarks/costmodel_pick.py --smoke --results /tmp/x         # seconds
 
