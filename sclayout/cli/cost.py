@@ -635,9 +635,8 @@ def _space(
 @click.option(
     "--fetch-factor",
     type=click.IntRange(min=1),
-    default=16,
-    show_default=True,
-    help="Minibatches read per fetch.",
+    default=None,
+    help="Minibatches read per fetch [the loader's default].",
 )
 @click.option(
     "--block-size", type=click.IntRange(min=1), default=None, help="Rows per block [the store's]."
@@ -689,7 +688,7 @@ def _space(
 def bench_command(
     source: str,
     batch_size: int,
-    fetch_factor: int,
+    fetch_factor: int | None,
     block_size: int | None,
     workers: int,
     runs: int,
@@ -721,9 +720,10 @@ def bench_command(
         prof, note = _resolve_profile(cache_profile, cache_dir, quiet=True)
     else:
         prof, note = _resolve_profile(profile, source, quiet=quiet or as_json)
-    settings, pred, pred_div = _bench_prediction(
-        reader, prof, batch_size=batch_size, fetch_factor=fetch_factor, workers=workers, label=label
-    )
+    if label and label not in reader.obs_columns():
+        raise _input_error(
+            f"--label {label!r}: no such obs column; available: {', '.join(reader.obs_columns())}"
+        )
     ms, cps, div = measure_runs(
         source,
         runs=runs,
@@ -737,24 +737,58 @@ def bench_command(
         cache_dir=cache_dir,
         cache_limit=cache_limit,
     )
-    out = {
-        "source": source,
-        "settings": settings.to_dict(),
-        "block_size": reader.block_size,
-        "measured_cells_per_s": cps,
-        "runs": [m.to_dict() for m in ms],
-        "measured_diversity": div,
-        "predicted": pred.to_dict(),
-        "predicted_diversity": pred_div,
-        "profile": prof.name,
-        "relative_error": pred.cells_per_s / cps - 1 if cps else None,
-    }
+    fetch_factor = ms[0].fetch_factor  # the loader's own where none was given
+    settings, pred, pred_div = _bench_prediction(
+        reader, prof, batch_size=batch_size, fetch_factor=fetch_factor, workers=workers, label=label
+    )
+    out = _bench_report(source, reader, settings, pred, pred_div, prof.name, ms, cps, div)
     if as_json:
         click.echo(json.dumps(out, indent=1, default=str, allow_nan=False))
     else:
         click.echo(note)
         heading = f"batch {batch_size}, fetch factor {fetch_factor}, block {reader.block_size}"
         _print_bench(out, pred, f"{heading}, workers {workers}", warm=warm, runs=runs, label=label)
+
+
+def _bench_report(
+    source: str,
+    reader: Any,
+    settings: Any,
+    pred: Any,
+    pred_div: float | None,
+    profile: str,
+    ms: list[Any],
+    cps: float,
+    div: float | None,
+) -> dict[str, Any]:
+    """Return ``bench --json``'s document (the text report prints from it too).
+
+    Beside cells/s, the loader's CPU per cell and the cores it kept busy (medians over
+    the runs), and the cells/s the model gives at those cores: on a machine shared with
+    other jobs the loader's share of the cores moves from minute to minute, its CPU
+    per cell much less.
+    """
+    import statistics
+
+    cpu = statistics.median(m.cpu_s_per_cell for m in ms)
+    cores = statistics.median(m.cores for m in ms)
+    at_cores = min(pred.cells_per_s, cores / pred.cpu_s_per_cell) if pred.cpu_s_per_cell else None
+    return {
+        "source": source,
+        "settings": settings.to_dict(),
+        "block_size": reader.block_size,
+        "measured_cells_per_s": cps,
+        "runs": [m.to_dict() for m in ms],
+        "measured_diversity": div,
+        "measured_cpu_s_per_cell": cpu,
+        "measured_cores": cores,
+        "predicted": pred.to_dict(),
+        "predicted_diversity": pred_div,
+        "predicted_at_measured_cores": at_cores,
+        "profile": profile,
+        "relative_error": pred.cells_per_s / cps - 1 if cps else None,
+        "cpu_relative_error": pred.cpu_s_per_cell / cpu - 1 if cpu else None,
+    }
 
 
 def _bench_prediction(
@@ -774,10 +808,6 @@ def _bench_prediction(
     pred = predict(reader.manifest, reader.block_pointer, settings=settings, profile=prof)
     if not label:
         return settings, pred, None
-    if label not in reader.obs_columns():
-        raise _input_error(
-            f"--label {label!r}: no such obs column; available: {', '.join(reader.obs_columns())}"
-        )
     pred_div = simulate_diversity(
         reader.obs_codes(label)[0],
         batch_size=batch_size,
@@ -800,6 +830,14 @@ def _print_bench(
         f"  cells/s   measured {out['measured_cells_per_s']:10,.0f}   predicted "
         f"{pred.cells_per_s:10,.0f}   ({out['relative_error']:+.0%}, {pred.bound}-bound)"
     )
+    if out["cpu_relative_error"] is not None:
+        click.echo(
+            f"  CPU/cell  measured {out['measured_cpu_s_per_cell'] * 1e6:8.1f} µs   predicted "
+            f"{pred.cpu_s_per_cell * 1e6:8.1f} µs   ({out['cpu_relative_error']:+.0%}); the "
+            f"loader kept {out['measured_cores']:.2f} cores busy (predicted "
+            f"{pred.cores:.2f}): at those cores {out['predicted_at_measured_cores']:,.0f} "
+            "cells/s predicted"
+        )
     if out["measured_diversity"] is not None:
         click.echo(
             f"  diversity measured {out['measured_diversity']:10.3f}   predicted "

@@ -36,17 +36,36 @@ class Measurement:
     cells: int
     seconds: float
     diversity: float | None
+    cpu_s: float = 0.0
+    """CPU seconds of the loader in the window: the process's and its children's (decode
+    processes, workers), without the evicting thread's (:attr:`evictor_cpu_s`)."""
+    evictor_cpu_s: float = 0.0
+    """CPU seconds the page-cache evictor spent in the window (a cold local run)."""
+    load: float = 0.0
+    """The machine's 1-minute load average at the end of the window."""
+    fetch_factor: int = 0
+    """The fetch factor the loader read with (its default where none was given)."""
+
+    @property
+    def cpu_s_per_cell(self) -> float:
+        """The loader's CPU seconds per cell delivered (0: not measured)."""
+        return self.cpu_s / self.cells if self.cells else 0.0
+
+    @property
+    def cores(self) -> float:
+        """Cores the loader kept busy on average: its CPU seconds per second."""
+        return self.cpu_s / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        """Return the measurement as a JSON-ready dict."""
-        return asdict(self)
+        """Return the measurement as a JSON-ready dict (with CPU per cell and cores)."""
+        return {**asdict(self), "cpu_s_per_cell": self.cpu_s_per_cell, "cores": self.cores}
 
 
 def measure_loader(
     path: str | os.PathLike[str],
     *,
     batch_size: int = 64,
-    fetch_factor: int = 16,
+    fetch_factor: int | None = None,
     block_size: int | None = None,
     workers: int = 0,
     label: str | None = None,
@@ -67,7 +86,8 @@ def measure_loader(
     path
         Layout store (path or URL) or .h5ad.
     batch_size, fetch_factor, block_size, workers
-        Loader settings (``block_size=None``: the store's).
+        Loader settings (``None``: the loader's default fetch factor, the store's
+        block size).
     label
         obs column whose diversity is measured (:func:`sclayout.cost.diversity.diversity_ratio`).
     seconds
@@ -93,30 +113,32 @@ def measure_loader(
         raise InputError(f"seconds={seconds!r}: must be a positive number")
     location = os.fspath(path)
     is_local = not is_url(location)
-    obs = (label,) if label else ()
     ds = BlockDataset(
         location,
         batch_size=batch_size,
         fetch_factor=fetch_factor,
         block_size=block_size,
-        obs=obs,
+        obs=(label,) if label else (),
         seed=seed,
         output=output,
         backend=backend,
         **({"cache_dir": cache_dir, "cache_limit": cache_limit} if cache_dir else {}),
     )
-    if workers > 0:
-        it_src: Any = ds.dataloader(num_workers=workers, persistent_workers=True)
-    else:
-        it_src = ds
-    clock = _Clock(seconds, max_batches, warmup_seconds, label)
-    with Evictor([location]) if (cold and is_local) else contextlib.nullcontext():
+    it_src = ds.dataloader(num_workers=workers, persistent_workers=True) if workers > 0 else ds
+    evictor = Evictor([location]) if (cold and is_local) else None
+    clock = _Clock(seconds, max_batches, warmup_seconds, label, evictor=evictor)
+    with evictor or contextlib.nullcontext():
         _iterate_epochs(ds, it_src, clock)
+        dt = time.perf_counter() - (clock.t0 or 0.0)
+        cpu, evicting = clock.cpu()
     if clock.t0 is None or clock.n == 0:
         raise InputError(f"{location}: the loader delivered no minibatch to time")
-    dt = time.perf_counter() - clock.t0
     div = _diversity(location, label, clock.labels, batch_size) if label else None
-    return Measurement(clock.cells / dt, clock.n, clock.cells, dt, div)
+    load = os.getloadavg()[0]
+    return Measurement(
+        clock.cells / dt, clock.n, clock.cells, dt, div, cpu - clock.c0, evicting, load,
+        ds.fetch_factor,
+    )  # fmt: skip
 
 
 def _diversity(
@@ -145,14 +167,30 @@ class _Clock:
     max_batches: int | None
     warmup_seconds: float
     label: str | None
+    evictor: Any = None
+    """The page-cache evictor of a cold run, whose CPU is not the loader's."""
     seen: int = 0
     """Minibatches delivered, warm-up included."""
     n: int = 0
     """Minibatches timed."""
     cells: int = 0
     t0: float | None = None
+    c0: float = 0.0
+    """:meth:`cpu` when the window started."""
+    e0: float = 0.0
+    """The evictor's CPU seconds when the window started."""
     t_first: float | None = None
     labels: list[np.ndarray] = field(default_factory=list)
+
+    def cpu(self) -> tuple[float, float]:
+        """Return the loader's CPU seconds so far (without the evictor's), and the evictor's.
+
+        The process's and its live children's (decode processes, workers).
+        """
+        from sclayout.cost.calibrate import cpu_with_children
+
+        evicting = self.evictor.cpu_s if self.evictor is not None else 0.0
+        return cpu_with_children() - evicting, evicting - self.e0
 
     def tick(self, batch: Any) -> bool:
         """Count ``batch``; return True when the timed window is over."""
@@ -164,6 +202,8 @@ class _Clock:
                 self.seen >= WARMUP_BATCHES
                 and time.perf_counter() - self.t_first >= self.warmup_seconds
             ):
+                self.c0, _ = self.cpu()
+                self.e0 = self.evictor.cpu_s if self.evictor is not None else 0.0
                 self.t0 = time.perf_counter()
             return False
         self.cells += int(batch["X"].shape[0])

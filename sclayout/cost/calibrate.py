@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime as _dt
 import json
+import math
 import os
 import platform
 import shutil
@@ -59,7 +60,7 @@ from loader.backends import (
 from loader.cores import usable_cores
 from loader.errors import InputError, SclayoutError
 from loader.location import http_range_error, is_object_store
-from sclayout.cost.profile import CodecSpeed, Profile
+from sclayout.cost.profile import MIN_CORES, CodecSpeed, Profile
 
 __all__ = [
     "CODEC_NAMES",
@@ -126,7 +127,12 @@ class CalibrationPlan:
     assembly: float = 3.0
     sample_elems: int = 4 * 2**20
     """Stored values (data + indices each) the codec and assembly timings run on."""
-    pipeline: float = 6.0
+    codec_bytes: int = 64 * 2**20
+    """Decoded bytes the codecs are timed on: the sample repeated up to this size, larger
+    than the CPU's caches, as the loader meets a store larger than them (timed on a
+    sample held in cache, reading an uncompressed store looked several times cheaper
+    than the loader found it). 0: the sample as it is."""
+    pipeline: float = 9.0
     """Timed runs of the loader on a small in-cache store (its CPU parallelism and
     per-fetch CPU)."""
     workers: float = 4.0
@@ -137,11 +143,12 @@ class CalibrationPlan:
     def quick(cls) -> CalibrationPlan:
         """Return a short plan (``recommend`` and ``bench`` without a profile).
 
-        Its codecs are timed on a sample of about 500 rows: on fewer, the fixed cost of
-        a read outweighs the decoding and a codec looked several times slower. The
-        loader's parallelism gets 2 s (6 windows of a third of a second): the share
-        of the cores it gets on a busy machine is the figure most of its prediction
-        rests on there.
+        Its codecs are timed on a sample of about 500 rows (repeated to 32 MiB, beyond
+        most CPU caches): on fewer, the fixed cost of a read outweighs the decoding and
+        a codec looked several times slower. The
+        loader's runs get 3 s (9 windows of a third of a second, three fetch sizes):
+        the share of the cores it gets on a busy machine is the figure most of its
+        prediction rests on there.
         """
         return cls(
             latency=0.5,
@@ -150,7 +157,8 @@ class CalibrationPlan:
             per_codec=0.6,
             assembly=0.5,
             sample_elems=2**20,
-            pipeline=2.0,
+            codec_bytes=32 * 2**20,
+            pipeline=3.0,
             workers=0.0,
         )
 
@@ -169,6 +177,7 @@ class CalibrationPlan:
             per_codec=0.02,
             assembly=0.05,
             sample_elems=2**18,
+            codec_bytes=0,
             pipeline=0.05,
             workers=0.0,
         )
@@ -584,6 +593,7 @@ def measure_codecs(
     backend: str = "tensorstore",
     direct: bool = True,
     on_codec: Callable[[str], None] | None = None,
+    sample_bytes: int = 0,
 ) -> dict[str, CodecSpeed]:
     """Ratio and decode speed of each codec on the sample.
 
@@ -600,7 +610,8 @@ def measure_codecs(
     :data:`CPU_ROUNDS` interleaved rounds (median CPU per read of each); CPU = chunks ×
     ``chunk_s`` + bytes / ``decode_Bps`` is fitted to them. The ratio is the arrays'
     raw bytes / their bytes on disk. ``on_codec(name)`` is called before each codec is
-    timed (progress).
+    timed (progress). ``sample_bytes``: the sample is repeated up to that many decoded
+    bytes first (:attr:`CalibrationPlan.codec_bytes`).
     """
     import tempfile
 
@@ -610,8 +621,12 @@ def measure_codecs(
             if on_codec is not None:
                 on_codec(name)
             sample = (data, indices, indptr, n_vars)
+            n = len(indptr) - 1
+            rows = math.ceil(sample_bytes / max(data.nbytes + indices.nbytes, 1) * n)
             steps = [
-                _codec_reads(sample, Path(tmp), name, block_size, backend=backend, direct=direct)
+                _codec_reads(
+                    sample, Path(tmp), name, block_size, rows=rows, backend=backend, direct=direct
+                )
                 for block_size in CODEC_BLOCK_SIZES
             ]
             ratio = steps[-1].ratio  # the largest block size's
@@ -648,6 +663,7 @@ def _codec_reads(
     codec: str,
     block_size: int,
     *,
+    rows: int = 0,
     backend: str,
     direct: bool,
 ) -> _CodecReads:
@@ -669,6 +685,7 @@ def _codec_reads(
         folder=folder,
         name="codecs",
         codec=codec,
+        rows=rows,
         block_size=block_size,
     )
     x = read_manifest(str(store)).X
@@ -750,10 +767,11 @@ def measure_assembly(
     return per_nnz, per_value
 
 
-MIN_PARALLELISM = 0.5
-"""Least parallelism a profile records (:class:`Profile`'s own lower limit). Below one
-core on a machine busy with other jobs: the loader then gets only a share of a core,
-and its CPU figures, timed in CPU seconds, would predict it as if it had a whole one."""
+MIN_PARALLELISM = MIN_CORES
+"""Least parallelism a profile records (:data:`sclayout.cost.profile.MIN_CORES`). On a
+machine busy with other jobs the loader gets a share of a core, and its CPU figures,
+timed in CPU seconds, would predict it as if it had more: the share measured is the
+share predicted, down to this floor."""
 PARALLELISM_ROWS = 16384
 """Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
 
@@ -771,6 +789,22 @@ class PipelineFigures:
     is not installed, not measured)."""
     worker_cpu_s_per_cell: float = 0.0
     """CPU per cell with 2 workers minus CPU per cell in one process."""
+    runs: tuple[PipelineRun, ...] = ()
+    """Each fetch factor's run: what the model prices it from, and its CPU per cell."""
+
+
+@dataclass(frozen=True)
+class PipelineRun:
+    """One fetch factor of :func:`measure_pipeline`: its planned fetches and measured CPU."""
+
+    stats: Any
+    """:class:`sclayout.cost.model.FetchStats` of the sample store's fetches."""
+    settings: Any
+    """:class:`loader.spec.LoaderSettings` of the run."""
+    n_vars: int
+    codec: str
+    cpu_s_per_cell: float
+    """Median CPU seconds per cell, the process's and its decode processes'."""
 
 
 def measure_pipeline(
@@ -781,7 +815,7 @@ def measure_pipeline(
     n_vars: int,
     seconds: float = 3.0,
     block_size: int = 64,
-    fetch_factors: tuple[int, int] = (16, 4),
+    fetch_factors: tuple[int, ...] = (16, 4, 64),
     worker_seconds: float = 0.0,
 ) -> PipelineFigures:
     """Measure the loader's parallelism and fixed per-fetch CPU when storage never waits.
@@ -800,7 +834,10 @@ def measure_pipeline(
       to one core (:data:`MIN_PARALLELISM`), since the CPU figures are CPU seconds.
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
-      over more rows; the two (median) CPU-per-cell figures give it.
+      over more rows; the first two (median) CPU-per-cell figures give it.
+    - every fetch factor's median CPU per cell and planned fetches (``runs``): from
+      them :func:`cpu_scale` compares the loader as it runs with the model's price
+      (the third, larger fetches outgrow the CPU caches).
     - with torch installed, the same read through :class:`loader.BlockDataLoader`
       with 2 workers (``worker_seconds`` timed, after the workers have started):
       the cores the three processes keep busy together, and the CPU per cell they
@@ -837,12 +874,30 @@ def measure_pipeline(
         if worker_seconds > 0 and torch_available():
             ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factors[0], seed=0)
             workers = _run_epochs(ds, worker_seconds, workers=2)
+        runs = _pipeline_runs(dst, fetch_factors, [float(m[0]) for m in medians])
+    return _pipeline_figures(medians, fetch_factors, runs, workers, cores)
+
+
+def _pipeline_figures(
+    medians: Sequence[Any],
+    fetch_factors: Sequence[int],
+    runs: tuple[PipelineRun, ...],
+    workers: tuple[float, float, int] | None,
+    cores: float,
+) -> PipelineFigures:
+    """Return :func:`measure_pipeline`'s figures.
+
+    From its medians per fetch factor (CPU per cell, cores busy) and its 2-worker run
+    (wall seconds, CPU seconds, cells).
+    """
     cpu_cell = [float(m[0]) for m in medians]
     busy = float(medians[0][1])  # with the larger fetches
     rows = [64 * f for f in fetch_factors]
     per_fetch = (cpu_cell[1] - cpu_cell[0]) / (1 / rows[1] - 1 / rows[0])
     figures = PipelineFigures(
-        parallelism=float(min(max(busy, MIN_PARALLELISM), cores)), fetch_cpu_s=max(per_fetch, 0.0)
+        parallelism=float(min(max(busy, MIN_PARALLELISM), cores)),
+        fetch_cpu_s=max(per_fetch, 0.0),
+        runs=runs,
     )
     if workers is None:
         return figures
@@ -852,6 +907,45 @@ def measure_pipeline(
         worker_cores=float(min(max(w_cpu / w_wall, 1.0), cores)),
         worker_cpu_s_per_cell=max(w_cpu / w_cells - cpu_cell[0], 0.0),
     )
+
+
+def _pipeline_runs(
+    store: Path, fetch_factors: Sequence[int], cpu_cell: Sequence[float]
+) -> tuple[PipelineRun, ...]:
+    """Return each fetch factor's run of :func:`measure_pipeline` on ``store``."""
+    from loader.spec import LoaderSettings
+    from loader.store import open_layout
+    from sclayout.cost.model import sample_fetch_stats, store_codec
+
+    reader = open_layout(store)
+    out = []
+    for f, cpu in zip(fetch_factors, cpu_cell, strict=True):
+        settings = LoaderSettings(batch_size=64, fetch_factor=f, backend=reader.backend)
+        stats = sample_fetch_stats(reader.manifest, reader.block_pointer, settings=settings)
+        codec = store_codec(reader.manifest)
+        out.append(PipelineRun(stats, settings, reader.manifest.n_vars, codec, cpu))
+    return tuple(out)
+
+
+def cpu_scale(profile: Profile, runs: Sequence[PipelineRun]) -> tuple[tuple[float, float], ...]:
+    """Return :attr:`Profile.cpu_scale`: each run's measured CPU per cell over the model's price.
+
+    The price is the model's CPU per cell of the run's fetches with ``profile``'s
+    figures (warm: no cold-read CPU, no scale yet), at the run's working set
+    (:func:`sclayout.cost.model.working_set_bytes`).
+    """
+    from sclayout.cost.model import ModelOptions, predict_from_stats, working_set_bytes
+
+    warm = profile.with_(kind="local", request_cpu_s=0.0, read_cpu_s_per_byte=0.0, cpu_scale=())
+    out = []
+    for r in runs:
+        pred = predict_from_stats(
+            r.stats, n_vars=r.n_vars, codec=r.codec, settings=r.settings, profile=warm
+        )
+        if pred.cpu_s_per_cell > 0 and r.cpu_s_per_cell > 0:
+            ws = working_set_bytes(r.stats, r.n_vars, r.settings, ModelOptions())
+            out.append((ws, r.cpu_s_per_cell / pred.cpu_s_per_cell))
+    return tuple(sorted(out))
 
 
 def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, float, int]:
@@ -1159,6 +1253,7 @@ def _measure_cpu(
         n_vars=n_vars,
         codecs=codecs,
         seconds=plan.per_codec,
+        sample_bytes=plan.codec_bytes,
         # the loader's direct shard reader reads local stores only: a remote store's
         # responses are decoded by tensorstore, at a different CPU cost per byte
         direct=local is not None,
@@ -1187,6 +1282,7 @@ def _measure_cpu(
         "cpu_count": usable_cores(),  # the cores it ran with: affinity and cgroup quota
         "worker_cores": pipeline.worker_cores,
         "worker_cpu_s_per_cell": pipeline.worker_cpu_s_per_cell,
+        "pipeline_runs": pipeline.runs,  # priced into cpu_scale once the profile exists
     }
     return figures, data_source
 
@@ -1262,8 +1358,9 @@ def calibrate(
         target, local=local, plan=plan, codecs=codecs, seed=seed, bar=bar
     )
     bar.close()
+    runs = cpu.pop("pipeline_runs")
     host = platform.node() or "this machine"
-    return Profile(
+    profile = Profile(
         **storage,
         **cpu,
         source=(
@@ -1273,3 +1370,4 @@ def calibrate(
         ),
         extra={"target": target, "plan": plan.__dict__},
     )
+    return profile.with_(cpu_scale=cpu_scale(profile, runs))

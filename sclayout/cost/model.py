@@ -31,6 +31,12 @@ not exist yet — and turns each plan into time with a storage profile:
     per fetch CPU + the CPU of reading (per request and per byte read: client,
     kernel and, for a loopback server, the server process's).
 
+Decoding, assembly and the per-fetch CPU are figures timed one step at a time; the
+loader running all of them at once spends :meth:`Profile.cpu_scale_at` times as much
+at the fetch's working set (:func:`working_set_bytes`: the fetches held and a dense
+minibatch), as calibrate measured it running. A local store whose arrays are small
+(:func:`in_memory`) is read once and then served from memory: a fetch is a copy.
+
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
 fetch, where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
@@ -203,6 +209,9 @@ class FetchStats:
     """Inner chunks of ``data`` (or of dense rows) one block spans, as the reader counts
     them (:meth:`loader.store.LayoutReader.chunks_per_block`)."""
     n_obs: float = 0.0
+    largest_array_bytes: float = 0.0
+    """Decoded bytes of the matrix's largest array: the direct shard reader keeps
+    arrays up to :data:`loader.engine.shards.SMALL_ARRAY_BYTES` whole in memory."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +247,12 @@ class Prediction:
     """Wall time of the epoch on all nodes (``n_obs / cells_per_s``)."""
     start_s: float = 0.0
     """Of ``epoch_s``: the epoch's start, before its fetches overlap."""
+    cpu_s_per_cell: float = 0.0
+    """CPU seconds per cell of all the loader's processes and threads (decoding,
+    assembly, per-fetch and reading CPU): what a loaded machine changes least."""
+    cores: float = 0.0
+    """Cores the prediction lets the loader keep busy on its CPU work (the divisor of
+    its CPU bound)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the prediction as a JSON-ready dict."""
@@ -420,11 +435,16 @@ def _matrix_totals(manifest: Manifest, matrix: str) -> dict[str, float]:
         span = per_block / layout.arrays["data"].chunks[0]
     else:
         span = manifest.block_size / layout.arrays["values"].chunks[0]
+    largest = max(
+        float(np.prod(a.shape, dtype=np.float64)) * np.dtype(a.dtype).itemsize
+        for a in layout.arrays.values()
+    )
     return {
         "matrix_bytes": nbytes,
         "matrix_chunks": chunks,
         "chunks_per_block": span,
         "n_obs": float(manifest.n_obs),
+        "largest_array_bytes": largest,
     }
 
 
@@ -528,19 +548,71 @@ def _fetch_times(
     # dense output in the reading process scatters from the fetch: nothing to gather
     gathers = not dense or settings.num_workers > 0
     t_read_cpu = R * profile.request_cpu_s + compressed * profile.read_cpu_s_per_byte
+    t_io = _io_time(profile, R, compressed, c)
+    t_decode = bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s
+    dec_parallel = min(dec_threads, cores)
+    if in_memory(stats, backend=backend, codec=codec, profile=profile):
+        # read and decoded once, then each fetch is a copy of its rows on the thread
+        # that submits it: no request, no decoding
+        R, c, compressed, t_io, t_read_cpu = 0.0, 1.0, 0.0, 0.0, 0.0
+        t_decode, dec_parallel = bytes_read / profile.copy_Bps, 1.0
+    # the CPU figures are timed on data in cache; the loader as it runs spends this
+    # much more (or less) at this fetch's working set (:attr:`Profile.cpu_scale`)
+    k = profile.cpu_scale_at(working_set_bytes(stats, n_vars, settings, options))
     return _FetchTimes(
         requests=R,
         in_flight=c,
         compressed=compressed,
         bytes_read=bytes_read,
-        t_io=_io_time(profile, R, compressed, c),
-        t_decode=bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s,
-        t_gather=stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
-        t_dense=stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
+        t_io=t_io,
+        t_decode=k * t_decode,
+        t_gather=k * stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
+        t_dense=k * stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
         t_read_cpu=t_read_cpu,
-        t_overhead=profile.fetch_overhead_s + t_read_cpu,
-        dec_parallel=min(dec_threads, cores),
+        t_overhead=k * profile.fetch_overhead_s + t_read_cpu,
+        dec_parallel=dec_parallel,
     )
+
+
+def working_set_bytes(
+    stats: FetchStats, n_vars: int, settings: LoaderSettings, options: ModelOptions
+) -> float:
+    """Bytes a pipeline keeps in use: its fetches held (``1 + read_ahead``) and a dense minibatch.
+
+    What competes for the CPU caches while a minibatch is assembled.
+    """
+    batch = settings.batch_size * n_vars * 4.0 if options.output == "dense" else 0.0
+    return (1 + options.read_ahead) * stats.bytes_needed + batch
+
+
+def in_memory(stats: FetchStats, *, backend: str, codec: str, profile: Profile) -> bool:
+    """Whether the direct shard reader serves the matrix from memory.
+
+    It reads an array of at most :data:`loader.engine.shards.SMALL_ARRAY_BYTES`
+    decoded bytes whole on first use and copies each fetch's rows out of it.
+    """
+    from loader.engine.shards import SMALL_ARRAY_BYTES
+
+    small = 0 < stats.largest_array_bytes <= SMALL_ARRAY_BYTES
+    return small and _direct_reads(backend, codec, profile)
+
+
+def _fetch_cpu(
+    t: _FetchTimes, stats: FetchStats, *, n_vars: int, settings: LoaderSettings, profile: Profile
+) -> float:
+    """CPU seconds of one fetch, all of its processes and threads together.
+
+    Decoding, assembly, the per-fetch and reading CPU; with workers, the hand-over of
+    the rows to the main process: calibrate's measured CPU per cell of the worker path
+    (the gather, packing, hand-over and unpacking) where it measured one, else two
+    memory copies of the rows as CSR.
+    """
+    if settings.num_workers > 0 and profile.worker_cores > 0:
+        return t.t_decode + t.t_dense + t.t_overhead + stats.rows * profile.worker_cpu_s_per_cell
+    t_ipc = 0.0
+    if settings.num_workers > 0:
+        t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
+    return t.t_decode + t.t_gather + t.t_dense + t.t_overhead + t_ipc
 
 
 def _limits(
@@ -573,21 +645,15 @@ def _limits(
         # workers hand their rows over as CSR through shared memory (a copy in, a
         # copy out: ``loader._workers``); the main process cuts and densifies them
         t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
-        back = t.t_gather + profile.fetch_overhead_s + t_ipc / 2
+        back = t.t_gather + (t.t_overhead - t.t_read_cpu) + t_ipc / 2
         main = t.t_dense + t_ipc / 2
     else:
         t_ipc = 0.0
-        back = t_assembly + profile.fetch_overhead_s
+        back = t_assembly + (t.t_overhead - t.t_read_cpu)
         main = 0.0
-    cpu_total = t.t_decode + t_assembly + t.t_overhead + t_ipc
+    cpu_total = _fetch_cpu(t, stats, n_vars=n_vars, settings=settings, profile=profile)
     busy_cores = cores
     if settings.num_workers > 0 and profile.worker_cores > 0:
-        # measured by calibrate with 2 workers: what the worker path adds per cell to
-        # one process's CPU (the gather, packing, hand-over and unpacking, the copies
-        # above included), and the cores the processes keep busy together
-        cpu_total = (
-            t.t_decode + t.t_dense + t.t_overhead + stats.rows * profile.worker_cpu_s_per_cell
-        )
         busy_cores = _busy_cores(profile, profile.worker_cores, settings.num_workers, dec_threads)
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     stage = "io" if front >= back else "assembly"
@@ -661,6 +727,7 @@ def predict_from_stats(
         _soft_max(limits[stage], limits["cpu"]), limits["storage"], limits["main process"]
     )
     ratio = profile.codec(codec).ratio
+    cpu = _fetch_cpu(t, stats, n_vars=n_vars, settings=settings, profile=profile)
     return Prediction(
         cells_per_s=stats.rows / fetch_s,
         fetch_s=fetch_s,
@@ -677,6 +744,8 @@ def predict_from_stats(
             stats, ratio=ratio, n_vars=n_vars, settings=settings, options=options
         ),
         workers=max(1, settings.num_workers),
+        cpu_s_per_cell=cpu / max(stats.rows, 1.0),
+        cores=cpu / limits["cpu"] if limits["cpu"] > 0 else 0.0,
     )
 
 

@@ -5,8 +5,8 @@ object store, ...) serves reads, and how fast this CPU decodes and assembles
 them. ``sclayout calibrate`` measures one; a few presets ship with the package
 (``sclayout/cost/presets/*.json``), each citing where its figures come from.
 
-Profile format version 2 (JSON; version 1 is version 2 without the two ``worker_``
-figures, and still reads)::
+Profile format version 3 (JSON; version 2 is version 3 without ``cpu_scale``, version 1
+also without the two ``worker_`` figures; both still read)::
 
     {"format": "sclayout-profile", "version": 2, "name": ..., "kind": "local"|"http",
      "latency_s": ..., "bandwidth_Bps": ..., "request_bytes": ...,
@@ -16,11 +16,13 @@ figures, and still reads)::
      "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
      "read_cpu_scope": "process"|"machine", "cores": ..., "cpu_count": ...,
      "worker_cores": ..., "worker_cpu_s_per_cell": ...,
+     "cpu_scale": [[working_set_bytes, measured / priced], ...],
      "source": "where the figures come from", "created": ISO-8601}
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections.abc import Mapping
@@ -43,9 +45,12 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "sclayout-profile"
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 """Version of the profile format this package writes and the newest it reads."""
 KINDS = ("local", "http")
+MIN_CORES = 0.1
+"""Least parallelism a profile holds: on a machine busy with other jobs the loader may
+get a small share of one core, and a prediction made then should say so."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,13 @@ class Profile:
         CPU time per cell the worker path adds to a single process's (each worker's
         gather and packing, the hand-over, the main process's unpacking); 0: not
         measured (the model counts two memory copies of the CSR rows instead).
+    cpu_scale
+        ``(working_set_bytes, ratio)`` pairs, sorted: the loader's CPU per cell as
+        calibrate measured it running (:func:`sclayout.cost.calibrate.measure_pipeline`)
+        over the CPU the model prices from the figures above, at fetches whose data in
+        flight (the fetches held and the dense minibatch) is that many bytes. Larger
+        fetches outgrow the CPU caches, and the assembly's scatter then waits on
+        memory: a cost per cell that grows with the fetch. Empty: 1.
     source
         Where the figures come from (machine and command, or a citation).
     """
@@ -180,6 +192,7 @@ class Profile:
     cpu_count: float = 0.0
     worker_cores: float = 0.0
     worker_cpu_s_per_cell: float = 0.0
+    cpu_scale: tuple[tuple[float, float], ...] = ()
     source: str = ""
     created: str = ""
     format: str = PROFILE_FORMAT
@@ -209,6 +222,16 @@ class Profile:
                 "requests_per_s > 0) pairs"
             )
         object.__setattr__(self, "concurrency", curve)
+        try:
+            scale = tuple(sorted((float(w), float(r)) for w, r in self.cpu_scale))
+        except (TypeError, ValueError):
+            scale = ((-1.0, -1.0),)
+        if any(not (math.isfinite(w) and w > 0 and math.isfinite(r) and r > 0) for w, r in scale):
+            raise SpecError(
+                f"profile cpu_scale={self.cpu_scale!r}: needs (working_set_bytes > 0, "
+                "ratio > 0) pairs"
+            )
+        object.__setattr__(self, "cpu_scale", scale)
         if not self.codecs:
             raise SpecError("profile lists no codecs; recalibrate with `sclayout calibrate`")
         object.__setattr__(
@@ -231,9 +254,11 @@ class Profile:
             raise SpecError(f"profile cpu_count={self.cpu_count!r}: must be a number >= 0")
         object.__setattr__(self, "cpu_count", float(self.cpu_count))
         if not (
-            isinstance(self.cores, int | float) and math.isfinite(self.cores) and self.cores >= 0.5
+            isinstance(self.cores, int | float)
+            and math.isfinite(self.cores)
+            and self.cores >= MIN_CORES
         ):
-            raise SpecError(f"profile cores={self.cores!r}: must be a number >= 0.5")
+            raise SpecError(f"profile cores={self.cores!r}: must be a number >= {MIN_CORES}")
         object.__setattr__(self, "cores", float(self.cores))
         rb = self.request_bytes
         if isinstance(rb, bool) or not isinstance(rb, int | float) or not 0 <= rb < math.inf:
@@ -287,6 +312,23 @@ class Profile:
                 f"{', '.join(sorted(self.codecs))} (recalibrate with `sclayout calibrate`)"
             ) from None
 
+    def cpu_scale_at(self, working_set_bytes: float) -> float:
+        """Return :attr:`cpu_scale` at ``working_set_bytes``.
+
+        Interpolated on the bytes' logarithm between the measured points, the end
+        points' ratio beyond them; 1 without any.
+        """
+        if not self.cpu_scale:
+            return 1.0
+        pts = [(math.log(w), r) for w, r in self.cpu_scale]
+        x = math.log(max(working_set_bytes, 1.0))
+        if x <= pts[0][0]:
+            return pts[0][1]
+        for (w0, r0), (w1, r1) in itertools.pairwise(pts):
+            if x <= w1:
+                return r0 + (r1 - r0) * (x - w0) / (w1 - w0) if w1 > w0 else r1
+        return pts[-1][1]
+
     def at_cores(self, cores: int) -> Profile:
         """Return the profile of this machine given ``cores`` cores.
 
@@ -300,7 +342,7 @@ class Profile:
         scale = cores / base
         return replace(
             self,
-            cores=max(0.5, self.cores * scale),
+            cores=max(MIN_CORES, self.cores * scale),
             cpu_count=float(cores),
             worker_cores=self.worker_cores * scale,
         )
@@ -332,6 +374,7 @@ class Profile:
             "cpu_count": self.cpu_count,
             "worker_cores": self.worker_cores,
             "worker_cpu_s_per_cell": self.worker_cpu_s_per_cell,
+            "cpu_scale": [[w, r] for w, r in self.cpu_scale],
             "source": self.source,
             "created": self.created,
             "extra": dict(self.extra),
@@ -363,6 +406,7 @@ class Profile:
         kw = dict(d, version=PROFILE_VERSION)  # read older versions as the current one
         try:
             kw["concurrency"] = tuple(tuple(p) for p in d["concurrency"])
+            kw["cpu_scale"] = tuple(tuple(p) for p in d.get("cpu_scale", ()))
             kw["codecs"] = {k: CodecSpeed(**v) for k, v in d["codecs"].items()}
             return cls(**kw)
         except SpecError:

@@ -275,6 +275,25 @@ def test_bench_prints_measured_beside_predicted(data, run_cli):
     # a shuffled store: both the measurement and the prediction are random-like
     assert out["measured_diversity"] == pytest.approx(1.0, abs=0.1)
     assert out["predicted_diversity"] == pytest.approx(1.0, abs=0.05)
+    # the loader's CPU per cell beside the model's, and the cores it kept busy
+    assert out["settings"]["fetch_factor"] == 4 and out["measured_cpu_s_per_cell"] > 0
+    cpu = out["predicted"]["cpu_s_per_cell"]
+    assert out["cpu_relative_error"] == pytest.approx(cpu / out["measured_cpu_s_per_cell"] - 1)
+    assert out["measured_cores"] > 0
+
+
+def test_bench_reads_with_the_loaders_default_fetch_factor(data, run_cli):
+    """Without --fetch-factor, bench measures and predicts what BlockDataset does."""
+    from loader import BlockDataset
+
+    _, store = data
+    r = run_cli(
+        "bench", store, "--batch-size", "16", "--runs", "1", "--seconds", "0.3",
+        "--profile", HERE, "--json",
+    )  # fmt: skip
+    assert r.exit_code == 0, r.stderr
+    default = BlockDataset(store, batch_size=16).fetch_factor
+    assert json.loads(r.stdout)["settings"]["fetch_factor"] == default
 
 
 @pytest.fixture

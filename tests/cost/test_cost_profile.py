@@ -47,11 +47,31 @@ def test_version_1_reads_without_the_worker_figures(tmp_path, flat_profile):
     assert p.version == PROFILE_VERSION and p.worker_cores == p.worker_cpu_s_per_cell == 0.0
 
 
+def test_version_2_reads_without_the_cpu_scale(tmp_path, flat_profile):
+    d = flat_profile(cpu_scale=((1e6, 1.5),)).to_dict()
+    assert d["cpu_scale"] == [[1e6, 1.5]]
+    d["version"] = 2
+    del d["cpu_scale"]
+    (tmp_path / "p.json").write_text(json.dumps(d))
+    p = load_profile(tmp_path / "p.json")
+    assert p.cpu_scale == () and p.cpu_scale_at(1e9) == 1.0
+
+
+def test_cpu_scale_interpolates_on_the_log_of_the_working_set(flat_profile):
+    p = flat_profile(cpu_scale=((4e6, 2.0), (1e6, 1.0)))  # sorted on reading
+    assert p.cpu_scale == ((1e6, 1.0), (4e6, 2.0))
+    assert p.cpu_scale_at(1e5) == 1.0  # below the measured points: the first's
+    assert p.cpu_scale_at(2e6) == pytest.approx(1.5)  # halfway on the log scale
+    assert p.cpu_scale_at(1e9) == 2.0  # beyond: the last's
+    with pytest.raises(SpecError, match="cpu_scale"):
+        flat_profile(cpu_scale=((1e6, 0.0),))
+
+
 def test_newer_version_is_refused_with_upgrade_hint(tmp_path, flat_profile):
     d = flat_profile().to_dict()
     d["version"] = PROFILE_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(FormatVersionError, match=r"version 3 is not readable.*pip install -U"):
+    with pytest.raises(FormatVersionError, match=r"version 4 is not readable.*pip install -U"):
         load_profile(tmp_path / "p.json")
 
 
