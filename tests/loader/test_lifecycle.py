@@ -350,8 +350,10 @@ def test_a_process_exits_whatever_state_its_iterator_is_in(runs, scenario):
 
 MAPS_SLACK = 6
 """Mappings may differ by a few from one count to the next without a leak: the Python
-allocator's arenas and glibc's large blocks come and go with the objects alive. A
-leak of one mapping per dataset would be 28 over the counted cycles."""
+allocator's arenas and glibc's large blocks come and go with the objects alive. On top
+of it, each decode thread started on demand maps a stack and its guard page (two
+mappings), more often on a busy machine. A leak of one mapping per dataset would be 28
+over the counted cycles, more than both together."""
 
 
 @pytest.mark.parametrize("mode", ["threads", "processes"])
@@ -382,7 +384,8 @@ def test_descriptors_mappings_threads_and_children_stay_flat(runs, mode, how):
     for i, got in enumerate(seen[2:], start=3):
         for key in base:
             if key == "maps":
-                assert abs(got[key] - base[key]) <= MAPS_SLACK, (i, key, got, base)
+                stacks = 2 * max(got["decode_limit"], base["decode_limit"])
+                assert abs(got[key] - base[key]) <= MAPS_SLACK + stacks, (i, key, got, base)
             elif key == "decode_threads":  # started on demand, never more than their number
                 assert got[key] <= got["decode_limit"], (i, key, got)
             else:
