@@ -426,7 +426,7 @@ def _block_h5ad_plain(prep: Prepared, *, seed: int, batch_size: int, **_: Any) -
 
 
 def _block_h5ad(prep: Prepared, *, seed: int, batch_size: int, **_: Any) -> Scheme:
-    # the loader's defaults for a raw h5ad (block 64 rows, fetch factor 16)
+    # the loader's defaults for a raw h5ad (block 64 rows, fetch factor 64)
     return _block_dataset(prep.train_path, prep, batch_size=batch_size, seed=seed)
 
 

@@ -79,6 +79,7 @@ from loader.assemble import CSRRows
 from loader.errors import InputError, SclayoutError, SpecError, too_many_files
 from loader.layout import parse_block_size
 from loader.options import (
+    DEFAULT_FETCH_FACTOR,
     DEFAULT_PREFETCH,
     OUTPUTS,
     TORCH_HINT,
@@ -91,6 +92,7 @@ from loader.options import (
 )
 
 __all__ = [
+    "DEFAULT_FETCH_FACTOR",
     "DEFAULT_PREFETCH",
     "OUTPUTS",
     "STATE_FORMAT",
@@ -887,7 +889,11 @@ def _with_spec(
         strategy = "weighted" if weighted else settings.get("strategy", "block_shuffle")
     unset = {
         k: settings.get(k, default)
-        for k, default in (("fetch_factor", 16), ("backend", "tensorstore"), ("block_size", None))
+        for k, default in (
+            ("fetch_factor", DEFAULT_FETCH_FACTOR),
+            ("backend", "tensorstore"),
+            ("block_size", None),
+        )
         if getattr(reading, k) is None
     }
     return (

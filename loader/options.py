@@ -31,6 +31,7 @@ from typing import Any
 from loader.errors import InputError
 
 __all__ = [
+    "DEFAULT_FETCH_FACTOR",
     "DEFAULT_PREFETCH",
     "DTYPES",
     "OUTPUTS",
@@ -42,6 +43,13 @@ __all__ = [
     "gather",
     "torch_available",
 ]
+
+DEFAULT_FETCH_FACTOR = 64
+"""Minibatches per fetch when neither the caller nor a spec says. Large enough that a
+fetch's fixed costs (its plan, the decoders' messages, its assembly) and the hand-offs
+between the training loop and the decoders are small beside its decoding, so that a
+second core speeds the loader up nearly twice; the same on every machine, so that a
+seed gives the same minibatches whatever the cores (docs/design.md, "Fetch size")."""
 
 DEFAULT_PREFETCH = 2
 """Fetches in flight ahead of the one consumed. Two keep the pipeline full: while the
@@ -245,8 +253,8 @@ class Reading:
     Parameters
     ----------
     fetch_factor
-        Minibatches per fetch (default: the spec's, else 16). Rows are shuffled within
-        a fetch of about ``fetch_factor × batch_size`` rows.
+        Minibatches per fetch (default: the spec's, else :data:`DEFAULT_FETCH_FACTOR`).
+        Rows are shuffled within a fetch of about ``fetch_factor × batch_size`` rows.
     block_size
         Rows per block; ``None``: the spec's, else the store's (a store reads any
         multiple of its own; an in-memory AnnData is cut into blocks of 64 rows).

@@ -38,6 +38,7 @@ import numpy as np
 
 __all__ = [
     "MIN_BYTES",
+    "SHARE_MIN_BYTES",
     "SPARE_BYTES",
     "SPARE_GRACE_S",
     "BufferPool",
@@ -54,6 +55,11 @@ __all__ = [
 
 MIN_BYTES = 4 << 20
 """Smaller arrays come from numpy: the allocator reuses those itself."""
+SHARE_MIN_BYTES = 256 << 10
+"""Smaller arrays come from numpy even for a decode process (:func:`empty`'s
+``share``): below this, sending the work costs about what decoding it in this
+process does. Larger ones go to the processes, whatever :data:`MIN_BYTES` says:
+every array decoded here competes for the lock of the training loop's interpreter."""
 SPARE_BYTES = 2 << 30
 """Most bytes of unused buffers kept for reuse (about the buffers of one large fetch);
 more are unmapped when returned."""
@@ -383,12 +389,13 @@ def dropped_buffers() -> list[int]:
     return pool().dropped_buffers()
 
 
-def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
+def _lend(shape: Any, dtype: Any, zero: bool, share: bool = False) -> np.ndarray:
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in (shape if isinstance(shape, tuple | list) else (shape,)))
     nbytes = math.prod(shape) * dtype.itemsize
     lender = pool()
-    if nbytes < MIN_BYTES or not lender.loops:
+    floor = min(MIN_BYTES, SHARE_MIN_BYTES) if share else MIN_BYTES
+    if nbytes < floor or not lender.loops:
         return (np.zeros if zero else np.empty)(shape, dtype=dtype)
     lease, fresh = lender.lend(nbytes)
     out = lease[:nbytes]
@@ -397,12 +404,14 @@ def _lend(shape: Any, dtype: Any, zero: bool) -> np.ndarray:
     return out.view(dtype).reshape(shape)
 
 
-def empty(shape: Any, dtype: Any) -> np.ndarray:
+def empty(shape: Any, dtype: Any, *, share: bool = False) -> np.ndarray:
     """Return an uninitialised C-contiguous array, as ``np.empty``.
 
-    Large ones lie in reused memory while a read loop runs.
+    Large ones lie in reused memory while a read loop runs. ``share``: the array is
+    for a decode process to fill, so from :data:`SHARE_MIN_BYTES` on it lies in a
+    buffer that process can map.
     """
-    return _lend(shape, dtype, zero=False)
+    return _lend(shape, dtype, zero=False, share=share)
 
 
 def zeros(shape: Any, dtype: Any) -> np.ndarray:

@@ -547,11 +547,12 @@ class DirectArray:
         return submit_reads([(self, ranges, dtype)], engine)[0]
 
     def _start(
-        self, ranges: np.ndarray, dtype: Any = None
+        self, ranges: np.ndarray, dtype: Any = None, *, share: bool = False
     ) -> tuple[np.ndarray, list[tuple], list[tuple]] | np.ndarray:
         """Return the output array, decode tasks and announcements of reading ``ranges``.
 
-        Or the finished array (small arrays).
+        Or the finished array (small arrays). ``share``: decode processes will take
+        it, so it lies in a buffer they can map (:func:`loader.engine.buffers.empty`).
         """
         self._check_pid()
         if self._small:
@@ -560,7 +561,9 @@ class DirectArray:
                 return whole[int(ranges[0, 0]) : int(ranges[0, 1])].copy()
             return np.concatenate([whole[int(a) : int(b)] for a, b in ranges])
         total = int((ranges[:, 1] - ranges[:, 0]).sum())
-        out = buffers.empty((total, *self.shape[1:]), self.dtype if dtype is None else dtype)
+        out = buffers.empty(
+            (total, *self.shape[1:]), self.dtype if dtype is None else dtype, share=share
+        )
         tasks = self._tasks(ranges)
         announce = []
         if _FADV_WILLNEED is not None and ANNOUNCE_READS:
@@ -755,9 +758,10 @@ def submit_reads(
     the disk reads before it returns, time the consumer thread would otherwise lose.
     ``engine`` (:class:`loader.engine.engine.Engine`) holds the decoders.
     """
-    started = [a._start(r, dtype) for a, r, dtype in items]
     pool = engine.thread_pool()
     processes = engine.processes()
+    share = processes is not None
+    started = [a._start(r, dtype, share=share) for a, r, dtype in items]
     jobs, in_threads = {}, {}  # by item: decode processes' jobs, and the rest's
     for i, ((array, _, _), s) in enumerate(zip(items, started, strict=True)):
         if isinstance(s, np.ndarray):

@@ -420,6 +420,20 @@ def test_spec_settings_are_defaults(tmp_path, memory_reader):
     assert (ds.batch_size, ds.fetch_factor) == (7, 5)
 
 
+def test_without_spec_the_fetch_factor_is_the_same_on_any_cores(memory_reader, monkeypatch):
+    """The default fetch factor does not follow the cores: the sampling plan depends on
+    it, and every machine, rank and worker must draw the same one for a seed."""
+    from loader.options import DEFAULT_FETCH_FACTOR
+
+    orders = []
+    for cores in ("1", "2", "8"):
+        monkeypatch.setenv("SCLAYOUT_CORES", cores)
+        ds = BlockDataset(memory_reader(40, block_size=4), batch_size=2, seed=1)
+        assert ds.fetch_factor == DEFAULT_FETCH_FACTOR
+        orders.append(np.concatenate([b["index"].numpy() for b in ds]))
+    assert all(np.array_equal(o, orders[0]) for o in orders)
+
+
 def test_pickle_carries_no_reader(stores, indices):
     ds = BlockDataset(stores["original"], batch_size=50, seed=3)
     first = indices(ds)

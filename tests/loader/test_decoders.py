@@ -89,6 +89,18 @@ def test_pooled_arrays_lie_in_memory_files_others_do_not(shared_array):
     assert buffers.shared(np.zeros(3)) is None
 
 
+def test_an_array_for_decode_processes_is_shared_from_a_smaller_size():
+    """A fetch array decode processes will fill lies in a memory file from
+    SHARE_MIN_BYTES on, below the pool's MIN_BYTES; one this process fills does not."""
+    assert buffers.SHARE_MIN_BYTES < buffers.MIN_BYTES
+    n = buffers.SHARE_MIN_BYTES // 4
+    with buffers.reusing():
+        assert buffers.shared(buffers.empty(n, np.float32, share=True)) is not None
+        assert buffers.shared(buffers.empty(n, np.float32)) is None
+        assert buffers.shared(buffers.empty(n - 1, np.float32, share=True)) is None
+    assert buffers.shared(buffers.empty(n, np.float32, share=True)) is None  # no read loop
+
+
 def test_an_unmapped_shared_buffer_is_reported_once():
     with buffers.reusing():
         out = buffers.empty(buffers.MIN_BYTES // 8, np.float64)

@@ -46,8 +46,8 @@ def caught(**kw):
     return ds, [w for w in got if issubclass(w.category, LowDiversityWarning)]
 
 
-def test_sorted_h5ad_with_defaults_warns_once(sorted_h5ad):
-    ds, got = caught(path=sorted_h5ad)
+def test_sorted_h5ad_with_few_blocks_per_fetch_warns_once(sorted_h5ad):
+    ds, got = caught(path=sorted_h5ad, fetch_factor=16)
     assert len(got) == 1
     msg = str(got[0].message)
     assert msg.startswith("BlockDataset: predicted diversity of 'plate' is 0.8")
@@ -64,8 +64,8 @@ def test_sorted_h5ad_with_defaults_warns_once(sorted_h5ad):
 
 @pytest.mark.parametrize(
     "kw",
-    [dict(fetch_factor=64), dict(block_size=8), dict(label="cell_line")],
-    ids=["more-blocks-per-fetch", "small-blocks", "unsorted-label"],
+    [dict(), dict(fetch_factor=16, block_size=8), dict(fetch_factor=16, label="cell_line")],
+    ids=["defaults-more-blocks-per-fetch", "small-blocks", "unsorted-label"],
 )
 def test_enough_mixing_is_quiet(sorted_h5ad, kw):
     assert caught(path=sorted_h5ad, **kw)[1] == []
