@@ -31,10 +31,12 @@ returns ``None`` for any other, whose tables the backend reads.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import mmap
 import os
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -60,6 +62,8 @@ class _Table:
         self.require_chunks = require_chunks
         self.folder = os.path.join(location, path)
         self.shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None] = {}
+        # closed by close(), or when this object is collected (a reader dropped unclosed)
+        weakref.finalize(self, _close_shards, self.shards).atexit = False
         self.cold = False
         """Whether most chunks of the last fetch were not in the page cache: the next
         fetch announces all of its chunks rather than try each in the cache first."""
@@ -75,14 +79,7 @@ class _Table:
 
     def close(self) -> None:
         """Close the shard files and their maps."""
-        opened = [(e[0], e[1]) for e in self.shards.values() if e is not None]
-        self.shards = {}  # drops the index views, so that the maps can close
-        for fd, mapped in opened:
-            try:
-                mapped.close()
-            except BufferError:  # a view is still alive: the map closes when it goes
-                pass
-            os.close(fd)
+        _close_shards(self.shards)
 
     def shard(self, shard: int) -> tuple[int, np.ndarray] | None:
         """Return the descriptor and the ``(chunks, 2)`` uint64 index of ``shard``.
@@ -240,6 +237,17 @@ def _locate(table: _Table, chunks: np.ndarray) -> tuple[np.ndarray, list[int]]:
             "restore it from a good copy or reconvert it"
         )
     return where, chunks.tolist()
+
+
+def _close_shards(shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None]) -> None:
+    """Close every shard file and map of ``shards`` and empty it (also a finalizer)."""
+    opened = [(e[0], e[1]) for e in shards.values() if e is not None]
+    shards.clear()  # drops the index views, so that the maps can close
+    for fd, mapped in opened:
+        with contextlib.suppress(BufferError):  # a view still alive: closed when it goes
+            mapped.close()
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _read_chunks(table: _Table, chunks: np.ndarray, out: np.ndarray) -> None:
