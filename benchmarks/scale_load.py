@@ -243,7 +243,7 @@ def compare(
                     )
                     r.update(store=str(store), mode=f"{mode}, {how}", round=k)
                     runs.append(r)
-                print(json.dumps(r), file=sys.stderr, flush=True)
+                    print(json.dumps(r), file=sys.stderr, flush=True)
     cols = (
         ("cells_per_s", "cells/s", ",.0f"), ("cpu_us_per_cell", "CPU µs/cell", ".2f"),
         ("user_us_per_cell", "user", ".2f"), ("sys_us_per_cell", "sys", ".2f"),
