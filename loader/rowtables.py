@@ -173,8 +173,6 @@ class RowTables:
             raise InputError(
                 f"store {self.location}: read after its reader was closed; open it again"
             )
-        if self._pid != os.getpid():  # a forked copy: the parent's files are not ours
-            self._tables, self._pid = {}, os.getpid()
         table = self._tables.get(key)
         if table is None:
             path, meta = self._specs[key]
@@ -187,6 +185,8 @@ class RowTables:
         lengths = bounds[:, 1] - bounds[:, 0]
         rows = np.repeat(bounds[:, 0] - np.cumsum(lengths) + lengths, lengths)
         rows += np.arange(int(lengths.sum()), dtype=np.int64)
+        if self._pid != os.getpid():  # a forked copy: the parent's files and lock are not ours
+            self._tables, self._lock, self._pid = {}, threading.Lock(), os.getpid()
         with self._lock:
             return {key: self._read_one(self._table(key), rows, bounds) for key in keys}
 

@@ -17,7 +17,8 @@ memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 
 pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
 ``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
 source index and of the categorical obs columns a minibatch asked for (learnt on the
-first one), so none is held whole. A store in the earlier layout keeps ``indptr`` and
+first one), so none is held whole; a local one's are read by :mod:`loader.rowtables`
+in the assembly thread, a few system calls a fetch. A store in the earlier layout keeps ``indptr`` and
 ``source_index`` whole (8 bytes a row each) up to
 :data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows), and its obs columns.
 
