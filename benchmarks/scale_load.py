@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -33,9 +34,16 @@ _HERE = Path(__file__).resolve().parent
 
 
 def _cpu() -> tuple[float, float]:
-    """User and system CPU seconds of this process (all threads, waited-for children)."""
-    t = os.times()
-    return t.user + t.children_user, t.system + t.children_system
+    """User and system CPU seconds of this process (all threads, waited-for children).
+
+    From ``getrusage`` (microseconds; ``os.times`` counts 10 ms ticks, too coarse for a
+    short window).
+    """
+    me, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return me.ru_utime + kids.ru_utime, me.ru_stime + kids.ru_stime
 
 
 def _io() -> dict[str, int]:
