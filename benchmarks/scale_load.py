@@ -4,16 +4,23 @@ The child process of the Tahoe-100M-shaped scale table (``convert.py --scale --s
 tahoe-100m``) and of ``open_large.py``: CSR output, batch 64, ``obs=("cell_line",
 "drug")``, epoch after epoch until ``--seconds`` have passed since the first minibatch
 (opening and the first fetch are not timed). Prints the open time, cells read, the timed
-seconds and this process's CPU seconds over the window (user + system, all threads, and
-any waited-for children). Page-cache eviction is the parent's job, so that its work is
-not counted here.
+seconds, the CPU seconds of the process tree over the window (user and system apart),
+and the bytes and read calls it asked of the disk. Page-cache eviction is the parent's
+job, so that its work is not counted here. The matrix is read with each fetch at
+every size (see :func:`read_for`).
 
 Usage: ``python benchmarks/scale_load.py STORE [--seconds 5]``
 
-The parent side, :func:`measure_load`, runs it with the store evicted before and every
-0.5 s during the run (the ≫RAM regime, eviction checked first), samples the peak
-anonymous + shared PSS of its process tree, and stops it at a timeout;
-:func:`timed_tool` times one ``sclayout`` command the same way (``inspect``, ``verify``).
+The parent side, :func:`measure_load`, runs it with the store evicted before and
+every :func:`evict_interval` seconds during the run (the ≫RAM regime, eviction
+checked first; a small store more often, so that it gets no more page-cache hits
+than a large one), or warm; samples the peak anonymous + shared PSS of its process
+tree, and stops it at a timeout; :func:`timed_tool` times one ``sclayout`` command
+the same way (``inspect``, ``verify``). ``--compare STORE...`` runs stores
+interleaved, round after round, cold and warm (and with ``--row-tables
+lean,engine`` both readers of the per-row tables), and prints the medians::
+
+    python benchmarks/scale_load.py --compare S1 S2 --rounds 3 --modes cold,warm
 """
 
 from __future__ import annotations
