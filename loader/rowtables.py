@@ -134,6 +134,11 @@ class _Table:
         return fd, mapped, index
 
 
+RECHECK_FETCHES = 32
+"""While a store's tables are found uncached, every this many fetches one reads them
+here again, to notice when they are cached (see :meth:`RowTables.wanted`)."""
+
+
 class RowTables:
     """The row-chunked per-row tables of one local store (see the module docstring).
 
@@ -150,6 +155,20 @@ class RowTables:
         self._tables: dict[str, _Table] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._asked = 0
+
+    def wanted(self) -> bool:
+        """Whether the next fetch should read its tables here rather than through the backend.
+
+        Not while most chunks of the last fetch read here were not in the page cache
+        (the ≫RAM regime): there the backend's reads, announced to the kernel well
+        before they are made, cost less system time than reads made in the assembly
+        thread right after their announcement; every :data:`RECHECK_FETCHES`-th fetch
+        looks again.
+        """
+        self._asked += 1
+        cold = any(t.cold for t in list(self._tables.values()))
+        return not cold or self._asked % RECHECK_FETCHES == 0
 
     def __contains__(self, key: str) -> bool:
         return key in self._specs

@@ -18,9 +18,10 @@ pointer (8 bytes a block). A store whose per-row tables are in row chunks (manif
 ``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
 source index and of the categorical obs columns a minibatch asked for (learnt on the
 first one), so none is held whole; a local one's are read by :mod:`loader.rowtables`
-in the assembly thread, a few system calls a fetch. A store in the earlier layout keeps ``indptr`` and
-``source_index`` whole (8 bytes a row each) up to
-:data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows), and its obs columns.
+in the assembly thread, a few system calls a fetch, while they are in the page cache.
+A store in the earlier layout keeps ``indptr`` and ``source_index`` whole (8 bytes a
+row each) up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows),
+and its obs columns.
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
@@ -1073,7 +1074,7 @@ class LayoutReader:
             request[f"obs:{column}"] = (path, bounds)
         lean = []  # per-row tables read by the assembly thread instead
         rows = self._row_tables() if self._row_chunked else None
-        if rows is not None:
+        if rows is not None and rows.wanted():
             lean = [
                 k
                 for k in request

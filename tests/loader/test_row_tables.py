@@ -266,3 +266,30 @@ def test_absent_table_chunks_are_an_error_or_the_fill_value(sharded_table):
     shard.write_bytes(shard.read_bytes()[:100])
     with pytest.raises(LayoutError, match=r"array t\.zarr.*shard 3.*truncated"):
         required.read(["t"], np.array([[3072, 3080]]))
+
+
+def test_tables_found_uncached_go_back_to_the_backend_and_are_looked_at_again(sources):
+    """While the last fetch found its table chunks out of the page cache (≫RAM), fetches
+    read them through the backend, every ``RECHECK_FETCHES``-th one here again; once
+    found cached, here; both ways give the same rows."""
+    from loader.rowtables import RECHECK_FETCHES
+
+    store, both = sources
+    reader = open_layout(store)
+    tables = reader._row_tables()
+    assert tables is not None
+    rng = np.random.default_rng(2)
+    blocks = rng.choice(reader.n_blocks, size=5, replace=False)
+    first = reader.submit(blocks).result()
+    assert tables.wanted()  # cached (just written): read here
+    for t in tables._tables.values():
+        t.cold = True  # as if the last fetch found none of its chunks cached
+    asked = [tables.wanted() for _ in range(2 * RECHECK_FETCHES)]
+    assert sum(asked) == 2 and not asked[0]
+    for t in tables._tables.values():
+        t.cold = True
+    again = reader.submit(blocks).result()  # through the backend
+    np.testing.assert_array_equal(again.index, first.index)
+    np.testing.assert_array_equal(again.matrix.toarray(), first.matrix.toarray())
+    np.testing.assert_array_equal(first.matrix.toarray(), both.X[first.index].toarray())
+    reader.close()
