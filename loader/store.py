@@ -17,9 +17,11 @@ memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 
 pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
 ``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
 source index and of the categorical obs columns a minibatch asked for (learnt on the
-first one), so none is held whole. A store in the earlier layout keeps ``indptr`` and
-``source_index`` whole (8 bytes a row each) up to
-:data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows), and its obs columns.
+first one), so none is held whole; a local one's are read by :mod:`loader.rowtables`
+in the assembly thread, a few system calls a fetch, while they are in the page cache.
+A store in the earlier layout keeps ``indptr`` and ``source_index`` whole (8 bytes a
+row each) up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows),
+and its obs columns.
 
 Pickling a :class:`LayoutReader` keeps only the path and settings; handles are
 opened lazily in the process that reads, and reopened after a fork.
@@ -86,6 +88,7 @@ from loader.errors import (
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import STORE_PREFIX_ATTR, is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
+from loader.rowtables import RowTables, open_row_tables, table_meta
 
 __all__ = [
     "H5AD_DEFAULT_BLOCK_SIZE",
@@ -122,6 +125,11 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 """glibc ``M_TRIM_THRESHOLD``: keep up to this much freed heap for reuse."""
 
 _malloc_tuned = False
+
+LEAN_ROW_TABLES = True
+"""Read a local row-chunked store's per-row tables with :mod:`loader.rowtables` (in the
+assembly thread, a few system calls per fetch) rather than through the backend (a
+task per chunk). ``False`` only to compare the two."""
 
 INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
 """A source index in the earlier layout (8 bytes per row, anndata's zstd chunks of tens
@@ -507,6 +515,9 @@ class LayoutReader:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_pid = -1
         self._source_index: np.ndarray | None = None
+        self._rows: RowTables | None = None  # the per-row tables' lean reader
+        self._rows_tried = False
+        self._rows_not: set[str] = set()  # tables it cannot read (the backend reads them)
         self.generation: str | None = None  # see the class docstring
         self._dir: tuple[int, int] | None = None
         self._http: Mapping[str, Any] = {}
@@ -592,6 +603,8 @@ class LayoutReader:
         pool, self._pool = self._pool, None
         if pool is not None and self._pool_pid == os.getpid():
             pool.shutdown(wait=True, cancel_futures=True)
+        if self._rows is not None:
+            self._rows.close()
         close = getattr(self._io, "close", None)
         if close is not None:
             close()
@@ -938,10 +951,53 @@ class LayoutReader:
         if path is None:
             raise InputError(f"obs column {column!r} is read whole: use obs_codes()")
         self._obs_wanted[column] = path
+        bounds = np.asarray(bounds, dtype=np.int64)
         with self._replacement_named():
-            got = self._io.submit({"obs": (path, np.asarray(bounds, dtype=np.int64))}).result()
+            if self._lean_table(f"obs:{column}", path):
+                assert self._rows is not None
+                codes = self._rows.read([f"obs:{column}"], bounds)[f"obs:{column}"]
+            else:
+                codes = self._io.submit({"obs": (path, bounds)}).result()["obs"]
         self._check_same_store()
-        return self._checked_codes(column, got["obs"])
+        return self._checked_codes(column, codes)
+
+    def _row_tables(self) -> RowTables | None:
+        """Return the lean reader of this store's per-row tables, or ``None``.
+
+        For a local row-chunked store read by the tensorstore backend's direct reads
+        (not through a shard cache); ``None`` otherwise, or when the tables are not
+        stored as :mod:`loader.rowtables` reads them.
+        """
+        if not self._rows_tried:
+            self._rows_tried = True
+            options = self.backend_options
+            if (
+                LEAN_ROW_TABLES
+                and self._row_chunked
+                and self.backend == "tensorstore"
+                and not is_url(self._objects)
+                and options.get("direct", True)
+                and options.get("cache_dir") is None
+            ):
+                tables = {"source_index": self.manifest.source_index}
+                if self.layout.is_csr:
+                    tables["indptr"] = self.layout.arrays["indptr"].path
+                require = bool(options.get("require_chunks", False))
+                self._rows = open_row_tables(self._objects, tables, require_chunks=require)
+        return self._rows
+
+    def _lean_table(self, key: str, path: str) -> bool:
+        """Whether :meth:`_row_tables` reads table ``key`` (array ``path``); adds it if it can."""
+        rows = self._row_tables()
+        if rows is None or key in self._rows_not:
+            return False
+        if key not in rows:
+            meta = table_meta(self._objects, path)
+            if meta is None:
+                self._rows_not.add(key)
+                return False
+            rows.add(key, path, meta)
+        return True
 
     def _checked_codes(self, column: str, codes: np.ndarray) -> np.ndarray:
         """``codes`` of ``column`` if each is ``-1`` (missing) or a category, else a LayoutError."""
@@ -1016,15 +1072,30 @@ class LayoutReader:
             request["source_index"] = (self.manifest.source_index, bounds)
         for column, path in list(self._obs_wanted.items()):
             request[f"obs:{column}"] = (path, bounds)
+        lean = []  # per-row tables read by the assembly thread instead
+        rows = self._row_tables() if self._row_chunked else None
+        if rows is not None and rows.wanted():
+            lean = [
+                k
+                for k in request
+                if k in rows or (k.startswith("obs:") and self._lean_table(k, request[k][0]))
+            ]
+            for key in lean:
+                del request[key]
         if self._settings.tune_malloc and not _malloc_tuned:
             tune_malloc()
         with self._replacement_named():
             io = self._io.submit(request)
-        job = self._assembler().submit(self._assemble, io, bounds, order, ends)
+        job = self._assembler().submit(self._assemble, io, bounds, order, ends, lean)
         return PendingFetch(self, ids, job, io)
 
     def _assemble(
-        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+        self,
+        io: Any,
+        bounds: np.ndarray,
+        order: np.ndarray | None,
+        ends: np.ndarray | None,
+        lean: list[str],
     ) -> Fetched:
         """Wait for a fetch's reads and build its rows (runs in the assembly thread).
 
@@ -1032,19 +1103,28 @@ class LayoutReader:
         has happened by now, so a store replaced before any of them is caught here.
         """
         with self._replacement_named():
-            fetched = self._assembled(io, bounds, order, ends)
+            tables = {}
+            if lean:  # while the decode threads read the matrix
+                assert self._rows is not None
+                tables = self._rows.read(lean, bounds)
+            fetched = self._assembled(io, bounds, order, ends, tables)
         self._check_same_store()
         return fetched
 
     def _assembled(
-        self, io: Any, bounds: np.ndarray, order: np.ndarray | None, ends: np.ndarray | None
+        self,
+        io: Any,
+        bounds: np.ndarray,
+        order: np.ndarray | None,
+        ends: np.ndarray | None,
+        tables: dict[str, np.ndarray],
     ) -> Fetched:
         """Return the fetch's rows once its reads have landed.
 
         ``ends``: the ``indptr`` value at the end of each row range (from the block
         pointer) when only the ranges' own rows of ``indptr`` were read.
         """
-        got = io.result()
+        got = {**io.result(), **tables}
         rows = ranges_to_rows(bounds)
         if self.layout.is_csr:
             parts = got["indptr"]

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from loader import BlockDataset, open_layout
-from loader.errors import LayoutError
+from loader.errors import InputError, LayoutError
 from loader.layout import row_chunk_rows
+from loader.rowtables import RowTables
 from sclayout.convert import convert
 from sclayout.testing.damage import damage_array
 
@@ -74,12 +75,18 @@ def test_tables_are_written_in_row_chunks_and_anndata_reads_the_store(sources):
 @pytest.mark.parametrize("backend", ["tensorstore", "zarr"])
 def test_fetches_read_their_rows_of_the_tables(sources, backend, monkeypatch):
     """Values, source ids and obs labels of random fetches equal the sources'; the
-    obs codes are read with each fetch once a minibatch has asked for them."""
+    obs codes are read with each fetch once a minibatch has asked for them. With
+    tensorstore, the tables are read by :mod:`loader.rowtables`, the matrix by the
+    backend."""
     store, both = sources
     reader = open_layout(store, backend=backend)
-    asked = []
+    asked, lean = [], []
     submit = reader._io.submit
     monkeypatch.setattr(reader._io, "submit", lambda req: asked.append(set(req)) or submit(req))
+    read = RowTables.read
+    monkeypatch.setattr(
+        RowTables, "read", lambda s, keys, b: lean.append(set(keys)) or read(s, keys, b)
+    )
     assert reader.obs_rows_path("plate") == "obs/plate/codes"
     plates = np.asarray(reader.obs_categories("plate"))
     rng = np.random.default_rng(0)
@@ -88,7 +95,10 @@ def test_fetches_read_their_rows_of_the_tables(sources, backend, monkeypatch):
         n = int(reader.block_lengths()[np.sort(blocks)].sum())
         fetched = reader.submit(blocks, order=rng.permutation(n)).result()
         tables = {"indptr", "source_index"} | ({"obs:plate"} if k else set())
-        assert asked[-1] == {"data", "indices", *tables}  # from the 2nd fetch on: obs too
+        if backend == "tensorstore":  # from the 2nd fetch on: obs too
+            assert (asked[-1], lean[-1]) == ({"data", "indices"}, tables)
+        else:
+            assert (asked[-1], lean) == ({"data", "indices", *tables}, [])
         assert np.array_equal(fetched.matrix.toarray(), both.X[fetched.index].toarray())
         batch = fetched.take(np.arange(n)[::2], obs=("plate",))
         want = both.obs["plate"].astype(str).to_numpy()[batch["index"]]
@@ -134,3 +144,152 @@ def test_a_damaged_table_chunk_read_by_a_later_fetch_is_one_layout_error(sources
         fetched.take(np.arange(4), obs=("plate",))
     message = str(err.value)
     assert "\n" not in message and array in message and "chunk" in message, message
+
+
+def _fetch_bounds(rng: np.random.Generator, n_obs: int, block: int, k: int) -> np.ndarray:
+    """Row ranges of ``k`` random blocks, adjacent blocks merged (as a fetch reads them)."""
+    blocks = np.sort(rng.choice(-(-n_obs // block), size=k, replace=False))
+    starts = blocks * block
+    return np.stack([starts, np.minimum(starts + block, n_obs)], axis=1)
+
+
+def test_lean_table_reads_equal_the_whole_tables_warm_and_cold(sources):
+    """:mod:`loader.rowtables` gives each table's rows as a whole read does: from the
+    page cache, from a store just evicted from it, and in its ≫RAM mode (every chunk
+    announced, none tried in the cache); an epoch of fetches gives every row once."""
+    import zarr
+
+    from loader.rowtables import open_row_tables
+    from sclayout.pagecache import evict
+
+    store, both = sources
+    paths = {
+        "indptr": "X/indptr",
+        "source_index": "uns/sclayout/source_index",
+        "obs:plate": "obs/plate/codes",
+        "obs:cell_line": "obs/cell_line/codes",
+    }
+    root = zarr.open_group(str(store), mode="r")
+    whole = {k: np.asarray(root[p][...]) for k, p in paths.items()}
+    tables = open_row_tables(str(store), paths, require_chunks=True)
+    assert tables is not None
+    rng = np.random.default_rng(5)
+    for regime in ("warm", "evicted", "cold mode"):
+        for _ in range(6):
+            if regime == "evicted":
+                evict(store)
+            for t in tables._tables.values():
+                t.cold = regime == "cold mode"
+            bounds = _fetch_bounds(rng, both.n_obs, BLOCK, 7)
+            rows = np.concatenate([np.arange(a, b) for a, b in bounds])
+            got = tables.read(list(paths), bounds)
+            for key in paths:
+                assert np.array_equal(got[key], whole[key][rows]), (regime, key)
+    order = rng.permutation(-(-both.n_obs // BLOCK))
+    seen = []
+    for part in np.array_split(order, 9):
+        starts = np.sort(part) * BLOCK
+        bounds = np.stack([starts, np.minimum(starts + BLOCK, both.n_obs)], axis=1)
+        seen.append(tables.read(["source_index"], bounds)["source_index"])
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(both.n_obs))
+    tables.close()
+    with pytest.raises(InputError, match="closed"):
+        tables.read(["indptr"], bounds)
+
+
+@pytest.fixture
+def sharded_table(tmp_path):
+    """A table of 20,000 int64 rows in shards of 1,024 rows and inner chunks of 64,
+    with the codecs of the converter's tables (bytes, blosc, crc32c); its values."""
+    import zarr
+    from zarr.codecs import BloscCodec, Crc32cCodec
+
+    values = np.arange(20_000, dtype=np.int64) * 3 + 1
+    array = zarr.create_array(
+        tmp_path / "t.zarr",
+        shape=values.shape,
+        chunks=(64,),
+        shards=(1024,),
+        dtype="int64",
+        compressors=[BloscCodec(cname="lz4", shuffle="shuffle"), Crc32cCodec()],
+        fill_value=-7,
+    )
+    array[:] = values
+    return tmp_path, values
+
+
+def test_lean_tables_across_shards_hold_no_memory_per_row(sharded_table):
+    """Ranges across shard boundaries read exactly; after every row has been read, the
+    reader holds far less than the table (its shard indexes are file pages): memory
+    does not grow with the rows read."""
+    import tracemalloc
+
+    from loader.rowtables import open_row_tables
+
+    folder, values = sharded_table
+    tables = open_row_tables(str(folder), {"t": "t.zarr"}, require_chunks=True)
+    assert tables is not None
+    bounds = np.array([[0, 5], [1000, 1100], [3070, 5130], [19_990, 20_000]])
+    rows = np.concatenate([np.arange(a, b) for a, b in bounds])
+    assert np.array_equal(tables.read(["t"], bounds)["t"], values[rows])
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(0, 20_000, 640):
+            got = tables.read(["t"], np.array([[start, min(start + 640, 20_000)]]))
+            assert np.array_equal(got["t"], values[start : start + 640])
+        del got
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < values.nbytes // 4, held
+    tables.close()
+
+
+def test_absent_table_chunks_are_an_error_or_the_fill_value(sharded_table):
+    """An absent shard is a one-line LayoutError naming the array, chunk and shard when
+    the store says every chunk is stored, else reads as the fill value; a truncated
+    shard is a LayoutError."""
+    from loader.rowtables import open_row_tables
+
+    folder, values = sharded_table
+    (folder / "t.zarr" / "c" / "2").unlink()  # rows 2048-3071
+    required = open_row_tables(str(folder), {"t": "t.zarr"}, require_chunks=True)
+    with pytest.raises(LayoutError) as err:
+        required.read(["t"], np.array([[2040, 2050]]))
+    message = str(err.value)
+    assert "\n" not in message and "array t.zarr, chunk 32 (shard 2)" in message, message
+    lenient = open_row_tables(str(folder), {"t": "t.zarr"}, require_chunks=False)
+    got = lenient.read(["t"], np.array([[2040, 2050]]))["t"]
+    assert np.array_equal(got, np.r_[values[2040:2048], [-7, -7]])
+    shard = folder / "t.zarr" / "c" / "3"
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(LayoutError, match=r"array t\.zarr.*shard 3.*truncated"):
+        required.read(["t"], np.array([[3072, 3080]]))
+
+
+def test_tables_found_uncached_go_back_to_the_backend_and_are_looked_at_again(sources):
+    """While the last fetch found its table chunks out of the page cache (≫RAM), fetches
+    read them through the backend, every ``RECHECK_FETCHES``-th one here again; once
+    found cached, here; both ways give the same rows."""
+    from loader.rowtables import RECHECK_FETCHES
+
+    store, both = sources
+    reader = open_layout(store)
+    tables = reader._row_tables()
+    assert tables is not None
+    rng = np.random.default_rng(2)
+    blocks = rng.choice(reader.n_blocks, size=5, replace=False)
+    first = reader.submit(blocks).result()
+    assert tables.wanted()  # cached (just written): read here
+    for t in tables._tables.values():
+        t.cold = True  # as if the last fetch found none of its chunks cached
+    asked = [tables.wanted() for _ in range(2 * RECHECK_FETCHES)]
+    assert sum(asked) == 2 and not asked[0]
+    for t in tables._tables.values():
+        t.cold = True
+    again = reader.submit(blocks).result()  # through the backend
+    np.testing.assert_array_equal(again.index, first.index)
+    np.testing.assert_array_equal(again.matrix.toarray(), first.matrix.toarray())
+    np.testing.assert_array_equal(first.matrix.toarray(), both.X[first.index].toarray())
+    reader.close()

@@ -1,0 +1,410 @@
+"""A fetch's rows of the per-row tables of a local row-chunked store, read lean.
+
+A store whose per-row tables are in row chunks (format version 3, manifest
+``row_chunks``) has each fetch read its rows of ``indptr``, of the source index and of
+the categorical obs codes a minibatch asked for: one small inner chunk (a few blocks'
+rows) per block and table. Through the engine's general reader each such chunk costs
+a task of its own (planning, a read-ahead announcement, a thread hand-off, a read),
+more CPU than the chunk's own bytes; these tables cost a thin store more than its
+matrix. :class:`RowTables` reads them instead in the reader's assembly thread, while
+the decode threads read the matrix:
+
+1. the fetch's row chunks are worked out once for all its tables (vectorised);
+2. each chunk is read with ``preadv2(RWF_NOWAIT)``, which returns at once from the
+   page cache and refuses when the chunk is not cached: the misses are announced to
+   the kernel together (``posix_fadvise(WILLNEED)``) and only then read, so a cold
+   fetch waits about one disk read, not one per chunk, and a warm one makes one
+   system call per chunk;
+3. each chunk's crc32c is checked and it is decoded by blosc into a small buffer,
+   and the fetch's rows are gathered from there.
+
+Memory: the shard indexes are read through a memory map of each shard file (file
+pages, which the kernel may drop, not this process's own memory), and a fetch holds
+its chunks only while it is assembled. Nothing is kept per row or per chunk, so a
+process's memory does not grow with the store's number of rows; no chunk is cached
+between fetches (a block-shuffled epoch visits each chunk's blocks far apart).
+
+Only local stores whose tables are sharded by rows with ``bytes`` + ``blosc`` inner
+chunks (what ``sclayout convert`` writes) are read here: :func:`open_row_tables`
+returns ``None`` for any other, whose tables the backend reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import mmap
+import os
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from loader.errors import InputError, LayoutError, too_many_files
+
+__all__ = ["RowTables", "open_row_tables"]
+
+_MISSING = np.uint64(2**64 - 1)
+_BLOSC_HEADER = 16
+_NOWAIT = getattr(os, "RWF_NOWAIT", None)
+_WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+
+
+class _Table:
+    """One row-chunked table: its metadata and, per process, its shard files."""
+
+    def __init__(self, location: str, path: str, meta: Any, require_chunks: bool) -> None:
+        self.location = location
+        self.path = path
+        self.meta = meta
+        self.require_chunks = require_chunks
+        self.folder = os.path.join(location, path)
+        self.shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None] = {}
+        # closed by close(), or when this object is collected (a reader dropped unclosed)
+        weakref.finalize(self, _close_shards, self.shards).atexit = False
+        self.cold = False
+        """Whether most chunks of the last fetch were not in the page cache: the next
+        fetch announces all of its chunks rather than try each in the cache first."""
+
+    def where(self, chunk: int | None = None, shard: int | None = None) -> str:
+        """``store S, array A, chunk C (shard N)`` for error messages."""
+        what = f"store {self.location}, array {self.path}"
+        if chunk is not None:
+            what += f", chunk {chunk}"
+        if shard is not None:
+            what += f" (shard {shard})"
+        return what
+
+    def close(self) -> None:
+        """Close the shard files and their maps."""
+        _close_shards(self.shards)
+
+    def shard(self, shard: int) -> tuple[int, np.ndarray] | None:
+        """Return the descriptor and the ``(chunks, 2)`` uint64 index of ``shard``.
+
+        ``None``: no such shard file (the fill value, unless chunks are required).
+        The index is checked (size, crc32c) when the shard is first opened.
+        """
+        entry = self.shards.get(shard, ())
+        if entry == ():
+            entry = self.shards[shard] = self._open(shard)
+        return None if entry is None else (entry[0], entry[2])
+
+    def _open(self, shard: int) -> tuple[int, mmap.mmap, np.ndarray] | None:
+        m = self.meta
+        key = f"{m.key_prefix}{shard}{m.key_suffix}"
+        try:
+            fd = os.open(os.path.join(self.folder, *key.split("/")), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            error = too_many_files(e)
+            if error is None:
+                raise
+            raise error from None
+        try:
+            return self._mapped(fd, shard)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _mapped(self, fd: int, shard: int) -> tuple[int, mmap.mmap, np.ndarray]:
+        m = self.meta
+        n = m.chunks_per_shard
+        size = n * 16 + (4 if m.index_crc else 0)
+        end = os.fstat(fd).st_size
+        if end < size:
+            raise LayoutError(
+                f"{self.where(shard=shard)}: the shard is {end} bytes, shorter than its "
+                "index (truncated); restore it or reconvert the store"
+            )
+        mapped = mmap.mmap(fd, end, prot=mmap.PROT_READ)
+        if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
+            mapped.madvise(mmap.MADV_RANDOM)  # no read-around of the index's pages
+        start = end - size if m.index_at_end else 0
+        raw = np.frombuffer(mapped, dtype=np.uint8, count=size, offset=start)
+        if m.index_crc and _crc32c(raw[:-4]) != int.from_bytes(raw[-4:].tobytes(), "little"):
+            raise LayoutError(
+                f"{self.where(shard=shard)}: its shard index fails its crc32c checksum; the "
+                "store is damaged: restore it or reconvert the store"
+            )
+        index = raw[: n * 16].view("<u8").reshape(n, 2)
+        return fd, mapped, index
+
+
+RECHECK_FETCHES = 32
+"""While a store's tables are found uncached, every this many fetches one reads them
+here again, to notice when they are cached (see :meth:`RowTables.wanted`)."""
+
+
+class RowTables:
+    """The row-chunked per-row tables of one local store (see the module docstring).
+
+    ``paths``: array path by key (``"indptr"``, ``"source_index"``, ``"obs:COLUMN"``).
+    """
+
+    def __init__(
+        self, location: str, tables: Mapping[str, tuple[str, Any]], *, require_chunks: bool
+    ) -> None:
+        self.location = location
+        self._specs = dict(tables)
+        self.require_chunks = bool(require_chunks)
+        self._pid = -1
+        self._tables: dict[str, _Table] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self._asked = 0
+
+    def wanted(self) -> bool:
+        """Whether the next fetch should read its tables here rather than through the backend.
+
+        Not while most chunks of the last fetch read here were not in the page cache
+        (the ≫RAM regime): there the backend's reads, announced to the kernel well
+        before they are made, cost less system time than reads made in the assembly
+        thread right after their announcement; every :data:`RECHECK_FETCHES`-th fetch
+        looks again.
+        """
+        self._asked += 1
+        cold = any(t.cold for t in list(self._tables.values()))
+        return not cold or self._asked % RECHECK_FETCHES == 0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._specs
+
+    def add(self, key: str, path: str, meta: Any) -> None:
+        """Read table ``key`` (array ``path``, its parsed metadata ``meta``) here too."""
+        self._specs[key] = (path, meta)
+
+    def close(self) -> None:
+        """Close every shard file. Reading afterwards is an :class:`InputError`."""
+        with self._lock:
+            self._closed = True
+            tables, self._tables = self._tables, {}
+            if self._pid == os.getpid():
+                for t in tables.values():
+                    t.close()
+
+    def _table(self, key: str) -> _Table:
+        """Return this process's reader of table ``key`` (reopened after a fork)."""
+        if self._closed:
+            raise InputError(
+                f"store {self.location}: read after its reader was closed; open it again"
+            )
+        table = self._tables.get(key)
+        if table is None:
+            path, meta = self._specs[key]
+            table = self._tables[key] = _Table(self.location, path, meta, self.require_chunks)
+        return table
+
+    def read(self, keys: list[str], bounds: np.ndarray) -> dict[str, np.ndarray]:
+        """Return each table of ``keys`` at the rows of the ``(n, 2)`` ranges ``bounds``."""
+        bounds = np.asarray(bounds, dtype=np.int64).reshape(-1, 2)
+        lengths = bounds[:, 1] - bounds[:, 0]
+        rows = np.repeat(bounds[:, 0] - np.cumsum(lengths) + lengths, lengths)
+        rows += np.arange(int(lengths.sum()), dtype=np.int64)
+        if self._pid != os.getpid():  # a forked copy: the parent's files and lock are not ours
+            self._tables, self._lock, self._pid = {}, threading.Lock(), os.getpid()
+        with self._lock:
+            return {key: self._read_one(self._table(key), rows, bounds) for key in keys}
+
+    def _read_one(self, table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+        m = table.meta
+        C = m.chunk_rows
+        first, last = bounds[:, 0] // C, (np.maximum(bounds[:, 1], 1) - 1) // C
+        if bool((first == last).all()):
+            chunks = np.unique(first)
+        else:
+            counts = last - first + 1
+            spans = np.repeat(first - np.cumsum(counts) + counts, counts)
+            chunks = np.unique(spans + np.arange(int(counts.sum()), dtype=np.int64))
+        decoded = np.empty((chunks.size * C, *m.shape[1:]), dtype=m.dtype)
+        _read_chunks(table, chunks, decoded.reshape(-1).view(np.uint8))
+        slots = np.searchsorted(chunks, rows // C)
+        return decoded[slots * C + rows % C]
+
+
+def _locate(table: _Table, chunks: np.ndarray) -> tuple[np.ndarray, list[int]]:
+    """Return the ``(n, 3)`` descriptor, offset and size of each of ``chunks``.
+
+    Rows of absent chunks have size ``-1`` (or raise, when chunks are required).
+    """
+    per = table.meta.chunks_per_shard
+    shards, ks = np.divmod(chunks, per)
+    where = np.empty((chunks.size, 3), dtype=np.int64)
+    for shard in np.unique(shards).tolist():
+        mine = shards == shard
+        found = table.shard(shard)
+        if found is None:
+            where[mine] = (-1, 0, -1)
+            continue
+        entries = found[1][ks[mine]]
+        absent = entries[:, 0] == _MISSING
+        entries[absent] = 0
+        where[mine, 0] = found[0]
+        where[mine, 1:] = entries.astype(np.int64)
+        where[np.flatnonzero(mine)[absent], 2] = -1
+    if table.require_chunks and (where[:, 2] < 0).any():
+        c = int(chunks[np.argmax(where[:, 2] < 0)])
+        shard = c // per
+        gone = (
+            "its shard file is missing" if table.shard(shard) is None else "it is not in its shard"
+        )
+        raise LayoutError(
+            f"{table.where(c, shard)} is missing ({gone}); the store is damaged: "
+            "restore it from a good copy or reconvert it"
+        )
+    return where, chunks.tolist()
+
+
+def _close_shards(shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None]) -> None:
+    """Close every shard file and map of ``shards`` and empty it (also a finalizer)."""
+    opened = [(e[0], e[1]) for e in shards.values() if e is not None]
+    shards.clear()  # drops the index views, so that the maps can close
+    for fd, mapped in opened:
+        with contextlib.suppress(BufferError):  # a view still alive: closed when it goes
+            mapped.close()
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _read_chunks(table: _Table, chunks: np.ndarray, out: np.ndarray) -> None:
+    """Read and decode ``chunks`` of ``table`` into ``out`` (one chunk after another).
+
+    A chunk in the page cache is read and decoded at once; the others are announced to
+    the kernel together, then read and decoded. When most of the last fetch's chunks
+    were not cached (the ≫RAM regime), only the first is tried in the cache, and if
+    it is not there every chunk is announced and read: two system calls a chunk, not
+    three.
+    """
+    m = table.meta
+    nbytes = m.chunk_rows * m.row_bytes
+    where, ids = _locate(table, chunks)
+    sizes = where[:, 2]
+    ends = np.cumsum(np.maximum(sizes, 0)).tolist()
+    space = np.empty(ends[-1] if ends else 0, dtype=np.uint8)
+    missed, tried = [], False
+    for slot, (fd, off, size) in enumerate(where.tolist()):
+        target = out[slot * nbytes : (slot + 1) * nbytes]
+        if size < 0:  # absent (not required): the fill value
+            target.view(m.dtype)[:] = m.fill
+            continue
+        raw = space[ends[slot] - size : ends[slot]]
+        if (not table.cold or not tried) and _read_cached(fd, raw, off):
+            _decode(table, ids[slot], raw, target)
+            table.cold = False  # cached after all: try the others too
+        else:
+            missed.append(slot)
+        tried = True
+    table.cold = 2 * len(missed) > len(ids)
+    if not missed:
+        return
+    if _WILLNEED is not None:  # the kernel reads them all at once: each wait is shorter
+        for slot in missed:
+            fd, off, size = where[slot].tolist()
+            try:
+                os.posix_fadvise(fd, off, size, _WILLNEED)
+            except OSError:
+                pass
+    for slot in missed:
+        fd, off, size = where[slot].tolist()
+        raw = space[ends[slot] - size : ends[slot]]
+        if os.preadv(fd, [raw], off) != size:
+            raise LayoutError(
+                f"{table.where(ids[slot], ids[slot] // m.chunks_per_shard)}: the shard ends "
+                f"before byte {off + size} its index names (truncated); restore it or "
+                "reconvert the store"
+            )
+        _decode(table, ids[slot], raw, out[slot * nbytes : (slot + 1) * nbytes])
+
+
+def _read_cached(fd: int, raw: np.ndarray, offset: int) -> bool:
+    """Read ``raw``'s bytes at ``offset`` if they are all in the page cache."""
+    if _NOWAIT is None:
+        return False
+    try:
+        return os.preadv(fd, [raw], offset, _NOWAIT) == raw.nbytes
+    except OSError:  # not cached (BlockingIOError), or no RWF_NOWAIT here: read it plainly
+        return False
+
+
+def _decode(table: _Table, chunk: int, src: np.ndarray, target: np.ndarray) -> None:
+    """Check chunk ``chunk``'s crc32c (if it has one) and decode it into ``target``."""
+    m = table.meta
+    if m.chunk_crc:
+        if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
+            raise LayoutError(
+                f"{table.where(chunk)} fails its crc32c checksum: the file is corrupt or "
+                "changed while read; restore it from a good copy or reconvert the store"
+            )
+        src = src[:-4]
+    if not m.blosc:
+        if src.nbytes != target.nbytes:
+            raise LayoutError(
+                f"{table.where(chunk)} holds {src.nbytes} bytes, expected {target.nbytes}; "
+                "the store is damaged: restore it or reconvert the store"
+            )
+        target[:] = src
+        return
+    size = int.from_bytes(src[4:8].tobytes(), "little") if src.nbytes >= _BLOSC_HEADER else -1
+    if size != target.nbytes:
+        raise LayoutError(
+            f"{table.where(chunk)} decodes to {size} bytes, expected {target.nbytes}; "
+            "the store is damaged: restore it or reconvert the store"
+        )
+    try:
+        _blosc().decompress(src, target)
+    except RuntimeError as e:
+        raise LayoutError(
+            f"{table.where(chunk)} cannot be decoded ({e}); the store is damaged: "
+            "restore it or reconvert the store"
+        ) from None
+
+
+@functools.cache
+def _blosc() -> Any:
+    from numcodecs import blosc
+
+    return blosc
+
+
+def _crc32c(data: Any) -> int:
+    import google_crc32c  # zarr-python's own dependency for this codec
+
+    return google_crc32c.value(data)
+
+
+def open_row_tables(
+    location: str, tables: Mapping[str, str], *, require_chunks: bool
+) -> RowTables | None:
+    """Return a :class:`RowTables` of ``tables`` (key -> array path) of a local store.
+
+    ``None`` when one of them is not sharded by rows with inner chunks this module
+    decodes (the backend reads them then).
+    """
+    specs = {}
+    for key, path in tables.items():
+        meta = table_meta(location, path)
+        if meta is None:
+            return None
+        specs[key] = (path, meta)
+    return RowTables(location, specs, require_chunks=require_chunks)
+
+
+def table_meta(location: str, path: str) -> Any:
+    """Return the parsed metadata of a row-chunked table ``path``, or ``None``.
+
+    ``None``: not a local array sharded by rows with ``bytes`` (+ ``blosc``) inner
+    chunks.
+    """
+    from loader.engine.shards import open_direct
+
+    direct = open_direct(location, path, whole_array_bytes=0)
+    if direct is None:
+        return None
+    direct.close()
+    meta = direct.meta
+    if meta.chunk_rows * meta.row_bytes > 1 << 24:  # not a per-row table's small chunks
+        return None
+    return meta
