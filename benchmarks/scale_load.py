@@ -96,7 +96,7 @@ def read_for(
     whole in memory, which no store far larger than RAM can, and the small store would
     be measured outside the ≫RAM regime it stands for. ``row_tables="engine"``: a
     row-chunked store's per-row tables read through the backend, as before
-    :mod:`loader.rowtables` (:data:`loader.store.LEAN_ROW_TABLES`), to compare.
+    :mod:`loader.engine.rowtables` (:data:`loader.store.LEAN_ROW_TABLES`), to compare.
 
     Returns the open time, the cells read and the window's seconds, the CPU seconds of
     the process tree over the window (user and system apart), and this process's
@@ -311,7 +311,7 @@ def main() -> int:
     p.add_argument("--modes", default="cold,warm", help="with --compare [cold,warm]")
     p.add_argument(
         "--row-tables", default="lean",
-        help="lean (loader.rowtables) or engine (through the backend); with --compare "
+        help="lean (loader.engine.rowtables) or engine (through the backend); with --compare "
         "a comma-separated list [lean]",
     )  # fmt: skip
     a = p.parse_args()

@@ -17,7 +17,7 @@ memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 
 pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
 ``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
 source index and of the categorical obs columns a minibatch asked for (learnt on the
-first one), so none is held whole; a local one's are read by :mod:`loader.rowtables`
+first one), so none is held whole; a local one's are read by :mod:`loader.engine.rowtables`
 in the assembly thread, a few system calls a fetch, while they are in the page cache.
 A store in the earlier layout keeps ``indptr`` and ``source_index`` whole (8 bytes a
 row each) up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows),
@@ -74,6 +74,7 @@ from loader.backends import (
     ts_kvstore,
 )
 from loader.checked import read_whole
+from loader.engine.rowtables import RowTables, open_row_tables, table_meta
 from loader.engine.shards import ROW_TABLE_BYTES
 from loader.errors import (
     InputError,
@@ -88,7 +89,6 @@ from loader.errors import (
 from loader.layout import ArrayLayout, Manifest, MatrixLayout, RowOrder, parse_block_size
 from loader.location import STORE_PREFIX_ATTR, is_hdf5
 from loader.plan import FetchPlan, fetch_ranges, plan_fetch, ranges_to_rows
-from loader.rowtables import RowTables, open_row_tables, table_meta
 
 __all__ = [
     "H5AD_DEFAULT_BLOCK_SIZE",
@@ -127,7 +127,7 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 _malloc_tuned = False
 
 LEAN_ROW_TABLES = True
-"""Read a local row-chunked store's per-row tables with :mod:`loader.rowtables` (in the
+"""Read a local row-chunked store's per-row tables with :mod:`loader.engine.rowtables` (in the
 assembly thread, a few system calls per fetch) rather than through the backend (a
 task per chunk). ``False`` only to compare the two."""
 
@@ -966,7 +966,7 @@ class LayoutReader:
 
         For a local row-chunked store read by the tensorstore backend's direct reads
         (not through a shard cache); ``None`` otherwise, or when the tables are not
-        stored as :mod:`loader.rowtables` reads them.
+        stored as :mod:`loader.engine.rowtables` reads them.
         """
         if not self._rows_tried:
             self._rows_tried = True

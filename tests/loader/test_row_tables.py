@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from loader import BlockDataset, open_layout
+from loader.engine.rowtables import RowTables
 from loader.errors import InputError, LayoutError
 from loader.layout import row_chunk_rows
-from loader.rowtables import RowTables
 from sclayout.convert import convert
 from sclayout.testing.damage import damage_array
 
@@ -76,7 +76,7 @@ def test_tables_are_written_in_row_chunks_and_anndata_reads_the_store(sources):
 def test_fetches_read_their_rows_of_the_tables(sources, backend, monkeypatch):
     """Values, source ids and obs labels of random fetches equal the sources'; the
     obs codes are read with each fetch once a minibatch has asked for them. With
-    tensorstore, the tables are read by :mod:`loader.rowtables`, the matrix by the
+    tensorstore, the tables are read by :mod:`loader.engine.rowtables`, the matrix by the
     backend."""
     store, both = sources
     reader = open_layout(store, backend=backend)
@@ -154,12 +154,12 @@ def _fetch_bounds(rng: np.random.Generator, n_obs: int, block: int, k: int) -> n
 
 
 def test_lean_table_reads_equal_the_whole_tables_warm_and_cold(sources):
-    """:mod:`loader.rowtables` gives each table's rows as a whole read does: from the
+    """:mod:`loader.engine.rowtables` gives each table's rows as a whole read does: from the
     page cache, from a store just evicted from it, and in its ≫RAM mode (every chunk
     announced, none tried in the cache); an epoch of fetches gives every row once."""
     import zarr
 
-    from loader.rowtables import open_row_tables
+    from loader.engine.rowtables import open_row_tables
     from sclayout.pagecache import evict
 
     store, both = sources
@@ -224,7 +224,7 @@ def test_lean_tables_across_shards_hold_no_memory_per_row(sharded_table):
     does not grow with the rows read."""
     import tracemalloc
 
-    from loader.rowtables import open_row_tables
+    from loader.engine.rowtables import open_row_tables
 
     folder, values = sharded_table
     tables = open_row_tables(str(folder), {"t": "t.zarr"}, require_chunks=True)
@@ -250,7 +250,7 @@ def test_absent_table_chunks_are_an_error_or_the_fill_value(sharded_table):
     """An absent shard is a one-line LayoutError naming the array, chunk and shard when
     the store says every chunk is stored, else reads as the fill value; a truncated
     shard is a LayoutError."""
-    from loader.rowtables import open_row_tables
+    from loader.engine.rowtables import open_row_tables
 
     folder, values = sharded_table
     (folder / "t.zarr" / "c" / "2").unlink()  # rows 2048-3071
@@ -272,7 +272,7 @@ def test_tables_found_uncached_go_back_to_the_backend_and_are_looked_at_again(so
     """While the last fetch found its table chunks out of the page cache (≫RAM), fetches
     read them through the backend, every ``RECHECK_FETCHES``-th one here again; once
     found cached, here; both ways give the same rows."""
-    from loader.rowtables import RECHECK_FETCHES
+    from loader.engine.rowtables import RECHECK_FETCHES
 
     store, both = sources
     reader = open_layout(store)

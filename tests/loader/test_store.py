@@ -298,7 +298,7 @@ def test_tensorstore_cache_follows_the_block_span(built):
 def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatch, name, in_memory):
     """A store's source index in the earlier layout is read whole once when small, and
     with each fetch when larger than ``INDEX_IN_MEMORY_BYTES``; in row chunks (version
-    3 as converted now) always with each fetch (by :mod:`loader.rowtables`): all give
+    3 as converted now) always with each fetch (by :mod:`loader.engine.rowtables`): all give
     the rows' source ids."""
     import zarr
 
@@ -314,7 +314,7 @@ def test_source_ids_from_memory_or_read_with_each_fetch(built, adata, monkeypatc
     f = reader.submit(np.array([4, 0, 2])).result()
     stored = np.asarray(zarr.open_group(str(path), mode="r")[reader.manifest.source_index][...])
     np.testing.assert_array_equal(f.index, stored[f.rows])
-    lean = name == "conv-shuffled-csr"  # row chunks: loader.rowtables reads the tables
+    lean = name == "conv-shuffled-csr"  # row chunks: loader.engine.rowtables reads the tables
     assert ("source_index" in asked[0]) is (not in_memory and not lean)
     assert (reader._source_index is None) is not in_memory
     check_batch(f.take(np.arange(f.n_rows)), adata, output="dense")
