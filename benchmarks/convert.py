@@ -106,6 +106,39 @@ QUICK = {"n_obs": 3000, "n_vars": 1000, "nnz_per_cell": 100, "n_plates": 3, "n_c
 """Smoke-test dataset: seconds to build and convert."""
 
 
+def _scale_options(p: argparse.ArgumentParser) -> None:
+    """The scale table's options: sizes, shape, the plate sets and the loader lock."""
+    p.add_argument("--scale", default="", help="comma-separated sizes (cells): the scale table")
+    p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
+    p.add_argument(
+        "--shape",
+        choices=("tahoe-like", "tahoe-100m"),
+        default="tahoe-like",
+        help="--scale: one Tahoe-like file per size (default), or Tahoe-100M's shape: 14 "
+        "plate files, 62,710 genes, --scale-nnz (give 24) non-zeros a cell",
+    )
+    p.add_argument(
+        "--h5ad-compression",
+        choices=("none", "gzip"),
+        default="none",
+        help="--shape tahoe-100m: plate files uncompressed (default) or gzip level 1 with "
+        "shuffle (a folder with a _gzip suffix; 10^8 cells in ~12 GB instead of ~26 GB)",
+    )
+    p.add_argument(
+        "--data",
+        type=Path,
+        default=None,
+        help="--shape tahoe-100m: folder of the plate sets (made there if missing) [--work/data]",
+    )
+    p.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="--shape tahoe-100m: hold flock(FILE) around the loader timings only, so "
+        "other benchmarks on the machine do not run at the same moment",
+    )
+
+
 def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny generated dataset, 1 run")
@@ -137,35 +170,7 @@ def _parse(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument(
         "--extra", default="", help="extra options passed to `sclayout convert` (one string)"
     )
-    p.add_argument("--scale", default="", help="comma-separated sizes (cells): the scale table")
-    p.add_argument("--scale-nnz", type=int, default=250, help="non-zeros per cell [250]")
-    p.add_argument(
-        "--shape",
-        choices=("tahoe-like", "tahoe-100m"),
-        default="tahoe-like",
-        help="--scale: one Tahoe-like file per size (default), or Tahoe-100M's shape: 14 "
-        "plate files, 62,710 genes, --scale-nnz (give 24) non-zeros a cell",
-    )
-    p.add_argument(
-        "--h5ad-compression",
-        choices=("none", "gzip"),
-        default="none",
-        help="--shape tahoe-100m: plate files uncompressed (default) or gzip level 1 with "
-        "shuffle (a folder with a _gzip suffix; 10^8 cells in ~12 GB instead of ~26 GB)",
-    )
-    p.add_argument(
-        "--data",
-        type=Path,
-        default=None,
-        help="--shape tahoe-100m: folder of the plate sets (made there if missing) [--work/data]",
-    )
-    p.add_argument(
-        "--lock",
-        type=Path,
-        default=None,
-        help="--shape tahoe-100m: hold flock(FILE) around the loader timings only, so "
-        "other benchmarks on the machine do not run at the same moment",
-    )
+    _scale_options(p)
     p.add_argument("--memory-budget", default="2GB", help="convert's --memory-budget [2GB]")
     p.add_argument("--load-seconds", type=float, default=20.0, help="loader run [20 s]")
     p.add_argument(
