@@ -196,6 +196,7 @@ class ShardCache:
         """Local file -> when this process last found it in the cache and marked it used
         (``time.monotonic``)."""
         self._paths: dict[str, str] = {}
+        """Store key -> its local file (:attr:`root` does not change once found)."""
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         try:
