@@ -11,8 +11,12 @@ DataLoader workers are), and goes on epoch after epoch until ``--min-seconds`` h
 passed, except the cached runs' epoch 1, which fills the cache: epoch 2 on reads it.
 
 Columns: total cells/s of all nodes (cells over the wall time from the first node's
-start to the last one's end), GETs per cell and bytes per cell answered by the server.
-The same store read from local disk (page cache warm) is the baseline of epoch 2.
+start to the last one's end), GETs per cell and bytes per cell answered by the server,
+and the CPU time (user + system, every thread) of the node processes per cell, which
+other load on the machine disturbs less than cells/s. The same store read from local
+disk (page cache warm) is the baseline of epoch 2: the ratio of one node's warm cache to
+it is taken over runs in pairs (a local run, then a cached one), so that both sides of
+each ratio see the same load.
 
     python benchmarks/bucket_cache.py [--n-obs 40000] [--nodes 1 2 4]
 """
@@ -38,6 +42,8 @@ from _common import command_line, environment, markdown_table, write_results  # 
 
 def node(args: argparse.Namespace) -> None:
     """One node: build the dataset, say ready, wait for go, read one epoch, print the figures."""
+    import resource
+
     from loader import BlockDataset
 
     cache = {"cache_dir": args.cache} if args.cache else {}
@@ -54,6 +60,7 @@ def node(args: argparse.Namespace) -> None:
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.time()
+    used = resource.getrusage(resource.RUSAGE_SELF)
     cells, epoch = 0, args.epoch
     # epoch after epoch until the window is long enough; the epoch that fills a cache
     # is the one kind that cannot be repeated (the next one reads the cache)
@@ -64,8 +71,10 @@ def node(args: argparse.Namespace) -> None:
         if (args.cache and args.epoch == 1) or time.time() - start >= args.min_seconds:
             break
     end = time.time()
+    now = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = now.ru_utime + now.ru_stime - used.ru_utime - used.ru_stime
     ds.close()
-    figures = {"cells": cells, "epochs": epoch - args.epoch, "start": start, "end": end}
+    figures = {"cells": cells, "epochs": epoch - args.epoch, "start": start, "end": end, "cpu": cpu}
     print(json.dumps(figures), flush=True)
 
 
@@ -105,6 +114,7 @@ def phase(
         "gets_per_cell": round(gets / cells, 4),
         "bytes_per_cell": round(sent / cells, 1),
         "x_gets": sum(v for k, v in (s3.stats.get_keys.items() if s3 else ()) if "/X/" in k),
+        "cpu_us_per_cell": round(sum(g["cpu"] for g in got) / cells * 1e6, 2),
     }
 
 
@@ -143,7 +153,9 @@ def run(a: argparse.Namespace) -> None:
                 for cached in (False, True):
                     caches = [str(work / f"cache-{n}-{r}") for r in range(n)] if cached else None
                     for epoch in (1, 2):
-                        figures = median_phase(url, n, epoch, caches, s3, a)
+                        # one node's warm cache against local disk: runs in pairs
+                        paired = str(store) if (cached, n, epoch) == (True, 1, 2) else None
+                        figures = median_phase(url, n, epoch, caches, s3, a, paired)
                         rows.append(
                             {"storage": "throttled S3", "nodes": n, "epoch": epoch}
                             | {"cache": "yes" if cached else "no"}
@@ -158,33 +170,52 @@ def run(a: argparse.Namespace) -> None:
 
 
 def median_phase(
-    url: str, n: int, epoch: int, caches: list[str] | None, s3: Any, a: argparse.Namespace
+    url: str,
+    n: int,
+    epoch: int,
+    caches: list[str] | None,
+    s3: Any,
+    a: argparse.Namespace,
+    baseline: str | None = None,
 ) -> dict[str, Any]:
-    """:func:`phase` ``--runs`` times (epoch 1 of a cached run: once, it fills the cache)."""
+    """:func:`phase` ``--runs`` times (epoch 1 of a cached run: once, it fills the cache).
+
+    With ``baseline`` (the same store on local disk), each run comes right after a run of
+    one node reading it: ``vs_local`` is the median of the runs' ratios of cells/s, and
+    ``cpu_vs_local`` of CPU per cell, the two sides of each ratio seeing the same load.
+    """
     runs = 1 if (caches and epoch == 1) else a.runs
-    got = [phase(url, n, epoch, caches, s3, a) for _ in range(runs)]
+    got, pairs = [], []
+    for _ in range(runs):
+        local = phase(baseline, 1, epoch, None, None, a) if baseline else None
+        got.append(phase(url, n, epoch, caches, s3, a))
+        if local is not None:
+            pairs.append((local, got[-1]))
     out = dict(got[0])
-    for k in ("seconds", "cells_per_s", "gets_per_cell", "bytes_per_cell", "x_gets"):
+    medians = ("seconds", "cells_per_s", "gets_per_cell", "bytes_per_cell", "x_gets")
+    for k in (*medians, "cpu_us_per_cell"):
         out[k] = statistics.median(g[k] for g in got)
+    if pairs:
+        for key, col in (("vs_local", "cells_per_s"), ("cpu_vs_local", "cpu_us_per_cell")):
+            out[key] = round(statistics.median(g[col] / b[col] for b, g in pairs), 3)
     return out
 
 
 def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
     """Write benchmarks/results/bucket_cache.{json,md}, with the targets' ratios."""
 
-    def cps(storage: str, n: int, cache: str, epoch: int) -> float:
-        return next(
-            r["cells_per_s"]
-            for r in rows
-            if (r["storage"], r["nodes"], r["cache"], r["epoch"]) == (storage, n, cache, epoch)
-        )
+    def row(n: int, epoch: int = 2) -> dict[str, Any]:
+        """The row of the throttled store read with caches by ``n`` nodes."""
+        want = ("throttled S3", n, "yes", epoch)
+        return next(r for r in rows if (r["storage"], r["nodes"], r["cache"], r["epoch"]) == want)
 
-    local2 = cps("local disk", 1, "-", 2)
-    one = cps("throttled S3", 1, "yes", 2)
+    one = row(1)
     ratios = {
-        "warm_cache_vs_local_epoch2": round(one / local2, 3),
+        # one node's warm cache over the same store on local disk, in runs taken in pairs
+        "warm_cache_vs_local_epoch2": one["vs_local"],
+        "warm_cache_cpu_per_cell_vs_local_epoch2": one["cpu_vs_local"],
         **{
-            f"{n}_nodes_vs_1_cached_epoch2": round(cps("throttled S3", n, "yes", 2) / one, 3)
+            f"{n}_nodes_vs_1_cached_epoch2": round(row(n)["cells_per_s"] / one["cells_per_s"], 3)
             for n in a.nodes
         },
     }
@@ -197,13 +228,15 @@ def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
         "gets_per_cell": "GETs/cell",
         "bytes_per_cell": "bytes/cell",
         "x_gets": "GETs of X",
+        "cpu_us_per_cell": "CPU µs/cell",
         "seconds": "s",
     }
     md = (
         f"# Throttled object store: nodes x cache\n\n`{command_line()}`\n\n"
         f"latency {a.latency * 1000:g} ms a request, {a.gets_per_s:g} GETs/s across clients; "
         f"{a.n_obs} cells, batch {a.batch_size}, fetch factor {a.fetch_factor}; median of "
-        f"{a.runs} runs (cached epoch 1: one run)\n\n{markdown_table(rows, cols)}\n\n"
+        f"{a.runs} runs (cached epoch 1: one run; the warm cache of one node in runs paired "
+        f"with local disk's)\n\n{markdown_table(rows, cols)}\n\n"
         + "\n".join(f"- {k}: {v}" for k, v in ratios.items())
     )
     payload = {"rows": rows, "ratios": ratios, "args": vars(a), "environment": environment()}

@@ -521,16 +521,19 @@ class TensorstoreBackend:
         """
         array = self._direct[path]
         m = array.meta
+        n_shards = -(-array.shape[0] // m.shard_rows)
         if array.shape[0] * m.row_bytes <= array.whole_array_bytes:
             if path in self._whole_read:
                 return []
-            shards = np.arange(-(-array.shape[0] // m.shard_rows))
+            shards = range(n_shards)
+        elif n_shards == 1:  # one shard file: every read needs it
+            shards = range(1)
         else:
             first, last = ranges[:, 0] // m.shard_rows, (ranges[:, 1] - 1) // m.shard_rows
             counts = last - first + 1
             spans = np.repeat(first - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
-            shards = np.unique(spans)
-        return [f"{path}/{m.key_prefix}{s}{m.key_suffix}" for s in shards.tolist()]
+            shards = np.unique(spans).tolist()
+        return [f"{path}/{m.key_prefix}{s}{m.key_suffix}" for s in shards]
 
     def repair(self, paths: Sequence[str], ranges: Sequence[np.ndarray]) -> bool:
         """After a failed read of cached arrays: fetch damaged or absent shard files again.
@@ -781,25 +784,40 @@ class _CachedReads:
         self._backend._whole_read.update(p for _, p, _ in self._items)
         return {key: g for (key, _, _), g in zip(self._items, got, strict=True)}
 
-    def handle(self, key: str) -> Any:
+    def handle(self, key: str) -> _CachedHandle:
         """Return a future-like object of ``key``'s elements."""
-        reads = self
+        return _CachedHandle(self, key)
 
-        class _Handle:
-            def result(self, timeout: float | None = None) -> np.ndarray:
-                deadline = None if timeout is None else time.monotonic() + timeout
-                with reads._lock:
-                    if reads._out is None:
-                        reads._out = reads._wait(deadline)
-                return reads._out[key]
+    def result(self, key: str, timeout: float | None) -> np.ndarray:
+        """Wait for the fetch's reads (the first call reads; ``timeout``: seconds)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._out is None:
+                self._out = self._wait(deadline)
+        return self._out[key]
 
-            def cancel(self) -> None:
-                for f in reads._started or ():
-                    if not isinstance(f, np.ndarray):
-                        f.cancel()
-                reads.release()
+    def cancel(self) -> None:
+        """Cancel the reads not yet started and end the hold on the shards."""
+        for f in self._started or ():
+            if not isinstance(f, np.ndarray):
+                f.cancel()
+        self.release()
 
-        return _Handle()
+
+class _CachedHandle:
+    """One key's elements of a :class:`_CachedReads` (a future's ``result``/``cancel``)."""
+
+    __slots__ = ("_key", "_reads")
+
+    def __init__(self, reads: _CachedReads, key: str) -> None:
+        self._reads = reads
+        self._key = key
+
+    def result(self, timeout: float | None = None) -> np.ndarray:
+        return self._reads.result(self._key, timeout)
+
+    def cancel(self) -> None:
+        self._reads.cancel()
 
 
 register_backend("tensorstore", TensorstoreBackend)

@@ -54,6 +54,10 @@ __all__ = [
 
 DOWNLOAD_THREADS = 8
 """Shard downloads in flight per process (each a whole-object GET)."""
+MARK_SECONDS = 1.0
+"""A shard a process marked used (its modification time) this recently is not marked
+again: the least-recently-used order is kept to this resolution, without a system
+call per shard per fetch."""
 STALE_PART_SECONDS = 3600.0
 """A temporary download file this old belongs to a process that died mid-download: the
 eviction pass deletes it."""
@@ -186,7 +190,13 @@ class ShardCache:
         self._pool: ThreadPoolExecutor | None = None
         self._pending: dict[str, Future] = {}
         self._holding: Counter[str] = Counter()
-        """Local files of the shards that reads in flight in this process need."""
+        """Local files of the shards that reads in flight in this process need (kept
+        only under a limit: they are what this process's evictions must leave)."""
+        self._marked: dict[str, float] = {}
+        """Local file -> when this process last found it in the cache and marked it used
+        (``time.monotonic``)."""
+        self._paths: dict[str, str] = {}
+        """Store key -> its local file (:attr:`root` does not change once found)."""
         self._warned: set[str] = set()
         self._lock = threading.Lock()
         try:
@@ -204,6 +214,7 @@ class ShardCache:
     def _ensure(self) -> None:
         if self._pid != os.getpid():
             self._pool, self._pending, self._holding = None, {}, Counter()
+            self._marked = {}
             self._lock = threading.Lock()
             self._pid = os.getpid()
 
@@ -237,7 +248,10 @@ class ShardCache:
 
     def local(self, key: str) -> str:
         """Return the local file of store key ``key`` (``X/data/c/3``)."""
-        return os.path.join(self.root, *key.split("/"))
+        path = self._paths.get(key)
+        if path is None:
+            path = self._paths[key] = os.path.join(self.root, *key.split("/"))
+        return path
 
     def stage_metadata(self, key: str) -> bool:
         """Stage the small object ``key`` (an array's ``zarr.json``) unless it is there.
@@ -258,27 +272,38 @@ class ShardCache:
     def stage(self, keys: Iterable[str], meta: Any) -> list[Future]:
         """Start downloading those of ``keys`` not in the cache; mark the others used.
 
-        Returns the downloads' futures (empty when every shard is there). The shards
-        are held (this process's evictions leave them) until :meth:`release`.
+        Returns the downloads' futures (empty when every shard is there). Under a
+        limit, the shards are held (this process's evictions leave them) until
+        :meth:`release`. A shard found here less than :data:`MARK_SECONDS` ago is
+        taken as still there, with no system call: if another process evicted it
+        meanwhile, the read fails and :meth:`repair` fetches it again.
         """
         waits: list[Future] = []
-        now = time.time()
-        keys = list(keys)
         self._ensure()
-        with self._lock:
-            self._holding.update(self.local(k) for k in keys)
-        for key in keys:
-            dest = self.local(key)
+        keys = list(keys)
+        paths = [self.local(k) for k in keys]
+        if self.limit is not None:
+            with self._lock:
+                self._holding.update(paths)
+        now = time.monotonic()
+        marked = self._marked
+        for key, dest in zip(keys, paths, strict=True):
+            seen = marked.get(dest)
+            if seen is not None and now - seen < MARK_SECONDS:
+                continue
             try:
-                os.utime(dest, (now, now))  # used: the last to evict
+                os.utime(dest)  # used: the last to evict
+                marked[dest] = now
                 continue
             except FileNotFoundError:
-                pass
+                marked.pop(dest, None)
             waits.append(self._download_later(key, meta))
         return waits
 
     def release(self, keys: Iterable[str]) -> None:
         """End the hold :meth:`stage` put on ``keys`` (their read is over)."""
+        if self.limit is None:
+            return
         with self._lock:
             self._holding.subtract(self.local(k) for k in keys)
             self._holding += Counter()  # drop the counts at zero
@@ -334,6 +359,7 @@ class ShardCache:
                 except FileNotFoundError:
                     problem = None  # evicted meanwhile: fetched again below, nothing to say
                     again.append(key)
+                self._marked.pop(dest, None)
                 if problem is not None:
                     os.unlink(dest)
                     again.append(key)
@@ -369,6 +395,7 @@ class ShardCache:
                     os.unlink(path)
                     total -= size
                     freed += size
+                self._marked.pop(path, None)
         return freed
 
     def elements(self, prefixes: Iterable[str], *, metadata_only: bool = False) -> str:

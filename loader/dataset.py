@@ -65,6 +65,7 @@ import hashlib
 import json
 import os
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -664,7 +665,7 @@ class BlockDataset:
         yields in the coming pass (none for ``num_workers=0``).
         """
         if num_workers:  # the workers check too; this names it before they start
-            _check_generations(self._get_reader(), self._extras)
+            _check_generations(self._get_reader(), self._extras).wait()
         if self._advance:
             self._shared[_EPOCH] = self.epoch + 1
             self._advance = False
@@ -764,7 +765,7 @@ class BlockDataset:
         """
         self._check_open()
         reader = self._get_reader()
-        _check_generations(reader, self._extras)  # each pass, in every process
+        check = _check_generations(reader, self._extras)  # each pass, in every process
         self._read_pid = os.getpid()
         info = _worker_info()
         carry, self._carry = self._carry, None
@@ -797,7 +798,9 @@ class BlockDataset:
         )
         if not grouped:
             for batch in batches:
+                check.poll()
                 yield self._convert(batch)
+            check.wait()
             self._carry = ahead  # the pass ran to its end
             return
         from loader._workers import GroupBuffers, pack_group
@@ -809,8 +812,10 @@ class BlockDataset:
         for batch in batches:
             group.append(batch)
             if len(group) == WORKER_GROUP_BATCHES:
+                check.poll()
                 yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
                 group, seq = [], seq + 1
+        check.wait()
         if group:
             yield pack_group(group, worker=info[0], obs=self.obs, seq=seq, buffers=buffers)
 
@@ -1040,16 +1045,69 @@ def _wrappers(readers: list[Any]) -> list[Any]:
     return out
 
 
-def _check_generations(reader: Any, extras: Mapping[str, Any]) -> None:
-    """Raise :class:`~loader.errors.StoreChangedError` if a store read here was replaced.
+def _check_generations(reader: Any, extras: Mapping[str, Any]) -> _PassCheck:
+    """Check that no store read here was replaced since this process opened it.
 
-    Replaced since this process opened it. One small read per store (its root
-    ``zarr.json``): the layout readers in ``reader``'s stack and in ``extras``.
+    One small read per store (its root ``zarr.json``): the layout readers in
+    ``reader``'s stack and in ``extras``. Local stores and HTTP servers are checked
+    now (:class:`~loader.errors.StoreChangedError`); stores in a bucket in the
+    background (:class:`_PassCheck`), so that the request's round trip overlaps the
+    pass's reads.
     """
+    from loader.location import is_object_store
+
+    later = []
     for r in _stack([reader, *extras.values()]):
         check = getattr(r, "check_generation", None)
-        if check is not None:
+        if check is None:
+            continue
+        if is_object_store(str(getattr(r, "location", ""))):
+            later.append(check)
+        else:
             check()
+    return _PassCheck(later)
+
+
+class _PassCheck:
+    """The generation checks of a pass's stores in a bucket, run in a background thread.
+
+    The pass looks at the answer before each batch it delivers (without waiting) and
+    waits for it before it ends: a store replaced before the pass began is refused
+    within one request's round trip. The batches delivered until then are of the
+    generation the job opened: a bucket store's objects lie under its generation's
+    prefix (the node cache under its generation's folder), and a replacement deletes
+    the old ones only after the switch, so a read never mixes the two stores.
+    """
+
+    def __init__(self, checks: list[Any]) -> None:
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        if checks:
+            self._thread = threading.Thread(
+                target=self._run, args=(checks,), name="sclayout-generation", daemon=True
+            )
+            self._thread.start()
+
+    def _run(self, checks: list[Any]) -> None:
+        try:
+            for check in checks:
+                check()
+        except BaseException as e:  # raised in the pass's own thread
+            self._error = e
+
+    def poll(self) -> None:
+        """Raise the checks' error if they are done; never wait."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the checks; raise their error (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise error
 
 
 def _check_path(path: Any) -> str:

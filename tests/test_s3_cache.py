@@ -1,7 +1,8 @@
 """The node-local shard cache and the small elements of a store in a bucket, against a
 real S3-protocol server on loopback (moto's server mode), counted per object: values
 equal the local store's, each shard is downloaded once per node, a damaged cache file is
-fetched again, the limit holds, and a server gone mid-download leaves no partial file."""
+fetched again, the limit holds, a server gone mid-download leaves no partial file, and a
+store replaced in its bucket is never read from the old generation's cached files."""
 
 from __future__ import annotations
 
@@ -324,3 +325,45 @@ def test_an_overwrite_that_fails_leaves_the_old_store_readable(s3, shared_store,
     keys = {k.decode() for k in kv.list().result()}
     prefixes = {k.split("/")[0] for k in keys if k != "zarr.json"}
     assert len(prefixes) == 1 and prefixes.pop().startswith("g-")
+
+
+def test_a_store_replaced_in_its_bucket_is_never_served_from_a_warm_cache(
+    s3, tmp_path, make_source
+):
+    """``convert --overwrite`` into the bucket under a job with a warm cache: its next pass
+    is refused (each batch delivered before is wholly the old store's), and a new job on
+    the same cache folder reads the new store, downloading its shards."""
+    import anndata as ad
+
+    from loader import BlockDataset
+    from loader.errors import StoreChangedError
+    from sclayout.convert.convert import convert
+
+    sources = [make_source(tmp_path / f"{n}.h5ad", n_obs=600, n_vars=40, seed=s) for n, s in
+               (("a", 1), ("b", 2))]  # fmt: skip
+    truth = [ad.read_h5ad(s).X.toarray().astype(np.float32) for s in sources]
+    assert not np.array_equal(truth[0], truth[1])
+    url, store_kw = "s3://data/regenerated.zarr", dict(block_size=8, order="shuffled", seed=3)
+    convert(sources[0], url, **store_kw)
+    kw = dict(batch_size=16, fetch_factor=2, seed=1, cache_dir=tmp_path / "cache")
+
+    def matches(batch, x) -> bool:
+        return np.array_equal(batch["X"].numpy(), x[batch["index"].numpy()])
+
+    ds = BlockDataset(url, **kw)
+    first = list(ds)  # fills the cache
+    assert all(matches(b, truth[0]) for b in first)
+    assert np.array_equal(np.sort(np.concatenate([b["index"] for b in first])), np.arange(600))
+    now = convert(sources[1], url, overwrite=True, **store_kw).generation
+    delivered = []
+    with pytest.raises(StoreChangedError, match=rf"was replaced .*, now {now}\): restart"):
+        delivered.extend(ds)  # the pass ends with the error at the latest
+    assert all(matches(b, truth[0]) for b in delivered)
+    s3.stats.reset()
+    again = list(BlockDataset(url, **kw))  # a new job, the same cache folder
+    assert all(matches(b, truth[1]) for b in again)
+    assert np.array_equal(np.sort(np.concatenate([b["index"] for b in again])), np.arange(600))
+    head = "/data/regenerated.zarr/g-"  # the new store's objects: under their generation
+    assert [k for k in s3.stats.get_keys if k.startswith(head) and "/X/data/c/" in k]
+    folders = [p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    assert len(folders) == 2 and any(f.endswith(now) for f in folders)
