@@ -42,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from loader.engine.shards import where
 from loader.errors import InputError, LayoutError, too_many_files
 
 __all__ = ["RowTables", "open_row_tables"]
@@ -70,12 +71,7 @@ class _Table:
 
     def where(self, chunk: int | None = None, shard: int | None = None) -> str:
         """``store S, array A, chunk C (shard N)`` for error messages."""
-        what = f"store {self.location}, array {self.path}"
-        if chunk is not None:
-            what += f", chunk {chunk}"
-        if shard is not None:
-            what += f" (shard {shard})"
-        return what
+        return where(self.location, self.path, chunk, shard)
 
     def close(self) -> None:
         """Close the shard files and their maps."""

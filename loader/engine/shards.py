@@ -78,6 +78,7 @@ __all__ = [
     "open_direct",
     "open_index",
     "submit_reads",
+    "where",
 ]
 
 RUN_BYTES = 1 << 20
@@ -311,6 +312,16 @@ def _scratch(name: str, nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
+def where(location: str, path: str, chunk: int | None = None, shard: int | None = None) -> str:
+    """``store S, array A, chunk C (shard N)``: where a damaged or missing chunk is."""
+    what = f"store {location}, array {path}"
+    if chunk is not None:
+        what += f", chunk {chunk}"
+    if shard is not None:
+        what += f" (shard {shard})"
+    return what
+
+
 class DirectArray:
     """One sharded zarr v3 array read by byte range (see the module docstring)."""
 
@@ -363,12 +374,7 @@ class DirectArray:
 
     def _where(self, chunk: int | None = None, shard: int | None = None) -> str:
         """``store S, array A, chunk C`` for error messages."""
-        what = f"store {self.location}, array {self.path}"
-        if chunk is not None:
-            what += f", chunk {chunk}"
-        if shard is not None:
-            what += f" (shard {shard})"
-        return what
+        return where(self.location, self.path, chunk, shard)
 
     def close(self) -> None:
         """Close the shard files, at once or as the reads using them end.
