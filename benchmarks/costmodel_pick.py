@@ -17,8 +17,9 @@ busy one the CPU per cell and the cores-normalised cells/s are.
 
 Usage::
 
-    flock /tmp/sclayout-bench.lock .venv/bin/python benchmarks/costmodel_pick.py  # ~3-4 min
-    .venv/bin/python benchmarks/costmodel_pick.py --rounds 3 --runs 1              # ~7 min
+    .venv/bin/python benchmarks/costmodel_pick.py --tahoe DATA/tahoe_like_200k.h5ad \
+        --tahoe-stores DATA/peers                                                 # ~2-4 min
+    .venv/bin/python benchmarks/costmodel_pick.py --tahoe ... --rounds 3 --runs 1  # ~7 min
     .venv/bin/python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
     .venv/bin/python benchmarks/costmodel_pick.py --smoke --results /tmp/x         # seconds
 
@@ -58,20 +59,22 @@ class DataSet:
     store_dirs: tuple[Path, ...] = ()
 
 
-SETS = {
-    "tahoe": DataSet(
-        "tahoe",
-        Path("/tmp/benchdata/tahoe_like_200k.h5ad"),
-        "plate",
-        (Path("/tmp/benchdata/peers"),),
-    ),
-    "pbmc": DataSet(
-        "pbmc",
-        Path(__file__).resolve().parents[2]
-        / "shared/data/soupx_pbmc4k_half_2170x33694_counts.h5ad",
-        "Annotation",
-    ),
-}
+SETS = ("tahoe", "pbmc")
+"""The sets: the peer harness's 200k-cell Tahoe-like file (``--tahoe``, stores already
+converted from it in ``--tahoe-stores``) and the PBMC file (``--pbmc``)."""
+PBMC = ROOT.parent.parent / "shared/data/soupx_pbmc4k_half_2170x33694_counts.h5ad"
+"""Where the checkout's sibling data folder keeps the PBMC file, if it is there."""
+
+
+def _data_set(name: str, args: argparse.Namespace) -> DataSet:
+    """The set ``name`` from the command line's paths (a one-line exit when missing)."""
+    if name == "tahoe":
+        ds = DataSet("tahoe", args.tahoe, "plate", tuple(args.tahoe_stores))
+    else:
+        ds = DataSet("pbmc", args.pbmc, "Annotation")
+    if ds.source is None or not Path(ds.source).exists():
+        raise SystemExit(f"costmodel_pick: no {name} source ({ds.source}); pass --{name} FILE")
+    return ds
 
 
 def _calibrate(ds: DataSet, *, smoke: bool) -> Any:
@@ -282,6 +285,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 def _args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sets", default="tahoe,pbmc", help=f"of {', '.join(SETS)}")
+    ap.add_argument("--tahoe", type=Path, default=None, help="the harness's 200k-cell .h5ad")
+    ap.add_argument(
+        "--tahoe-stores",
+        type=Path,
+        action="append",
+        default=[],
+        help="a folder of stores converted from it, reused when one has the pick's layout",
+    )
+    ap.add_argument("--pbmc", type=Path, default=PBMC, help="the PBMC file [../shared/data]")
     ap.add_argument(
         "--rounds", type=int, default=1, help="calibrations, each predicting the pick again"
     )
@@ -308,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
 
     work = args.work or bench_dir() / "costmodel-pick"
     work.mkdir(parents=True, exist_ok=True)
-    sets = [_smoke_set(work)] if args.smoke else [SETS[s] for s in args.sets.split(",")]
+    sets = [_smoke_set(work)] if args.smoke else [_data_set(s, args) for s in args.sets.split(",")]
     rounds, runs, seconds = (1, 1, 0.3) if args.smoke else (args.rounds, args.runs, args.seconds)
     t0 = time.perf_counter()
     rows = []
