@@ -293,7 +293,12 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         default=[],
         help="a folder of stores converted from it, reused when one has the pick's layout",
     )
-    ap.add_argument("--pbmc", type=Path, default=PBMC, help="the PBMC file [../shared/data]")
+    ap.add_argument(
+        "--pbmc",
+        type=Path,
+        default=PBMC,
+        help="the PBMC file [the data folder beside the checkout]",
+    )
     ap.add_argument(
         "--rounds", type=int, default=1, help="calibrations, each predicting the pick again"
     )
