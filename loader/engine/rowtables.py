@@ -32,7 +32,6 @@ returns ``None`` for any other, whose tables the backend reads.
 from __future__ import annotations
 
 import contextlib
-import functools
 import mmap
 import os
 import threading
@@ -42,13 +41,12 @@ from typing import Any
 
 import numpy as np
 
-from loader.engine.shards import where
+from loader.engine.shards import decode_chunk, where
 from loader.errors import InputError, LayoutError, too_many_files
 
 __all__ = ["RowTables", "open_row_tables"]
 
 _MISSING = np.uint64(2**64 - 1)
-_BLOSC_HEADER = 16
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
@@ -327,42 +325,7 @@ def _read_cached(fd: int, raw: np.ndarray, offset: int) -> bool:
 
 def _decode(table: _Table, chunk: int, src: np.ndarray, target: np.ndarray) -> None:
     """Check chunk ``chunk``'s crc32c (if it has one) and decode it into ``target``."""
-    m = table.meta
-    if m.chunk_crc:
-        if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
-            raise LayoutError(
-                f"{table.where(chunk)} fails its crc32c checksum: the file is corrupt or "
-                "changed while read; restore it from a good copy or reconvert the store"
-            )
-        src = src[:-4]
-    if not m.blosc:
-        if src.nbytes != target.nbytes:
-            raise LayoutError(
-                f"{table.where(chunk)} holds {src.nbytes} bytes, expected {target.nbytes}; "
-                "the store is damaged: restore it or reconvert the store"
-            )
-        target[:] = src
-        return
-    size = int.from_bytes(src[4:8].tobytes(), "little") if src.nbytes >= _BLOSC_HEADER else -1
-    if size != target.nbytes:
-        raise LayoutError(
-            f"{table.where(chunk)} decodes to {size} bytes, expected {target.nbytes}; "
-            "the store is damaged: restore it or reconvert the store"
-        )
-    try:
-        _blosc().decompress(src, target)
-    except RuntimeError as e:
-        raise LayoutError(
-            f"{table.where(chunk)} cannot be decoded ({e}); the store is damaged: "
-            "restore it or reconvert the store"
-        ) from None
-
-
-@functools.cache
-def _blosc() -> Any:
-    from numcodecs import blosc
-
-    return blosc
+    decode_chunk(table.meta, src, target, target.nbytes, (table.location, table.path, chunk))
 
 
 def _crc32c(data: Any) -> int:

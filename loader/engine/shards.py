@@ -74,6 +74,7 @@ __all__ = [
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
+    "decode_chunk",
     "missing_chunk",
     "open_direct",
     "open_index",
@@ -320,6 +321,46 @@ def where(location: str, path: str, chunk: int | None = None, shard: int | None 
     if shard is not None:
         what += f" (shard {shard})"
     return what
+
+
+def decode_chunk(
+    meta: Any, src: np.ndarray, target: np.ndarray, nbytes: int, place: tuple[str, str, int]
+) -> None:
+    """Check an inner chunk's crc32c (if it has one) and decode it into ``target``.
+
+    ``meta`` is the array's (``chunk_crc``, ``blosc``); ``place`` is ``(location, path,
+    chunk)``, named by the one-line :class:`~loader.errors.LayoutError` of a damaged chunk.
+    """
+    if meta.chunk_crc:
+        if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
+            raise LayoutError(
+                f"{where(*place)} fails its crc32c checksum: the file is corrupt "
+                "or changed while read; restore it from a good copy or reconvert the store"
+            )
+        src = src[:-4]
+    if not meta.blosc:
+        if src.nbytes != nbytes:
+            raise LayoutError(
+                f"{where(*place)} holds {src.nbytes} bytes, expected {nbytes}; "
+                "the store is damaged: restore it or reconvert the store"
+            )
+        target[:] = src
+        return
+    from numcodecs import blosc
+
+    size = int.from_bytes(src[4:8].tobytes(), "little") if src.nbytes >= _BLOSC_HEADER else -1
+    if size != nbytes:
+        raise LayoutError(
+            f"{where(*place)} decodes to {size} bytes, expected {nbytes}; "
+            "the store is damaged: restore it or reconvert the store"
+        )
+    try:
+        blosc.decompress(src, target)
+    except RuntimeError as e:
+        raise LayoutError(
+            f"{where(*place)} cannot be decoded ({e}); the store is damaged: "
+            "restore it or reconvert the store"
+        ) from None
 
 
 class DirectArray:
@@ -717,36 +758,7 @@ class DirectArray:
 
     def _decode(self, src: np.ndarray, target: np.ndarray, chunk: int, nbytes: int) -> None:
         """Check chunk ``chunk``'s crc32c (if it has one) and decode it into ``target``."""
-        if self.meta.chunk_crc:
-            if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
-                raise LayoutError(
-                    f"{self._where(chunk)} fails its crc32c checksum: the file is corrupt "
-                    "or changed while read; restore it from a good copy or reconvert the store"
-                )
-            src = src[:-4]
-        if not self.meta.blosc:
-            if src.nbytes != nbytes:
-                raise LayoutError(
-                    f"{self._where(chunk)} holds {src.nbytes} bytes, expected {nbytes}; "
-                    "the store is damaged: restore it or reconvert the store"
-                )
-            target[:] = src
-            return
-        from numcodecs import blosc
-
-        size = int.from_bytes(src[4:8].tobytes(), "little") if src.nbytes >= _BLOSC_HEADER else -1
-        if size != nbytes:
-            raise LayoutError(
-                f"{self._where(chunk)} decodes to {size} bytes, expected {nbytes}; "
-                "the store is damaged: restore it or reconvert the store"
-            )
-        try:
-            blosc.decompress(src, target)
-        except RuntimeError as e:
-            raise LayoutError(
-                f"{self._where(chunk)} cannot be decoded ({e}); the store is damaged: "
-                "restore it or reconvert the store"
-            ) from None
+        decode_chunk(self.meta, src, target, nbytes, (self.location, self.path, chunk))
 
 
 def submit_reads(
