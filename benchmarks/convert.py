@@ -122,7 +122,7 @@ def _scale_options(p: argparse.ArgumentParser) -> None:
         choices=("none", "gzip"),
         default="none",
         help="--shape tahoe-100m: plate files uncompressed (default) or gzip level 1 with "
-        "shuffle (a folder with a _gzip suffix; 10^8 cells in ~12 GB instead of ~26 GB)",
+        "shuffle (a folder with a _gzip suffix; docs/benchmarks.md gives the sizes)",
     )
     p.add_argument(
         "--data",

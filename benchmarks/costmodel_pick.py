@@ -18,13 +18,12 @@ busy one the CPU per cell and the cores-normalised cells/s are.
 Usage::
 
     .venv/bin/python benchmarks/costmodel_pick.py --tahoe DATA/tahoe_like_200k.h5ad \
-        --tahoe-stores DATA/peers                                                 # ~2-4 min
-    .venv/bin/python benchmarks/costmodel_pick.py --tahoe ... --rounds 3 --runs 1  # ~7 min
-    .venv/bin/python benchmarks/costmodel_pick.py --sets pbmc --runs 2             # ~1 min
-    .venv/bin/python benchmarks/costmodel_pick.py --smoke --results /tmp/x         # seconds
+        --tahoe-stores DATA/peers
+    .venv/bin/python benchmarks/costmodel_pick.py --tahoe ... --rounds 3 --runs 1
+    .venv/bin/python benchmarks/costmodel_pick.py --sets pbmc --runs 2
+    .venv/bin/python benchmarks/costmodel_pick.py --smoke --results /tmp/x
 
-The first run converts the picks no store holds yet into ``--work`` (the 200k set:
-about 1.5 GB, under a minute); later runs reuse them. Writes
+The first run converts the picks no store holds yet into ``--work``; later runs reuse them. Writes
 ``--results``/costmodel-pick.{json,md}.
 """
 
