@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from loader.engine.shards import decode_chunk, where
+from loader.engine.shards import crc32c, decode_chunk, where
 from loader.errors import InputError, LayoutError, too_many_files
 
 __all__ = ["RowTables", "open_row_tables"]
@@ -119,7 +119,7 @@ class _Table:
             mapped.madvise(mmap.MADV_RANDOM)  # no read-around of the index's pages
         start = end - size if m.index_at_end else 0
         raw = np.frombuffer(mapped, dtype=np.uint8, count=size, offset=start)
-        if m.index_crc and _crc32c(raw[:-4]) != int.from_bytes(raw[-4:].tobytes(), "little"):
+        if m.index_crc and crc32c(raw[:-4]) != int.from_bytes(raw[-4:].tobytes(), "little"):
             raise LayoutError(
                 f"{self.where(shard=shard)}: its shard index fails its crc32c checksum; the "
                 "store is damaged: restore it or reconvert the store"
@@ -326,12 +326,6 @@ def _read_cached(fd: int, raw: np.ndarray, offset: int) -> bool:
 def _decode(table: _Table, chunk: int, src: np.ndarray, target: np.ndarray) -> None:
     """Check chunk ``chunk``'s crc32c (if it has one) and decode it into ``target``."""
     decode_chunk(table.meta, src, target, target.nbytes, (table.location, table.path, chunk))
-
-
-def _crc32c(data: Any) -> int:
-    import google_crc32c  # zarr-python's own dependency for this codec
-
-    return google_crc32c.value(data)
 
 
 def open_row_tables(

@@ -74,6 +74,7 @@ __all__ = [
     "RUN_BYTES",
     "SMALL_ARRAY_BYTES",
     "DirectArray",
+    "crc32c",
     "decode_chunk",
     "missing_chunk",
     "open_direct",
@@ -332,7 +333,7 @@ def decode_chunk(
     chunk)``, named by the one-line :class:`~loader.errors.LayoutError` of a damaged chunk.
     """
     if meta.chunk_crc:
-        if src.nbytes < 4 or _crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
+        if src.nbytes < 4 or crc32c(src[:-4]) != int.from_bytes(src[-4:].tobytes(), "little"):
             raise LayoutError(
                 f"{where(*place)} fails its crc32c checksum: the file is corrupt "
                 "or changed while read; restore it from a good copy or reconvert the store"
@@ -839,7 +840,8 @@ def _announce(announce: list[tuple[DirectArray, list[tuple[int, int, int]]]]) ->
         array.announce(runs)
 
 
-def _crc32c(data: Any) -> int:
+def crc32c(data: Any) -> int:
+    """Return the crc32c of ``data`` (zarr's ``crc32c`` codec stores it little-endian, last)."""
     import google_crc32c  # zarr-python's own dependency for this codec
 
     return google_crc32c.value(data)
@@ -851,7 +853,7 @@ def _check_crc32c(raw: bytes, what: str) -> None:
     The last 4 bytes: the little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
     """
     stored = int.from_bytes(raw[-4:], "little")
-    if len(raw) < 4 or _crc32c(raw[:-4]) != stored:
+    if len(raw) < 4 or crc32c(raw[:-4]) != stored:
         raise LayoutError(
             f"{what} fails its crc32c checksum: the file is corrupt or was changed "
             "while read; restore it or reconvert the store"
