@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
+# anndata (and dask with it) is imported where it is used: `sclayout inspect` and
+# `verify` of a store alone start faster without it
 import numpy as np
 import scipy.sparse as sp
 import zarr
@@ -84,6 +85,8 @@ class _DstRows:
 
 def _source_window(part: Part, ptr: np.ndarray | None, r0: int, r1: int) -> sp.csr_matrix:
     """Source rows ``[r0, r1)`` with DST's columns and dtype, as CSR."""
+    import anndata as ad
+
     if part.encoding == "csc":
         with open_group(part.src) as root:
             m = ad.io.sparse_dataset(root[part.path])[r0:r1]
@@ -171,6 +174,8 @@ def verify_sources(
     memory_budget: int | str = "2GB",
 ) -> VerifyReport:
     """Compare a store built from several sources with each of them (module docstring)."""
+    import anndata as ad
+
     budget = parse_memory_budget(memory_budget)
     infos = check_sources(srcs)
     root = open_store_root(dst, hint="reconvert with `sclayout convert --overwrite`")

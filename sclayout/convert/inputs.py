@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
+# anndata (and dask with it) is imported where it is used: `sclayout inspect` and
+# `verify` of a store alone start faster without it
 import numpy as np
 import pandas as pd
 import scipy.sparse as sp
@@ -225,6 +226,8 @@ def quiet_write(group: Any, key: str, value: Any, kw: dict[str, Any]) -> None:
     anndata reopens each array to fill it, so the array's own config is lost: every
     chunk is stored only with zarr's default set for the duration of the write.
     """
+    import anndata as ad
+
     with (
         warnings.catch_warnings(),
         ad.settings.override(zarr_write_format=3),

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anndata as ad
+# anndata (and dask with it) is imported where it is used: `sclayout inspect` and
+# `verify` of a store alone start faster without it
 import h5py
 import numpy as np
 import zarr
@@ -497,6 +498,8 @@ class Source:
     # -- small elements ---------------------------------------------------------------
     def read_elem(self, key: str) -> Any:
         """Read element ``key`` whole with anndata (quietly)."""
+        import anndata as ad
+
         with reading(self.path, key), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             return ad.io.read_elem(self.root[key])
@@ -587,6 +590,8 @@ def source_tables(
     are anndata's obsp). ``obs=False`` leaves a modern source's obs unread (None): it is
     streamed a column at a time (:mod:`sclayout.convert.obs`).
     """
+    import anndata as ad
+
     x_dtype = Source(root, path).matrix_info("X").dtype
     if is_legacy(root):
         with reading(path, "obs and var"), warnings.catch_warnings():
