@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Python caches the bytecode of what it imports: pip compiles nothing at install (most
+# installed modules are never imported here), and with PYTHONDONTWRITEBYTECODE each of the
+# suite's hundreds of interpreters would compile its imports again
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: demo test lint bench clean
 
@@ -10,17 +14,14 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU wheel of exactly this version is on disk;
 	# letting pip resolve torch itself would pull several GB of CUDA.
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[torch,dev]"
+	$(PY) -m pip install -q --no-compile torch==2.13.0
+	$(PY) -m pip install -q --no-compile -e ".[torch,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	# the suite starts hundreds of interpreters: compiled once here, not in each one
-	# (an environment with PYTHONDONTWRITEBYTECODE never caches what it compiles)
-	$(PY) -m compileall -q loader sclayout benchmarks examples > /dev/null
 	# two processes, whole files each: a file's module fixtures are built once
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
 
