@@ -306,9 +306,9 @@ def _configs(kind: str, stores: dict[str, Path], loc: Any, *, smoke: bool) -> li
     for store, b, f, w in CONFIGS:
         if store not in stores:  # the S3 profile's subset
             continue
-        if smoke and w and any(c[3] for c in configs):
-            # each worker run spawns processes: --smoke measures one to check the path
-            print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke runs one worker configuration")
+        if smoke and (any(c[3] for c in configs) if w else any(c[0] == store for c in configs)):
+            # --smoke checks each path once: one configuration per store, one with workers
+            print(f"[{kind}] {store} b{b} f{f} w{w}: --smoke measures one of its kind")
             continue
         path = stores[store]
         reader = open_layout(loc(path), block_size=b)
