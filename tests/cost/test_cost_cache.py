@@ -218,7 +218,12 @@ def test_predict_prices_a_real_store_shard_by_shard(shared_store, profiles):
     # one fetch holding every block touches every shard file of the matrix
     whole = LoaderSettings(batch_size=m.n_obs, fetch_factor=1)
     files, nbytes = store_files(m, bucket)
-    assert sample_fetch_stats(m, bp, settings=whole).shards == files
+    stats = sample_fetch_stats(m, bp, settings=whole)
+    assert stats.shards == files
+    # its per-row tables in row chunks: indptr's chunks, and source_index's as many
+    indptr = m.matrices["X"].arrays["indptr"]
+    assert stats.row_chunked is (m.row_chunks > 0)
+    assert stats.pointer_array_chunks == 2 * -(-indptr.shape[0] // indptr.chunks[0])
     p = predict(m, bp, settings=whole, profile=bucket, cache_profile=disk, cache=True)
     assert p.gets_per_cell == pytest.approx((files + CACHE_FIRST_GETS) / m.n_obs, rel=1e-6)
     assert p.bucket_bytes_per_cell == pytest.approx(nbytes / m.n_obs)
