@@ -108,7 +108,7 @@ def repredict(a: argparse.Namespace) -> None:
         shutil.rmtree(work, ignore_errors=True)
     rows = []
     for r in old["rows"]:
-        got = {k: r[k] for k in ("gets_per_cell", "bytes_per_cell")}
+        got = {k: r[k] for k in ("gets_per_cell", "bytes_per_cell", "cpu_us_per_cell") if k in r}
         got["cells_per_s"] = r["measured"]
         rows.append(
             row(
@@ -156,7 +156,12 @@ def run(a: argparse.Namespace) -> None:
 
 
 def row(cached: bool, epoch: int, got: dict[str, Any], p: Any, load: str) -> dict[str, Any]:
-    """One comparison row: measured and predicted cells/s, GETs and bytes per cell."""
+    """One comparison row: measured and predicted cells/s, GETs, bytes and CPU per cell.
+
+    The measured CPU is the node's, all of its threads, over the whole phase (opening
+    the store and, with the cache, its downloads); the predicted one is the model's
+    steady state of a rank, the CPU of its fetches.
+    """
     return {
         "cache": "yes" if cached else "no",
         "epoch": epoch,
@@ -168,6 +173,8 @@ def row(cached: bool, epoch: int, got: dict[str, Any], p: Any, load: str) -> dic
         "predicted_gets_per_cell": round(p.gets_per_cell, 4),
         "bytes_per_cell": got["bytes_per_cell"],
         "predicted_bytes_per_cell": round(p.bucket_bytes_per_cell, 1),
+        "cpu_us_per_cell": got.get("cpu_us_per_cell", ""),
+        "predicted_cpu_us_per_cell": round(p.cpu_s_per_cell * 1e6, 2),
         "load": load,
     }
 
@@ -186,6 +193,8 @@ def report(rows: list[dict[str, Any]], local: Any, bucket: Any, a: argparse.Name
         "predicted_gets_per_cell": "predicted",
         "bytes_per_cell": "bytes/cell",
         "predicted_bytes_per_cell": "predicted",
+        "cpu_us_per_cell": "CPU µs/cell",
+        "predicted_cpu_us_per_cell": "predicted (fetches)",
         "load": "load (1, 5, 15 min)",
     }
     md = (

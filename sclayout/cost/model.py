@@ -35,7 +35,8 @@ Decoding, assembly and the per-fetch CPU are figures timed one step at a time; t
 loader running all of them at once spends :meth:`Profile.cpu_scale_at` times as much
 at the fetch's working set (:func:`working_set_bytes`: the fetches held and a dense
 minibatch), as calibrate measured it running. A local store whose arrays are small
-(:func:`in_memory`) is read once and then served from memory: a fetch is a copy.
+(:func:`in_memory`) is read once and then served from memory: a fetch is a copy;
+read from a node cache, its per-row tables in row chunks are read with every fetch.
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
@@ -63,7 +64,8 @@ Epochs of several nodes reading a bucket, with or without the node cache
 (:class:`Run`, :func:`predict_run_from_stats`, ``predict(..., nodes=, epoch=,
 cache=)``): the steady state above per rank, a node held to its bandwidth, all nodes
 to the bucket's GET/s and bandwidth (:class:`Bucket`); through the cache, epoch 1
-downloads whole shards and later epochs read the local disk's profile.
+downloads whole shards and later epochs read the local disk's profile, each pass's
+generation check running beside its reads.
 
 Peak memory: per pipeline, ``1 + read_ahead`` fetches of compressed + decoded
 chunks, the minibatch being cut and the backend's chunk cache, plus the minibatches
@@ -198,6 +200,8 @@ class FetchStats:
     """Of ``bytes_read``: the row pointers' bytes."""
     pointer_array_bytes: float = 0.0
     """Decoded bytes of the whole ``indptr`` and ``source_index`` arrays."""
+    pointer_array_chunks: float = 0.0
+    """Inner chunks of the whole ``indptr`` and ``source_index`` arrays."""
     shards: float = 0.0
     """Distinct shard files (objects) of the matrix a fetch touches: what the node cache
     stages for it."""
@@ -212,6 +216,10 @@ class FetchStats:
     largest_array_bytes: float = 0.0
     """Decoded bytes of the matrix's largest array: the direct shard reader keeps
     arrays up to :data:`loader.engine.shards.SMALL_ARRAY_BYTES` whole in memory."""
+    row_chunked: bool = False
+    """Whether the store keeps its per-row tables (``indptr``, ``source_index``) in row
+    chunks (format 3, ``Manifest.row_chunks``): the loader reads them at each fetch's
+    rows, never whole."""
 
 
 @dataclass(frozen=True)
@@ -415,9 +423,19 @@ def sample_fetch_stats(
         pointer_chunks=float(np.mean(p_chunks)) if layout.is_csr else 0.0,
         pointer_bytes_read=float(np.mean(p_bytes)) if layout.is_csr else 0.0,
         pointer_array_bytes=float((2 * manifest.n_obs + 1) * 8) if layout.is_csr else 0.0,
+        pointer_array_chunks=_pointer_chunks(layout),
         shards=float(np.mean(shards)),
+        row_chunked=manifest.row_chunks > 0,
         **_matrix_totals(manifest, matrix),
     )
+
+
+def _pointer_chunks(layout: MatrixLayout) -> float:
+    """Inner chunks of ``indptr`` and of ``source_index`` (chunked like it) of a CSR matrix."""
+    if not layout.is_csr or "indptr" not in layout.arrays:
+        return 0.0
+    a = layout.arrays["indptr"]
+    return 2.0 * -(-a.shape[0] // a.chunks[0])
 
 
 def _matrix_totals(manifest: Manifest, matrix: str) -> dict[str, float]:
@@ -525,8 +543,12 @@ def _fetch_times(
     options: ModelOptions,
     dec_threads: int,
     cores: float,
+    cache: bool = False,
 ) -> _FetchTimes:
-    """Storage and CPU times of one fetch (see the module docstring's terms)."""
+    """Storage and CPU times of one fetch (see the module docstring's terms).
+
+    ``cache``: the store is read from a node cache's copy (:func:`_in_memory_times`).
+    """
     backend = settings.backend
     R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
     if matrix_cached(stats, backend=backend, codec=codec, profile=profile):
@@ -551,11 +573,12 @@ def _fetch_times(
     t_io = _io_time(profile, R, compressed, c)
     t_decode = bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s
     dec_parallel = min(dec_threads, cores)
+    t_tables = 0.0  # priced as it is, not scaled (:func:`_in_memory_times`)
     if in_memory(stats, backend=backend, codec=codec, profile=profile):
-        # read and decoded once, then each fetch is a copy of its rows on the thread
-        # that submits it: no request, no decoding
-        R, c, compressed, t_io, t_read_cpu = 0.0, 1.0, 0.0, 0.0, 0.0
-        t_decode, dec_parallel = bytes_read / profile.copy_Bps, 1.0
+        R, t_decode, t_tables, dec_parallel = _in_memory_times(
+            stats, profile, speed, dec_threads, cores, cache=cache
+        )
+        c, compressed, t_io, t_read_cpu = max(1.0, min(R, dec_threads)), 0.0, 0.0, 0.0
     # the CPU figures are timed on data in cache; the loader as it runs spends this
     # much more (or less) at this fetch's working set (:attr:`Profile.cpu_scale`)
     k = profile.cpu_scale_at(working_set_bytes(stats, n_vars, settings, options))
@@ -565,13 +588,42 @@ def _fetch_times(
         compressed=compressed,
         bytes_read=bytes_read,
         t_io=t_io,
-        t_decode=k * t_decode,
+        t_decode=k * t_decode + t_tables,
         t_gather=k * stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
         t_dense=k * stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
         t_read_cpu=t_read_cpu,
         t_overhead=k * profile.fetch_overhead_s + t_read_cpu,
         dec_parallel=dec_parallel,
     )
+
+
+def _in_memory_times(
+    stats: FetchStats, profile: Profile, speed: Any, dec_threads: int, cores: float, *, cache: bool
+) -> tuple[float, float, float, float]:
+    """Price a fetch whose matrix the direct reader holds in memory.
+
+    Returns its requests, the copy's CPU, the per-row tables' CPU and the decode
+    parallelism. The arrays are read and decoded once, then each fetch is a copy of
+    its rows on the thread that submits it. Per-row tables in row chunks
+    (:attr:`FetchStats.row_chunked`) are never held whole: from a local store the lean
+    row-table reader reads them in the assembly thread (within the loader's CPU that
+    calibrate measured running); through the node cache the direct reader reads and
+    decodes their chunks on the decode threads with every fetch. Each of those runs is
+    a block's rows within one small inner chunk, read from the page cache (every fetch
+    reads them): it costs the codec's CPU per chunk and per byte, which calibrate
+    times reading chunks from the page cache beyond the CPU caches, so no storage
+    time, no cold read's surplus and no working-set scale on top.
+    """
+    ptr = cache and stats.row_chunked
+    R = stats.pointer_reads if ptr else 0.0
+    table_bytes = stats.pointer_bytes_read if ptr else 0.0
+    t_copy = (stats.bytes_read - table_bytes) / profile.copy_Bps
+    if R <= 0:
+        return 0.0, t_copy, 0.0, 1.0
+    t_tables = table_bytes / speed.decode_Bps + stats.pointer_chunks * speed.chunk_s
+    # the copy on the submitting thread beside the tables' decoding on the decode threads
+    par = max(1.0, min(dec_threads, cores))
+    return R, t_copy, t_tables, (t_copy + t_tables) / max(t_copy, t_tables / par)
 
 
 def working_set_bytes(
@@ -658,11 +710,15 @@ def _limits(
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     stage = "io" if front >= back else "assembly"
     # the storage serves every pipeline's requests at once (amortised time per fetch at
-    # W·c in flight), the cores run every pipeline's CPU
+    # W·c in flight; none for reads from the page cache, :func:`_in_memory_times`), the
+    # cores run every pipeline's CPU
+    storage = _io_time(profile, t.requests, t.compressed, workers * t.in_flight)
+    if t.requests > 0 and t.t_io == 0:
+        storage = 0.0
     limits = {
         stage: pipe / workers,
         "cpu": _cpu_limit(cpu_total, t.t_read_cpu, profile, busy_cores),
-        "storage": _io_time(profile, t.requests, t.compressed, workers * t.in_flight),
+        "storage": storage,
         "main process": main,
     }
     return limits, stage
@@ -698,11 +754,13 @@ def predict_from_stats(
     profile: Profile,
     options: ModelOptions = ModelOptions(),
     cores: int | None = None,
+    cache: bool = False,
 ) -> Prediction:
     """Time and memory of a fetch from its plan statistics (pure arithmetic).
 
     With ``cores``: on the profile's machine given that many cores
-    (:meth:`Profile.at_cores`).
+    (:meth:`Profile.at_cores`). ``cache``: a remote store read from the node cache's
+    copy on ``profile``'s disk (its per-row tables are read with every fetch).
     """
     if cores is not None:
         profile = profile.at_cores(cores)
@@ -715,7 +773,7 @@ def predict_from_stats(
     dec_threads = decode_threads_for(backend, profile, settings.num_workers)
     busy = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
     shared = {"settings": settings, "profile": profile, "dec_threads": dec_threads, "cores": busy}
-    t = _fetch_times(stats, n_vars=n_vars, codec=codec, options=options, **shared)
+    t = _fetch_times(stats, n_vars=n_vars, codec=codec, options=options, cache=cache, **shared)
     limits, stage = _limits(t, stats, n_vars=n_vars, options=options, **shared)
     bound = max(limits, key=lambda k: limits[k])
     if bound == "io" and t.t_io <= profile.latency_s * 1.01:
@@ -760,9 +818,10 @@ CACHE_FIRST_GETS = 14
 an empty node cache: the root, group and array ``zarr.json`` files it stages, the block
 pointer and a listing (counted on the loopback S3 server for a CSR store, beside its 4
 shard downloads)."""
-CACHE_PASS_GETS = 2
-"""GETs of the root ``zarr.json`` at the start of a pass through a warm cache (the
-generation check; counted on the loopback S3 server)."""
+CACHE_PASS_GETS = 1
+"""GETs of the root ``zarr.json`` in each pass through a warm cache (the generation
+check, in a background thread beside the pass's reads; counted on the loopback S3
+server)."""
 
 
 @dataclass(frozen=True)
@@ -999,18 +1058,46 @@ def predict_run_from_stats(
                 f"cache=True: profile {profile.name!r} is a local disk; the node cache "
                 "stages a remote store: give the bucket's profile"
             )
-        rank = predict_from_stats(stats, profile=cache_profile, **common)
+        rank = predict_from_stats(stats, profile=cache_profile, cache=True, **common)
         out = _run_with_cache(
             rank, stats, run, profile=profile, n_obs=n_obs, files=files, store_bytes=store_bytes
         )
     # an epoch starts with the pipeline empty: the first fetch's reads, decoding and
-    # assembly one after the other; through the cache, after its small GETs in turn
+    # assembly one after the other; through an empty cache, after its small GETs in
+    # turn. A warm cache's generation check runs beside the pass's reads (a background
+    # thread, ``loader.dataset``): the pass waits for it only if it ends sooner
     start = rank.t_io + rank.t_decode + rank.t_assembly + rank.t_overhead
-    if run.cache:
-        gets = CACHE_FIRST_GETS if run.epoch == 1 else CACHE_PASS_GETS
-        start += gets * profile.latency_s
-    epoch_s = n_obs / out.cells_per_s + start
+    check = 0.0
+    if run.cache and run.epoch == 1:
+        start += CACHE_FIRST_GETS * profile.latency_s + _first_whole_read(
+            stats, codec=codec, settings=settings, profile=cache_profile
+        )
+    elif run.cache:
+        check = CACHE_PASS_GETS * profile.latency_s
+    epoch_s = max(n_obs / out.cells_per_s + start, check)
     return replace(out, cells_per_s=n_obs / epoch_s, epoch_s=epoch_s, start_s=start)
+
+
+def _first_whole_read(
+    stats: FetchStats, *, codec: str, settings: LoaderSettings, profile: Profile | None
+) -> float:
+    """Seconds a new process's first fetch spends reading the arrays it holds in memory.
+
+    When the direct reader serves the matrix from memory (:func:`in_memory`), the
+    first fetch reads and decodes each of its arrays whole (per-row tables in row
+    chunks excepted: they are read with every fetch), at the codec's CPU per chunk and
+    per byte, before the pipeline fills.
+    """
+    if profile is None or not in_memory(
+        stats, backend=settings.backend, codec=codec, profile=profile
+    ):
+        return 0.0
+    nbytes, chunks = stats.matrix_bytes, stats.matrix_chunks
+    if stats.row_chunked:
+        nbytes -= stats.pointer_array_bytes
+        chunks -= stats.pointer_array_chunks
+    speed = profile.codec(codec)
+    return max(nbytes, 0.0) / speed.decode_Bps + max(chunks, 0.0) * speed.chunk_s
 
 
 def matrix_cached(stats: FetchStats, *, backend: str, codec: str, profile: Profile) -> bool:

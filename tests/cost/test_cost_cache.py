@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -22,6 +23,7 @@ from sclayout.cost.model import (
     sample_fetch_stats,
     store_files,
 )
+from sclayout.cost.profile import CodecSpeed
 
 STATS = FetchStats(
     rows=1000,
@@ -71,11 +73,12 @@ def test_epoch_2_from_a_warm_cache_is_the_local_disks_prediction(profiles):
     bucket, disk = profiles
     local = predict_from_stats(STATS, n_vars=1000, codec="none", settings=SETTINGS, profile=disk)
     p = _run(bucket, disk, cache=True, epoch=2)
-    # the epoch starts with the root zarr.json's GETs and the first fetch alone
+    # the epoch starts with the first fetch alone; the pass's generation check (the
+    # root zarr.json's GET) runs beside its reads
     start = local.t_io + local.t_decode + local.t_assembly + local.t_overhead
-    start += CACHE_PASS_GETS * 0.02
     assert p.start_s == pytest.approx(start)
     assert p.epoch_s == pytest.approx(N_OBS / local.cells_per_s + start)
+    assert p.epoch_s > CACHE_PASS_GETS * 0.02
     assert p.cells_per_s == pytest.approx(N_OBS / p.epoch_s)
     assert (p.bucket_bytes_per_cell, p.download_s) == (0, 0)
     assert p.gets_per_cell == CACHE_PASS_GETS / N_OBS  # no GET of the matrix
@@ -83,6 +86,74 @@ def test_epoch_2_from_a_warm_cache_is_the_local_disks_prediction(profiles):
     # nodes add up: nothing is shared once each node holds the store
     four = _run(bucket, disk, cache=True, epoch=2, nodes=4, ranks=2)
     assert four.epoch_s == pytest.approx(N_OBS / (8 * local.cells_per_s) + start)
+
+
+# a matrix the direct reader holds in memory, its per-row tables in row chunks
+IN_MEMORY = replace(
+    STATS,
+    largest_array_bytes=4e6,
+    matrix_bytes=1e7,
+    matrix_chunks=300,
+    row_chunked=True,
+    pointer_reads=40,
+    pointer_chunks=50,
+    pointer_bytes_read=1e5,
+    pointer_array_bytes=2e6,
+    pointer_array_chunks=100,
+)
+
+
+def test_through_the_cache_the_row_tables_are_read_with_every_fetch(profiles, flat_profile):
+    """Locally the lean row-table reader reads the tables of an in-memory matrix; through
+    the node cache the direct reader reads and decodes their chunks with each fetch, at
+    the codec's CPU per chunk and per byte, from the page cache (no storage time)."""
+    bucket, _ = profiles
+    disk = flat_profile(codecs={"none": CodecSpeed(1.0, 1e9, chunk_s=1e-5)}, copy_Bps=1e10)
+
+    def rank(stats, cache):
+        return predict_from_stats(
+            stats, n_vars=1000, codec="none", settings=SETTINGS, profile=disk, cache=cache
+        )
+
+    local, cached = rank(IN_MEMORY, False), rank(IN_MEMORY, True)
+    assert local.requests_per_fetch == 0 and local.t_decode == pytest.approx(8e6 / 1e10)
+    tables = 1e5 / 1e9 + 50 * 1e-5
+    assert cached.t_decode == pytest.approx((8e6 - 1e5) / 1e10 + tables)
+    assert (cached.requests_per_fetch, cached.t_io) == (40, 0.0)
+    assert cached.cells_per_s < local.cells_per_s
+    # twice the tables' chunks a fetch: their CPU twice over
+    more = rank(replace(IN_MEMORY, pointer_chunks=100), True)
+    assert more.t_decode - cached.t_decode == pytest.approx(50 * 1e-5)
+    # tables kept whole (format 2): read once, as locally
+    whole = replace(IN_MEMORY, row_chunked=False)
+    assert rank(whole, True).t_decode == pytest.approx(local.t_decode)
+    # a warm cache's epoch is the cached rank's; an empty one's first fetch also reads
+    # the in-memory arrays whole (not the tables)
+    warm = _run(bucket, disk, IN_MEMORY, cache=True, epoch=2)
+    assert warm.epoch_s == pytest.approx(N_OBS / cached.cells_per_s + warm.start_s)
+    first = _run(bucket, disk, IN_MEMORY, cache=True, epoch=1)
+    pipeline = cached.t_io + cached.t_decode + cached.t_assembly + cached.t_overhead
+    whole_read = (1e7 - 2e6) / 1e9 + (300 - 100) * 1e-5
+    assert first.start_s == pytest.approx(pipeline + CACHE_FIRST_GETS * 0.02 + whole_read)
+
+
+def test_a_pass_shorter_than_its_generation_check_waits_for_it(profiles, flat_profile):
+    bucket, _ = profiles
+    disk = flat_profile(codecs={"none": CodecSpeed(1.0, 1e9, chunk_s=1e-5)}, copy_Bps=1e10)
+    common = {"n_vars": 1000, "codec": "none", "settings": SETTINGS}
+    rank = predict_from_stats(IN_MEMORY, profile=disk, cache=True, **common)
+    p = predict_run_from_stats(
+        IN_MEMORY,
+        profile=bucket,
+        cache_profile=disk,
+        run=Run(cache=True, epoch=2),
+        n_obs=1000,  # one fetch, ~2 ms: shorter than the check's 20 ms round trip
+        files=FILES,
+        store_bytes=STORE_BYTES,
+        **common,
+    )
+    assert p.start_s + 1000 / rank.cells_per_s < 0.02
+    assert p.epoch_s == pytest.approx(CACHE_PASS_GETS * 0.02)
 
 
 def test_epoch_1_is_bounded_by_the_download(profiles):
@@ -147,7 +218,12 @@ def test_predict_prices_a_real_store_shard_by_shard(shared_store, profiles):
     # one fetch holding every block touches every shard file of the matrix
     whole = LoaderSettings(batch_size=m.n_obs, fetch_factor=1)
     files, nbytes = store_files(m, bucket)
-    assert sample_fetch_stats(m, bp, settings=whole).shards == files
+    stats = sample_fetch_stats(m, bp, settings=whole)
+    assert stats.shards == files
+    # its per-row tables in row chunks: indptr's chunks, and source_index's as many
+    indptr = m.matrices["X"].arrays["indptr"]
+    assert stats.row_chunked is (m.row_chunks > 0)
+    assert stats.pointer_array_chunks == 2 * -(-indptr.shape[0] // indptr.chunks[0])
     p = predict(m, bp, settings=whole, profile=bucket, cache_profile=disk, cache=True)
     assert p.gets_per_cell == pytest.approx((files + CACHE_FIRST_GETS) / m.n_obs, rel=1e-6)
     assert p.bucket_bytes_per_cell == pytest.approx(nbytes / m.n_obs)
