@@ -23,8 +23,15 @@ Helpers (fixtures that return a function)
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+# Two test processes share two cores and start more processes of their own: torch's
+# OpenMP threads would spin against each other (tests/loader/test_scvi.py pins its
+# model to one thread for the same reason). Set before anything imports torch; a
+# caller's own setting stands.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
