@@ -432,6 +432,7 @@ class DirectArray:
             if self._closed:
                 return
             self._closed = True
+            self._index = {}  # mapped indexes go now (a read still using one keeps it)
             if not self._users:
                 _close_fds(self._fds)
 
