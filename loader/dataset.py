@@ -742,7 +742,7 @@ class BlockDataset:
             "worker": logical,
             "num_workers": num_workers,
         }
-        plan = S.worker_plan(self.config, epoch, **place)
+        plan = _worker_plan(self.config, epoch, place)
         try:
             yield from self._execute(plan, int(skip[logical]), place)
         except OSError as e:  # e.g. a metadata read in the assembly thread
@@ -775,7 +775,7 @@ class BlockDataset:
         ahead = None
         if self.prefetch_next_epoch and info is None:
             epoch = plan.key[0]
-            ahead = Carry(lambda: S.worker_plan(self.config, epoch + 1, **place), reader)
+            ahead = Carry(lambda: _worker_plan(self.config, epoch + 1, place), reader)
         grouped = self.group_workers and info is not None
         if grouped:
             from loader.store import LayoutReader
@@ -1155,6 +1155,19 @@ def _spec_settings(spec: Any) -> dict[str, Any]:
 
 def _digest(data: bytes | memoryview) -> str:
     return hashlib.sha1(data).hexdigest()[:16]
+
+
+def _worker_plan(config: S.SamplerConfig, epoch: int, place: dict[str, int]) -> S.WorkerPlan:
+    """Return :func:`loader.sampler.worker_plan`'s plan; give back the heap it freed.
+
+    Building a plan frees arrays of a value per block, which glibc would keep
+    (:func:`loader.store.release_free_memory`).
+    """
+    from loader.store import release_free_memory
+
+    plan = S.worker_plan(config, epoch, **place)
+    release_free_memory()
+    return plan
 
 
 def _obs_codes(reader: Any, column: str) -> tuple[np.ndarray, list]:

@@ -50,7 +50,14 @@ import numpy as np
 
 from loader.errors import InputError
 from loader.layout import parse_block_size
-from loader.strategies import Segments, Strategy, get_strategy, register_strategy, strategies
+from loader.strategies import (
+    Segments,
+    Strategy,
+    compact_dtype,
+    get_strategy,
+    register_strategy,
+    strategies,
+)
 
 __all__ = [
     "Fetch",
@@ -93,7 +100,8 @@ class SamplerConfig:
     Parameters
     ----------
     block_lengths
-        Rows of each block, in store order.
+        Rows of each block, in store order (kept in the narrowest integer dtype that
+        holds them, :func:`loader.strategies.compact_dtype`).
     batch_size
         Rows per minibatch.
     fetch_factor
@@ -125,9 +133,13 @@ class SamplerConfig:
     _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        lengths = np.asarray(self.block_lengths, dtype=np.int64)
+        lengths = np.asarray(self.block_lengths)
+        if lengths.dtype.kind not in "iu":
+            lengths = lengths.astype(np.int64)
         if lengths.ndim != 1 or (lengths.size and lengths.min() <= 0):
             raise InputError("block_lengths: must be a 1-D array of positive row counts")
+        largest = int(lengths.max()) if lengths.size else 0
+        lengths = lengths.astype(compact_dtype(largest), copy=False)
         object.__setattr__(self, "block_lengths", lengths)
         for name in ("batch_size", "fetch_factor"):
             object.__setattr__(self, name, parse_block_size(getattr(self, name), name=name))
@@ -172,14 +184,43 @@ class SamplerConfig:
     @property
     def n_obs(self) -> int:
         """Number of rows over all blocks."""
-        return int(self.block_starts[-1])
+        if "n_obs" not in self._cache:
+            self._cache["n_obs"] = int(self.block_lengths.sum(dtype=np.int64))
+        return self._cache["n_obs"]
 
     @property
     def block_starts(self) -> np.ndarray:
-        """Store row where each block begins, plus ``n_obs`` at the end."""
+        """Store row where each block begins, plus ``n_obs`` at the end (int64)."""
         if "starts" not in self._cache:
-            self._cache["starts"] = np.concatenate([[0], np.cumsum(self.block_lengths)])
+            starts = np.zeros(self.n_blocks + 1, dtype=np.int64)
+            np.cumsum(self.block_lengths, dtype=np.int64, out=starts[1:])
+            self._cache["starts"] = starts
         return self._cache["starts"]
+
+    @property
+    def uniform_size(self) -> int | None:
+        """The size of every block but the last (which is no larger), or ``None``.
+
+        A store's blocks are all this case; then a block's start is computed, not
+        looked up in :attr:`block_starts` (8 bytes a block).
+        """
+        if "uniform" not in self._cache:
+            n, lengths = self.n_blocks, self.block_lengths
+            size = int(lengths[0]) if n else 1
+            full = n <= 1 or (bool((lengths[:-1] == size).all()) and int(lengths[-1]) <= size)
+            self._cache["uniform"] = size if full else None
+        return self._cache["uniform"]
+
+    def starts_of(self, blocks: np.ndarray) -> np.ndarray:
+        """Store row where each of ``blocks`` begins (int64)."""
+        size = self.uniform_size
+        if size is not None:
+            return np.asarray(blocks, dtype=np.int64) * size
+        return self.block_starts[blocks]
+
+    def lengths_of(self, blocks: np.ndarray) -> np.ndarray:
+        """Rows of each of ``blocks`` (int64)."""
+        return self.block_lengths[blocks].astype(np.int64)
 
     @property
     def block_weights(self) -> np.ndarray:
@@ -313,41 +354,38 @@ class WorkerPlan:
     def fetch(self, k: int) -> Fetch:
         """Realise fetch ``k``: its blocks and its rows in delivery order."""
         cfg = self.cfg
-        seg = Segments(
-            self.segments.block[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
-            self.segments.lo[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
-            self.segments.hi[self.fetch_cuts[k] : self.fetch_cuts[k + 1]],
-            self.segments.sampled,
-        )
+        a, b = int(self.fetch_cuts[k]), int(self.fetch_cuts[k + 1])
+        run_block = self.segments.block[a:b].astype(np.int64)
+        run_lo = self.segments.lo[a:b].astype(np.int64)
+        run_lengths = self.segments.hi[a:b].astype(np.int64) - run_lo
         rng = np.random.default_rng(
             np.random.SeedSequence(cfg.seed, spawn_key=(*self.key, _TAG_FETCH, k))
         )
-        blocks = np.sort(seg.block)  # sorted unique (np.unique hashes: slow on small arrays)
+        blocks = np.sort(run_block)  # sorted unique (np.unique hashes: slow on small arrays)
         blocks = blocks[np.concatenate([[True], blocks[1:] != blocks[:-1]])]
-        offsets = np.cumsum(cfg.block_lengths[blocks]) - cfg.block_lengths[blocks]
-        run_offset = offsets[np.searchsorted(blocks, seg.block)]
-        starts = cfg.block_starts[seg.block]
-        if seg.sampled:
+        block_lengths = cfg.lengths_of(blocks)
+        offsets = np.cumsum(block_lengths) - block_lengths
+        run_offset = offsets[np.searchsorted(blocks, run_block)]
+        starts = cfg.starts_of(run_block)
+        if self.segments.sampled:
             wcum = cfg.weight_cumsum
-            lengths = seg.lengths
-            lo = np.repeat(wcum[starts], lengths)
-            hi = np.repeat(wcum[starts + cfg.block_lengths[seg.block]], lengths)
+            own = cfg.lengths_of(run_block)
+            lo = np.repeat(wcum[starts], run_lengths)
+            hi = np.repeat(wcum[starts + own], run_lengths)
             u = lo + (hi - lo) * rng.random(lo.size)
             rows = np.searchsorted(wcum, u, side="right") - 1
-            first = np.repeat(starts, lengths)
-            rows = np.clip(
-                rows, first, first + np.repeat(cfg.block_lengths[seg.block], lengths) - 1
-            )
-            positions = rows - first + np.repeat(run_offset, lengths)
+            first = np.repeat(starts, run_lengths)
+            rows = np.clip(rows, first, first + np.repeat(own, run_lengths) - 1)
+            positions = rows - first + np.repeat(run_offset, run_lengths)
         else:
-            positions = arange_runs(run_offset + seg.lo, seg.lengths)
-            rows = arange_runs(starts + seg.lo, seg.lengths)
+            positions = arange_runs(run_offset + run_lo, run_lengths)
+            rows = arange_runs(starts + run_lo, run_lengths)
         if get_strategy(cfg.strategy).shuffle_rows:
             perm = rng.permutation(positions.size)
             positions, rows = positions[perm], rows[perm]
             # then decreasing position within each minibatch slice: one stable sort
             # by slice * m + (m - 1 - position), m the fetch's row count
-            m = int(offsets[-1] + cfg.block_lengths[blocks[-1]]) if blocks.size else 0
+            m = int(offsets[-1] + block_lengths[-1]) if blocks.size else 0
             slice_of = (int(self.fetch_bounds[k]) + np.arange(positions.size)) // cfg.batch_size
             by = np.argsort((slice_of - slice_of[0]) * m + (m - 1 - positions), kind="stable")
             positions, rows = positions[by], rows[by]
@@ -370,15 +408,16 @@ class WorkerPlan:
             yield parts
 
 
-def _cut_fetches(segments: Segments, fetch_rows: int) -> np.ndarray:
+def _cut_fetches(cum: np.ndarray, fetch_rows: int) -> np.ndarray:
     """Run indices cutting the stream into fetches of about ``fetch_rows`` rows.
 
-    Each cut is the run boundary nearest a multiple of ``fetch_rows``, so a fetch reads
-    whole runs (each block once) and averages ``fetch_rows`` rows.
+    ``cum``: the stream's :meth:`Segments.boundaries`. Each cut is the run boundary
+    nearest a multiple of ``fetch_rows``, so a fetch reads whole runs (each block once)
+    and averages ``fetch_rows`` rows.
     """
-    cum = segments.boundaries()
+    # the targets take cum's (compact) dtype, so that searchsorted copies nothing
     total, n_runs = int(cum[-1]), int(cum.size - 1)
-    targets = np.arange(fetch_rows, total, fetch_rows, dtype=np.int64)
+    targets = np.arange(fetch_rows, total, fetch_rows, dtype=cum.dtype)
     after = np.searchsorted(cum, targets, side="left")
     before = after - 1
     nearest = np.where(targets - cum[before] < cum[after] - targets, before, after)
@@ -415,8 +454,10 @@ def worker_plan(
     b0, b1 = _worker_batch_range(nb, worker, num_workers)
     stream = rank_stream(cfg, epoch, rank=rank, world_size=world_size)
     segments = stream.slice(b0 * cfg.batch_size, min(b1 * cfg.batch_size, used))
-    cuts = _cut_fetches(segments, cfg.fetch_rows)
-    bounds = segments.boundaries()[cuts]
+    cum = segments.boundaries()
+    cuts = _cut_fetches(cum, cfg.fetch_rows)
+    bounds = cum[cuts].astype(np.int64)
+    del cum
     key = (int(epoch), int(world_size), int(rank), int(num_workers), int(worker))
     return WorkerPlan(cfg, key, segments, cuts, bounds, b1 - b0)
 

@@ -166,6 +166,24 @@ def tune_malloc() -> bool:
     return ok
 
 
+def release_free_memory() -> bool:
+    """Give the pages of freed heap memory back to the system (glibc's ``malloc_trim``).
+
+    Called after the one-off large work that frees arrays of a value per block (an
+    epoch plan, the block pointer): glibc keeps tens of MB of such freed heap for reuse
+    otherwise, which a process then holds for nothing. Returns ``False`` where there is
+    no ``malloc_trim``.
+    """
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
 def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:
     """``(location, kind)``: kind is ``"store"`` or ``"h5ad"``."""
     s = os.fspath(path_or_url)
@@ -782,7 +800,7 @@ class LayoutReader:
             layout = self.layout
             if layout.is_csr:
                 assert layout.block_pointer is not None
-                bp = self.read_array(layout.block_pointer).astype(np.int64)
+                bp = self.read_array(layout.block_pointer).astype(np.int64, copy=False)
                 if bp.shape[0] != self._stored_n_blocks + 1:
                     raise LayoutError(
                         f"{self.location}: block pointer has {bp.shape[0]} values for "
@@ -792,13 +810,16 @@ class LayoutReader:
                 if k > 1:
                     bp = bp[np.r_[np.arange(0, self._stored_n_blocks, k), self._stored_n_blocks]]
                 self._block_pointer = bp
+                release_free_memory()  # what reading it whole left behind
             self._bp_loaded = True
         return self._block_pointer
 
     def block_lengths(self) -> np.ndarray:
         """Rows per block (int64; the last block may be short)."""
-        starts = np.arange(self.n_blocks, dtype=np.int64) * self.block_size
-        return np.minimum(starts + self.block_size, self.n_obs) - starts
+        lengths = np.full(self.n_blocks, self.block_size, dtype=np.int64)
+        if lengths.size:
+            lengths[-1] = self.n_obs - (self.n_blocks - 1) * self.block_size
+        return lengths
 
     def _index_in_memory(self) -> bool:
         """Whether fetches take source row ids from :meth:`source_index`.

@@ -53,13 +53,38 @@ class StrategyConfig(Protocol):
         """Sum of row weights in each block."""
 
 
+def compact_dtype(largest: int) -> np.dtype:
+    """Smallest signed integer dtype holding ``0..largest`` (int8 to int64).
+
+    A plan holds a value per block (block ids, run ends): in the narrowest dtype it
+    takes 1-4 bytes a block, not 8, so that a process's memory hardly grows with the
+    number of rows. Signed, so that numpy's sums and mixes with int64 stay integers.
+    """
+    for dtype in (np.int8, np.int16, np.int32):
+        if largest <= np.iinfo(dtype).max:
+            return np.dtype(dtype)
+    return np.dtype(np.int64)
+
+
+def _compact(values: object) -> np.ndarray:
+    """``values`` as an integer array in :func:`compact_dtype` (int64 if any is negative)."""
+    a = np.asarray(values)
+    if a.dtype.kind not in "iu":
+        a = a.astype(np.int64)
+    if a.size == 0 or int(a.min()) < 0:
+        return a.astype(np.int64, copy=False)
+    return a.astype(compact_dtype(int(a.max())), copy=False)
+
+
 @dataclass(frozen=True)
 class Segments:
     """A stream of rows held as runs inside blocks.
 
     Run ``i`` is local rows ``lo[i]:hi[i]`` of block ``block[i]``. With ``sampled``
     true a run instead stands for ``hi[i] - lo[i]`` rows drawn from that block with
-    replacement, by row weight, when its fetch is realised.
+    replacement, by row weight, when its fetch is realised. The three arrays are kept
+    in the narrowest integer dtype that holds them (:func:`compact_dtype`): cast
+    before arithmetic that may leave that range.
     """
 
     block: np.ndarray
@@ -69,11 +94,11 @@ class Segments:
 
     def __post_init__(self) -> None:
         for name in ("block", "lo", "hi"):
-            object.__setattr__(self, name, np.asarray(getattr(self, name), dtype=np.int64))
+            object.__setattr__(self, name, _compact(getattr(self, name)))
 
     @property
     def lengths(self) -> np.ndarray:
-        """Rows of each run."""
+        """Rows of each run (in the wider dtype of ``lo`` and ``hi``: ``0 <= lo <= hi``)."""
         return self.hi - self.lo
 
     @property
@@ -82,20 +107,32 @@ class Segments:
         return int(self.lengths.sum())
 
     def boundaries(self) -> np.ndarray:
-        """Stream position of each run start, plus the total (``len + 1`` values)."""
-        return np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
+        """Stream position of each run start, plus the total (``len + 1`` values).
+
+        In :func:`compact_dtype` of the largest total the runs can hold.
+        """
+        lengths = self.lengths
+        bound = int(lengths.size) * (int(lengths.max()) if lengths.size else 0)
+        out = np.zeros(lengths.size + 1, dtype=compact_dtype(bound))
+        np.cumsum(lengths, dtype=out.dtype, out=out[1:])
+        return out
 
     def slice(self, start: int, stop: int) -> Segments:
-        """Return the runs covering stream positions ``[start, stop)``."""
+        """Return the runs covering stream positions ``[start, stop)`` (``self`` if all)."""
+        if start <= 0 and stop >= self.n_rows:
+            return self  # nothing to cut (and nothing is ever changed in place)
         cum = self.boundaries()
         stop = min(stop, int(cum[-1]))
         if stop <= start:
             return Segments(self.block[:0], self.lo[:0], self.hi[:0], self.sampled)
         i0 = int(np.searchsorted(cum, start, side="right")) - 1
         i1 = int(np.searchsorted(cum, stop, side="left"))
-        block, lo, hi = self.block[i0:i1].copy(), self.lo[i0:i1].copy(), self.hi[i0:i1].copy()
-        lo[0] += start - cum[i0]
-        hi[-1] = self.lo[i1 - 1] + (stop - cum[i1 - 1])
+        block = self.block[i0:i1]
+        if 2 * block.size < self.block.size:  # a view would keep the whole stream alive
+            block = block.copy()
+        lo, hi = self.lo[i0:i1].copy(), self.hi[i0:i1].copy()
+        lo[0] += start - int(cum[i0])
+        hi[-1] = int(self.lo[i1 - 1]) + (stop - int(cum[i1 - 1]))
         return Segments(block, lo, hi, self.sampled)
 
     def concat(self, other: Segments) -> Segments:
@@ -156,12 +193,19 @@ def _whole_blocks(cfg: StrategyConfig, order: np.ndarray) -> Segments:
     return Segments(order, np.zeros_like(lengths), lengths)
 
 
+def _block_ids(cfg: StrategyConfig) -> np.ndarray:
+    """``arange(n_blocks)`` in :func:`compact_dtype`."""
+    return np.arange(cfg.n_blocks, dtype=compact_dtype(max(cfg.n_blocks - 1, 0)))
+
+
 def _draw_block_shuffle(cfg: StrategyConfig, rng: np.random.Generator) -> Segments:
-    return _whole_blocks(cfg, rng.permutation(cfg.n_blocks))
+    order = _block_ids(cfg)
+    rng.shuffle(order)  # the same order as rng.permutation(n_blocks), without its int64 copy
+    return _whole_blocks(cfg, order)
 
 
 def _draw_streaming(cfg: StrategyConfig, rng: np.random.Generator) -> Segments:
-    return _whole_blocks(cfg, np.arange(cfg.n_blocks, dtype=np.int64))
+    return _whole_blocks(cfg, _block_ids(cfg))
 
 
 def _weighted_rows(cfg: StrategyConfig) -> int:

@@ -89,6 +89,10 @@ benchmark store (~2.2 MB per array) splits into a few tasks per thread."""
 ANNOUNCE_READS = True
 """Tell the kernel about a fetch's runs (``posix_fadvise`` ``WILLNEED``) from the
 decode threads' queue, ahead of the fetch's own reads (see :func:`submit_reads`)."""
+MAP_INDEX_BYTES = 1 << 16
+"""A shard index of at least this many bytes (4,096 inner chunks) is memory-mapped
+rather than read into the process: a 10^8-row store's per-row tables have indexes of
+megabytes each, which every loader process would otherwise hold a copy of."""
 SMALL_ARRAY_BYTES = 32 * 2**20
 """Arrays up to this many decoded bytes are read whole once and kept in memory."""
 ROW_TABLE_BYTES = 64 * 2**20
@@ -428,6 +432,7 @@ class DirectArray:
             if self._closed:
                 return
             self._closed = True
+            self._index = {}  # mapped indexes go now (a read still using one keeps it)
             if not self._users:
                 _close_fds(self._fds)
 
@@ -548,7 +553,11 @@ class DirectArray:
                     _close_fds(self._fds)
 
     def _shard_index(self, shard: int) -> np.ndarray | None:
-        """``(chunks_per_shard, 2)`` uint64 (offset, nbytes), or ``None`` (no shard)."""
+        """``(chunks_per_shard, 2)`` uint64 (offset, nbytes), or ``None`` (no shard).
+
+        An index of at least :data:`MAP_INDEX_BYTES` is memory-mapped, not copied: file
+        pages, shared by every process reading the store, not each one's own memory.
+        """
         if shard in self._index:
             return self._index[shard]
         with self._lock:
@@ -559,24 +568,24 @@ class DirectArray:
             if fd is not None:
                 n = self.meta.chunks_per_shard
                 size = n * 16 + (4 if self.meta.index_crc else 0)
-                if self.meta.index_at_end:
-                    end = os.fstat(fd).st_size
-                    if end < size:
-                        raise LayoutError(
-                            f"{self._where(shard=shard)}: the shard is {end} bytes, shorter "
-                            "than its index (truncated); restore it or reconvert the store"
-                        )
-                    raw = os.pread(fd, size, end - size)
-                else:
-                    raw = os.pread(fd, size, 0)
-                if len(raw) < size:
+                end = os.fstat(fd).st_size
+                if end < size:
+                    raise LayoutError(
+                        f"{self._where(shard=shard)}: the shard is {end} bytes, shorter "
+                        "than its index (truncated); restore it or reconvert the store"
+                    )
+                start = end - size if self.meta.index_at_end else 0
+                raw = _map_range(fd, end, start, size) if size >= MAP_INDEX_BYTES else None
+                if raw is None:
+                    raw = np.frombuffer(os.pread(fd, size, start), dtype=np.uint8)
+                if raw.size < size:
                     raise LayoutError(
                         f"{self._where(shard=shard)}: the shard is shorter than its index "
                         "(truncated); restore it or reconvert the store"
                     )
                 if self.meta.index_crc:
                     _check_crc32c(raw, f"{self._where(shard=shard)}: the shard index")
-                index = np.frombuffer(raw, dtype="<u8", count=2 * n).reshape(n, 2)
+                index = raw[: n * 16].view("<u8").reshape(n, 2)
             self._index[shard] = index
             return index
 
@@ -847,12 +856,35 @@ def crc32c(data: Any) -> int:
     return google_crc32c.value(data)
 
 
-def _check_crc32c(raw: bytes, what: str) -> None:
+def _map_range(fd: int, end: int, start: int, size: int) -> np.ndarray | None:
+    """Bytes ``start:start + size`` of the ``end``-byte file ``fd``, memory-mapped.
+
+    Read ahead once (they are checked whole next), then left to random access: a
+    later fetch faults in only the pages of its chunks' entries. ``None`` where
+    mapping fails (the caller reads them instead).
+    """
+    import mmap
+
+    try:
+        mapped = mmap.mmap(fd, end, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    page = start - start % mmap.ALLOCATIONGRANULARITY
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        mapped.madvise(mmap.MADV_WILLNEED, page, start + size - page)
+    raw = np.frombuffer(mapped, dtype=np.uint8, count=size, offset=start)
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        mapped.madvise(mmap.MADV_RANDOM)
+    return raw
+
+
+def _check_crc32c(raw: Any, what: str) -> None:
     """Raise :class:`LayoutError` unless ``raw`` ends with its checksum.
 
     The last 4 bytes: the little-endian crc32c of the rest (zarr v3's ``crc32c`` codec).
+    ``raw``: bytes or a uint8 array.
     """
-    stored = int.from_bytes(raw[-4:], "little")
+    stored = int.from_bytes(bytes(raw[-4:]), "little")
     if len(raw) < 4 or crc32c(raw[:-4]) != stored:
         raise LayoutError(
             f"{what} fails its crc32c checksum: the file is corrupt or was changed "

@@ -244,3 +244,37 @@ def test_absent_chunks_are_an_error_only_when_every_chunk_must_exist(arrays):
         _read(strict, [[0, 600]])
     assert np.array_equal(_read(strict, [[100, 140]]), values[100:140])
     assert _shards.missing_chunk(str(folder.parent), folder.name) == "chunk 0"
+
+
+def _mapped_files() -> str:
+    with open("/proc/self/maps") as f:
+        return f.read()
+
+
+def test_big_shard_indexes_are_mapped_read_the_same_and_are_checked(arrays, tmp_path, monkeypatch):
+    """An index of at least MAP_INDEX_BYTES is a map of its shard file (file pages that
+    every process shares), not a copy: the same values, absent chunks and shards as
+    before, and a damaged or truncated index is still the one-line error."""
+    folder, values = arrays["raw-1d"]
+    copied = _direct(folder)  # the indexes of these small test shards: read, not mapped
+    assert np.array_equal(_read(copied, [[0, values.shape[0]]]), values)
+    assert str(folder / "c" / "0") not in _mapped_files()
+    monkeypatch.setattr(_shards, "MAP_INDEX_BYTES", 0)
+    for name in ("blosc-1d", "sparse-1d"):
+        folder, values = arrays[name]
+        direct = _direct(folder)
+        assert np.array_equal(_read(direct, [[0, values.shape[0]]]), values)
+        assert np.array_equal(
+            _read(direct, [[7, 9], [95, 450]]), np.r_[values[7:9], values[95:450]]
+        )
+        assert str(min((folder / "c").iterdir())) in _mapped_files()
+    v, folder, shard, raw = _shard_to_damage(tmp_path, 2)
+    raw[-INDEX_BYTES + 16] += 1
+    shard.write_bytes(bytes(raw))
+    direct = _direct(folder)
+    assert np.array_equal(_read(direct, [[0, 80]]), v[:80])
+    with pytest.raises(LayoutError, match=r"\(shard 2\): the shard index fails its crc32c"):
+        _read(direct, [[170, 190]])
+    shard.write_bytes(bytes(raw[: INDEX_BYTES - 8]))
+    with pytest.raises(LayoutError, match=r"\(shard 2\): the shard is 60 bytes, shorter than"):
+        _read(_direct(folder), [[170, 190]])
