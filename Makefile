@@ -22,8 +22,9 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	# two processes, whole files each: a file's module fixtures are built once
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=15
+	# two processes, whole files each: a file's module fixtures are built once; files
+	# in the order tests/conftest.py gives them (the slow ones first)
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -256,6 +256,24 @@ def _assert_adata_equal(a: ad.AnnData, b: ad.AnnData) -> None:
         _assert_values_equal(dict(a.raw.varm), dict(b.raw.varm), "raw/varm")
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Files with slow tests first, then the rest, each group larger files first.
+
+    ``make test`` gives whole files to two processes in this order (``--dist loadfile
+    --no-loadscope-reorder``): a long file handed out last would keep one process busy
+    while the other has nothing left to run.
+    """
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def key(name: str) -> tuple[bool, int]:
+        tests = files[name]
+        return not any(t.get_closest_marker("slow") for t in tests), -len(tests)
+
+    items[:] = [item for name in sorted(files, key=key) for item in files[name]]
+
+
 @pytest.fixture(scope="session")
 def make_adata():
     return _make_adata

@@ -235,6 +235,7 @@ def outcomes(request, example_data, tmp_path_factory) -> dict[str, str | None]:
         return {k: v for run in runs for k, v in run.result().items()}
 
 
+@pytest.mark.slow  # the pages run once for the module (``outcomes``)
 @pytest.mark.parametrize("block", BLOCKS, ids=[b.id for b in BLOCKS])
 def test_block(block: Block, outcomes):
     if block.reason is not None:

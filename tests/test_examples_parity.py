@@ -83,6 +83,7 @@ def test_mlp_init_is_seeded_without_global_state():
     assert not torch.equal(a[0].weight, c[0].weight)
 
 
+@pytest.mark.slow
 def test_train_parity_smoke(tmp_path):
     _run("train_parity.py", "--smoke", "--quiet", "--out", str(tmp_path), timeout=600)
     results = json.loads((tmp_path / "parity.json").read_text())
@@ -122,6 +123,7 @@ def test_train_parity_smoke(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size < 300_000
 
 
+@pytest.mark.slow
 def test_demo_smoke(tmp_path):
     res = _run("demo.py", "--smoke", "--out", str(tmp_path), timeout=600)
     for command in ("recommend", "convert", "verify", "inspect", "bench"):

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[1] / "benchmarks" / "loader.py"
 
 
+@pytest.mark.slow
 def test_loader_benchmark_quick(tmp_path, run_benchmark):
     run_benchmark(BENCH, "--quick", "--results", tmp_path)
     payload = json.loads((tmp_path / "loader.json").read_text())
@@ -34,6 +37,7 @@ def test_loader_benchmark_quick(tmp_path, run_benchmark):
     assert png.stat().st_size < 300_000
 
 
+@pytest.mark.slow
 def test_loader_benchmark_compares_codecs_panels_and_cores(tmp_path, run_benchmark):
     """``--codecs a,b``: one store per order and codec, each measured and labelled;
     ``--panel-genes``: the panel row once with random rows, once with random blocks;

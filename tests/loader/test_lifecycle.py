@@ -30,10 +30,13 @@ EXIT_TIMEOUT = 150
 """Seconds a scenario may take. Generous: a hang is what fails, and eleven scenarios
 run side by side on a busy machine (the thirty-cycle counts take a minute there)."""
 
-pytestmark = pytest.mark.skipif(
-    not (sys.platform.startswith("linux") and supported()),
-    reason="counts /proc, forks scenarios and decodes in processes: Linux",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not (sys.platform.startswith("linux") and supported()),
+        reason="counts /proc, forks scenarios and decodes in processes: Linux",
+    ),
+    pytest.mark.slow,  # the scenarios' processes, run once for the module
+]
 
 RUNNER = """
 import faulthandler, json, os, signal, sys, tempfile, time
