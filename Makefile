@@ -13,9 +13,10 @@ unexport PYTHONDONTWRITEBYTECODE
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU wheel of exactly this version is on disk;
-	# letting pip resolve torch itself would pull several GB of CUDA.
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	$(PY) -m pip install -q --no-compile -e ".[torch,dev]"
+	# letting pip resolve torch itself would pull several GB of CUDA. The build
+	# backend too, so that the editable install builds without an isolated environment.
+	$(PY) -m pip install -q --no-compile torch==2.13.0 "hatchling>=1.21" editables
+	$(PY) -m pip install -q --no-compile --no-build-isolation -e ".[torch,dev]"
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -234,5 +234,5 @@ def test_install_commands_match_the_repository():
     editable = _readme_command("pip", "install", "-e")
     assert editable == ["pip", "install", "-e", ".[torch]"], editable
     makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
-    assert '-m pip install -q --no-compile -e ".[torch,dev]"' in makefile
+    assert '-m pip install -q --no-compile --no-build-isolation -e ".[torch,dev]"' in makefile
     assert editable in _install_commands("docs/quickstart.md")

@@ -75,7 +75,7 @@ def test_matrices_are_csr_or_dense_in_store_order(tmp_path, make_adata, write_so
 
 
 @settings(
-    max_examples=6,
+    max_examples=4,
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
