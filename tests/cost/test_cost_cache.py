@@ -147,7 +147,7 @@ def test_a_pass_shorter_than_its_generation_check_waits_for_it(profiles, flat_pr
         profile=bucket,
         cache_profile=disk,
         run=Run(cache=True, epoch=2),
-        n_obs=1000,  # one fetch, ~2 ms: shorter than the check's 20 ms round trip
+        n_obs=1000,  # one fetch: far shorter than the check's 20 ms round trip
         files=FILES,
         store_bytes=STORE_BYTES,
         **common,
