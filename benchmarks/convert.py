@@ -87,7 +87,7 @@ from scale_load import measure_load, timed_tool  # noqa: E402
 
 from sclayout.pagecache import Evictor, evict, tree_bytes  # noqa: E402
 from sclayout.testing.datasets import bench_dir, cached_tahoe_like, make_tahoe_like  # noqa: E402
-from sclayout.testing.measure import check_eviction, median_of, run_child  # noqa: E402
+from sclayout.testing.measure import check_eviction, median_of, proc_io, run_child  # noqa: E402
 
 ORDERS: dict[str, list[str]] = {
     "original": ["--order", "original"],
@@ -374,7 +374,7 @@ def load_rate(
             it = run_plan(plan, reader, output="dense", prefetch=DEFAULT_PREFETCH)
             for batch in it:
                 if t0 is None:  # opening and the first fetch are not timed
-                    t0, cpu0, io0 = time.perf_counter(), os.times(), _proc_io()
+                    t0, cpu0, io0 = time.perf_counter(), os.times(), proc_io()
                     continue
                 n += len(batch["index"])
                 if time.perf_counter() - t0 >= seconds:
@@ -383,7 +383,7 @@ def load_rate(
             it.close()
             epoch += 1
         dt = time.perf_counter() - (t0 or time.perf_counter())
-    cpu1, io1 = os.times(), _proc_io()
+    cpu1, io1 = os.times(), proc_io()
     out: dict[str, float] = {
         "cells_per_s": n / dt if dt > 0 else float("nan"), "load_cells": n, "epochs": epoch
     }  # fmt: skip
@@ -394,15 +394,6 @@ def load_rate(
             out["load_read_bytes_per_cell"] = (io1["read_bytes"] - io0["read_bytes"]) / n
             out["load_reads_per_cell"] = (io1["syscr"] - io0["syscr"]) / n
     return out
-
-
-def _proc_io() -> dict[str, int]:
-    """This process's I/O counters (``/proc/self/io``; empty where there is none)."""
-    try:
-        with open("/proc/self/io") as f:
-            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
-    except OSError:
-        return {}
 
 
 SCALE_TARGET = 0.85

@@ -26,12 +26,7 @@ from typing import Any
 _HERE = Path(__file__).resolve().parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
-from sclayout.testing.measure import tree_resources  # noqa: E402
-
-
-def _io() -> dict[str, int]:
-    with open("/proc/self/io") as f:
-        return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+from sclayout.testing.measure import proc_io, tree_resources  # noqa: E402
 
 
 def measured(
@@ -39,7 +34,7 @@ def measured(
 ) -> dict[str, Any]:
     """Run ``cmd`` to completion; return seconds, peak tree PSS and I/O bytes. A command
     still running after ``timeout`` seconds is killed and raises ``TimeoutExpired``."""
-    io0, t0 = _io(), time.perf_counter()
+    io0, t0 = proc_io(), time.perf_counter()
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     peak, stop = [0, 0, 0], threading.Event()
 
@@ -64,7 +59,7 @@ def measured(
     finally:
         stop.set()
         thread.join()
-    seconds, io1 = time.perf_counter() - t0, _io()
+    seconds, io1 = time.perf_counter() - t0, proc_io()
     return {
         "returncode": proc.returncode,
         "seconds": seconds,

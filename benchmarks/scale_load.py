@@ -53,15 +53,6 @@ def _cpu() -> tuple[float, float]:
     return me.ru_utime + kids.ru_utime, me.ru_stime + kids.ru_stime
 
 
-def _io() -> dict[str, int]:
-    """This process's I/O counters (``/proc/self/io``; empty where there is none)."""
-    try:
-        with open("/proc/self/io") as f:
-            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
-    except OSError:
-        return {}
-
-
 def _tree_cpu() -> tuple[float, float]:
     """User and system CPU seconds of this process and its live descendants (decode
     processes are not waited for while the loader runs, so ``os.times`` misses them)."""
@@ -106,6 +97,7 @@ def read_for(
     import loader.engine.shards
     import loader.store
     from loader import BlockDataset
+    from sclayout.testing.measure import proc_io
 
     loader.store.LEAN_ROW_TABLES = row_tables == "lean"
     if not small_in_memory:
@@ -119,14 +111,14 @@ def read_for(
         ds.set_epoch(epoch)
         for batch in ds:
             if start is None:
-                start, cpu0, io0 = time.perf_counter(), _tree_cpu(), _io()
+                start, cpu0, io0 = time.perf_counter(), _tree_cpu(), proc_io()
                 continue
             n += len(batch["index"])
             if time.perf_counter() - start >= seconds:
                 break
         epoch += 1
     window = time.perf_counter() - start
-    cpu1, io1 = _tree_cpu(), _io()
+    cpu1, io1 = _tree_cpu(), proc_io()
     ds.close()
     user, system = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
     return {

@@ -18,6 +18,7 @@ from sclayout.testing.measure import (
     check_eviction,
     median_of,
     peak_rss_of_child,
+    proc_io,
     run_child,
     tree_resources,
     warm,
@@ -201,3 +202,16 @@ def test_tree_resources_sums_a_process_and_its_descendants():
     assert tree.pss == tree.pss_anon + tree.pss_shmem
     with pytest.raises(ProcessLookupError, match=f"process {proc.pid} is not running"):
         tree_resources(proc.pid)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc")
+def test_proc_io_counts_what_a_child_wrote_and_is_empty_for_no_process(tmp_path):
+    import subprocess
+
+    before = proc_io()
+    code = "import pathlib, sys; pathlib.Path(sys.argv[1]).write_bytes(bytes(1 << 20))"
+    subprocess.run([sys.executable, "-c", code, str(tmp_path / "w.bin")], check=True, timeout=60)
+    after = proc_io()
+    assert after["wchar"] - before["wchar"] >= 1 << 20  # the waited-for child's writes
+    assert after["syscr"] >= before["syscr"]
+    assert proc_io(2**22 + 1) == {}  # no such process

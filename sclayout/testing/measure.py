@@ -7,6 +7,7 @@
   a child is only measurable in a child process);
 * :func:`tree_resources` reads what a process tree holds (memory, descriptors,
   threads, processes) from ``/proc``, for soak runs that check nothing grows;
+* :func:`proc_io` reads a process's I/O counters (bytes read and written, read calls);
 * :class:`Timer` and :func:`median_of` for repeated runs.
 """
 
@@ -37,10 +38,25 @@ __all__ = [
     "check_eviction",
     "median_of",
     "peak_rss_of_child",
+    "proc_io",
     "run_child",
     "tree_resources",
     "warm",
 ]
+
+
+def proc_io(pid: int | str = "self") -> dict[str, int]:
+    """Return the I/O counters of ``/proc/PID/io`` (empty where there are none).
+
+    ``read_bytes``, ``write_bytes``, ``syscr``, ...: the process's and its waited-for
+    children's.
+    """
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            return {k: int(v) for k, v in (line.split(": ") for line in f.read().splitlines())}
+    except OSError:
+        return {}
+
 
 CHECK_BYTES = 256 << 20
 """Bytes read by :func:`check_eviction`: enough to see disk bandwidth, not page-cache
