@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -174,14 +175,23 @@ def release_free_memory() -> bool:
     otherwise, which a process then holds for nothing. Returns ``False`` where there is
     no ``malloc_trim``.
     """
-    try:
-        import ctypes
-
-        trim = ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):
+    trim = _malloc_trim()
+    if trim is None:
         return False
     trim(0)
     return True
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """Return glibc's ``malloc_trim``, looked up once (``None`` elsewhere)."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
 
 
 def _resolve(path_or_url: str | os.PathLike[str]) -> tuple[str, str]:

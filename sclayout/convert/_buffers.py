@@ -8,11 +8,11 @@ asks for the same role again, so tasks use each role for one purpose only.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 
 import numpy as np
+
+from loader.store import release_free_memory
 
 __all__ = ["ALIGN", "aligned_scratch", "release_scratch", "scratch", "trim_heap"]
 
@@ -51,17 +51,6 @@ def release_scratch() -> None:
     trim_heap()
 
 
-def _libc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        return None
-
-
-_malloc_trim = _libc_trim()
-
-
 def trim_heap() -> None:
     """Return the free pages of every malloc arena to the system (glibc; else a no-op).
 
@@ -70,8 +59,7 @@ def trim_heap() -> None:
     a trim the resident size creeps up task after task, past the memory budget on long
     conversions. Called after every task.
     """
-    if _malloc_trim is not None:
-        _malloc_trim(0)
+    release_free_memory()
 
 
 def aligned_scratch(role: str, nbytes: int) -> np.ndarray:
