@@ -32,7 +32,6 @@ returns ``None`` for any other, whose tables the backend reads.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
 import weakref
@@ -41,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from loader.engine.shards import crc32c, decode_chunk, where
+from loader.engine.shards import decode_chunk, shard_index, where
 from loader.errors import InputError, LayoutError, too_many_files
 
 __all__ = ["RowTables", "open_row_tables"]
@@ -60,7 +59,7 @@ class _Table:
         self.meta = meta
         self.require_chunks = require_chunks
         self.folder = os.path.join(location, path)
-        self.shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None] = {}
+        self.shards: dict[int, tuple[int, np.ndarray] | None] = {}
         # closed by close(), or when this object is collected (a reader dropped unclosed)
         weakref.finalize(self, _close_shards, self.shards).atexit = False
         self.cold = False
@@ -72,7 +71,7 @@ class _Table:
         return where(self.location, self.path, chunk, shard)
 
     def close(self) -> None:
-        """Close the shard files and their maps."""
+        """Close the shard files (their mapped indexes go with the last view of them)."""
         _close_shards(self.shards)
 
     def shard(self, shard: int) -> tuple[int, np.ndarray] | None:
@@ -81,12 +80,11 @@ class _Table:
         ``None``: no such shard file (the fill value, unless chunks are required).
         The index is checked (size, crc32c) when the shard is first opened.
         """
-        entry = self.shards.get(shard, ())
-        if entry == ():
-            entry = self.shards[shard] = self._open(shard)
-        return None if entry is None else (entry[0], entry[2])
+        if shard not in self.shards:
+            self.shards[shard] = self._open(shard)
+        return self.shards[shard]
 
-    def _open(self, shard: int) -> tuple[int, mmap.mmap, np.ndarray] | None:
+    def _open(self, shard: int) -> tuple[int, np.ndarray] | None:
         m = self.meta
         key = f"{m.key_prefix}{shard}{m.key_suffix}"
         try:
@@ -99,33 +97,10 @@ class _Table:
                 raise
             raise error from None
         try:
-            return self._mapped(fd, shard)
+            return fd, shard_index(fd, self.meta, self.where(shard=shard), mapped=True)
         except BaseException:
             os.close(fd)
             raise
-
-    def _mapped(self, fd: int, shard: int) -> tuple[int, mmap.mmap, np.ndarray]:
-        m = self.meta
-        n = m.chunks_per_shard
-        size = n * 16 + (4 if m.index_crc else 0)
-        end = os.fstat(fd).st_size
-        if end < size:
-            raise LayoutError(
-                f"{self.where(shard=shard)}: the shard is {end} bytes, shorter than its "
-                "index (truncated); restore it or reconvert the store"
-            )
-        mapped = mmap.mmap(fd, end, prot=mmap.PROT_READ)
-        if hasattr(mapped, "madvise") and hasattr(mmap, "MADV_RANDOM"):
-            mapped.madvise(mmap.MADV_RANDOM)  # no read-around of the index's pages
-        start = end - size if m.index_at_end else 0
-        raw = np.frombuffer(mapped, dtype=np.uint8, count=size, offset=start)
-        if m.index_crc and crc32c(raw[:-4]) != int.from_bytes(raw[-4:].tobytes(), "little"):
-            raise LayoutError(
-                f"{self.where(shard=shard)}: its shard index fails its crc32c checksum; the "
-                "store is damaged: restore it or reconvert the store"
-            )
-        index = raw[: n * 16].view("<u8").reshape(n, 2)
-        return fd, mapped, index
 
 
 RECHECK_FETCHES = 32
@@ -252,13 +227,14 @@ def _locate(table: _Table, chunks: np.ndarray) -> tuple[np.ndarray, list[int]]:
     return where, chunks.tolist()
 
 
-def _close_shards(shards: dict[int, tuple[int, mmap.mmap, np.ndarray] | None]) -> None:
-    """Close every shard file and map of ``shards`` and empty it (also a finalizer)."""
-    opened = [(e[0], e[1]) for e in shards.values() if e is not None]
-    shards.clear()  # drops the index views, so that the maps can close
-    for fd, mapped in opened:
-        with contextlib.suppress(BufferError):  # a view still alive: closed when it goes
-            mapped.close()
+def _close_shards(shards: dict[int, tuple[int, np.ndarray] | None]) -> None:
+    """Close every shard file of ``shards`` and empty it (also a finalizer).
+
+    Dropping the index views unmaps them.
+    """
+    opened = [e[0] for e in shards.values() if e is not None]
+    shards.clear()
+    for fd in opened:
         with contextlib.suppress(OSError):
             os.close(fd)
 

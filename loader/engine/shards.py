@@ -79,6 +79,7 @@ __all__ = [
     "missing_chunk",
     "open_direct",
     "open_index",
+    "shard_index",
     "submit_reads",
     "where",
 ]
@@ -566,26 +567,7 @@ class DirectArray:
             fd = self._fd(shard)
             index = None
             if fd is not None:
-                n = self.meta.chunks_per_shard
-                size = n * 16 + (4 if self.meta.index_crc else 0)
-                end = os.fstat(fd).st_size
-                if end < size:
-                    raise LayoutError(
-                        f"{self._where(shard=shard)}: the shard is {end} bytes, shorter "
-                        "than its index (truncated); restore it or reconvert the store"
-                    )
-                start = end - size if self.meta.index_at_end else 0
-                raw = _map_range(fd, end, start, size) if size >= MAP_INDEX_BYTES else None
-                if raw is None:
-                    raw = np.frombuffer(os.pread(fd, size, start), dtype=np.uint8)
-                if raw.size < size:
-                    raise LayoutError(
-                        f"{self._where(shard=shard)}: the shard is shorter than its index "
-                        "(truncated); restore it or reconvert the store"
-                    )
-                if self.meta.index_crc:
-                    _check_crc32c(raw, f"{self._where(shard=shard)}: the shard index")
-                index = raw[: n * 16].view("<u8").reshape(n, 2)
+                index = shard_index(fd, self.meta, self._where(shard=shard))
             self._index[shard] = index
             return index
 
@@ -854,6 +836,35 @@ def crc32c(data: Any) -> int:
     import google_crc32c  # zarr-python's own dependency for this codec
 
     return google_crc32c.value(data)
+
+
+def shard_index(fd: int, meta: _Meta, where: str, *, mapped: bool = False) -> np.ndarray:
+    """Return the ``(chunks_per_shard, 2)`` uint64 index (offset, nbytes) of shard ``fd``.
+
+    Checked: the file holds it, and its crc32c. Memory-mapped when ``mapped`` or at
+    least :data:`MAP_INDEX_BYTES` (file pages, shared by every process reading the
+    store), else read. ``where`` names the shard in the errors (:meth:`DirectArray._where`).
+    """
+    n = meta.chunks_per_shard
+    size = n * 16 + (4 if meta.index_crc else 0)
+    end = os.fstat(fd).st_size
+    if end < size:
+        raise LayoutError(
+            f"{where}: the shard is {end} bytes, shorter than its index (truncated); "
+            "restore it or reconvert the store"
+        )
+    start = end - size if meta.index_at_end else 0
+    raw = _map_range(fd, end, start, size) if mapped or size >= MAP_INDEX_BYTES else None
+    if raw is None:
+        raw = np.frombuffer(os.pread(fd, size, start), dtype=np.uint8)
+    if raw.size < size:
+        raise LayoutError(
+            f"{where}: the shard is shorter than its index (truncated); restore it or "
+            "reconvert the store"
+        )
+    if meta.index_crc:
+        _check_crc32c(raw, f"{where}: the shard index")
+    return raw[: n * 16].view("<u8").reshape(n, 2)
 
 
 def _map_range(fd: int, end: int, start: int, size: int) -> np.ndarray | None:
