@@ -155,9 +155,9 @@ def evict_interval(store: Path) -> float:
 
     Between two evictions the loader finds in the page cache what it read since the
     last one: at a fixed interval, the smaller the store, the larger the share of it
-    that is (a 10⁶-cell thin store of 85 MB gets half its reads from the cache at
-    0.5 s). Scaling the interval with the store's size gives every store the same
-    share, a small one (at least 20 ms) as a large one.
+    that is (docs/benchmarks.md, "Scale in Tahoe-100M's shape"). Scaling the interval
+    with the store's size gives every store the same share, a small one (at least
+    20 ms) as a large one.
     """
     from sclayout.pagecache import EVICT_INTERVAL, tree_bytes
 
