@@ -424,6 +424,8 @@ class TensorstoreBackend:
                 location, cache_dir, objects=objects, limit=cache_limit, generation=generation
             )
         self._whole_read: set[str] = set()
+        """Cached arrays read whole once (by this process, :attr:`_whole_pid`)."""
+        self._whole_pid = os.getpid()
         self.options = {
             "file_io_concurrency": file_io_concurrency,
             "data_copy_concurrency": data_copy_concurrency,
@@ -535,6 +537,18 @@ class TensorstoreBackend:
             shards = np.unique(spans).tolist()
         return [f"{path}/{m.key_prefix}{s}{m.key_suffix}" for s in shards]
 
+    def _all_in_memory(self, items: list[tuple[str, Any, np.ndarray]]) -> bool:
+        """Whether every cached array of ``items`` is read whole already, in this process.
+
+        Those are served from memory, as from a local store: no shard to stage.
+        """
+        if self._whole_pid != os.getpid():  # a forked copy reads the arrays whole again
+            self._whole_read, self._whole_pid = set(), os.getpid()
+        return all(
+            a.path in self._whole_read and a.shape[0] * a.meta.row_bytes <= a.whole_array_bytes
+            for _, a, _ in items
+        )
+
     def repair(self, paths: Sequence[str], ranges: Sequence[np.ndarray]) -> bool:
         """After a failed read of cached arrays: fetch damaged or absent shard files again.
 
@@ -590,7 +604,7 @@ class TensorstoreBackend:
             views = [arr[int(a) : int(b)] for a, b in ranges]
             view = views[0] if len(views) == 1 else ts.concat(views, axis=0)
             futures[key] = view.read()
-        if direct_items and self.cache is not None:
+        if direct_items and self.cache is not None and not self._all_in_memory(direct_items):
             cached = _CachedReads(self, [(key, request[key][0], r) for key, _, r in direct_items])
             futures.update({key: cached.handle(key) for key, _, _ in direct_items})
         elif direct_items:

@@ -2,17 +2,21 @@
 
 A remote store (``s3://``, ``gs://``, ``http(s)://``) opened with ``cache_dir=`` has each
 shard file staged whole into that folder the first time a fetch touches it; reads then
-come from the local copy through the direct shard reader, as for a local store. Later
-epochs send no request for the matrix.
+come from the local copy through the direct shard reader, as for a local store, and a
+row-chunked store's per-row tables through the lean row-table reader
+(:mod:`loader.engine.rowtables`, which stages a table's shard file before it first opens
+it: :meth:`ShardCache.staged`). Later epochs send no request for the matrix.
 
 - **Shared**: every rank and DataLoader worker of the node that uses the same
   ``cache_dir`` downloads each shard once: the download holds an exclusive ``flock`` on
   the shard's lock file, writes a temporary name and renames it into place, so a shard
   file is either absent or whole.
 - **Checked**: a downloaded shard is checked (its index's and every chunk's crc32c)
-  before it is renamed into place, and the direct reader checks every chunk it reads.
+  before it is renamed into place, and the readers check every chunk they read.
   A cache file found damaged later (disk, a stray write) is deleted, fetched again and
-  said once (a :class:`CacheRepairWarning`); it is never served.
+  said once (a :class:`CacheRepairWarning`); it is never served. A cache file is only
+  ever renamed into place or deleted, never rewritten in place: a reader that has it
+  open (its index mapped) reads on, whatever eviction or repair does with its name.
 - **Bounded**: with ``cache_limit``, the least recently used shard files of the whole
   ``cache_dir`` are deleted (under one lock) once a download takes it past the limit;
   a read marks its shards used (their modification time).
@@ -299,6 +303,42 @@ class ShardCache:
                 marked.pop(dest, None)
             waits.append(self._download_later(key, meta))
         return waits
+
+    @contextlib.contextmanager
+    def staged(self, keys: Iterable[str], meta: Any) -> Iterator[None]:
+        """Inside the block the shard files of ``keys`` are in the cache.
+
+        Those not there are downloaded first (as :meth:`stage` does, waited for); this
+        process's evictions leave them until the block ends. For a reader that opens
+        a file once and keeps it open (the per-row tables'): an open file stays
+        readable whatever the cache does with its name afterwards.
+        """
+        keys = list(keys)
+        try:
+            for fut in self.stage(keys, meta):
+                fut.result()
+            yield
+        finally:
+            self.release(keys)
+
+    def mark(self, keys: Iterable[str]) -> None:
+        """Mark the cached files of ``keys`` used, as :meth:`stage` does, without staging them.
+
+        At most once per :data:`MARK_SECONDS` per file; a file no longer there is left so.
+        """
+        self._ensure()
+        now = time.monotonic()
+        marked = self._marked
+        for key in keys:
+            dest = self.local(key)
+            seen = marked.get(dest)
+            if seen is not None and now - seen < MARK_SECONDS:
+                continue
+            try:
+                os.utime(dest)
+                marked[dest] = now
+            except FileNotFoundError:
+                marked.pop(dest, None)
 
     def release(self, keys: Iterable[str]) -> None:
         """End the hold :meth:`stage` put on ``keys`` (their read is over)."""

@@ -17,8 +17,9 @@ memory is about **3 fetches + one minibatch + the tensorstore chunk cache** (64 
 pointer (8 bytes a block). A store whose per-row tables are in row chunks (manifest
 ``row_chunks``, format version 3) has each fetch read its rows of ``indptr``, of the
 source index and of the categorical obs columns a minibatch asked for (learnt on the
-first one), so none is held whole; a local one's are read by :mod:`loader.engine.rowtables`
-in the assembly thread, a few system calls a fetch, while they are in the page cache.
+first one), so none is held whole; a local one's (and a remote one's read through the
+node's shard cache) are read by :mod:`loader.engine.rowtables` in the assembly thread, a
+few system calls a fetch, while they are in the page cache.
 A store in the earlier layout keeps ``indptr`` and ``source_index`` whole (8 bytes a
 row each) up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each (8,388,608 rows),
 and its obs columns.
@@ -128,9 +129,9 @@ MALLOC_TRIM_THRESHOLD = 256 * 2**20
 _malloc_tuned = False
 
 LEAN_ROW_TABLES = True
-"""Read a local row-chunked store's per-row tables with :mod:`loader.engine.rowtables` (in the
-assembly thread, a few system calls per fetch) rather than through the backend (a
-task per chunk). ``False`` only to compare the two."""
+"""Read a local (or node-cached) row-chunked store's per-row tables with
+:mod:`loader.engine.rowtables` (in the assembly thread, a few system calls per fetch)
+rather than through the backend (a task per chunk). ``False`` only to compare the two."""
 
 INDEX_IN_MEMORY_BYTES = ROW_TABLE_BYTES
 """A source index in the earlier layout (8 bytes per row, anndata's zstd chunks of tens
@@ -995,26 +996,29 @@ class LayoutReader:
     def _row_tables(self) -> RowTables | None:
         """Return the lean reader of this store's per-row tables, or ``None``.
 
-        For a local row-chunked store read by the tensorstore backend's direct reads
-        (not through a shard cache); ``None`` otherwise, or when the tables are not
-        stored as :mod:`loader.engine.rowtables` reads them.
+        For a row-chunked store read by the tensorstore backend's direct reads: a local
+        one, or a remote one through the node's shard cache (the reader then reads the
+        cache's copy, staging its files as :mod:`loader.cache` does). ``None``
+        otherwise, or when the tables are not stored as :mod:`loader.engine.rowtables`
+        reads them.
         """
         if not self._rows_tried:
             self._rows_tried = True
             options = self.backend_options
+            cache = getattr(self._io, "cache", None)  # a remote store's node cache
             if (
                 LEAN_ROW_TABLES
                 and self._row_chunked
                 and self.backend == "tensorstore"
-                and not is_url(self._objects)
+                and (cache is not None or not is_url(self._objects))
                 and options.get("direct", True)
-                and options.get("cache_dir") is None
             ):
                 tables = {"source_index": self.manifest.source_index}
                 if self.layout.is_csr:
                     tables["indptr"] = self.layout.arrays["indptr"].path
                 require = bool(options.get("require_chunks", False))
-                self._rows = open_row_tables(self._objects, tables, require_chunks=require)
+                location = self._objects if cache is None else cache.root
+                self._rows = open_row_tables(location, tables, require_chunks=require, files=cache)
         return self._rows
 
     def _lean_table(self, key: str, path: str) -> bool:
@@ -1023,7 +1027,7 @@ class LayoutReader:
         if rows is None or key in self._rows_not:
             return False
         if key not in rows:
-            meta = table_meta(self._objects, path)
+            meta = table_meta(rows.location, path, rows.files)
             if meta is None:
                 self._rows_not.add(key)
                 return False

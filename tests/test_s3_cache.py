@@ -212,6 +212,119 @@ def test_the_cache_stays_within_its_limit_and_keeps_the_recent_shards(s3, stores
     assert not data_shards(fetches[0]) & set(held)  # the first, not used since, are gone
 
 
+def _table_paths(reader) -> tuple[str, str]:
+    """The per-row tables' array paths: ``indptr`` and the source index."""
+    return reader.layout.arrays["indptr"].path, reader.manifest.source_index
+
+
+def _gets_under(s3, paths) -> dict[str, int]:
+    """GETs of the shard files of the arrays ``paths``, by key inside the store."""
+    head = f"/data/{STORE}/"
+    return {
+        k[len(head) :]: n
+        for k, n in s3.stats.get_keys.items()
+        if any(k.startswith(f"{head}{p}/c/") for p in paths)
+    }
+
+
+def _fetches(reader, mine, seed: int) -> None:
+    """A few fetches of random blocks: ids and values equal those of ``mine`` (local)."""
+    rng = np.random.default_rng(seed)
+    for _ in range(4):
+        blocks = rng.choice(reader.n_blocks, size=7, replace=False)
+        a, b = reader.submit(blocks).result(), mine.submit(blocks).result()
+        assert np.array_equal(a.index, b.index)
+        assert np.array_equal(a.take(np.arange(a.n_rows))["X"], b.take(np.arange(b.n_rows))["X"])
+
+
+def test_the_per_row_tables_are_read_lean_from_the_cache_and_downloaded_once(
+    s3, stores, tmp_path, monkeypatch
+):
+    """Through the node cache, a row-chunked store's per-row tables are read by the lean
+    row-table reader (as a local store's), not sent to the backend with the matrix;
+    their shard files are downloaded once, then read from the cache with no request."""
+    from loader.engine.rowtables import RowTables
+
+    url, local = stores
+    mine = open_layout(local)
+    paths = _table_paths(mine)
+    cache = tmp_path / "cache"
+    lean, asked = [], []
+    read = RowTables.read
+
+    def spy(tables, keys, bounds):  # the cached store's reads (not the local one's)
+        if Path(tables.location).is_relative_to(cache):
+            lean.append(frozenset(keys))
+        return read(tables, keys, bounds)
+
+    monkeypatch.setattr(RowTables, "read", spy)
+    s3.stats.reset()
+    first = open_layout(url, cache_dir=cache)
+    submit = first._io.submit
+    monkeypatch.setattr(first._io, "submit", lambda req: asked.append(set(req)) or submit(req))
+    _fetches(first, mine, seed=4)
+    index, x = _all_rows(first)
+    want = _all_rows(mine)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    assert {k for a in asked for k in a} == {"data", "indices"}
+    assert set(lean) == {frozenset({"indptr", "source_index"})}
+    # every table shard downloaded once, whole, and kept as the store's bytes
+    shards = _shard_files(local)
+    tables = {k for k in shards if k.startswith(tuple(f"{p}/c/" for p in paths))}
+    assert len(tables) >= 2 and _gets_under(s3, paths) == dict.fromkeys(tables, 1)
+    cached = _shard_files(cache)
+    assert all(cached[k].read_bytes() == shards[k].read_bytes() for k in tables)
+    # a new reader (a next epoch's process) finds them there
+    s3.stats.reset()
+    lean.clear()
+    again = open_layout(url, cache_dir=cache)
+    _fetches(again, mine, seed=5)
+    assert lean and _gets_under(s3, paths) == {} and _x_gets(s3) == {}
+
+
+def test_a_damaged_or_evicted_cached_table_shard_is_fetched_again(s3, stores, tmp_path):
+    """A cached table shard found damaged by the lean reader (a chunk failing its
+    checksum, a file cut short) is deleted, fetched again and said once; one the cache
+    deletes (evicts) under a reader that has it open is still read by that reader."""
+    from loader.cache import CacheRepairWarning
+
+    url, local = stores
+    mine = open_layout(local)
+    indptr, source_index = _table_paths(mine)
+    cache = tmp_path / "cache"
+    _all_rows(open_layout(url, cache_dir=cache))
+    cached = _shard_files(cache)
+    flipped, cut = cached[f"{indptr}/c/0"], cached[f"{source_index}/c/0"]
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 4] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    cut.write_bytes(cut.read_bytes()[:-50])
+    s3.stats.reset()
+    reader = open_layout(url, cache_dir=cache)
+    with pytest.warns(CacheRepairWarning) as said:
+        index, x = _all_rows(reader)
+    want = _all_rows(mine)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    assert sorted(re.search(r"copy of (\S+) of", str(w.message))[1] for w in said) == sorted(
+        [f"{indptr}/c/0", f"{source_index}/c/0"]
+    )
+    assert _gets_under(s3, (indptr, source_index)) == {
+        f"{indptr}/c/0": 1,
+        f"{source_index}/c/0": 1,
+    }
+    assert flipped.read_bytes() == (local / indptr / "c/0").read_bytes()
+    assert cut.read_bytes() == (local / source_index / "c/0").read_bytes()
+    # evicted under the reader (deleted, as the cache's limit does): read all the same
+    for p in _shard_files(cache).values():
+        if "/c/" in p.as_posix() and not p.as_posix().split("/c/")[0].endswith(("data", "indices")):
+            p.unlink()
+    s3.stats.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fetches(reader, mine, seed=6)
+    assert _gets_under(s3, (indptr, source_index)) == {}
+
+
 def test_obs_labels_var_names_and_rows_read_from_s3_equal_the_local_stores(stores):
     from loader import BlockDataset
 

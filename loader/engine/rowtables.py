@@ -26,7 +26,13 @@ between fetches (a block-shuffled epoch visits each chunk's blocks far apart).
 
 Only local stores whose tables are sharded by rows with ``bytes`` + ``blosc`` inner
 chunks (what ``sclayout convert`` writes) are read here: :func:`open_row_tables`
-returns ``None`` for any other, whose tables the backend reads.
+returns ``None`` for any other, whose tables the backend reads. A remote store read
+through the node's shard cache (:mod:`loader.cache`) is such a local store once its
+files are there: with ``files=`` (:class:`ShardFiles`), a shard file is staged before it
+is first opened, marked used as fetches read it, and a cached copy found damaged is
+fetched again and read once more. A staged file is only ever replaced or deleted, never
+rewritten in place, so the descriptor and mapped index of a file the cache evicts or
+repairs meanwhile stay valid.
 """
 
 from __future__ import annotations
@@ -35,33 +41,63 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
 
 from loader.engine.shards import decode_chunk, shard_index, where
 from loader.errors import InputError, LayoutError, too_many_files
 
-__all__ = ["RowTables", "open_row_tables"]
+__all__ = ["RowTables", "ShardFiles", "open_row_tables", "table_meta"]
 
 _MISSING = np.uint64(2**64 - 1)
 _NOWAIT = getattr(os, "RWF_NOWAIT", None)
 _WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
+class ShardFiles(Protocol):
+    """Where the shard files of a remote store come from: the node's shard cache.
+
+    Keys are store keys (``X/indptr/c/0``); ``meta``: the array's parsed metadata.
+    """
+
+    def staged(self, keys: Iterable[str], meta: Any) -> AbstractContextManager[None]:
+        """Download those of ``keys`` not in the cache; they stay there inside the block."""
+
+    def mark(self, keys: Iterable[str]) -> None:
+        """Mark the cached files of ``keys`` used (the last the cache evicts)."""
+
+    def repair(self, keys: Iterable[str], meta: Any) -> list[str]:
+        """Delete the damaged cached files of ``keys``, fetch them again; return those."""
+
+    def stage_metadata(self, key: str) -> bool:
+        """Stage the small object ``key`` (an array's ``zarr.json``); whether it exists."""
+
+
 class _Table:
     """One row-chunked table: its metadata and, per process, its shard files."""
 
-    def __init__(self, location: str, path: str, meta: Any, require_chunks: bool) -> None:
+    def __init__(
+        self,
+        location: str,
+        path: str,
+        meta: Any,
+        require_chunks: bool,
+        files: ShardFiles | None = None,
+    ) -> None:
         self.location = location
         self.path = path
         self.meta = meta
         self.require_chunks = require_chunks
+        self.files = files
         self.folder = os.path.join(location, path)
         self.shards: dict[int, tuple[int, np.ndarray] | None] = {}
         # closed by close(), or when this object is collected (a reader dropped unclosed)
         weakref.finalize(self, _close_shards, self.shards).atexit = False
+        self.touched: list[int] = []
+        """The shards the last fetch read (marked used in a shard cache)."""
         self.cold = False
         """Whether most chunks of the last fetch were not in the page cache: the next
         fetch announces all of its chunks rather than try each in the cache first."""
@@ -84,23 +120,43 @@ class _Table:
             self.shards[shard] = self._open(shard)
         return self.shards[shard]
 
+    def key(self, shard: int) -> str:
+        """Return the store key of ``shard``'s file (``X/indptr/c/3``)."""
+        m = self.meta
+        return f"{self.path}/{m.key_prefix}{shard}{m.key_suffix}"
+
     def _open(self, shard: int) -> tuple[int, np.ndarray] | None:
         m = self.meta
         key = f"{m.key_prefix}{shard}{m.key_suffix}"
-        try:
-            fd = os.open(os.path.join(self.folder, *key.split("/")), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+        name = os.path.join(self.folder, *key.split("/"))
+        if self.files is None:
+            fd = _open_file(name)
+        else:  # staged first; absent after a second try: absent from the store too
+            for _ in range(2):
+                with self.files.staged([self.key(shard)], m):
+                    fd = _open_file(name)
+                if fd is not None:
+                    break
+        if fd is None:
             return None
-        except OSError as e:
-            error = too_many_files(e)
-            if error is None:
-                raise
-            raise error from None
         try:
             return fd, shard_index(fd, self.meta, self.where(shard=shard), mapped=True)
         except BaseException:
             os.close(fd)
             raise
+
+
+def _open_file(name: str) -> int | None:
+    """Return a descriptor of file ``name``, ``None`` if there is none."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        error = too_many_files(e)
+        if error is None:
+            raise
+        raise error from None
 
 
 RECHECK_FETCHES = 32
@@ -111,13 +167,21 @@ here again, to notice when they are cached (see :meth:`RowTables.wanted`)."""
 class RowTables:
     """The row-chunked per-row tables of one local store (see the module docstring).
 
-    ``paths``: array path by key (``"indptr"``, ``"source_index"``, ``"obs:COLUMN"``).
+    ``tables``: array path and parsed metadata by key (``"indptr"``, ``"source_index"``,
+    ``"obs:COLUMN"``). ``files``: the shard cache a remote store's files are staged in
+    (``location`` is then the store's folder there).
     """
 
     def __init__(
-        self, location: str, tables: Mapping[str, tuple[str, Any]], *, require_chunks: bool
+        self,
+        location: str,
+        tables: Mapping[str, tuple[str, Any]],
+        *,
+        require_chunks: bool,
+        files: ShardFiles | None = None,
     ) -> None:
         self.location = location
+        self.files = files
         self._specs = dict(tables)
         self.require_chunks = bool(require_chunks)
         self._pid = -1
@@ -164,7 +228,8 @@ class RowTables:
         table = self._tables.get(key)
         if table is None:
             path, meta = self._specs[key]
-            table = self._tables[key] = _Table(self.location, path, meta, self.require_chunks)
+            table = _Table(self.location, path, meta, self.require_chunks, self.files)
+            self._tables[key] = table
         return table
 
     def read(self, keys: list[str], bounds: np.ndarray) -> dict[str, np.ndarray]:
@@ -176,22 +241,58 @@ class RowTables:
         if self._pid != os.getpid():  # a forked copy: the parent's files and lock are not ours
             self._tables, self._lock, self._pid = {}, threading.Lock(), os.getpid()
         with self._lock:
-            return {key: self._read_one(self._table(key), rows, bounds) for key in keys}
+            out = {}
+            for key in keys:
+                table = self._table(key)
+                if table.files is None:
+                    out[key] = _read_table(table, rows, bounds)
+                else:
+                    out[key] = _read_cached_table(table, rows, bounds)
+            return out
 
-    def _read_one(self, table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-        m = table.meta
-        C = m.chunk_rows
-        first, last = bounds[:, 0] // C, (np.maximum(bounds[:, 1], 1) - 1) // C
-        if bool((first == last).all()):
-            chunks = np.unique(first)
-        else:
-            counts = last - first + 1
-            spans = np.repeat(first - np.cumsum(counts) + counts, counts)
-            chunks = np.unique(spans + np.arange(int(counts.sum()), dtype=np.int64))
-        decoded = np.empty((chunks.size * C, *m.shape[1:]), dtype=m.dtype)
-        _read_chunks(table, chunks, decoded.reshape(-1).view(np.uint8))
-        slots = np.searchsorted(chunks, rows // C)
-        return decoded[slots * C + rows % C]
+
+def _chunks_of(table: _Table, bounds: np.ndarray) -> np.ndarray:
+    """Return the sorted inner chunks of ``table`` that the rows of ``bounds`` lie in."""
+    C = table.meta.chunk_rows
+    first, last = bounds[:, 0] // C, (np.maximum(bounds[:, 1], 1) - 1) // C
+    if bool((first == last).all()):
+        return np.unique(first)
+    counts = last - first + 1
+    spans = np.repeat(first - np.cumsum(counts) + counts, counts)
+    return np.unique(spans + np.arange(int(counts.sum()), dtype=np.int64))
+
+
+def _read_table(table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Return ``table`` at ``rows`` (those of the ranges ``bounds``), from its chunks."""
+    m = table.meta
+    C = m.chunk_rows
+    chunks = _chunks_of(table, bounds)
+    decoded = np.empty((chunks.size * C, *m.shape[1:]), dtype=m.dtype)
+    _read_chunks(table, chunks, decoded.reshape(-1).view(np.uint8))
+    slots = np.searchsorted(chunks, rows // C)
+    return decoded[slots * C + rows % C]
+
+
+def _read_cached_table(table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """:func:`_read_table` of a table staged in a shard cache (``table.files``).
+
+    The shard files the fetch read are marked used. A read that fails on a damaged file (a
+    chunk or an index failing its checksum, a file shorter than its index says) has the
+    cache check the fetch's shard files and fetch the damaged ones again, and is made
+    once more on files opened anew; a second failure is the store's own damage.
+    """
+    files = table.files
+    assert files is not None
+    got = None
+    with contextlib.suppress(LayoutError):  # (repaired below, outside this handler)
+        got = _read_table(table, rows, bounds)
+    if got is None:
+        shards = np.unique(_chunks_of(table, bounds) // table.meta.chunks_per_shard)
+        files.repair([table.key(s) for s in shards.tolist()], table.meta)
+        table.close()  # opened anew: the repaired files, not the damaged ones
+        got = _read_table(table, rows, bounds)
+    files.mark([table.key(s) for s in table.touched if table.shards.get(s) is not None])
+    return got
 
 
 def _locate(table: _Table, chunks: np.ndarray) -> tuple[np.ndarray, list[int]]:
@@ -202,7 +303,8 @@ def _locate(table: _Table, chunks: np.ndarray) -> tuple[np.ndarray, list[int]]:
     per = table.meta.chunks_per_shard
     shards, ks = np.divmod(chunks, per)
     where = np.empty((chunks.size, 3), dtype=np.int64)
-    for shard in np.unique(shards).tolist():
+    table.touched = np.unique(shards).tolist()
+    for shard in table.touched:
         mine = shards == shard
         found = table.shard(shard)
         if found is None:
@@ -305,30 +407,37 @@ def _decode(table: _Table, chunk: int, src: np.ndarray, target: np.ndarray) -> N
 
 
 def open_row_tables(
-    location: str, tables: Mapping[str, str], *, require_chunks: bool
+    location: str,
+    tables: Mapping[str, str],
+    *,
+    require_chunks: bool,
+    files: ShardFiles | None = None,
 ) -> RowTables | None:
     """Return a :class:`RowTables` of ``tables`` (key -> array path) of a local store.
 
     ``None`` when one of them is not sharded by rows with inner chunks this module
-    decodes (the backend reads them then).
+    decodes (the backend reads them then). ``files``: a remote store's shard cache,
+    ``location`` its folder of the store (see the module docstring).
     """
     specs = {}
     for key, path in tables.items():
-        meta = table_meta(location, path)
+        meta = table_meta(location, path, files)
         if meta is None:
             return None
         specs[key] = (path, meta)
-    return RowTables(location, specs, require_chunks=require_chunks)
+    return RowTables(location, specs, require_chunks=require_chunks, files=files)
 
 
-def table_meta(location: str, path: str) -> Any:
+def table_meta(location: str, path: str, files: ShardFiles | None = None) -> Any:
     """Return the parsed metadata of a row-chunked table ``path``, or ``None``.
 
     ``None``: not a local array sharded by rows with ``bytes`` (+ ``blosc``) inner
-    chunks.
+    chunks. With ``files`` (a shard cache), its ``zarr.json`` is staged first.
     """
     from loader.engine.shards import open_direct
 
+    if files is not None and not files.stage_metadata(f"{path}/zarr.json"):
+        return None
     direct = open_direct(location, path, whole_array_bytes=0)
     if direct is None:
         return None
