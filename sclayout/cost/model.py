@@ -35,8 +35,9 @@ Decoding, assembly and the per-fetch CPU are figures timed one step at a time; t
 loader running all of them at once spends :meth:`Profile.cpu_scale_at` times as much
 at the fetch's working set (:func:`working_set_bytes`: the fetches held and a dense
 minibatch), as calibrate measured it running. A local store whose arrays are small
-(:func:`in_memory`) is read once and then served from memory: a fetch is a copy;
-read from a node cache, its per-row tables in row chunks are read with every fetch.
+(:func:`in_memory`) is read once and then served from memory: a fetch is a copy
+(its per-row tables in row chunks are read by the lean row-table reader, locally and
+through a node cache alike).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
@@ -543,12 +544,8 @@ def _fetch_times(
     options: ModelOptions,
     dec_threads: int,
     cores: float,
-    cache: bool = False,
 ) -> _FetchTimes:
-    """Storage and CPU times of one fetch (see the module docstring's terms).
-
-    ``cache``: the store is read from a node cache's copy (:func:`_in_memory_times`).
-    """
+    """Storage and CPU times of one fetch (see the module docstring's terms)."""
     backend = settings.backend
     R, n_chunks, bytes_read = stats.requests, stats.chunks, stats.bytes_read
     if matrix_cached(stats, backend=backend, codec=codec, profile=profile):
@@ -573,12 +570,14 @@ def _fetch_times(
     t_io = _io_time(profile, R, compressed, c)
     t_decode = bytes_read / speed.decode_Bps + n_chunks * speed.chunk_s
     dec_parallel = min(dec_threads, cores)
-    t_tables = 0.0  # priced as it is, not scaled (:func:`_in_memory_times`)
     if in_memory(stats, backend=backend, codec=codec, profile=profile):
-        R, t_decode, t_tables, dec_parallel = _in_memory_times(
-            stats, profile, speed, dec_threads, cores, cache=cache
-        )
-        c, compressed, t_io, t_read_cpu = max(1.0, min(R, dec_threads)), 0.0, 0.0, 0.0
+        # read and decoded once, then each fetch is a copy of its rows on the thread
+        # that submits it: no request, no decoding. Per-row tables in row chunks
+        # (:attr:`FetchStats.row_chunked`) are never held whole: the lean row-table
+        # reader reads them in the assembly thread (a local store, or a remote one's
+        # node cache), within the loader's CPU that calibrate measured running
+        R, c, compressed, t_io, t_read_cpu = 0.0, 1.0, 0.0, 0.0, 0.0
+        t_decode, dec_parallel = bytes_read / profile.copy_Bps, 1.0
     # the CPU figures are timed on data in cache; the loader as it runs spends this
     # much more (or less) at this fetch's working set (:attr:`Profile.cpu_scale`)
     k = profile.cpu_scale_at(working_set_bytes(stats, n_vars, settings, options))
@@ -588,42 +587,13 @@ def _fetch_times(
         compressed=compressed,
         bytes_read=bytes_read,
         t_io=t_io,
-        t_decode=k * t_decode + t_tables,
+        t_decode=k * t_decode,
         t_gather=k * stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
         t_dense=k * stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
         t_read_cpu=t_read_cpu,
         t_overhead=k * profile.fetch_overhead_s + t_read_cpu,
         dec_parallel=dec_parallel,
     )
-
-
-def _in_memory_times(
-    stats: FetchStats, profile: Profile, speed: Any, dec_threads: int, cores: float, *, cache: bool
-) -> tuple[float, float, float, float]:
-    """Price a fetch whose matrix the direct reader holds in memory.
-
-    Returns its requests, the copy's CPU, the per-row tables' CPU and the decode
-    parallelism. The arrays are read and decoded once, then each fetch is a copy of
-    its rows on the thread that submits it. Per-row tables in row chunks
-    (:attr:`FetchStats.row_chunked`) are never held whole: from a local store the lean
-    row-table reader reads them in the assembly thread (within the loader's CPU that
-    calibrate measured running); through the node cache the direct reader reads and
-    decodes their chunks on the decode threads with every fetch. Each of those runs is
-    a block's rows within one small inner chunk, read from the page cache (every fetch
-    reads them): it costs the codec's CPU per chunk and per byte, which calibrate
-    times reading chunks from the page cache beyond the CPU caches, so no storage
-    time, no cold read's surplus and no working-set scale on top.
-    """
-    ptr = cache and stats.row_chunked
-    R = stats.pointer_reads if ptr else 0.0
-    table_bytes = stats.pointer_bytes_read if ptr else 0.0
-    t_copy = (stats.bytes_read - table_bytes) / profile.copy_Bps
-    if R <= 0:
-        return 0.0, t_copy, 0.0, 1.0
-    t_tables = table_bytes / speed.decode_Bps + stats.pointer_chunks * speed.chunk_s
-    # the copy on the submitting thread beside the tables' decoding on the decode threads
-    par = max(1.0, min(dec_threads, cores))
-    return R, t_copy, t_tables, (t_copy + t_tables) / max(t_copy, t_tables / par)
 
 
 def working_set_bytes(
@@ -710,15 +680,11 @@ def _limits(
     pipe = max(front, back) if options.read_ahead > 0 else front + back
     stage = "io" if front >= back else "assembly"
     # the storage serves every pipeline's requests at once (amortised time per fetch at
-    # W·c in flight; none for reads from the page cache, :func:`_in_memory_times`), the
-    # cores run every pipeline's CPU
-    storage = _io_time(profile, t.requests, t.compressed, workers * t.in_flight)
-    if t.requests > 0 and t.t_io == 0:
-        storage = 0.0
+    # W·c in flight), the cores run every pipeline's CPU
     limits = {
         stage: pipe / workers,
         "cpu": _cpu_limit(cpu_total, t.t_read_cpu, profile, busy_cores),
-        "storage": storage,
+        "storage": _io_time(profile, t.requests, t.compressed, workers * t.in_flight),
         "main process": main,
     }
     return limits, stage
@@ -754,13 +720,12 @@ def predict_from_stats(
     profile: Profile,
     options: ModelOptions = ModelOptions(),
     cores: int | None = None,
-    cache: bool = False,
 ) -> Prediction:
     """Time and memory of a fetch from its plan statistics (pure arithmetic).
 
     With ``cores``: on the profile's machine given that many cores
-    (:meth:`Profile.at_cores`). ``cache``: a remote store read from the node cache's
-    copy on ``profile``'s disk (its per-row tables are read with every fetch).
+    (:meth:`Profile.at_cores`). A remote store read from a warm node cache is priced
+    so on the cache's disk profile: the loader reads the cache's copy as a local store.
     """
     if cores is not None:
         profile = profile.at_cores(cores)
@@ -773,7 +738,7 @@ def predict_from_stats(
     dec_threads = decode_threads_for(backend, profile, settings.num_workers)
     busy = _busy_cores(profile, profile.cores, settings.num_workers, dec_threads)
     shared = {"settings": settings, "profile": profile, "dec_threads": dec_threads, "cores": busy}
-    t = _fetch_times(stats, n_vars=n_vars, codec=codec, options=options, cache=cache, **shared)
+    t = _fetch_times(stats, n_vars=n_vars, codec=codec, options=options, **shared)
     limits, stage = _limits(t, stats, n_vars=n_vars, options=options, **shared)
     bound = max(limits, key=lambda k: limits[k])
     if bound == "io" and t.t_io <= profile.latency_s * 1.01:
@@ -1058,7 +1023,7 @@ def predict_run_from_stats(
                 f"cache=True: profile {profile.name!r} is a local disk; the node cache "
                 "stages a remote store: give the bucket's profile"
             )
-        rank = predict_from_stats(stats, profile=cache_profile, cache=True, **common)
+        rank = predict_from_stats(stats, profile=cache_profile, **common)
         out = _run_with_cache(
             rank, stats, run, profile=profile, n_obs=n_obs, files=files, store_bytes=store_bytes
         )
