@@ -44,7 +44,10 @@ def node(args: argparse.Namespace) -> None:
     """One node: build the dataset, say ready, wait for go, read one epoch, print the figures."""
     import resource
 
+    if args.cgroup:  # join the node's CPU quota before any thread starts or reads it
+        Path(args.cgroup, "cgroup.procs").write_text(str(os.getpid()))
     from loader import BlockDataset
+    from loader.engine.config import EngineConfig
 
     cache = {"cache_dir": args.cache} if args.cache else {}
     ds = BlockDataset(
@@ -57,7 +60,7 @@ def node(args: argparse.Namespace) -> None:
         prefetch_next_epoch=False,
         **cache,
     )
-    print("ready", flush=True)
+    print(f"ready {EngineConfig().resolved().cores}", flush=True)
     sys.stdin.readline()
     start = time.time()
     used = resource.getrusage(resource.RUSAGE_SELF)
@@ -83,18 +86,22 @@ def phase(
 ) -> dict[str, Any]:
     """Run one epoch on ``n`` nodes; return the phase's figures."""
     env = {**os.environ, **(s3.variables() if s3 else {})}
-    procs = []
+    procs, cores = [], set()
     for rank in range(n):
         cmd = [sys.executable, __file__, "--node", url, "--rank", str(rank), "--world", str(n)]
         cmd += ["--epoch", str(epoch), "--batch-size", str(a.batch_size)]
         cmd += ["--fetch-factor", str(a.fetch_factor), "--min-seconds", str(a.min_seconds)]
         if caches:
             cmd += ["--cache", caches[rank]]
+        if a.cgroups:
+            cmd += ["--cgroup", a.cgroups[rank]]
         procs.append(
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         )
     for p in procs:
-        assert p.stdout.readline().strip() == "ready"
+        said = p.stdout.readline().split()
+        assert said[:1] == ["ready"], "a node failed to start"
+        cores.add(int(said[1]))
     if s3:
         s3.stats.reset()
     for p in procs:
@@ -115,7 +122,49 @@ def phase(
         "bytes_per_cell": round(sent / cells, 1),
         "x_gets": sum(v for k, v in (s3.stats.get_keys.items() if s3 else ()) if "/X/" in k),
         "cpu_us_per_cell": round(sum(g["cpu"] for g in got) / cells * 1e6, 2),
+        "node_cores": cores.pop() if len(cores) == 1 else sorted(cores),
     }
+
+
+def node_cgroups(n: int, cores: float) -> list[str]:
+    """Make one cgroup per node with a CPU quota of ``cores``: each node a small machine.
+
+    The nodes of this benchmark share one machine's cores; with a quota each gets the
+    same share, as separate machines would, and the loader sizes its decoders from it
+    (:func:`loader.engine.cores.cgroup_cpu_limit`). cgroup v1's ``cpu`` controller or
+    v2's ``cpu.max``; making them needs root.
+    """
+    period = 100_000
+    root = Path("/sys/fs/cgroup")
+    v1s = [root / d for d in ("cpu", "cpu,cpuacct")]
+    v1 = next((d for d in v1s if (d / "cpu.cfs_quota_us").exists()), None)
+    made: list[str] = []
+    try:
+        for rank in range(n):
+            folder = (v1 or root) / f"sclayout-bench-{os.getpid()}-node{rank}"
+            folder.mkdir()
+            made.append(str(folder))
+            if v1:
+                (folder / "cpu.cfs_period_us").write_text(str(period))
+                (folder / "cpu.cfs_quota_us").write_text(str(round(cores * period)))
+            else:
+                (folder / "cpu.max").write_text(f"{round(cores * period)} {period}")
+    except OSError as e:
+        remove_cgroups(made)
+        sys.exit(
+            f"--node-cores: cannot make a CPU-limited cgroup ({e.strerror}: {e.filename}); "
+            "run as root where cgroup v1 'cpu' or v2 'cpu.max' is writable, or without it"
+        )
+    return made
+
+
+def remove_cgroups(paths: list[str]) -> None:
+    """Remove the nodes' cgroups (empty once their processes have exited)."""
+    for path in paths:
+        try:
+            os.rmdir(path)
+        except OSError:
+            pass
 
 
 def make_store(root: Path, n_obs: int) -> Path:
@@ -138,6 +187,7 @@ def run(a: argparse.Namespace) -> None:
 
     work = Path(tempfile.mkdtemp(prefix="sclayout-bucket-cache-"))
     rows: list[dict[str, Any]] = []
+    a.cgroups = node_cgroups(max(a.nodes), a.node_cores) if a.node_cores else []
     try:
         store = make_store(work, a.n_obs)
         for epoch in (1, 2):  # the baseline: the same store on local disk, one node
@@ -166,6 +216,7 @@ def run(a: argparse.Namespace) -> None:
                         shutil.rmtree(c, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        remove_cgroups(a.cgroups)
     report(rows, a)
 
 
@@ -204,9 +255,9 @@ def median_phase(
 def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
     """Write benchmarks/results/bucket_cache.{json,md}, with the targets' ratios."""
 
-    def row(n: int, epoch: int = 2) -> dict[str, Any]:
-        """The row of the throttled store read with caches by ``n`` nodes."""
-        want = ("throttled S3", n, "yes", epoch)
+    def row(n: int, epoch: int = 2, cache: str = "yes") -> dict[str, Any]:
+        """The row of the throttled store read by ``n`` nodes, with caches or not."""
+        want = ("throttled S3", n, cache, epoch)
         return next(r for r in rows if (r["storage"], r["nodes"], r["cache"], r["epoch"]) == want)
 
     one = row(1)
@@ -215,8 +266,11 @@ def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
         "warm_cache_vs_local_epoch2": one["vs_local"],
         "warm_cache_cpu_per_cell_vs_local_epoch2": one["cpu_vs_local"],
         **{
-            f"{n}_nodes_vs_1_cached_epoch2": round(row(n)["cells_per_s"] / one["cells_per_s"], 3)
+            f"{n}_nodes_vs_1_{kind}_epoch2": round(
+                row(n, cache=c)["cells_per_s"] / row(1, cache=c)["cells_per_s"], 3
+            )
             for n in a.nodes
+            for kind, c in (("cached", "yes"), ("uncached", "no"))
         },
     }
     cols = {
@@ -231,10 +285,12 @@ def report(rows: list[dict[str, Any]], a: argparse.Namespace) -> None:
         "cpu_us_per_cell": "CPU µs/cell",
         "seconds": "s",
     }
+    shares = f"{a.node_cores:g} cores a node" if a.node_cores else "the nodes share the cores"
     md = (
         f"# Throttled object store: nodes x cache\n\n`{command_line()}`\n\n"
         f"latency {a.latency * 1000:g} ms a request, {a.gets_per_s:g} GETs/s across clients; "
-        f"{a.n_obs} cells, batch {a.batch_size}, fetch factor {a.fetch_factor}; median of "
+        f"{a.n_obs} cells, batch {a.batch_size}, fetch factor {a.fetch_factor}; "
+        f"{shares}; median of "
         f"{a.runs} runs (cached epoch 1: one run; the warm cache of one node in runs paired "
         f"with local disk's)\n\n{markdown_table(rows, cols)}\n\n"
         + "\n".join(f"- {k}: {v}" for k, v in ratios.items())
@@ -257,12 +313,19 @@ def main() -> None:
     ap.add_argument(
         "--min-seconds", type=float, default=5.0, help="a phase reads epochs until this long"
     )
+    ap.add_argument(
+        "--node-cores",
+        type=float,
+        default=None,
+        help="a CPU quota for each node (cgroups, root): nodes as separate small machines",
+    )
     # a node's own arguments (the benchmark starts its nodes with them)
     ap.add_argument("--node", metavar="URL", help=argparse.SUPPRESS)
     ap.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--epoch", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--cache", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.node:
         a.url = a.node
