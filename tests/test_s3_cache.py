@@ -440,6 +440,50 @@ def test_an_overwrite_that_fails_leaves_the_old_store_readable(s3, shared_store,
     assert len(prefixes) == 1 and prefixes.pop().startswith("g-")
 
 
+def test_an_overwrite_killed_mid_write_leaves_the_old_store_readable(s3, shared_store):
+    """A ``convert --overwrite`` process killed (SIGKILL) while it writes the new
+    generation: DST is still the old store, whole; the next overwrite removes what the
+    killed one left."""
+    from sclayout.convert.convert import convert
+
+    src, local = shared_store
+    url = "s3://data/killed.zarr"
+    convert(src, url, block_size=8, order="shuffled", seed=3, jobs=2)
+    want = _all_rows(open_layout(local))
+    cmd = [sys.executable, "-m", "sclayout", "convert", str(src), url, "--overwrite", "-q"]
+    cmd += ["--block-size", "16", "--order", "shuffled", "--seed", "3"]
+    before = s3.stats.puts
+    proc = subprocess.Popen(cmd, env={**os.environ, **s3.variables()})
+    try:
+        deadline = time.monotonic() + 120
+        while s3.stats.puts - before < 3 and proc.poll() is None:  # the new store's first objects
+            assert time.monotonic() < deadline, "the conversion wrote nothing in 120 s"
+            time.sleep(0.002)
+        proc.kill()
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -9, "the conversion ended before it could be killed"
+    import tensorstore as ts
+
+    from loader.backends import ts_kvstore
+
+    kv = ts.KvStore.open(ts_kvstore(url, "")).result()
+    left = {k.decode().split("/")[0] for k in kv.list().result()}
+    assert any(p.startswith("g-") for p in left)  # killed mid-write: a partial generation
+    old = open_layout(url)
+    assert old.block_size == 8
+    index, x = _all_rows(old)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    convert(src, url, block_size=16, overwrite=True, jobs=2)
+    new = open_layout(url)
+    assert new.block_size == 16
+    index, x = _all_rows(new)
+    assert np.array_equal(index, want[0]) and np.array_equal(x, want[1])
+    prefixes = {k.decode().split("/")[0] for k in kv.list().result()} - {"zarr.json"}
+    assert len(prefixes) == 1  # the killed run's generation is gone
+
+
 def test_a_store_replaced_in_its_bucket_is_never_served_from_a_warm_cache(
     s3, tmp_path, make_source
 ):
