@@ -259,8 +259,8 @@ class Prediction:
     """CPU seconds per cell of all the loader's processes and threads (decoding,
     assembly, per-fetch and reading CPU): what a loaded machine changes least."""
     cores: float = 0.0
-    """Cores the prediction lets the loader keep busy on its CPU work (the divisor of
-    its CPU bound)."""
+    """Cores the loader keeps busy, as predicted: a fetch's CPU over its time (at most
+    the profile's :attr:`Profile.cores`, the divisor of the CPU bound)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the prediction as a JSON-ready dict."""
@@ -803,7 +803,7 @@ def predict_from_stats(
         ),
         workers=max(1, settings.num_workers),
         cpu_s_per_cell=cpu / max(stats.rows, 1.0),
-        cores=cpu / limits["cpu"] if limits["cpu"] > 0 else 0.0,
+        cores=cpu / fetch_s if fetch_s > 0 else 0.0,
     )
 
 
