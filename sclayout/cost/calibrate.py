@@ -784,7 +784,50 @@ machine busy with other jobs the loader gets a share of a core, and its CPU figu
 timed in CPU seconds, would predict it as if it had more: the share measured is the
 share predicted, down to this floor."""
 PARALLELISM_ROWS = 16384
-"""Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
+"""Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled), at
+least: more for a target read by the decode processes (:func:`loader_run_rows`)."""
+
+
+def loader_run_rows(target_nnz: int | None, n_vars: int, indptr: np.ndarray) -> int:
+    """Return the rows of :func:`measure_pipeline`'s store for a target of ``target_nnz`` values.
+
+    The direct shard reader serves a matrix whose arrays are at most
+    :data:`loader.engine.shards.SMALL_ARRAY_BYTES` from memory, and reads a larger one
+    through the decode processes, whose dispatch (in the thread that also cuts the
+    minibatches) and own CPU the run must then include. When the target is that
+    large, the sample (``indptr``'s rows) is tiled until its indices (2 bytes a value
+    below 32,768 genes, else 4) are twice that size; otherwise, or when the target's
+    size is unknown (``None``), :data:`PARALLELISM_ROWS` rows.
+    """
+    from loader.engine.shards import SMALL_ARRAY_BYTES
+
+    index_bytes = 2 if n_vars < 2**15 else 4
+    if target_nnz is None or target_nnz * index_bytes <= SMALL_ARRAY_BYTES:
+        return PARALLELISM_ROWS
+    per_row = max(float(indptr[-1]) / max(len(indptr) - 1, 1), 1.0) * index_bytes
+    return max(PARALLELISM_ROWS, math.ceil(2 * SMALL_ARRAY_BYTES / per_row))
+
+
+def _target_nnz(target: str) -> int | None:
+    """Return the stored values of a local target's matrix (``None``: a URL, or unknown)."""
+    from loader.location import is_url
+    from loader.store import read_manifest
+
+    if is_url(target):
+        return None
+    try:
+        x = read_manifest(target).X
+        return int(np.prod(x.arrays["data" if x.is_csr else "values"].shape))
+    except (SclayoutError, OSError, KeyError, ValueError):
+        pass
+    try:
+        import h5py
+
+        with h5py.File(target, "r") as f:
+            x = f["X"]
+            return int(x["data"].shape[0] if isinstance(x, h5py.Group) else x.size)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -830,10 +873,11 @@ def measure_pipeline(
     block_size: int = 64,
     fetch_factors: tuple[int, ...] = (16, 4, 64),
     worker_seconds: float = 0.0,
+    rows: int = PARALLELISM_ROWS,
 ) -> PipelineFigures:
     """Measure the loader's parallelism and fixed per-fetch CPU when storage never waits.
 
-    The sample rows are tiled to :data:`PARALLELISM_ROWS` rows, converted by
+    The sample rows are tiled to ``rows`` rows (:func:`loader_run_rows`), converted by
     ``sclayout convert`` (blosc-lz4) into a temporary layout store (just written, so
     in the page cache), and :class:`loader.BlockDataset` reads it (dense output, batch
     64) for ``seconds`` in all, in :data:`CPU_ROUNDS` interleaved rounds over the two
@@ -875,7 +919,7 @@ def measure_pipeline(
             folder=Path(tmp),
             name="pipeline",
             codec="blosc-lz4",
-            rows=PARALLELISM_ROWS,
+            rows=rows,
             block_size=block_size,
         )
         datasets = [BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0) for f in fetch_factors]
@@ -1304,8 +1348,9 @@ def _measure_cpu(
     # how many cores the loader's pipeline keeps busy when nothing waits on I/O
     bar.set_postfix_str("loader parallelism")
     pipeline = measure_pipeline(
-        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers
-    )
+        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers,
+        rows=loader_run_rows(_target_nnz(local or target), n_vars, indptr),
+    )  # fmt: skip
     bar.update()
     figures = {
         "codecs": speeds,
