@@ -3,6 +3,7 @@ and the loader's parallelism."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -13,6 +14,7 @@ from sclayout.cost.calibrate import (
     CPU_ROUNDS,
     cpu_bound_cores,
     fit_costs,
+    loader_run_rows,
     measure_assembly,
     measure_codecs,
     measure_pipeline,
@@ -167,6 +169,21 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
 )
 def test_cpu_bound_cores_are_the_planned_cores_less_other_jobs(busy, others, want):
     assert cpu_bound_cores(busy, others, 2.0) == pytest.approx(want)
+
+
+def test_the_loader_run_reads_through_the_decode_processes_when_the_target_would():
+    """A target too large for the direct reader to hold in memory gets a loader-run
+    store whose indices pass SMALL_ARRAY_BYTES twice over (read as the loader will read
+    the target); a small or unknown one, PARALLELISM_ROWS rows."""
+    from loader.engine.shards import SMALL_ARRAY_BYTES
+
+    indptr = np.arange(0, 1001 * 1000, 1000)  # 1,000 rows of 1,000 values
+    small, large = SMALL_ARRAY_BYTES // 4, 100 * SMALL_ARRAY_BYTES
+    assert loader_run_rows(small, 20_000, indptr) == calibrate_mod.PARALLELISM_ROWS
+    assert loader_run_rows(None, 20_000, indptr) == calibrate_mod.PARALLELISM_ROWS
+    rows = loader_run_rows(large, 20_000, indptr)  # 2-byte indices
+    assert rows * 1000 * 2 >= 2 * SMALL_ARRAY_BYTES > (rows - 1) * 1000 * 2
+    assert loader_run_rows(large, 40_000, indptr) == math.ceil(rows / 2)  # 4-byte indices
 
 
 def test_measure_pipeline_records_the_other_processes_cores(monkeypatch):
