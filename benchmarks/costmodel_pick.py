@@ -59,6 +59,8 @@ class DataSet:
     store_dirs: tuple[Path, ...] = ()
 
 
+LABELS = {"tahoe": "plate", "pbmc": "Annotation", "smoke": "plate"}
+"""Each set's label whose diversity recommend keeps."""
 SETS = ("tahoe", "pbmc")
 """The sets: the peer harness's 200k-cell Tahoe-like file (``--tahoe``, stores already
 converted from it in ``--tahoe-stores``) and the PBMC file (``--pbmc``)."""
@@ -69,9 +71,9 @@ PBMC = ROOT.parent.parent / "shared/data/soupx_pbmc4k_half_2170x33694_counts.h5a
 def _data_set(name: str, args: argparse.Namespace) -> DataSet:
     """The set ``name`` from the command line's paths (a one-line exit when missing)."""
     if name == "tahoe":
-        ds = DataSet("tahoe", args.tahoe, "plate", tuple(args.tahoe_stores))
+        ds = DataSet("tahoe", args.tahoe, LABELS["tahoe"], tuple(args.tahoe_stores))
     else:
-        ds = DataSet("pbmc", args.pbmc, "Annotation")
+        ds = DataSet("pbmc", args.pbmc, LABELS["pbmc"])
     if ds.source is None or not Path(ds.source).exists():
         raise SystemExit(f"costmodel_pick: no {name} source ({ds.source}); pass --{name} FILE")
     return ds
@@ -152,7 +154,7 @@ def repredict(doc: dict[str, Any], others_cores: float = math.nan) -> list[dict[
     fields = Measurement.__dataclass_fields__
     rows = []
     for r in doc["rows"]:
-        ds = DataSet(r["set"], Path(r["source"]), "plate" if r["set"] == "tahoe" else "Annotation")
+        ds = DataSet(r["set"], Path(r["source"]), LABELS[r["set"]])
         ff, w = (int(x[1:]) for x in r["pick"].split()[-2:])
         loader = LoaderSettings(batch_size=BATCH, fetch_factor=ff, num_workers=w)
         spec = LayoutSpec(store=_store_spec(Path(r["store"])), loader=loader)
@@ -384,7 +386,7 @@ def _smoke_set(work: Path) -> DataSet:
     from sclayout.testing.datasets import cached_tahoe_like
 
     src = cached_tahoe_like(n_obs=3000, n_vars=300, nnz_per_cell=40)
-    return DataSet("smoke", src, "plate", ())
+    return DataSet("smoke", src, LABELS["smoke"], ())
 
 
 def main(argv: list[str] | None = None) -> None:
