@@ -403,7 +403,7 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
 
     CPU time, not wall time: on a machine shared with other jobs, wall time would also
     count the time this process waits for a core, and the model already divides a
-    fetch's CPU by the cores the loader gets (calibrate's measured parallelism), so it
+    fetch's CPU by the cores the loader gets (:func:`cpu_bound_cores`), so it
     would count the other jobs twice. Callers take the median of several rounds.
     """
     cpu0 = time.process_time()
@@ -885,8 +885,8 @@ def measure_pipeline(
 
     - parallelism: process CPU / wall time with the first (larger) fetch factor.
       Below the core count because this run waits on the pipeline's serial stage
-      (the thread that cuts and densifies the minibatches) while its decoding, from
-      memory, is light. On a machine busy with other jobs, the share of the cores
+      (the thread that cuts and densifies the minibatches and hands the decode
+      processes their work). On a machine busy with other jobs, the share of the cores
       the loader gets: no longer raised to one core (:data:`MIN_PARALLELISM`), since
       the CPU figures are CPU seconds.
     - others_cores: the cores the machine's other processes kept busy meanwhile

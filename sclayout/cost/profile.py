@@ -335,7 +335,7 @@ class Profile:
         """Return the profile of this machine given ``cores`` cores.
 
         Instead of the cores it was calibrated with: the same storage and speed per
-        core, the parallelism calibrate measured (``cores``, ``worker_cores``) scaled per
+        core, the cores calibrate gave (``cores``, ``worker_cores``) scaled per
         core. The model then starts as many decode threads as the loader would there.
         """
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:
