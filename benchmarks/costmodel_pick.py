@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import statistics
@@ -58,6 +59,8 @@ class DataSet:
     store_dirs: tuple[Path, ...] = ()
 
 
+LABELS = {"tahoe": "plate", "pbmc": "Annotation", "smoke": "plate"}
+"""Each set's label whose diversity recommend keeps."""
 SETS = ("tahoe", "pbmc")
 """The sets: the peer harness's 200k-cell Tahoe-like file (``--tahoe``, stores already
 converted from it in ``--tahoe-stores``) and the PBMC file (``--pbmc``)."""
@@ -68,9 +71,9 @@ PBMC = ROOT.parent.parent / "shared/data/soupx_pbmc4k_half_2170x33694_counts.h5a
 def _data_set(name: str, args: argparse.Namespace) -> DataSet:
     """The set ``name`` from the command line's paths (a one-line exit when missing)."""
     if name == "tahoe":
-        ds = DataSet("tahoe", args.tahoe, "plate", tuple(args.tahoe_stores))
+        ds = DataSet("tahoe", args.tahoe, LABELS["tahoe"], tuple(args.tahoe_stores))
     else:
-        ds = DataSet("pbmc", args.pbmc, "Annotation")
+        ds = DataSet("pbmc", args.pbmc, LABELS["pbmc"])
     if ds.source is None or not Path(ds.source).exists():
         raise SystemExit(f"costmodel_pick: no {name} source ({ds.source}); pass --{name} FILE")
     return ds
@@ -102,15 +105,15 @@ def _search(stats: Any, profile: Any, space: Any, label: str | None) -> Any:
     )
 
 
-def _repredict(stats: Any, pick: Any, profile: Any, label: str | None) -> Any:
-    """Return what ``recommend`` predicts for ``pick`` from another calibration.
+def _repredict(stats: Any, spec: Any, profile: Any, label: str | None) -> Any:
+    """Return what ``recommend`` predicts for the pick's ``spec`` from another calibration.
 
     The search of only the pick's settings (its four chunk sizes), the candidate of the
     pick's chunk size.
     """
     from sclayout.cost.search import SearchSpace
 
-    s, ld = pick.spec.store, pick.spec.loader
+    s, ld = spec.store, spec.loader
     space = SearchSpace(
         block_sizes=(s.block_size,),
         fetch_factors=(ld.fetch_factor,),
@@ -121,6 +124,59 @@ def _repredict(stats: Any, pick: Any, profile: Any, label: str | None) -> Any:
     res = _search(stats, profile, space, label).result
     same = [c for c in res.candidates if c.spec.store.csr_chunk_nnz == s.csr_chunk_nnz]
     return (same or [res.pick])[0].prediction
+
+
+def repredict(doc: dict[str, Any], others_cores: float = math.nan) -> list[dict[str, Any]]:
+    """Return a recorded run's rows predicted again by this model, from their own calibrations.
+
+    The pick (its layout read from the measured store's manifest) is predicted again
+    from each round's profile and compared with the recorded measurements. A profile
+    written before calibrate measured the other processes' cores (no
+    ``extra["loader_cores"]``) holds the cores its loader run kept busy; it gets
+    :func:`sclayout.cost.calibrate.cpu_bound_cores` of those and ``others_cores``
+    (NaN: unchanged).
+    """
+    from types import SimpleNamespace
+
+    from loader.spec import LayoutSpec, LoaderSettings
+    from sclayout.cost.bench import Measurement
+    from sclayout.cost.calibrate import cpu_bound_cores
+    from sclayout.cost.profile import Profile
+    from sclayout.cost.stats import read_dataset_stats
+
+    def profile(d: dict[str, Any]) -> Any:
+        p = Profile.from_dict(d)
+        if "loader_cores" in p.extra:
+            return p
+        cores = cpu_bound_cores(p.cores, others_cores, p.cpu_count)
+        return p.with_(cores=cores, extra={**p.extra, "loader_cores": p.cores})
+
+    fields = Measurement.__dataclass_fields__
+    rows = []
+    for r in doc["rows"]:
+        ds = DataSet(r["set"], Path(r["source"]), LABELS[r["set"]])
+        ff, w = (int(x[1:]) for x in r["pick"].split()[-2:])
+        loader = LoaderSettings(batch_size=BATCH, fetch_factor=ff, num_workers=w)
+        spec = LayoutSpec(store=_store_spec(Path(r["store"])), loader=loader)
+        stats = read_dataset_stats(ds.source, label=ds.label)
+        profiles = [profile(p) for p in r["profiles"]]
+        preds = [_repredict(stats, spec, p, ds.label) for p in profiles]
+        ms = [Measurement(**{k: v for k, v in x.items() if k in fields}) for x in r["runs"]]
+        row = _row(ds, SimpleNamespace(spec=spec, prediction=preds[0]), preds, ms)
+        row.update(store=r["store"], profiles=[p.to_dict() for p in profiles])
+        rows.append(row)
+    return rows
+
+
+def _store_spec(store: Path) -> Any:
+    """The layout of ``store``, as a :class:`loader.spec.StoreSpec`."""
+    from loader.spec import StoreSpec
+    from loader.store import read_manifest
+
+    m = read_manifest(str(store))
+    data = m.X.arrays["data" if m.X.is_csr else "values"]
+    chunk = data.chunks[0] if m.X.is_csr else None
+    return StoreSpec(block_size=m.block_size, order=m.order, codec=data.codec, csr_chunk_nnz=chunk)
 
 
 def _matches(store: Path, spec: Any) -> bool:
@@ -183,7 +239,7 @@ def check(
     for r in range(rounds):
         if r:
             profiles.append(_calibrate(ds, smoke=smoke))
-            preds.append(_repredict(stats, pick, profiles[-1], ds.label))
+            preds.append(_repredict(stats, pick.spec, profiles[-1], ds.label))
         ms += [_measure(ds, store, pick, seconds, seed=r * runs + i) for i in range(runs)]
     row = _row(ds, pick, preds, ms)
     row.update(
@@ -308,6 +364,21 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
         "--results", type=Path, default=ROOT / "results", help="costmodel-pick.{json,md} go here"
     )
     ap.add_argument("--smoke", action="store_true", help="a tiny synthetic set, seconds")
+    ap.add_argument(
+        "--repredict",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="predict a recorded run's picks again from its calibrations (no measuring); "
+        "writes costmodel-pick-repredicted.{json,md}",
+    )
+    ap.add_argument(
+        "--others-cores",
+        type=float,
+        default=math.nan,
+        help="with --repredict: the cores other processes kept busy during the calibrations "
+        "of a record made before calibrate measured them [unknown: their cores as recorded]",
+    )
     return ap.parse_args(argv)
 
 
@@ -315,11 +386,21 @@ def _smoke_set(work: Path) -> DataSet:
     from sclayout.testing.datasets import cached_tahoe_like
 
     src = cached_tahoe_like(n_obs=3000, n_vars=300, nnz_per_cell=40)
-    return DataSet("smoke", src, "plate", ())
+    return DataSet("smoke", src, LABELS["smoke"], ())
 
 
 def main(argv: list[str] | None = None) -> None:
     args = _args(argv)
+    if args.repredict:
+        doc = json.loads(args.repredict.read_text())
+        rows = repredict(doc, args.others_cores)
+        print(markdown(rows))
+        doc.update(rows=rows, repredicted_at=_git_commit())
+        args.results.mkdir(parents=True, exist_ok=True)
+        out = args.results / "costmodel-pick-repredicted"
+        out.with_suffix(".json").write_text(json.dumps(doc, indent=1, default=str))
+        out.with_suffix(".md").write_text(markdown(rows))
+        return
     from sclayout.testing.datasets import bench_dir
 
     work = args.work or bench_dir() / "costmodel-pick"

@@ -1157,16 +1157,25 @@ def _digest(data: bytes | memoryview) -> str:
     return hashlib.sha1(data).hexdigest()[:16]
 
 
+TRIM_MIN_BLOCKS = 2**18
+"""Blocks from which building an epoch's plan gives the heap it freed back to the system.
+
+A plan frees arrays of a value per block; below this many blocks they are a few MB
+that glibc reuses for the next plan, and trimming the heap every epoch (every few
+fetches on a small set) made the loader spend more CPU per cell refilling it."""
+
+
 def _worker_plan(config: S.SamplerConfig, epoch: int, place: dict[str, int]) -> S.WorkerPlan:
     """Return :func:`loader.sampler.worker_plan`'s plan; give back the heap it freed.
 
-    Building a plan frees arrays of a value per block, which glibc would keep
-    (:func:`loader.store.release_free_memory`).
+    Building a plan of many blocks frees arrays of a value per block, which glibc
+    would keep (:func:`loader.store.release_free_memory`); a small plan's are reused.
     """
     from loader.store import release_free_memory
 
     plan = S.worker_plan(config, epoch, **place)
-    release_free_memory()
+    if len(config.block_lengths) >= TRIM_MIN_BLOCKS:
+        release_free_memory()
     return plan
 
 

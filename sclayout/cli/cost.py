@@ -193,7 +193,7 @@ def _profile_summary(p: Any) -> str:
         f"{p.densify_s_per_value * 1e9:.2f} ns/value densify\n"
         f"  reading CPU {p.request_cpu_s * 1e6:.0f} µs/request + "
         f"{p.read_cpu_s_per_byte * 1e9:.2f} ns/byte; per fetch {p.fetch_overhead_s * 1e3:.2f} ms; "
-        f"the loader keeps {p.cores:.2f} cores busy"
+        f"the loader's CPU spreads over {p.cores:.2f} cores"
         + (
             f"; with 2 workers {p.worker_cores:.2f}, at "
             f"+{p.worker_cpu_s_per_cell * 1e6:.1f} µs CPU/cell"

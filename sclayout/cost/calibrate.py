@@ -403,7 +403,7 @@ def _rate(step: Callable[[], int], seconds: float, *, min_iter: int = 3) -> floa
 
     CPU time, not wall time: on a machine shared with other jobs, wall time would also
     count the time this process waits for a core, and the model already divides a
-    fetch's CPU by the cores the loader gets (calibrate's measured parallelism), so it
+    fetch's CPU by the cores the loader gets (:func:`cpu_bound_cores`), so it
     would count the other jobs twice. Callers take the median of several rounds.
     """
     cpu0 = time.process_time()
@@ -444,16 +444,27 @@ def _busy_cpu_s(machine: bool, server_pid: int | None = None) -> float:
         if server is not None:
             return time.process_time() + server
     if machine and server_pid is None:
-        try:
-            with open("/proc/stat") as f:
-                fields = f.readline().split()
-        except OSError:
-            fields = []
-        if fields and fields[0] == "cpu":
-            t = [int(v) for v in fields[1:]]
-            busy = t[0] + t[1] + t[2] + sum(t[5:8])  # user nice system irq softirq steal
-            return busy / os.sysconf("SC_CLK_TCK")
+        busy = machine_cpu_s()
+        if busy is not None:
+            return busy
     return time.process_time()
+
+
+def machine_cpu_s() -> float | None:
+    """Return the CPU seconds the whole machine has spent, every process's.
+
+    Linux ``/proc/stat``: user, nice, system, irq, softirq, steal; ``None`` where it
+    cannot be read.
+    """
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu":
+        return None
+    t = [int(v) for v in fields[1:]]
+    return (t[0] + t[1] + t[2] + sum(t[5:8])) / os.sysconf("SC_CLK_TCK")
 
 
 def _process_cpu_s(pid: int) -> float | None:
@@ -773,7 +784,50 @@ machine busy with other jobs the loader gets a share of a core, and its CPU figu
 timed in CPU seconds, would predict it as if it had more: the share measured is the
 share predicted, down to this floor."""
 PARALLELISM_ROWS = 16384
-"""Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled)."""
+"""Rows of the in-cache store :func:`measure_pipeline` reads (the sample tiled), at
+least: more for a target read by the decode processes (:func:`loader_run_rows`)."""
+
+
+def loader_run_rows(target_nnz: int | None, n_vars: int, indptr: np.ndarray) -> int:
+    """Return the rows of :func:`measure_pipeline`'s store for a target of ``target_nnz`` values.
+
+    The direct shard reader serves a matrix whose arrays are at most
+    :data:`loader.engine.shards.SMALL_ARRAY_BYTES` from memory, and reads a larger one
+    through the decode processes, whose dispatch (in the thread that also cuts the
+    minibatches) and own CPU the run must then include. When the target is that
+    large, the sample (``indptr``'s rows) is tiled until its indices (2 bytes a value
+    below 32,768 genes, else 4) are twice that size; otherwise, or when the target's
+    size is unknown (``None``), :data:`PARALLELISM_ROWS` rows.
+    """
+    from loader.engine.shards import SMALL_ARRAY_BYTES
+
+    index_bytes = 2 if n_vars < 2**15 else 4
+    if target_nnz is None or target_nnz * index_bytes <= SMALL_ARRAY_BYTES:
+        return PARALLELISM_ROWS
+    per_row = max(float(indptr[-1]) / max(len(indptr) - 1, 1), 1.0) * index_bytes
+    return max(PARALLELISM_ROWS, math.ceil(2 * SMALL_ARRAY_BYTES / per_row))
+
+
+def _target_nnz(target: str) -> int | None:
+    """Return the stored values of a local target's matrix (``None``: a URL, or unknown)."""
+    from loader.location import is_url
+    from loader.store import read_manifest
+
+    if is_url(target):
+        return None
+    try:
+        x = read_manifest(target).X
+        return int(np.prod(x.arrays["data" if x.is_csr else "values"].shape))
+    except (SclayoutError, OSError, KeyError, ValueError):
+        pass
+    try:
+        import h5py
+
+        with h5py.File(target, "r") as f:
+            x = f["X"]
+            return int(x["data"].shape[0] if isinstance(x, h5py.Group) else x.size)
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
 
 
 @dataclass(frozen=True)
@@ -784,6 +838,8 @@ class PipelineFigures:
     """Process CPU time / wall time with the larger fetches (cores kept busy)."""
     fetch_cpu_s: float
     """Fixed CPU time per fetch, whatever its size."""
+    others_cores: float = math.nan
+    """Cores the other processes on the machine kept busy meanwhile (NaN: unknown)."""
     worker_cores: float = 0.0
     """CPU time of the main process and 2 DataLoader workers / wall time (0: torch
     is not installed, not measured)."""
@@ -817,21 +873,25 @@ def measure_pipeline(
     block_size: int = 64,
     fetch_factors: tuple[int, ...] = (16, 4, 64),
     worker_seconds: float = 0.0,
+    rows: int = PARALLELISM_ROWS,
 ) -> PipelineFigures:
     """Measure the loader's parallelism and fixed per-fetch CPU when storage never waits.
 
-    The sample rows are tiled to :data:`PARALLELISM_ROWS` rows, converted by
+    The sample rows are tiled to ``rows`` rows (:func:`loader_run_rows`), converted by
     ``sclayout convert`` (blosc-lz4) into a temporary layout store (just written, so
     in the page cache), and :class:`loader.BlockDataset` reads it (dense output, batch
     64) for ``seconds`` in all, in :data:`CPU_ROUNDS` interleaved rounds over the two
     fetch factors; each figure below takes the median of the rounds.
 
     - parallelism: process CPU / wall time with the first (larger) fetch factor.
-      Below the core count because parts of the pipeline (assembly, the dense
-      scatter, the Python between them) hold the GIL or wait for each other; the
-      model divides a fetch's CPU time by it, not by the core count. On a machine
-      busy with other jobs, the share of the cores the loader gets: no longer raised
-      to one core (:data:`MIN_PARALLELISM`), since the CPU figures are CPU seconds.
+      Below the core count because this run waits on the pipeline's serial stage
+      (the thread that cuts and densifies the minibatches and hands the decode
+      processes their work). On a machine busy with other jobs, the share of the cores
+      the loader gets: no longer raised to one core (:data:`MIN_PARALLELISM`), since
+      the CPU figures are CPU seconds.
+    - others_cores: the cores the machine's other processes kept busy meanwhile
+      (``/proc/stat`` less the loader's own CPU): with the parallelism,
+      :func:`cpu_bound_cores` gives the cores a fetch's CPU can spread over.
     - per-fetch CPU: CPU per cell falls as fetches grow, by the fixed cost of a fetch
       (submitting it, futures, the shuffle, the Python around every stage) spread
       over more rows; the first two (median) CPU-per-cell figures give it.
@@ -859,15 +919,19 @@ def measure_pipeline(
             folder=Path(tmp),
             name="pipeline",
             codec="blosc-lz4",
-            rows=PARALLELISM_ROWS,
+            rows=rows,
             block_size=block_size,
         )
         datasets = [BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0) for f in fetch_factors]
         each = seconds / len(datasets) / CPU_ROUNDS
 
-        def figures(ds: Any) -> tuple[float, float]:  # CPU per cell, cores kept busy
+        def figures(ds: Any) -> tuple[float, float, float]:
+            # CPU per cell, cores kept busy, cores the machine's other processes kept busy
+            t0, own0, all0 = time.perf_counter(), cpu_with_children(), machine_cpu_s()
             wall, cpu, cells = _run_epochs(ds, each)
-            return cpu / cells, cpu / wall
+            own, all1, dt = cpu_with_children() - own0, machine_cpu_s(), time.perf_counter() - t0
+            others = math.nan if all0 is None or all1 is None else max(all1 - all0 - own, 0.0) / dt
+            return cpu / cells, cpu / wall, others
 
         medians = _median_rounds([partial(figures, ds) for ds in datasets])
         workers = None
@@ -897,6 +961,7 @@ def _pipeline_figures(
     figures = PipelineFigures(
         parallelism=float(min(max(busy, MIN_PARALLELISM), cores)),
         fetch_cpu_s=max(per_fetch, 0.0),
+        others_cores=float(medians[0][2]) if len(medians[0]) > 2 else math.nan,
         runs=runs,
     )
     if workers is None:
@@ -907,6 +972,20 @@ def _pipeline_figures(
         worker_cores=float(min(max(w_cpu / w_wall, 1.0), cores)),
         worker_cpu_s_per_cell=max(w_cpu / w_cells - cpu_cell[0], 0.0),
     )
+
+
+def cpu_bound_cores(busy: float, others: float, cpu_count: float) -> float:
+    """Return :attr:`Profile.cores`: the cores a fetch's CPU can spread over.
+
+    The cores the loader plans for (``cpu_count``) less those the machine's other
+    processes kept busy while calibrate ran the loader (``others``), and at least the
+    cores that run kept busy (``busy``): it got that many. Not ``busy`` alone: that
+    run waits on the pipeline's serial stage (the model's ``back``, priced on its
+    own), and a fetch with more decoding (a cold read, a slower codec) keeps more
+    cores busy. ``others`` unknown (NaN): ``busy``.
+    """
+    cores = busy if math.isnan(others) else max(busy, cpu_count - others)
+    return float(min(max(cores, MIN_PARALLELISM), max(cpu_count, busy)))
 
 
 def _pipeline_runs(
@@ -1269,8 +1348,9 @@ def _measure_cpu(
     # how many cores the loader's pipeline keeps busy when nothing waits on I/O
     bar.set_postfix_str("loader parallelism")
     pipeline = measure_pipeline(
-        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers
-    )
+        data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers,
+        rows=loader_run_rows(_target_nnz(local or target), n_vars, indptr),
+    )  # fmt: skip
     bar.update()
     figures = {
         "codecs": speeds,
@@ -1278,11 +1358,13 @@ def _measure_cpu(
         "densify_s_per_value": densify,
         "copy_Bps": copy_bps,
         "fetch_overhead_s": pipeline.fetch_cpu_s,
-        "cores": pipeline.parallelism,
+        "cores": cpu_bound_cores(pipeline.parallelism, pipeline.others_cores, usable_cores()),
         "cpu_count": usable_cores(),  # the cores it ran with: affinity and cgroup quota
         "worker_cores": pipeline.worker_cores,
         "worker_cpu_s_per_cell": pipeline.worker_cpu_s_per_cell,
         "pipeline_runs": pipeline.runs,  # priced into cpu_scale once the profile exists
+        "loader_cores": pipeline.parallelism,  # what the run measured (the profile's extra)
+        "others_cores": pipeline.others_cores,
     }
     return figures, data_source
 
@@ -1359,6 +1441,7 @@ def calibrate(
     )
     bar.close()
     runs = cpu.pop("pipeline_runs")
+    measured = {k: cpu.pop(k) for k in ("loader_cores", "others_cores")}
     host = platform.node() or "this machine"
     profile = Profile(
         **storage,
@@ -1368,6 +1451,6 @@ def calibrate(
             f"{platform.machine()}, Python {platform.python_version()}); "
             f"{cache}; codecs and assembly on {data_source}"
         ),
-        extra={"target": target, "plan": plan.__dict__},
+        extra={"target": target, "plan": plan.__dict__, **measured},
     )
     return profile.with_(cpu_scale=cpu_scale(profile, runs))

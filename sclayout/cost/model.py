@@ -45,9 +45,10 @@ fetch, where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
 (each decode thread reads, then decodes) and ``max(t_io, t_decode_wall)`` plus one
 response's decode for a backend that decodes responses as they land (tensorstore
 over HTTP, or with gzip/zstd). ``W`` worker processes run ``W`` pipelines that share
-the CPU (all of a fetch's CPU time / the profile's ``cores``, the parallelism the
-loader reaches when it never waits: calibrate measures it, and separately with 2
-workers, ``worker_cores``) and the storage (all their requests in flight together).
+the CPU (all of a fetch's CPU time / the profile's ``cores``, the cores the loader's
+work can spread over: calibrate's planned cores less other processes' use; with 2
+workers, the cores calibrate measured them keep busy, ``worker_cores``) and the storage
+(all their requests in flight together).
 With workers, rows cross to the main process as CSR and the main process densifies
 them: one thread, a bound of its own (``"main process"``); the CPU the worker path
 adds per cell is calibrate's ``worker_cpu_s_per_cell`` (two memory copies of the
@@ -55,7 +56,7 @@ rows where it was not measured). cells/s = rows per fetch × fetches/s.
 
 Core counts: the decode threads per process are the loader's
 (:func:`loader.cores.split_cores` of the cores calibrate ran with, ``cpu_count``);
-the CPU bound divides by calibrate's parallelism per core times the cores the
+the CPU bound divides by the profile's ``cores`` per core times the cores the
 loader's threads can occupy (never more threads than run). ``predict(..., cores=N)``
 predicts the same machine with ``N`` cores: the parts that divide (decode, the CPU
 bound) scale, while the assembly thread, the consumer and the main process's densify
@@ -260,8 +261,8 @@ class Prediction:
     """CPU seconds per cell of all the loader's processes and threads (decoding,
     assembly, per-fetch and reading CPU): what a loaded machine changes least."""
     cores: float = 0.0
-    """Cores the prediction lets the loader keep busy on its CPU work (the divisor of
-    its CPU bound)."""
+    """Cores the loader keeps busy, as predicted: a fetch's CPU over its time (at most
+    the profile's :attr:`Profile.cores`, the divisor of the CPU bound)."""
 
     def to_dict(self) -> dict[str, Any]:
         """Return the prediction as a JSON-ready dict."""
@@ -768,7 +769,7 @@ def predict_from_stats(
         ),
         workers=max(1, settings.num_workers),
         cpu_s_per_cell=cpu / max(stats.rows, 1.0),
-        cores=cpu / limits["cpu"] if limits["cpu"] > 0 else 0.0,
+        cores=cpu / fetch_s if fetch_s > 0 else 0.0,
     )
 
 

@@ -148,9 +148,11 @@ class Profile:
         adds the CPU of the process listening on its port, or, when that process
         cannot be found, the whole machine's), which runs beside the loader.
     cores
-        Cores the loader keeps busy when it never waits for storage (calibrate
-        measures it: :func:`sclayout.cost.calibrate.measure_pipeline`); a fetch's
-        CPU time divided by it is the fastest that fetch can go.
+        Cores a fetch's CPU can spread over: a fetch's CPU time divided by it is the
+        fastest that fetch can go. Calibrate gives the cores the loader plans for
+        less those other processes kept busy while it ran the loader, at least the
+        cores that run kept busy (:func:`sclayout.cost.calibrate.cpu_bound_cores`;
+        both measured figures are in ``extra``); on a busy machine, the loader's share.
     cpu_count
         Cores calibrate could use (its CPU affinity and cgroup quota,
         :func:`loader.cores.usable_cores`): the core count the loader plans its
@@ -333,7 +335,7 @@ class Profile:
         """Return the profile of this machine given ``cores`` cores.
 
         Instead of the cores it was calibrated with: the same storage and speed per
-        core, the parallelism calibrate measured (``cores``, ``worker_cores``) scaled per
+        core, the cores calibrate gave (``cores``, ``worker_cores``) scaled per
         core. The model then starts as many decode threads as the loader would there.
         """
         if isinstance(cores, bool) or not isinstance(cores, int) or cores < 1:

@@ -3,6 +3,7 @@ and the loader's parallelism."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import numpy as np
@@ -11,7 +12,9 @@ import pytest
 from sclayout.cost import calibrate as calibrate_mod
 from sclayout.cost.calibrate import (
     CPU_ROUNDS,
+    cpu_bound_cores,
     fit_costs,
+    loader_run_rows,
     measure_assembly,
     measure_codecs,
     measure_pipeline,
@@ -151,6 +154,88 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
     assert got.parallelism == pytest.approx(1.5)  # median of 1.6, 1.0, 1.5
     # medians 16 and 20 us/cell: 4 us/cell more at 256 rows than at 1,024 rows
     assert got.fetch_cpu_s == pytest.approx(4e-6 / (1 / 256 - 1 / 1024))
+
+
+@pytest.mark.parametrize(
+    ("busy", "others", "want"),
+    [
+        (1.24, 0.0, 2.0),  # a quiet machine: every planned core
+        (1.24, 0.45, 1.55),  # other jobs held 0.45 cores
+        (1.24, 1.5, 1.24),  # they held more: at least what the loader's run got
+        (0.3, 1.9, 0.3),  # a busy machine: the share the loader got
+        (1.24, float("nan"), 1.24),  # no /proc/stat: the run's own figure
+        (0.05, 1.99, 0.1),  # never below MIN_PARALLELISM
+    ],
+)
+def test_cpu_bound_cores_are_the_planned_cores_less_other_jobs(busy, others, want):
+    assert cpu_bound_cores(busy, others, 2.0) == pytest.approx(want)
+
+
+def test_the_loader_run_reads_through_the_decode_processes_when_the_target_would():
+    """A target too large for the direct reader to hold in memory gets a loader-run
+    store whose indices pass SMALL_ARRAY_BYTES twice over (read as the loader will read
+    the target); a small or unknown one, PARALLELISM_ROWS rows."""
+    from loader.engine.shards import SMALL_ARRAY_BYTES
+
+    indptr = np.arange(0, 1001 * 1000, 1000)  # 1,000 rows of 1,000 values
+    small, large = SMALL_ARRAY_BYTES // 4, 100 * SMALL_ARRAY_BYTES
+    assert loader_run_rows(small, 20_000, indptr) == calibrate_mod.PARALLELISM_ROWS
+    assert loader_run_rows(None, 20_000, indptr) == calibrate_mod.PARALLELISM_ROWS
+    rows = loader_run_rows(large, 20_000, indptr)  # 2-byte indices
+    assert rows * 1000 * 2 >= 2 * SMALL_ARRAY_BYTES > (rows - 1) * 1000 * 2
+    assert loader_run_rows(large, 40_000, indptr) == math.ceil(rows / 2)  # 4-byte indices
+
+
+def test_measure_pipeline_records_the_other_processes_cores(monkeypatch):
+    """The machine's CPU less the loader's own over the run is the other jobs' share;
+    unreadable (no /proc/stat), NaN."""
+    monkeypatch.setattr(
+        calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: (1.0, 1.2, 50_000)
+    )
+    own = iter([0.0, 1.2] * CPU_ROUNDS * 3)
+    monkeypatch.setattr(calibrate_mod, "cpu_with_children", lambda: next(own))
+    machine = iter([0.0, 1e6] * CPU_ROUNDS * 3)  # far more than the loader's 1.2 s
+    monkeypatch.setattr(calibrate_mod, "machine_cpu_s", lambda: next(machine))
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    assert got.parallelism == pytest.approx(1.2) and got.others_cores > 1.0
+    monkeypatch.setattr(calibrate_mod, "machine_cpu_s", lambda: None)
+    own = iter([0.0, 1.2] * CPU_ROUNDS * 3)
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    assert np.isnan(got.others_cores)
+
+
+def test_a_decode_heavy_fetch_keeps_more_cores_busy_than_the_serial_run(flat_profile):
+    """Calibrate's loader run kept 1.2 cores busy, waiting on its serial minibatch
+    stage, while other jobs held 0.4 of 2 cores: the profile's CPU spreads over 1.6.
+    A fetch of slow decoding (parallel, in the decoders) is then predicted to keep
+    more cores busy than that run, up to 1.6, and no faster than its CPU over 1.6; a
+    fetch of dense assembly (serial) keeps about one core busy."""
+    from loader.spec import LoaderSettings
+    from sclayout.cost.model import FetchStats, predict_from_stats
+
+    cores = cpu_bound_cores(1.2, 0.4, 2.0)
+    profile = flat_profile(
+        cores=cores, cpu_count=2.0, latency_s=1e-6, concurrency=((1, 1e6), (64, 1e6)),
+        bandwidth_Bps=1e12, fetch_overhead_s=0.0,
+        codecs={"zstd": {"ratio": 2.0, "decode_Bps": 1e8}},
+    )  # fmt: skip
+    decode = FetchStats(
+        rows=1000, nnz=1e5, requests=16, chunks=16, reads=16, bytes_needed=8e7,
+        bytes_read=8e7, max_bytes_read=8e7, max_rows=1000, max_nnz=1e5,
+    )  # fmt: skip
+    settings = LoaderSettings(batch_size=100, fetch_factor=10)
+
+    def predict(stats, n_vars, p=profile):
+        return predict_from_stats(stats, n_vars=n_vars, codec="zstd", settings=settings, profile=p)
+
+    heavy = predict(decode, 100)
+    assert 1.2 < heavy.cores <= cores
+    assert heavy.fetch_s >= heavy.cpu_s_per_cell * 1000 / cores
+    # the run's busy cores as the divisor held the same fetch to 1.2 cores at most
+    assert predict(decode, 100, profile.with_(cores=1.2)).cores <= 1.2
+    dense = FetchStats(**{**decode.__dict__, "bytes_needed": 8e5, "bytes_read": 8e5})
+    assert predict(dense, 100_000).cores == pytest.approx(1.0, abs=0.1)
 
 
 @pytest.mark.parametrize(("busy", "want"), [(0.6, 0.6), (0.2, 0.2), (0.05, 0.1)])

@@ -149,3 +149,20 @@ def test_plan_holds_a_few_bytes_per_block():
     ragged = S.SamplerConfig(block_lengths=np.array([3, 9, 4, 4]))
     assert ragged.uniform_size is None
     assert ragged.starts_of(np.array([3, 0, 1])).tolist() == [16, 0, 3]
+
+
+def test_only_a_plan_of_many_blocks_trims_the_heap(monkeypatch):
+    """The loader gives a plan's freed heap back only from TRIM_MIN_BLOCKS blocks: a
+    small set's epoch lasts a few fetches, and trimming every epoch cost CPU per cell."""
+    import loader.dataset as D
+    import loader.store
+
+    calls = []
+    monkeypatch.setattr(loader.store, "release_free_memory", lambda: calls.append(1) or True)
+    place = {"rank": 0, "world_size": 1, "worker": 0, "num_workers": 1}
+    small = S.SamplerConfig(block_lengths=_uniform(100 * 16, 16), batch_size=64)
+    plan = D._worker_plan(small, 0, place)
+    assert calls == [] and plan.segments.n_rows == small.n_obs
+    monkeypatch.setattr(D, "TRIM_MIN_BLOCKS", 100)
+    plan = D._worker_plan(small, 1, place)
+    assert calls == [1] and plan.segments.n_rows == small.n_obs
