@@ -130,7 +130,9 @@ class Segments:
         block = self.block[i0:i1]
         if 2 * block.size < self.block.size:  # a view would keep the whole stream alive
             block = block.copy()
-        lo, hi = self.lo[i0:i1].copy(), self.hi[i0:i1].copy()
+        # in int64: the cut start may pass the largest ``lo`` (an int8 of zeros when
+        # every run starts a block); the result is compacted again
+        lo, hi = self.lo[i0:i1].astype(np.int64), self.hi[i0:i1].astype(np.int64)
         lo[0] += start - int(cum[i0])
         hi[-1] = int(self.lo[i1 - 1]) + (stop - int(cum[i1 - 1]))
         return Segments(block, lo, hi, self.sampled)

@@ -94,6 +94,8 @@ BOUNDARY_CASES = [
     (_uniform(33_000, 128), 4, 1, 64),
     (np.r_[np.full(40, 1), np.full(300, 127), 5], 2, 3, 7),
     (_uniform(33_000, 1), 2, 2, 64),  # 33,000 one-row blocks: int32 block ids
+    # blocks of 256 whose runs all start at row 0 (int8 starts), shares cut 128+ rows in
+    (_uniform(5_000, 256), 2, 2, 64),
 ]
 
 
