@@ -156,6 +156,52 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
     assert got.fetch_cpu_s == pytest.approx(4e-6 / (1 / 256 - 1 / 1024))
 
 
+def test_measure_pipeline_warms_every_fetch_size_up_before_timing_it(monkeypatch):
+    """Each fetch factor's loader first runs untimed (its first second is a transient
+    well above its pace); only the interleaved rounds after that are timed."""
+    calls = []
+    monkeypatch.setattr(
+        calibrate_mod, "_warm_up", lambda ds, seconds: calls.append(("warm", ds.fetch_factor))
+    )
+
+    def timed(ds, seconds, workers=0):
+        calls.append(("timed", ds.fetch_factor))
+        return (1.0, 1.5, 100_000)
+
+    monkeypatch.setattr(calibrate_mod, "_run_epochs", timed)
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    factors = [16, 4, 64]
+    assert calls == [("warm", f) for f in factors] + [("timed", f) for f in factors] * CPU_ROUNDS
+    assert [r.cpu_s_per_cell for r in got.runs] == pytest.approx([15e-6] * 3)
+
+
+def test_warm_up_runs_epoch_after_epoch_until_its_time_is_up(monkeypatch):
+    """It starts a new epoch when one ends, and stops at the first minibatch past its
+    time (always at least one)."""
+    clock = iter(np.arange(0.0, 100.0, 1.0))  # a second per call
+    monkeypatch.setattr(calibrate_mod.time, "perf_counter", lambda: float(next(clock)))
+
+    class Fake:
+        def __init__(self):
+            self.epochs, self.batches = [], 0
+
+        def set_epoch(self, e):
+            self.epochs.append(e)
+
+        def __iter__(self):
+            for _ in range(2):
+                self.batches += 1
+                yield {}
+
+    ds = Fake()
+    calibrate_mod._warm_up(ds, 4.5)  # deadline 4.5: batches at clock 1..5
+    assert ds.epochs == [0, 1, 2] and ds.batches == 5
+    ds = Fake()
+    calibrate_mod._warm_up(ds, 0.0)
+    assert ds.batches == 1
+
+
 @pytest.mark.parametrize(
     ("busy", "others", "want"),
     [
