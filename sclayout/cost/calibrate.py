@@ -586,7 +586,7 @@ def _sample_store(
     if not src.exists():
         x = sp.csr_matrix((data, indices, indptr), shape=(n, n_vars))
         if rows > n:
-            x = sp.vstack([x] * -(-rows // max(n, 1)), format="csr")[:rows]
+            x = sp.vstack([x] * -(-rows // max(n, 1)), format="csr")
         ad.AnnData(x).write_h5ad(src)
     dst = folder / f"{name}-{codec}-b{block_size}.zarr"
     convert(src, dst, block_size=block_size, codec=codec)
@@ -788,9 +788,7 @@ PARALLELISM_ROWS = 16384
 least: more for a target read by the decode processes (:func:`loader_run_rows`)."""
 
 
-def loader_run_rows(
-    target_nnz: int | None, n_vars: int, indptr: np.ndarray, target_rows: int | None = None
-) -> int:
+def loader_run_rows(target_nnz: int | None, n_vars: int, indptr: np.ndarray) -> int:
     """Return the rows of :func:`measure_pipeline`'s store for a target of ``target_nnz`` values.
 
     The direct shard reader serves a matrix whose arrays are at most
@@ -799,30 +797,27 @@ def loader_run_rows(
     minibatches) and own CPU the run must then include. When the target is that
     large, the sample (``indptr``'s rows) is tiled until its indices (2 bytes a value
     below 32,768 genes, else 4) are twice that size; otherwise, or when the target's
-    size is unknown (``None``), :data:`PARALLELISM_ROWS` rows, or the target's own
-    ``target_rows`` if fewer: a short epoch (a few fetches) costs the loader more per
-    cell than a long one, which the run then measures as the loader will meet it.
+    size is unknown (``None``), :data:`PARALLELISM_ROWS` rows.
     """
     from loader.engine.shards import SMALL_ARRAY_BYTES
 
     index_bytes = 2 if n_vars < 2**15 else 4
     if target_nnz is None or target_nnz * index_bytes <= SMALL_ARRAY_BYTES:
-        return min(PARALLELISM_ROWS, target_rows or PARALLELISM_ROWS)
+        return PARALLELISM_ROWS
     per_row = max(float(indptr[-1]) / max(len(indptr) - 1, 1), 1.0) * index_bytes
     return max(PARALLELISM_ROWS, math.ceil(2 * SMALL_ARRAY_BYTES / per_row))
 
 
-def _target_size(target: str) -> tuple[int | None, int | None]:
-    """Return the stored values and rows of a local target's matrix (``None``: unknown, a URL)."""
+def _target_nnz(target: str) -> int | None:
+    """Return the stored values of a local target's matrix (``None``: a URL, or unknown)."""
     from loader.location import is_url
     from loader.store import read_manifest
 
     if is_url(target):
-        return None, None
+        return None
     try:
-        m = read_manifest(target)
-        x = m.X
-        return int(np.prod(x.arrays["data" if x.is_csr else "values"].shape)), int(m.n_obs)
+        x = read_manifest(target).X
+        return int(np.prod(x.arrays["data" if x.is_csr else "values"].shape))
     except (SclayoutError, OSError, KeyError, ValueError):
         pass
     try:
@@ -830,11 +825,9 @@ def _target_size(target: str) -> tuple[int | None, int | None]:
 
         with h5py.File(target, "r") as f:
             x = f["X"]
-            if isinstance(x, h5py.Group):
-                return int(x["data"].shape[0]), int(x.attrs["shape"][0])
-            return int(x.size), int(x.shape[0])
+            return int(x["data"].shape[0] if isinstance(x, h5py.Group) else x.size)
     except (OSError, KeyError, TypeError, ValueError):
-        return None, None
+        return None
 
 
 @dataclass(frozen=True)
@@ -1421,10 +1414,9 @@ def _measure_cpu(
     bar.update()
     # how many cores the loader's pipeline keeps busy when nothing waits on I/O
     bar.set_postfix_str("loader parallelism")
-    nnz, n_obs = _target_size(local or target)
     pipeline = measure_pipeline(
         data, indices, indptr, n_vars=n_vars, seconds=plan.pipeline, worker_seconds=plan.workers,
-        rows=loader_run_rows(nnz, n_vars, indptr, n_obs),
+        rows=loader_run_rows(_target_nnz(local or target), n_vars, indptr),
     )  # fmt: skip
     bar.update()
     figures = {

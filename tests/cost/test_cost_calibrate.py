@@ -230,10 +230,6 @@ def test_the_loader_run_reads_through_the_decode_processes_when_the_target_would
     rows = loader_run_rows(large, 20_000, indptr)  # 2-byte indices
     assert rows * 1000 * 2 >= 2 * SMALL_ARRAY_BYTES > (rows - 1) * 1000 * 2
     assert loader_run_rows(large, 40_000, indptr) == math.ceil(rows / 2)  # 4-byte indices
-    # a target shorter than PARALLELISM_ROWS: its own rows (its epochs' length)
-    assert loader_run_rows(small, 20_000, indptr, 2_170) == 2_170
-    assert loader_run_rows(small, 20_000, indptr, 10**6) == calibrate_mod.PARALLELISM_ROWS
-    assert loader_run_rows(large, 20_000, indptr, 2_170) == rows  # read from disk: tiled
 
 
 def test_measure_pipeline_records_the_other_processes_cores(monkeypatch):
