@@ -925,30 +925,37 @@ def measure_pipeline(
             block_size=block_size,
         )
         datasets = [BlockDataset(dst, batch_size=64, fetch_factor=f, seed=0) for f in fetch_factors]
-        each = seconds / len(datasets) / CPU_ROUNDS
-
-        def figures(stream: _Endless) -> tuple[float, float, float]:
-            # CPU per cell, cores kept busy, cores the machine's other processes kept busy
-            t0, own0, all0 = time.perf_counter(), cpu_with_children(), machine_cpu_s()
-            wall, cpu, cells = _timed_window(stream, each)
-            own, all1, dt = cpu_with_children() - own0, machine_cpu_s(), time.perf_counter() - t0
-            others = math.nan if all0 is None or all1 is None else max(all1 - all0 - own, 0.0) / dt
-            return cpu / cells, cpu / wall, others
-
-        streams = [_Endless(ds) for ds in datasets]
-        try:
-            for stream in streams:  # not timed: the loader's first second is above its pace
-                _warm_up(stream, each)
-            medians = _median_rounds([partial(figures, s) for s in streams])
-        finally:
-            for stream in streams:
-                stream.close()
+        medians = _stream_rounds(datasets, seconds / len(datasets) / CPU_ROUNDS)
         workers = None
         if worker_seconds > 0 and torch_available():
             ds = BlockDataset(dst, batch_size=64, fetch_factor=fetch_factors[0], seed=0)
             workers = _run_epochs(ds, worker_seconds, workers=2)
         runs = _pipeline_runs(dst, fetch_factors, [float(m[0]) for m in medians])
     return _pipeline_figures(medians, fetch_factors, runs, workers, cores)
+
+
+def _stream_rounds(datasets: Sequence[Any], each: float) -> list[Any]:
+    """Return each dataset's median (CPU per cell, cores busy, other processes' cores).
+
+    Over :data:`CPU_ROUNDS` interleaved windows of ``each`` seconds, after an untimed
+    one (:func:`_warm_up`), each dataset's windows continuing one stream (:class:`_Endless`).
+    """
+
+    def figures(stream: _Endless) -> tuple[float, float, float]:
+        t0, own0, all0 = time.perf_counter(), cpu_with_children(), machine_cpu_s()
+        wall, cpu, cells = _timed_window(stream, each)
+        own, all1, dt = cpu_with_children() - own0, machine_cpu_s(), time.perf_counter() - t0
+        others = math.nan if all0 is None or all1 is None else max(all1 - all0 - own, 0.0) / dt
+        return cpu / cells, cpu / wall, others
+
+    streams = [_Endless(ds) for ds in datasets]
+    try:
+        for stream in streams:  # not timed: the loader's first second is above its pace
+            _warm_up(stream, each)
+        return _median_rounds([partial(figures, s) for s in streams])
+    finally:
+        for stream in streams:
+            stream.close()
 
 
 def _pipeline_figures(
