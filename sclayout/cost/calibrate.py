@@ -1197,6 +1197,34 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
     return data, indices, indptr - indptr[0], x.shape[1]
 
 
+def h5ad_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
+    """Read the first rows of a local ``.h5ad`` file's CSR matrix ``X`` with h5py.
+
+    The CPU steps then run on the target's own genes and values: on synthetic counts
+    (20,000 genes, ~1,000 values a row) the loader run of the 33,694-gene PBMC file saw
+    neither its dense minibatch's size nor its rows, and priced its 1,024-row fetches at
+    half what the loader spends. Returns ``data``, ``indices``, ``indptr``, ``n_vars``;
+    ``None`` if it is not one (a URL, another format, a dense or CSC matrix).
+    """
+    import h5py
+
+    try:
+        with h5py.File(target, "r") as f:
+            x = f["X"]
+            if not isinstance(x, h5py.Group) or x.attrs.get("encoding-type") != "csr_matrix":
+                return None
+            n_obs, n_vars = (int(v) for v in x.attrs["shape"])
+            indptr = np.asarray(x["indptr"][: min(n_obs, 4096) + 1], dtype=np.int64)
+            stop = int(min(indptr[-1], indptr[0] + max_elems))
+            rows = max(int(np.searchsorted(indptr, stop, side="right")) - 1, 1)
+            indptr = indptr[: rows + 1]
+            data = np.asarray(x["data"][indptr[0] : indptr[-1]])
+            indices = np.asarray(x["indices"][indptr[0] : indptr[-1]])
+    except (OSError, KeyError, TypeError, ValueError):
+        return None
+    return data, indices, indptr - indptr[0], n_vars
+
+
 # ---------------------------------------------------------------- the calibration
 
 
@@ -1372,6 +1400,8 @@ def _codec_sample(target: str, plan: CalibrationPlan, seed: int) -> tuple[tuple[
     The target's own first rows when it is a layout store, otherwise synthetic counts.
     """
     sample = _store_sample(target, plan.sample_elems)
+    if sample is None:
+        sample = h5ad_sample(target, plan.sample_elems)
     if sample is not None:
         return sample, f"{len(sample[2]) - 1:,} rows of {target}"
     n_rows = max(16, plan.sample_elems // 1000)
