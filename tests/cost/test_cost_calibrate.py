@@ -443,3 +443,22 @@ def test_a_timed_window_continues_the_stream_where_the_last_one_stopped(monkeypa
     assert (first, second) == (6, 4)
     assert seen == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     stream.close()
+
+
+def test_an_h5ad_targets_cpu_steps_run_on_its_own_first_rows(tmp_path):
+    """The CSR sample of an .h5ad is its first rows, whole, up to the value budget, with
+    its own gene count; a dense matrix or another file gives None (synthetic counts)."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.random(50, 300, density=0.1, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(x).write_h5ad(tmp_path / "a.h5ad")
+    data, indices, indptr, n_vars = calibrate_mod.h5ad_sample(str(tmp_path / "a.h5ad"), 200)
+    rows = len(indptr) - 1
+    assert n_vars == 300 and indptr[-1] <= 200 < x.indptr[rows + 1]
+    got = sp.csr_matrix((data, indices, indptr), shape=(rows, n_vars))
+    assert (got != x[:rows]).nnz == 0
+    ad.AnnData(x.toarray()).write_h5ad(tmp_path / "dense.h5ad")
+    assert calibrate_mod.h5ad_sample(str(tmp_path / "dense.h5ad")) is None
+    (tmp_path / "not.h5ad").write_text("no")
+    assert calibrate_mod.h5ad_sample(str(tmp_path / "not.h5ad")) is None
