@@ -146,7 +146,7 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
             (1.0, 1.9, 95_000),  # round 3, ff 4: 20 us/cell
         ]
     )
-    monkeypatch.setattr(calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: next(runs))
+    monkeypatch.setattr(calibrate_mod, "_timed_window", lambda stream, seconds: next(runs))
     data, indices, indptr, n_vars = _counts()
     got = measure_pipeline(
         data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16, fetch_factors=(16, 4)
@@ -154,6 +154,52 @@ def test_measure_pipeline_takes_the_median_round_of_each_figure(monkeypatch):
     assert got.parallelism == pytest.approx(1.5)  # median of 1.6, 1.0, 1.5
     # medians 16 and 20 us/cell: 4 us/cell more at 256 rows than at 1,024 rows
     assert got.fetch_cpu_s == pytest.approx(4e-6 / (1 / 256 - 1 / 1024))
+
+
+def test_measure_pipeline_warms_every_fetch_size_up_before_timing_it(monkeypatch):
+    """Each fetch factor's loader first runs untimed (its first second is a transient
+    well above its pace); only the interleaved rounds after that are timed."""
+    calls = []
+    monkeypatch.setattr(
+        calibrate_mod, "_warm_up", lambda s, seconds: calls.append(("warm", s.ds.fetch_factor))
+    )
+
+    def timed(stream, seconds):
+        calls.append(("timed", stream.ds.fetch_factor))
+        return (1.0, 1.5, 100_000)
+
+    monkeypatch.setattr(calibrate_mod, "_timed_window", timed)
+    data, indices, indptr, n_vars = _counts()
+    got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
+    factors = [16, 4, 64]
+    assert calls == [("warm", f) for f in factors] + [("timed", f) for f in factors] * CPU_ROUNDS
+    assert [r.cpu_s_per_cell for r in got.runs] == pytest.approx([15e-6] * 3)
+
+
+def test_warm_up_runs_epoch_after_epoch_until_its_time_is_up(monkeypatch):
+    """It starts a new epoch when one ends, and stops at the first minibatch past its
+    time (always at least one)."""
+    clock = iter(np.arange(0.0, 100.0, 1.0))  # a second per call
+    monkeypatch.setattr(calibrate_mod.time, "perf_counter", lambda: float(next(clock)))
+
+    class Fake:
+        def __init__(self):
+            self.epochs, self.batches = [], 0
+
+        def set_epoch(self, e):
+            self.epochs.append(e)
+
+        def __iter__(self):
+            for _ in range(2):
+                self.batches += 1
+                yield {}
+
+    ds = Fake()
+    calibrate_mod._warm_up(calibrate_mod._Endless(ds), 4.5)  # deadline 4.5: batches at 1..5
+    assert ds.epochs == [0, 1, 2] and ds.batches == 5
+    ds = Fake()
+    calibrate_mod._warm_up(calibrate_mod._Endless(ds), 0.0)
+    assert ds.batches == 1
 
 
 @pytest.mark.parametrize(
@@ -189,9 +235,7 @@ def test_the_loader_run_reads_through_the_decode_processes_when_the_target_would
 def test_measure_pipeline_records_the_other_processes_cores(monkeypatch):
     """The machine's CPU less the loader's own over the run is the other jobs' share;
     unreadable (no /proc/stat), NaN."""
-    monkeypatch.setattr(
-        calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: (1.0, 1.2, 50_000)
-    )
+    monkeypatch.setattr(calibrate_mod, "_timed_window", lambda stream, seconds: (1.0, 1.2, 50_000))
     own = iter([0.0, 1.2] * CPU_ROUNDS * 3)
     monkeypatch.setattr(calibrate_mod, "cpu_with_children", lambda: next(own))
     machine = iter([0.0, 1e6] * CPU_ROUNDS * 3)  # far more than the loader's 1.2 s
@@ -243,9 +287,7 @@ def test_measure_pipeline_keeps_a_share_below_one_core(monkeypatch, busy, want):
     """On a machine busy with other jobs the loader gets part of a core: the profile
     records that share (CPU figures are CPU seconds), down to MIN_PARALLELISM."""
     assert calibrate_mod.MIN_PARALLELISM == 0.1
-    monkeypatch.setattr(
-        calibrate_mod, "_run_epochs", lambda ds, seconds, workers=0: (1.0, busy, 50_000)
-    )
+    monkeypatch.setattr(calibrate_mod, "_timed_window", lambda stream, seconds: (1.0, busy, 50_000))
     data, indices, indptr, n_vars = _counts()
     got = measure_pipeline(data, indices, indptr, n_vars=n_vars, seconds=0.3, block_size=16)
     assert got.parallelism == pytest.approx(want)
@@ -264,6 +306,7 @@ def test_measure_pipeline_with_workers_counts_their_cpu(monkeypatch):
         return next(runs)
 
     monkeypatch.setattr(calibrate_mod, "_run_epochs", fake)
+    monkeypatch.setattr(calibrate_mod, "_timed_window", lambda s, seconds: fake(s.ds, seconds))
     data, indices, indptr, n_vars = _counts()
     got = measure_pipeline(
         data,
@@ -375,3 +418,47 @@ def test_a_loopback_servers_cpu_is_its_own_process(tmp_path):
 
     with serve_directory(tmp_path) as here:
         assert _loopback_server_pid(here.url) == os.getpid()
+
+
+def test_a_timed_window_continues_the_stream_where_the_last_one_stopped(monkeypatch):
+    """Windows of one fetch size read on through the epochs (no restart at epoch 0,
+    no pass dropped): two windows together count each minibatch once, in order."""
+    clock = iter(np.arange(0.0, 100.0, 1.0))  # a second per call
+    monkeypatch.setattr(calibrate_mod.time, "perf_counter", lambda: float(next(clock)))
+    monkeypatch.setattr(calibrate_mod, "cpu_with_children", lambda: 0.0)
+    seen = []
+
+    class Fake:
+        def set_epoch(self, e):
+            self.epoch = e
+
+        def __iter__(self):
+            for i in range(3):
+                seen.append((self.epoch, i))
+                yield {"X": np.zeros((2, 1))}
+
+    stream = calibrate_mod._Endless(Fake())
+    _, _, first = calibrate_mod._timed_window(stream, 2.5)  # t0 at 0: batches at 1, 2, 3
+    _, _, second = calibrate_mod._timed_window(stream, 1.5)
+    assert (first, second) == (6, 4)
+    assert seen == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    stream.close()
+
+
+def test_an_h5ad_targets_cpu_steps_run_on_its_own_first_rows(tmp_path):
+    """The CSR sample of an .h5ad is its first rows, whole, up to the value budget, with
+    its own gene count; a dense matrix or another file gives None (synthetic counts)."""
+    import anndata as ad
+    import scipy.sparse as sp
+
+    x = sp.random(50, 300, density=0.1, format="csr", dtype=np.float32, random_state=0)
+    ad.AnnData(x).write_h5ad(tmp_path / "a.h5ad")
+    data, indices, indptr, n_vars = calibrate_mod.h5ad_sample(str(tmp_path / "a.h5ad"), 200)
+    rows = len(indptr) - 1
+    assert n_vars == 300 and indptr[-1] <= 200 < x.indptr[rows + 1]
+    got = sp.csr_matrix((data, indices, indptr), shape=(rows, n_vars))
+    assert (got != x[:rows]).nnz == 0
+    ad.AnnData(x.toarray()).write_h5ad(tmp_path / "dense.h5ad")
+    assert calibrate_mod.h5ad_sample(str(tmp_path / "dense.h5ad")) is None
+    (tmp_path / "not.h5ad").write_text("no")
+    assert calibrate_mod.h5ad_sample(str(tmp_path / "not.h5ad")) is None
