@@ -109,7 +109,7 @@ class BufferPool:
         # collector while this thread holds the lock
         self.lock = threading.RLock()
         self.spare: list[mmap.mmap] = []  # unused buffers, any size
-        self.loops = 0  # read loops running: returned buffers are kept only while one runs
+        self.loops = 0  # read loops running: returned buffers are kept while one runs
         self.deadline: float | None = None  # when the spares go (no loop runs)
         self.janitor: threading.Thread | None = None
         self.idle = threading.Event()  # set while no loop runs: the janitor collects
@@ -180,9 +180,14 @@ class BufferPool:
         return self.new_buffer(size), True
 
     def give(self, buf: mmap.mmap) -> None:
-        """Keep ``buf`` for reuse, dropping the largest spares past :data:`SPARE_BYTES`."""
+        """Keep ``buf`` for reuse, dropping the largest spares past :data:`SPARE_BYTES`.
+
+        Kept while a loop runs or in the grace after the last one ended (the next
+        epoch's loop reuses it: a minibatch still held when a loop ends returns its
+        fetch's buffer after the end); dropped otherwise.
+        """
         with self.lock:
-            if not self.loops:
+            if not self.loops and self.deadline is None:
                 return
             self.spare.append(buf)
             self.spare.sort(key=len)
@@ -259,6 +264,8 @@ class BufferPool:
                     if self.deadline is not None and time.monotonic() >= self.deadline:
                         dropped, self.spare = self.spare, []
                         self.deadline = None
+                    if entry is not None:
+                        self.give(entry[1])  # a spare until the deadline, else dropped
                 del entry, dropped  # unmapped here, outside the pool's lock
                 self.close_unmapped()
 

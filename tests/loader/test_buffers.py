@@ -21,6 +21,7 @@ def _address(a: np.ndarray) -> int:
 
 
 def test_a_buffer_is_lent_again_only_after_every_view_is_gone():
+    buffers.release_spares()  # no spare of earlier tests: the first lent is the one reused
     with buffers.reusing():
         a = buffers.empty(N, np.float32)
         first = _address(a)
@@ -41,6 +42,7 @@ def test_a_buffer_is_lent_again_only_after_every_view_is_gone():
 
 
 def test_zeros_are_zero_in_reused_memory():
+    buffers.release_spares()
     with buffers.reusing():
         a = buffers.empty(N, np.float32)
         a[:] = 7.0
@@ -88,6 +90,27 @@ def test_the_next_loop_soon_after_reuses_the_spares(monkeypatch):
     with buffers.reusing():
         pass  # this loop's end starts a short grace, which drops every spare
     assert _spares_dropped()
+
+
+def test_a_buffer_returned_after_its_loop_ended_is_reused_by_the_next(monkeypatch):
+    """A minibatch still held when an epoch's loop ends returns its fetch's buffer during
+    the grace: the next epoch's loop lends it again rather than map fresh memory; after
+    the grace it is dropped."""
+    monkeypatch.setattr(buffers, "SPARE_GRACE_S", 3600.0)
+    buffers.release_spares()
+    with buffers.reusing():
+        held = buffers.empty(N, np.float32)
+        first = _address(held)
+    del held  # returned once the loop has ended
+    gc.collect()
+    assert buffers.spare_bytes() >= N * 4
+    with buffers.reusing():
+        again = buffers.empty(N, np.float32)
+        assert _address(again) == first
+    del again
+    gc.collect()
+    buffers.release_spares()  # a closed dataset's release: nothing kept
+    assert buffers.spare_bytes() == 0
 
 
 @pytest.mark.parametrize(
