@@ -524,8 +524,8 @@ class TensorstoreBackend:
         array = self._direct[path]
         m = array.meta
         n_shards = -(-array.shape[0] // m.shard_rows)
-        if array.shape[0] * m.row_bytes <= array.whole_array_bytes:
-            if path in self._whole_read:
+        if _held_whole(array):
+            if path in self._read_whole():
                 return []
             shards = range(n_shards)
         elif n_shards == 1:  # one shard file: every read needs it
@@ -542,12 +542,14 @@ class TensorstoreBackend:
 
         Those are served from memory, as from a local store: no shard to stage.
         """
-        if self._whole_pid != os.getpid():  # a forked copy reads the arrays whole again
+        done = self._read_whole()
+        return all(a.path in done and _held_whole(a) for _, a, _ in items)
+
+    def _read_whole(self) -> set[str]:
+        """Return the cached arrays this process has read whole (a forked copy: none yet)."""
+        if self._whole_pid != os.getpid():
             self._whole_read, self._whole_pid = set(), os.getpid()
-        return all(
-            a.path in self._whole_read and a.shape[0] * a.meta.row_bytes <= a.whole_array_bytes
-            for _, a, _ in items
-        )
+        return self._whole_read
 
     def repair(self, paths: Sequence[str], ranges: Sequence[np.ndarray]) -> bool:
         """After a failed read of cached arrays: fetch damaged or absent shard files again.
@@ -557,7 +559,7 @@ class TensorstoreBackend:
         assert self.cache is not None
         again = False
         for path, r in zip(paths, ranges, strict=True):
-            self._whole_read.discard(path)
+            self._read_whole().discard(path)
             array = self._direct[path]
             if self.cache.repair(self.shard_keys(path, r), array.meta):
                 again = True
@@ -730,6 +732,11 @@ class _TensorstorePending:
             f.cancel()
 
 
+def _held_whole(array: Any) -> bool:
+    """Whether the direct reader ``array`` reads its array whole once and serves it from memory."""
+    return array.shape[0] * array.meta.row_bytes <= array.whole_array_bytes
+
+
 class _CachedReads:
     """The direct reads of one fetch's cached arrays, once their shards are staged.
 
@@ -795,7 +802,7 @@ class _CachedReads:
                 paths = [p for _, p, _ in self._items]
                 if attempt == 2 or not self._backend.repair(paths, [r for *_, r in self._items]):
                     raise
-        self._backend._whole_read.update(p for _, p, _ in self._items)
+        self._backend._read_whole().update(p for _, p, _ in self._items)
         return {key: g for (key, _, _), g in zip(self._items, got, strict=True)}
 
     def handle(self, key: str) -> _CachedHandle:
