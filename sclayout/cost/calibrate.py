@@ -1073,8 +1073,8 @@ class _Endless:
 
     Each timed window of :func:`measure_pipeline` continues where the fetch size's
     previous one stopped, as a loader running for minutes does: restarted every window,
-    a pass paid its start and dropped the fetches it had read ahead, a fetch or two of
-    CPU among the dozen a third of a second holds at 4,096 rows, and none at 256.
+    a pass paid its start and dropped the fetches it had read ahead, a cost that weighs
+    most in the windows of the largest fetches, which hold the fewest.
     """
 
     def __init__(self, ds: Any) -> None:
@@ -1113,12 +1113,11 @@ def _timed_window(stream: _Endless, seconds: float) -> tuple[float, float, int]:
 def _warm_up(stream: _Endless, seconds: float) -> None:
     """Pull ``stream`` for ``seconds`` (at least one minibatch), untimed.
 
-    The loader's CPU per cell in its first second or so on a new store (the pool of
-    fetch buffers and the heap growing, pages touched for the first time) is a quarter
-    to a third above its pace later, the most at the largest fetches, which pass the
-    fewest fetches in that time: timed from the start, three short rounds measured
-    that transient, and the model, which prices a loader running for minutes,
-    over-priced large fetches by as much.
+    The loader's CPU per cell in its first moments on a new store (the pool of fetch
+    buffers and the heap growing, pages touched for the first time) is above its pace
+    later, the most at the largest fetches, which pass the fewest fetches in that time;
+    the model prices a loader running for minutes (docs/benchmarks.md, "Recommend's
+    pick").
     """
     deadline = time.perf_counter() + seconds
     for _ in stream:
@@ -1200,11 +1199,11 @@ def _store_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | 
 def h5ad_sample(target: str, max_elems: int = 4 * 2**20) -> tuple[Any, ...] | None:
     """Read the first rows of a local ``.h5ad`` file's CSR matrix ``X`` with h5py.
 
-    The CPU steps then run on the target's own genes and values: on synthetic counts
-    (20,000 genes, ~1,000 values a row) the loader run of the 33,694-gene PBMC file saw
-    neither its dense minibatch's size nor its rows, and priced its 1,024-row fetches at
-    half what the loader spends. Returns ``data``, ``indices``, ``indptr``, ``n_vars``;
-    ``None`` if it is not one (a URL, another format, a dense or CSC matrix).
+    The CPU steps then run on the target's own genes and values, not on synthetic
+    counts whose gene count (the dense minibatch's size) and row density differ from
+    it (docs/benchmarks.md, "Recommend's pick"). Returns ``data``, ``indices``,
+    ``indptr``, ``n_vars``; ``None`` if it is not one (a URL, another format, a dense
+    or CSC matrix).
     """
     import h5py
 
