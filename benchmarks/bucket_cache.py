@@ -98,18 +98,24 @@ def phase(
         procs.append(
             subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         )
-    for p in procs:
-        said = p.stdout.readline().split()
-        assert said[:1] == ["ready"], "a node failed to start"
-        cores.add(int(said[1]))
-    if s3:
-        s3.stats.reset()
-    for p in procs:
-        p.stdin.write("go\n")
-        p.stdin.flush()
-    got = [json.loads(p.stdout.readline()) for p in procs]
-    for p in procs:
-        assert p.wait(timeout=600) == 0, "a node failed"
+    try:
+        for p in procs:
+            said = p.stdout.readline().split()
+            assert said[:1] == ["ready"], "a node failed to start"
+            cores.add(int(said[1]))
+        if s3:
+            s3.stats.reset()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        got = [json.loads(p.stdout.readline()) for p in procs]
+        for p in procs:
+            assert p.wait(timeout=600) == 0, "a node failed"
+    finally:  # a node that failed or hangs leaves no process behind
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=30)
     cells = sum(g["cells"] for g in got)
     wall = max(g["end"] for g in got) - min(g["start"] for g in got)
     gets = s3.stats.gets if s3 else 0
