@@ -591,7 +591,7 @@ class LayoutReader:
         self.n_vars = m.n_vars
         self.block_size = m.block_size
         self.n_blocks = m.n_blocks
-        # per-row tables in row chunks (version 3): read per fetch, never whole
+        # per-row tables in row chunks (version 3): the lean reader's, whole only when small
         self._row_chunked = kind == "store" and m.row_chunks > 0
         options = self._options(settings, backend)
         self.backend_options = options

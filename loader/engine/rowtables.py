@@ -18,11 +18,16 @@ the decode threads read the matrix:
 3. each chunk's crc32c is checked and it is decoded by blosc into a small buffer,
    and the fetch's rows are gathered from there.
 
-Memory: the shard indexes are read through a memory map of each shard file (file
-pages, which the kernel may drop, not this process's own memory), and a fetch holds
-its chunks only while it is assembled. Nothing is kept per row or per chunk, so a
-process's memory does not grow with the store's number of rows; no chunk is cached
-between fetches (a block-shuffled epoch visits each chunk's blocks far apart).
+Memory: a table of at most ``whole_bytes`` decoded bytes
+(:data:`loader.engine.shards.ROW_TABLE_BYTES` by default, 8,388,608 rows of ``indptr``)
+is read whole by the first fetch and kept: every later fetch takes its rows from
+memory, where reading them would cost each block a chunk's read and decode (on a small
+store, with blocks of a few rows, most of a fetch's CPU). A larger table is read as
+above: the shard indexes through a memory map of each shard file (file pages, which
+the kernel may drop, not this process's own memory), and a fetch holds its chunks only
+while it is assembled. Nothing of it is kept per row or per chunk, so a process's
+memory does not grow with the store's number of rows; no chunk is cached between
+fetches (a block-shuffled epoch visits each chunk's blocks far apart).
 
 Only local stores whose tables are sharded by rows with ``bytes`` + ``blosc`` inner
 chunks (what ``sclayout convert`` writes) are read here: :func:`open_row_tables`
@@ -47,6 +52,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from loader.engine import shards as shard_reader
 from loader.engine.shards import decode_chunk, shard_index, where
 from loader.errors import InputError, LayoutError, too_many_files
 
@@ -86,12 +92,16 @@ class _Table:
         meta: Any,
         require_chunks: bool,
         files: ShardFiles | None = None,
+        whole_bytes: int = 0,
     ) -> None:
         self.location = location
         self.path = path
         self.meta = meta
         self.require_chunks = require_chunks
         self.files = files
+        self.holds_whole = meta.shape[0] * meta.row_bytes <= whole_bytes
+        """Whether the first fetch reads the table whole and later ones take rows from it."""
+        self.whole: np.ndarray | None = None
         self.folder = os.path.join(location, path)
         self.shards: dict[int, tuple[int, np.ndarray] | None] = {}
         # closed by close(), or when this object is collected (a reader dropped unclosed)
@@ -169,7 +179,8 @@ class RowTables:
 
     ``tables``: array path and parsed metadata by key (``"indptr"``, ``"source_index"``,
     ``"obs:COLUMN"``). ``files``: the shard cache a remote store's files are staged in
-    (``location`` is then the store's folder there).
+    (``location`` is then the store's folder there). ``whole_bytes``: tables up to this
+    many decoded bytes are kept whole once read.
     """
 
     def __init__(
@@ -179,9 +190,11 @@ class RowTables:
         *,
         require_chunks: bool,
         files: ShardFiles | None = None,
+        whole_bytes: int = 0,
     ) -> None:
         self.location = location
         self.files = files
+        self.whole_bytes = int(whole_bytes)
         self._specs = dict(tables)
         self.require_chunks = bool(require_chunks)
         self._pid = -1
@@ -228,7 +241,9 @@ class RowTables:
         table = self._tables.get(key)
         if table is None:
             path, meta = self._specs[key]
-            table = _Table(self.location, path, meta, self.require_chunks, self.files)
+            table = _Table(
+                self.location, path, meta, self.require_chunks, self.files, self.whole_bytes
+            )
             self._tables[key] = table
         return table
 
@@ -263,7 +278,22 @@ def _chunks_of(table: _Table, bounds: np.ndarray) -> np.ndarray:
 
 
 def _read_table(table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
-    """Return ``table`` at ``rows`` (those of the ranges ``bounds``), from its chunks."""
+    """Return ``table`` at ``rows`` (those of the ranges ``bounds``), from its chunks.
+
+    A table held whole is read whole the first time, and its rows are taken from memory.
+    """
+    if not table.holds_whole:
+        return _read_rows(table, rows, bounds)
+    if table.whole is None:
+        n = table.meta.shape[0]
+        every = np.array([[0, n]], dtype=np.int64)
+        table.whole = _read_rows(table, np.arange(n, dtype=np.int64), every)
+        table.cold = False  # in memory from now on
+    return table.whole[rows]
+
+
+def _read_rows(table: _Table, rows: np.ndarray, bounds: np.ndarray) -> np.ndarray:
+    """Return ``table`` at ``rows`` (those of the ranges ``bounds``), read from its chunks."""
     m = table.meta
     C = m.chunk_rows
     chunks = _chunks_of(table, bounds)
@@ -286,9 +316,8 @@ def _read_cached_table(table: _Table, rows: np.ndarray, bounds: np.ndarray) -> n
     got = None
     with contextlib.suppress(LayoutError):  # (repaired below, outside this handler)
         got = _read_table(table, rows, bounds)
-    if got is None:
-        shards = np.unique(_chunks_of(table, bounds) // table.meta.chunks_per_shard)
-        files.repair([table.key(s) for s in shards.tolist()], table.meta)
+    if got is None:  # the shards the failed read touched (all of them for a whole read)
+        files.repair([table.key(s) for s in table.touched], table.meta)
         table.close()  # opened anew: the repaired files, not the damaged ones
         got = _read_table(table, rows, bounds)
     files.mark([table.key(s) for s in table.touched if table.shards.get(s) is not None])
@@ -412,12 +441,15 @@ def open_row_tables(
     *,
     require_chunks: bool,
     files: ShardFiles | None = None,
+    whole_bytes: int | None = None,
 ) -> RowTables | None:
     """Return a :class:`RowTables` of ``tables`` (key -> array path) of a local store.
 
     ``None`` when one of them is not sharded by rows with inner chunks this module
     decodes (the backend reads them then). ``files``: a remote store's shard cache,
-    ``location`` its folder of the store (see the module docstring).
+    ``location`` its folder of the store (see the module docstring). ``whole_bytes``:
+    tables up to this size are kept whole once read (default
+    :data:`loader.engine.shards.ROW_TABLE_BYTES`; 0: none).
     """
     specs = {}
     for key, path in tables.items():
@@ -425,7 +457,11 @@ def open_row_tables(
         if meta is None:
             return None
         specs[key] = (path, meta)
-    return RowTables(location, specs, require_chunks=require_chunks, files=files)
+    if whole_bytes is None:
+        whole_bytes = shard_reader.ROW_TABLE_BYTES
+    return RowTables(
+        location, specs, require_chunks=require_chunks, files=files, whole_bytes=whole_bytes
+    )
 
 
 def table_meta(location: str, path: str, files: ShardFiles | None = None) -> Any:

@@ -36,8 +36,8 @@ loader running all of them at once spends :meth:`Profile.cpu_scale_at` times as 
 at the fetch's working set (:func:`working_set_bytes`: the fetches held and a dense
 minibatch), as calibrate measured it running. A local store whose arrays are small
 (:func:`in_memory`) is read once and then served from memory: a fetch is a copy
-(its per-row tables in row chunks are read by the lean row-table reader, locally and
-through a node cache alike).
+(its per-row tables in row chunks are held whole by the lean row-table reader, locally
+and through a node cache alike).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
 assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
@@ -221,7 +221,7 @@ class FetchStats:
     row_chunked: bool = False
     """Whether the store keeps its per-row tables (``indptr``, ``source_index``) in row
     chunks (format 3, ``Manifest.row_chunks``): the loader reads them at each fetch's
-    rows, never whole."""
+    rows, or whole once up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each."""
 
 
 @dataclass(frozen=True)
@@ -574,9 +574,9 @@ def _fetch_times(
     if in_memory(stats, backend=backend, codec=codec, profile=profile):
         # read and decoded once, then each fetch is a copy of its rows on the thread
         # that submits it: no request, no decoding. Per-row tables in row chunks
-        # (:attr:`FetchStats.row_chunked`) are never held whole: the lean row-table
-        # reader reads them in the assembly thread (a local store, or a remote one's
-        # node cache), within the loader's CPU that calibrate measured running
+        # (:attr:`FetchStats.row_chunked`) are held whole by the lean row-table
+        # reader too (a local store, or a remote one's node cache): a matrix this
+        # small has far fewer rows than :data:`loader.engine.shards.ROW_TABLE_BYTES`
         R, c, compressed, t_io, t_read_cpu = 0.0, 1.0, 0.0, 0.0, 0.0
         t_decode, dec_parallel = bytes_read / profile.copy_Bps, 1.0
     # the CPU figures are timed on data in cache; the loader as it runs spends this
@@ -1051,15 +1051,18 @@ def _first_whole_read(
 
     When the direct reader serves the matrix from memory (:func:`in_memory`), the
     first fetch reads and decodes each of its arrays whole (per-row tables in row
-    chunks excepted: they are read with every fetch), at the codec's CPU per chunk and
-    per byte, before the pipeline fills.
+    chunks too, up to :data:`loader.engine.shards.ROW_TABLE_BYTES` each; larger ones
+    are read with every fetch), at the codec's CPU per chunk and per byte, before the
+    pipeline fills.
     """
+    from loader.engine.shards import ROW_TABLE_BYTES
+
     if profile is None or not in_memory(
         stats, backend=settings.backend, codec=codec, profile=profile
     ):
         return 0.0
     nbytes, chunks = stats.matrix_bytes, stats.matrix_chunks
-    if stats.row_chunked:
+    if stats.row_chunked and stats.n_obs * 8 > ROW_TABLE_BYTES:
         nbytes -= stats.pointer_array_bytes
         chunks -= stats.pointer_array_chunks
     speed = profile.codec(codec)

@@ -2,9 +2,11 @@
 
 ``indptr``, the source index, the provenance and categorical obs codes are sharded
 and checksummed like X, in inner chunks of whole blocks: the loader reads a fetch's
-rows of them with the fetch and keeps none of them whole. Values read back equal the
-sources, anndata still reads the store, an epoch delivers every row once, and a
-damaged chunk of a table is one clear :class:`LayoutError`.
+rows of them with the fetch, or, up to ``ROW_TABLE_BYTES`` a table, reads it whole once
+and keeps it. These stores are small, so the tests of reading per fetch set that size
+to 0, as for a store of more than 8,388,608 rows. Values read back equal the sources,
+anndata still reads the store, an epoch delivers every row once, and a damaged chunk of
+a table is one clear :class:`LayoutError`.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import anndata as ad
 import numpy as np
 import pytest
 
+import loader.engine.shards as shards
 from loader import BlockDataset, open_layout
 from loader.engine.rowtables import RowTables
 from loader.errors import InputError, LayoutError
@@ -32,6 +35,15 @@ TABLES = (
     "obs/plate/codes",
     "obs/cell_line/codes",
 )
+
+
+KEEP_WHOLE_BYTES = shards.ROW_TABLE_BYTES
+
+
+@pytest.fixture(autouse=True)
+def _per_fetch(monkeypatch):
+    """Read every table with each fetch, as a store's too large to keep whole."""
+    monkeypatch.setattr(shards, "ROW_TABLE_BYTES", 0)
 
 
 @pytest.fixture(scope="module")
@@ -292,4 +304,39 @@ def test_tables_found_uncached_go_back_to_the_backend_and_are_looked_at_again(so
     np.testing.assert_array_equal(again.index, first.index)
     np.testing.assert_array_equal(again.matrix.toarray(), first.matrix.toarray())
     np.testing.assert_array_equal(first.matrix.toarray(), both.X[first.index].toarray())
+    reader.close()
+
+
+def test_small_tables_are_read_whole_once_and_later_fetches_decode_none(sources, monkeypatch):
+    """Tables within ``ROW_TABLE_BYTES`` are read whole by the first fetch (every chunk
+    decoded once); fetches of every block then decode no table chunk and still give
+    each row once, with its values and label."""
+    import loader.engine.rowtables as rowtables
+
+    monkeypatch.setattr(shards, "ROW_TABLE_BYTES", KEEP_WHOLE_BYTES)
+    decoded = []
+    decode = rowtables.decode_chunk
+    monkeypatch.setattr(
+        rowtables, "decode_chunk", lambda m, *a: decoded.append(a[-1][1]) or decode(m, *a)
+    )
+    store, both = sources
+    reader = open_layout(store)
+    first = reader.submit(np.array([0]), order=np.arange(BLOCK)).result()
+    first.take(np.arange(4), obs=("plate",))
+    chunks = -(-both.n_obs // row_chunk_rows(BLOCK))
+    assert sorted(decoded) == sorted(
+        ["X/indptr", "uns/sclayout/source_index", "obs/plate/codes"] * chunks
+    )
+    decoded.clear()
+    plates = np.asarray(reader.obs_categories("plate"))
+    seen = []
+    for blocks in np.array_split(np.random.default_rng(4).permutation(reader.n_blocks), 7):
+        fetched = reader.submit(blocks).result()
+        batch = fetched.take(np.arange(fetched.n_rows), obs=("plate",))
+        seen.append(batch["index"])
+        assert np.array_equal(fetched.matrix.toarray(), both.X[fetched.index].toarray())
+        want = both.obs["plate"].astype(str).to_numpy()[batch["index"]]
+        assert np.array_equal(plates[batch["obs"]["plate"]], want)
+    assert np.array_equal(np.sort(np.concatenate(seen)), np.arange(both.n_obs))
+    assert decoded == []
     reader.close()
