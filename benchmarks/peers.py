@@ -445,7 +445,8 @@ def prepare(
     peers: Sequence[str],
 ) -> tuple[dict[str, Path], dict[str, dict]]:
     """Every loader's files, converted once (sclayout's store and the peers'), and
-    the conversion records."""
+    the conversion records. ``work`` is made if missing."""
+    work.mkdir(parents=True, exist_ok=True)
     store = spec_store(src, work, layout)
     paths, convs = peer_stores(src, work, harness, pythons, peers)
     paths["sclayout"], convs["sclayout"] = store, json.loads(_record_path(store).read_text())

@@ -155,7 +155,7 @@ class CalibrationPlan:
             per_in_flight=0.3,
             bandwidth=0.8,
             per_codec=0.6,
-            assembly=0.5,
+            assembly=1.5,
             sample_elems=2**20,
             codec_bytes=32 * 2**20,
             pipeline=3.0,
@@ -725,14 +725,18 @@ def measure_assembly(
     seconds: float = 3.0,
     seed: int = 0,
     dtype: Any = np.float32,
-) -> tuple[float, float]:
-    """CPU seconds per gathered nnz and per dense output value of the loader's assembly.
+) -> tuple[float, float, float]:
+    """CPU seconds of the loader's assembly: per nnz gathered, dense value, row value built.
 
-    The assembly is :func:`loader.assemble.fetch_rows` + the ``csr``/``dense`` outputs,
-    on minibatches drawn as the sampler draws them: a permutation of the fetch cut into
-    ``batch_size`` slices, each in decreasing row order. The arrays are first put in the
-    dtypes ``convert`` stores (:func:`sclayout.convert.narrow.as_stored`), and widened
-    back to ``dtype`` (the matrix's) by ``fetch_rows``, as the loader does.
+    Per nnz gathered into CSR minibatches, per dense output value, and per stored value
+    of building the fetch's rows. Building the rows is :func:`loader.assemble.fetch_rows`
+    (the reader's assembly thread); the outputs (the minibatch thread) are the
+    ``csr``/``dense`` minibatches cut from those rows as the sampler draws them: a
+    permutation of the fetch cut into ``batch_size`` slices, each in decreasing row
+    order. Each is timed on its own, since the two run on different threads. The arrays
+    are first put in the dtypes ``convert`` stores
+    (:func:`sclayout.convert.narrow.as_stored`), and widened back to ``dtype`` (the
+    matrix's) by ``fetch_rows``, as the loader does.
     """
     from loader.assemble import fetch_rows, get_output
     from sclayout.convert.narrow import as_stored
@@ -747,35 +751,40 @@ def measure_assembly(
     positions = list(-np.sort(-order, axis=1))
     csr_out, dense_out = get_output("csr"), get_output("dense")
 
+    def build() -> Any:
+        return fetch_rows(
+            data=data, indices=indices, indptr_parts=indptr, row_ranges=ranges,
+            n_vars=n_vars, dtype=dtype,
+        )  # fmt: skip
+
     def step(out: Callable[[Any, np.ndarray], object]) -> Callable[[], int]:
         def run() -> int:
-            rows = fetch_rows(
-                data=data,
-                indices=indices,
-                indptr_parts=indptr,
-                row_ranges=ranges,
-                n_vars=n_vars,
-                dtype=dtype,
-            )
             for p in positions:
                 out(rows, p)
             return 1
 
         return run
 
-    gather, dense = step(csr_out), step(dense_out)
-    each = seconds / 2 / CPU_ROUNDS
+    each = seconds / 3 / CPU_ROUNDS
     with _as_the_loader_runs():
-        gather_rate, dense_rate = _median_rounds(
-            [lambda: _rate(gather, each), lambda: _rate(dense, each)]
-        )
-    t_gather = 1.0 / float(gather_rate)
-    t_dense = 1.0 / float(dense_rate)
+        rows = build()
+        gather, dense = step(csr_out), step(dense_out)
+        steps = (gather, dense, _ran(build))
+        rates = _median_rounds([partial(_rate, step, each) for step in steps])
+    gather_rate, dense_rate, rows_rate = (float(r) for r in rates)
     nnz = int(indptr[-1])
     cells = n_batches * batch_size
-    per_nnz = t_gather / nnz
-    per_value = t_dense / (cells * n_vars)
-    return per_nnz, per_value
+    return 1.0 / gather_rate / nnz, 1.0 / dense_rate / (cells * n_vars), 1.0 / rows_rate / nnz
+
+
+def _ran(make: Callable[[], Any]) -> Callable[[], int]:
+    """Return a timed step of one call of ``make`` (its result dropped)."""
+
+    def run() -> int:
+        make()
+        return 1
+
+    return run
 
 
 MIN_PARALLELISM = MIN_CORES
@@ -1443,7 +1452,7 @@ def _measure_cpu(
     )
     bar.update()
     bar.set_postfix_str("assembly")
-    gather, densify = measure_assembly(
+    gather, densify, assemble = measure_assembly(
         data, indices, indptr, n_vars=n_vars, seconds=plan.assembly * 0.6, seed=seed
     )
     copy_bps = _copy_bandwidth(plan.assembly * 0.1)
@@ -1459,6 +1468,7 @@ def _measure_cpu(
         "codecs": speeds,
         "gather_s_per_nnz": gather,
         "densify_s_per_value": densify,
+        "assemble_s_per_nnz": assemble,
         "copy_Bps": copy_bps,
         "fetch_overhead_s": pipeline.fetch_cpu_s,
         "cores": cpu_bound_cores(pipeline.parallelism, pipeline.others_cores, usable_cores()),

@@ -26,7 +26,9 @@ not exist yet — and turns each plan into time with a storage profile:
 ``t_assembly``
     cells × genes × ``densify_s_per_value`` for dense output in the process that reads
     (scattered straight from the fetch, no gather); otherwise nnz gathered ×
-    ``gather_s_per_nnz`` (CSR output, or the rows a worker hands over).
+    ``gather_s_per_nnz`` (CSR output, or the rows a worker hands over): the minibatch
+    thread's. Plus nnz × ``assemble_s_per_nnz``: building the fetch's rows, in the
+    reader's assembly thread, a pipeline stage of its own beside the minibatch thread.
 ``t_overhead``
     per fetch CPU + the CPU of reading (per request and per byte read: client,
     kernel and, for a loopback server, the server process's).
@@ -40,8 +42,9 @@ minibatch), as calibrate measured it running. A local store whose arrays are sma
 and through a node cache alike).
 
 With read-ahead the next fetch's I/O and decode overlap the current fetch's
-assembly, so one pipeline takes ``max(front, t_assembly + fetch overhead)`` per
-fetch, where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
+assembly, so one pipeline takes ``max(front, rows, minibatches + fetch overhead)`` per
+fetch (rows: the assembly thread's part of ``t_assembly``; minibatches: the rest),
+where ``front`` is ``t_io + t_decode_wall`` for the direct shard reader
 (each decode thread reads, then decodes) and ``max(t_io, t_decode_wall)`` plus one
 response's decode for a backend that decodes responses as they land (tensorstore
 over HTTP, or with gzip/zstd). ``W`` worker processes run ``W`` pipelines that share
@@ -520,6 +523,7 @@ class _FetchTimes:
     t_decode: float
     t_gather: float
     t_dense: float
+    t_rows: float
     t_read_cpu: float
     t_overhead: float
     dec_parallel: float
@@ -591,6 +595,7 @@ def _fetch_times(
         t_decode=k * t_decode,
         t_gather=k * stats.nnz * profile.gather_s_per_nnz if gathers else 0.0,
         t_dense=k * stats.rows * n_vars * profile.densify_s_per_value if dense else 0.0,
+        t_rows=k * stats.nnz * profile.assemble_s_per_nnz,
         t_read_cpu=t_read_cpu,
         t_overhead=k * profile.fetch_overhead_s + t_read_cpu,
         dec_parallel=dec_parallel,
@@ -630,12 +635,13 @@ def _fetch_cpu(
     (the gather, packing, hand-over and unpacking) where it measured one, else two
     memory copies of the rows as CSR.
     """
+    own = t.t_decode + t.t_rows + t.t_dense + t.t_overhead
     if settings.num_workers > 0 and profile.worker_cores > 0:
-        return t.t_decode + t.t_dense + t.t_overhead + stats.rows * profile.worker_cpu_s_per_cell
+        return own + stats.rows * profile.worker_cpu_s_per_cell
     t_ipc = 0.0
     if settings.num_workers > 0:
         t_ipc = 2 * _output_bytes(stats.rows, stats.nnz, n_vars, "csr") / profile.copy_Bps
-    return t.t_decode + t.t_gather + t.t_dense + t.t_overhead + t_ipc
+    return own + t.t_gather + t_ipc
 
 
 def _limits(
@@ -651,9 +657,10 @@ def _limits(
 ) -> tuple[dict[str, float], str]:
     """Each bound on a fetch's time per pipeline, and the name of the pipeline's stage.
 
-    The pipeline (its front: reads and decoding; its back: assembly), the CPU of all
-    pipelines on the cores, the storage serving all their requests, and the main
-    process's densifying with workers.
+    The pipeline (its front: reads and decoding; then the assembly thread building the
+    fetch's rows; its back: the minibatch thread), the CPU of all pipelines on the
+    cores, the storage serving all their requests, and the main process's densifying
+    with workers.
     """
     workers = max(1, settings.num_workers)
     t_assembly = t.t_gather + t.t_dense
@@ -678,8 +685,8 @@ def _limits(
     busy_cores = cores
     if settings.num_workers > 0 and profile.worker_cores > 0:
         busy_cores = _busy_cores(profile, profile.worker_cores, settings.num_workers, dec_threads)
-    pipe = max(front, back) if options.read_ahead > 0 else front + back
-    stage = "io" if front >= back else "assembly"
+    pipe = max(front, t.t_rows, back) if options.read_ahead > 0 else front + t.t_rows + back
+    stage = "io" if front >= max(back, t.t_rows) else "assembly"
     # the storage serves every pipeline's requests at once (amortised time per fetch at
     # W·c in flight), the cores run every pipeline's CPU
     limits = {
@@ -757,7 +764,7 @@ def predict_from_stats(
         fetch_s=fetch_s,
         t_io=t.t_io,
         t_decode=t.t_decode,
-        t_assembly=t.t_gather + t.t_dense,
+        t_assembly=t.t_gather + t.t_dense + t.t_rows,
         t_overhead=t.t_overhead,
         bound=bound,
         rows_per_fetch=stats.rows,

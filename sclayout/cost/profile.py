@@ -5,14 +5,16 @@ object store, ...) serves reads, and how fast this CPU decodes and assembles
 them. ``sclayout calibrate`` measures one; a few presets ship with the package
 (``sclayout/cost/presets/*.json``), each citing where its figures come from.
 
-Profile format version 3 (JSON; version 2 is version 3 without ``cpu_scale``, version 1
-also without the two ``worker_`` figures; both still read)::
+Profile format version 4 (JSON; version 3 is version 4 without ``assemble_s_per_nnz``,
+version 2 also without ``cpu_scale``, version 1 also without the two ``worker_``
+figures; all still read)::
 
-    {"format": "sclayout-profile", "version": 2, "name": ..., "kind": "local"|"http",
+    {"format": "sclayout-profile", "version": 4, "name": ..., "kind": "local"|"http",
      "latency_s": ..., "bandwidth_Bps": ..., "request_bytes": ...,
      "concurrency": [[in_flight, requests_per_s], ...],
      "codecs": {"blosc-lz4": {"ratio": ..., "decode_Bps": ..., "chunk_s": ...}, ...},
-     "gather_s_per_nnz": ..., "densify_s_per_value": ..., "copy_Bps": ...,
+     "gather_s_per_nnz": ..., "densify_s_per_value": ..., "assemble_s_per_nnz": ...,
+     "copy_Bps": ...,
      "fetch_overhead_s": ..., "request_cpu_s": ..., "read_cpu_s_per_byte": ...,
      "read_cpu_scope": "process"|"machine", "cores": ..., "cpu_count": ...,
      "worker_cores": ..., "worker_cpu_s_per_cell": ...,
@@ -45,8 +47,9 @@ __all__ = [
 ]
 
 PROFILE_FORMAT = "sclayout-profile"
-PROFILE_VERSION = 3
-"""Version of the profile format this package writes and the newest it reads."""
+PROFILE_VERSION = 4
+"""Version of the profile format this package writes and the newest it reads (4 added
+``assemble_s_per_nnz``; older profiles read with it 0)."""
 KINDS = ("local", "http")
 MIN_CORES = 0.1
 """Least parallelism a profile holds: on a machine busy with other jobs the loader may
@@ -97,6 +100,7 @@ _POSITIVE = (
     "copy_Bps",
 )
 _NON_NEGATIVE = (
+    "assemble_s_per_nnz",
     "fetch_overhead_s",
     "request_cpu_s",
     "read_cpu_s_per_byte",
@@ -132,6 +136,11 @@ class Profile:
     densify_s_per_value
         CPU time to write one dense output value (zero fill + scatter straight from
         the fetch's rows), per cell × gene.
+    assemble_s_per_nnz
+        CPU time per stored value of building a fetch's rows from its reads (widening,
+        the rows' CSR arrays), in the reader's assembly thread, beside the minibatch
+        thread that cuts the outputs. 0 (profiles before version 4): counted in the
+        two figures above.
     copy_Bps
         Memory copy bandwidth (batches handed from worker processes).
     fetch_overhead_s
@@ -186,6 +195,7 @@ class Profile:
     gather_s_per_nnz: float
     densify_s_per_value: float
     copy_Bps: float
+    assemble_s_per_nnz: float = 0.0
     fetch_overhead_s: float = 0.0
     request_cpu_s: float = 0.0
     read_cpu_s_per_byte: float = 0.0
@@ -367,6 +377,7 @@ class Profile:
             "codecs": {k: v.to_dict() for k, v in sorted(self.codecs.items())},
             "gather_s_per_nnz": self.gather_s_per_nnz,
             "densify_s_per_value": self.densify_s_per_value,
+            "assemble_s_per_nnz": self.assemble_s_per_nnz,
             "copy_Bps": self.copy_Bps,
             "fetch_overhead_s": self.fetch_overhead_s,
             "request_cpu_s": self.request_cpu_s,

@@ -66,14 +66,17 @@ def _counts(n_rows: int = 512, n_vars: int = 400, per_row: int = 30):
 def test_measure_assembly_takes_the_median_round(monkeypatch):
     """One round slowed by another job (a tenth of the rate) must not become the figure."""
     assert CPU_ROUNDS == 3
-    # rounds alternate gather, dense; the middle round is the disturbed one
-    rates = iter([100.0, 12.0, 10.0, 1.0, 90.0, 10.0])  # medians: 90 and 10, the 3rd round
+    # rounds alternate gather, dense, the fetch's rows; the middle round is the disturbed one
+    rates = iter([100.0, 12.0, 50.0, 10.0, 1.0, 5.0, 90.0, 10.0, 40.0])  # medians: 90, 10, 40
     monkeypatch.setattr(calibrate_mod, "_rate", lambda step, seconds: next(rates))
     data, indices, indptr, n_vars = _counts()
-    per_nnz, per_value = measure_assembly(data, indices, indptr, n_vars=n_vars, seconds=0.1)
+    per_nnz, per_value, rows_nnz = measure_assembly(
+        data, indices, indptr, n_vars=n_vars, seconds=0.1
+    )
     cells = (len(indptr) - 1) // 64 * 64
     assert per_nnz == pytest.approx(1 / 90.0 / indptr[-1])
     assert per_value == pytest.approx(1 / 10.0 / (cells * n_vars))
+    assert rows_nnz == pytest.approx(1 / 40.0 / indptr[-1])
 
 
 def test_codec_and_assembly_timings_use_the_loaders_shared_reused_buffers():

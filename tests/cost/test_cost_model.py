@@ -318,7 +318,9 @@ def test_unknown_read_cpu_scope_is_refused(flat_profile):
         flat_profile(read_cpu_scope="disk")
 
 
-def _cpu_heavy(flat_profile, cores: int | None, *, backend: str = "tensorstore", workers=0):
+def _cpu_heavy(
+    flat_profile, cores: int | None, *, backend: str = "tensorstore", workers=0, rows_s=0.0
+):
     # storage free; 80 ms of decode (8 MB at 100 MB/s) in 100 reads that divides among
     # threads; 3 ms dense scatter + 1 ms per fetch on the consumer's side, which does not
     profile = flat_profile(
@@ -327,6 +329,7 @@ def _cpu_heavy(flat_profile, cores: int | None, *, backend: str = "tensorstore",
         concurrency=((1, 1e9),),
         codecs={"none": CodecSpeed(2.0, 1e8)},
         densify_s_per_value=3e-9,
+        assemble_s_per_nnz=rows_s / STATS.nnz,
         cores=2.0,
         cpu_count=2,
     )
@@ -335,6 +338,22 @@ def _cpu_heavy(flat_profile, cores: int | None, *, backend: str = "tensorstore",
     return predict_from_stats(
         stats, n_vars=1000, codec="none", settings=settings, profile=profile, cores=cores
     )
+
+
+@pytest.mark.parametrize(
+    ("rows_ms", "pipe_ms"), [(0.0, 4.0), (2.0, 4.0), (6.0, 6.0)], ids=["none", "beside", "bound"]
+)
+def test_building_a_fetchs_rows_is_a_stage_beside_the_minibatch_thread(
+    flat_profile, rows_ms, pipe_ms
+):
+    # on 32 cores the consumer's 3 + 1 ms bound the fetch; the assembly thread's rows
+    # (a stage of their own) add their CPU to the 84 ms, and bound the fetch only when
+    # longer than the consumer's part
+    p = _cpu_heavy(flat_profile, 32, rows_s=rows_ms / 1e3)
+    assert p.fetch_s == pytest.approx(_soft(pipe_ms, (84.0 + rows_ms) / 32) / 1e3)
+    assert p.cpu_s_per_cell == pytest.approx((84.0 + rows_ms) / 1e3 / STATS.rows)
+    assert p.bound == "assembly"
+    assert p.t_assembly == pytest.approx((3.0 + rows_ms) / 1e3)
 
 
 @pytest.mark.parametrize(

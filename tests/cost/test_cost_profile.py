@@ -71,7 +71,9 @@ def test_newer_version_is_refused_with_upgrade_hint(tmp_path, flat_profile):
     d = flat_profile().to_dict()
     d["version"] = PROFILE_VERSION + 1
     (tmp_path / "p.json").write_text(json.dumps(d))
-    with pytest.raises(FormatVersionError, match=r"version 4 is not readable.*pip install -U"):
+    with pytest.raises(
+        FormatVersionError, match=rf"version {PROFILE_VERSION + 1} is not readable.*pip install -U"
+    ):
         load_profile(tmp_path / "p.json")
 
 
@@ -129,3 +131,16 @@ def test_unknown_codec_names_the_measured_ones(flat_profile):
     ):
         flat_profile().codec("lzf")
     assert flat_profile().codec("blosc-lz4-bitshuffle").ratio == 4.0
+
+
+def test_a_version_3_profile_reads_with_the_rows_figure_0(tmp_path, flat_profile):
+    """Version 3 had no ``assemble_s_per_nnz`` (its cost was inside the output
+    figures): such a profile still loads, with that figure 0, and a new one round-trips it."""
+    d = flat_profile(assemble_s_per_nnz=2e-9).to_dict()
+    assert d["version"] == PROFILE_VERSION == 4
+    (tmp_path / "new.json").write_text(json.dumps(d))
+    assert load_profile(tmp_path / "new.json").assemble_s_per_nnz == 2e-9
+    del d["assemble_s_per_nnz"]
+    d["version"] = 3
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load_profile(tmp_path / "old.json").assemble_s_per_nnz == 0.0
