@@ -146,9 +146,11 @@ class CalibrationPlan:
         Its codecs are timed on a sample of about 500 rows (repeated to 32 MiB, beyond
         most CPU caches): on fewer, the fixed cost of a read outweighs the decoding and
         a codec looked several times slower. The
-        loader's runs get 3 s (9 windows of a third of a second, three fetch sizes):
+        loader's runs get 6 s (9 windows of two thirds of a second, three fetch sizes):
         the share of the cores it gets on a busy machine is the figure most of its
-        prediction rests on there.
+        prediction rests on there, and its CPU per cell (``cpu_scale``) the one a
+        memory-bound dense output rests on; windows of a third of a second scattered
+        both by a quarter on a shared machine.
         """
         return cls(
             latency=0.5,
@@ -158,7 +160,7 @@ class CalibrationPlan:
             assembly=1.5,
             sample_elems=2**20,
             codec_bytes=32 * 2**20,
-            pipeline=3.0,
+            pipeline=6.0,
             workers=0.0,
         )
 
