@@ -17,7 +17,9 @@ not exist yet — and turns each plan into time with a storage profile:
     fetch makes about as many requests as planned reads, far fewer than inner chunks).
     Through tensorstore (a remote store), the row pointers (``indptr``,
     ``source_index``) are requested once and then served from its chunk cache when
-    they fit there (:func:`pointers_cached`): their reads are not counted per fetch.
+    they fit there (:func:`pointers_cached`), and the direct shard reader keeps them
+    whole up to 8,388,608 rows (:func:`pointers_held`): their reads are then not
+    counted per fetch.
 ``t_decode``
     uncompressed bytes read / codec decode speed + inner chunks × the codec's
     per-chunk CPU, spread over the decode threads (one per core the profile's
@@ -560,8 +562,11 @@ def _fetch_times(
         once = min(1.0, stats.matrix_chunks * share / max(stats.chunks, 1.0))
         R, n_chunks = R * once, n_chunks * once
         bytes_read = min(bytes_read, stats.matrix_bytes * share)
-    elif pointers_cached(stats, backend=backend, codec=codec, profile=profile, options=options):
-        # read once, then served from tensorstore's chunk cache: no request per fetch
+    elif pointers_cached(
+        stats, backend=backend, codec=codec, profile=profile, options=options
+    ) or pointers_held(stats, backend=backend, codec=codec, profile=profile):
+        # read once, then served from tensorstore's chunk cache or from the tables the
+        # direct reader keeps whole: no request per fetch
         R -= stats.pointer_chunks if options.requests == "chunks" else stats.pointer_reads
         n_chunks -= stats.pointer_chunks
         bytes_read -= stats.pointer_bytes_read
@@ -1111,6 +1116,20 @@ def pointers_cached(
         return False
     passing = (1 + options.read_ahead) * stats.max_bytes_read
     return stats.pointer_array_bytes + passing <= CACHE_BYTES
+
+
+def pointers_held(stats: FetchStats, *, backend: str, codec: str, profile: Profile) -> bool:
+    """Whether the loader keeps the row pointers whole: no fetch reads them again.
+
+    The direct shard reader (a local store, or a node cache's copy) reads ``indptr``
+    and ``source_index`` (8 bytes a row each) whole once, in every layout, when they
+    are at most :data:`loader.engine.shards.ROW_TABLE_BYTES`; larger ones are read at
+    each fetch's rows. Rows unknown (``n_obs`` 0): read per fetch.
+    """
+    from loader.engine.shards import ROW_TABLE_BYTES
+
+    small = 0 < stats.n_obs * 8 <= ROW_TABLE_BYTES
+    return small and _direct_reads(backend, codec, profile)
 
 
 def _soft_max(a: float, b: float) -> float:

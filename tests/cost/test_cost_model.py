@@ -428,8 +428,12 @@ def test_row_pointers_in_tensorstores_cache_cost_no_request_per_fetch(flat_profi
     assert remote.requests_per_fetch == 50
     assert remote.t_io == pytest.approx(0.050 + 3e6 / 1e12)  # 50 requests at 1,000/s
     assert remote.read_bytes_per_fetch == pytest.approx(6e6 / 2)  # ratio 2
-    # the local direct shard reader does not go through the cache: all 200 counted
+    # the local direct shard reader does not go through the cache: all 200 counted,
+    # unless it keeps the tables whole (up to ROW_TABLE_BYTES each: 8,388,608 rows)
     assert predict_at(pointers, kind="local").requests_per_fetch == 200
+    for n_obs, requests in ((8_388_608, 50), (8_388_609, 200)):
+        rows = FetchStats(**{**pointers.__dict__, "n_obs": float(n_obs)})
+        assert predict_at(rows, kind="local").requests_per_fetch == requests
     # arrays too large for the cache beside the fetches in flight: all 200 counted
     big = FetchStats(**{**pointers.__dict__, "pointer_array_bytes": CACHE_BYTES - 20e6})
     assert predict_at(big).requests_per_fetch == 200
