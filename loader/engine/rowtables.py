@@ -22,7 +22,7 @@ Memory: a table of at most ``whole_bytes`` decoded bytes
 (:data:`loader.engine.shards.ROW_TABLE_BYTES` by default, 8,388,608 rows of ``indptr``)
 is read whole by the first fetch and kept: every later fetch takes its rows from
 memory, where reading them would cost each block a chunk's read and decode (on a small
-store, with blocks of a few rows, most of a fetch's CPU). A larger table is read as
+store, with blocks of a few rows, a large part of a fetch's CPU). A larger table is read as
 above: the shard indexes through a memory map of each shard file (file pages, which
 the kernel may drop, not this process's own memory), and a fetch holds its chunks only
 while it is assembled. Nothing of it is kept per row or per chunk, so a process's

@@ -149,8 +149,8 @@ class CalibrationPlan:
         loader's runs get 6 s (9 windows of two thirds of a second, three fetch sizes):
         the share of the cores it gets on a busy machine is the figure most of its
         prediction rests on there, and its CPU per cell (``cpu_scale``) the one a
-        memory-bound dense output rests on; windows of a third of a second scattered
-        both by a quarter on a shared machine.
+        memory-bound dense output rests on; shorter windows scattered both on a shared
+        machine (docs/benchmarks.md, "Found: the per-row tables").
         """
         return cls(
             latency=0.5,
