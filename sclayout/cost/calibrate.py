@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as _dt
+import itertools
 import json
 import math
 import os
@@ -1057,26 +1058,19 @@ def cpu_scale(profile: Profile, runs: Sequence[PipelineRun]) -> tuple[tuple[floa
 def _run_epochs(ds: Any, seconds: float, *, workers: int = 0) -> tuple[float, float, int]:
     """Wall time, CPU time and cells of iterating ``ds`` for ``seconds``.
 
-    Epoch after epoch, after its first minibatches (opening, first fetch, worker start).
-
-    With ``workers``, through :class:`loader.BlockDataLoader` (persistent workers);
-    the CPU time is then the main process's plus its children's (the workers').
+    Epoch after epoch, after its first minibatches (opening, first fetch, worker start),
+    as :func:`_timed_window` times a stream. With ``workers``, through
+    :class:`loader.BlockDataLoader` (persistent workers); the CPU time is then the main
+    process's plus its children's (the workers').
     """
     source = ds.dataloader(num_workers=workers, persistent_workers=True) if workers else ds
-    epoch = cells = 0
-    t0 = c0 = deadline = None
-    while deadline is None or time.perf_counter() < deadline:
-        ds.set_epoch(epoch)
-        for i, batch in enumerate(source):
-            if t0 is None and i == 2 + 2 * workers:
-                t0, c0 = time.perf_counter(), cpu_with_children()
-                deadline = t0 + seconds
-            elif t0 is not None:
-                cells += batch["X"].shape[0]
-                if time.perf_counter() >= deadline:
-                    break
-        epoch += 1
-    return time.perf_counter() - t0, cpu_with_children() - c0, max(cells, 1)
+    stream = _Endless(ds, source)
+    try:
+        for _ in itertools.islice(stream, 2 + 2 * workers):  # not timed
+            pass
+        return _timed_window(stream, seconds)
+    finally:
+        stream.close()
 
 
 class _Endless:
@@ -1088,15 +1082,16 @@ class _Endless:
     most in the windows of the largest fetches, which hold the fewest.
     """
 
-    def __init__(self, ds: Any) -> None:
+    def __init__(self, ds: Any, source: Any = None) -> None:
         self.ds = ds
+        self.source = ds if source is None else source  # or ds's DataLoader
         self._batches = self._forever()
 
     def _forever(self) -> Iterator[Any]:
         epoch = 0
         while True:
             self.ds.set_epoch(epoch)
-            yield from self.ds
+            yield from self.source
             epoch += 1
 
     def __iter__(self) -> _Endless:
