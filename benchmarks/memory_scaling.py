@@ -9,7 +9,7 @@ caches) and the fill of a 16 MiB array (memory, beyond a core's own caches), and
 
 Usage::
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_scaling.py [--seconds 3]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/memory_scaling.py [--seconds 5]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def work_done(task, processes: int, seconds: float) -> int:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--seconds", type=float, default=5.0)
     args = p.parse_args()
     for name, task in (("compute", _compute), ("memory", _memory)):
         one, two = (work_done(task, n, args.seconds) for n in (1, 2))
