@@ -1,7 +1,7 @@
 """How far this machine's cores scale on compute and on memory traffic, apart from the loader.
 
 A dense minibatch is mostly memory traffic (zero-filling and scattering megabytes), so
-the loader's two-core figure (``benchmarks/cores.py``) can go no further than the
+the loader's two-core figure (``benchmarks/cores.py``) follows what the
 machine's memory does with two cores busy. This prints, for 1 and 2 processes at once,
 the work done in ``--seconds``: a 256 × 256 matrix product (compute, in the CPU's
 caches) and the fill of a 16 MiB array (memory, beyond a core's own caches), and the
