@@ -109,8 +109,13 @@ def test_two_processes_with_two_workers_download_each_shard_once(s3, stores, tmp
         subprocess.Popen([sys.executable, "-c", script, url, str(cache), str(r), str(o)], env=env)
         for r, o in zip((0, 1), outs, strict=True)
     ]
-    for p in procs:
-        assert p.wait(timeout=120) == 0
+    try:
+        for p in procs:
+            assert p.wait(timeout=120) == 0
+    finally:  # one failed or hung: the other is not left behind
+        for p in procs:
+            p.kill()
+            p.wait(timeout=30)
     # every shard of the matrix fetched once by the node, with one GET of the whole object
     shards = _shard_files(local)
     x_shards = {k for k in shards if k.startswith("X/")}
@@ -459,7 +464,6 @@ def test_an_overwrite_killed_mid_write_leaves_the_old_store_readable(s3, shared_
         while s3.stats.puts - before < 3 and proc.poll() is None:  # the new store's first objects
             assert time.monotonic() < deadline, "the conversion wrote nothing in 120 s"
             time.sleep(0.002)
-        proc.kill()
     finally:
         proc.kill()
         proc.wait(timeout=30)
